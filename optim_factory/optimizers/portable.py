@@ -1,0 +1,441 @@
+"""PortableFusedAdam: Transformer Engine's FusedAdam semantics in plain PyTorch.
+
+Same constructor (plus ``state_dict_cpu_offload``), validation errors, state names and storage dtypes,
+scaling rules, ``get_unscaled_state`` / ``set_scaled_state`` / ``initialize_state`` and update rule as TE
+2.20's ``transformer_engine.pytorch.optimizers.FusedAdam`` (whose CUDA kernels live in
+``transformer_engine/common/multi_tensor/adam.cu``). It runs on CPU and CUDA, with plain tensors and with
+DTensor parameters (FSDP2), and its checkpoints interchange with TE's: the exported format is FP32.
+
+Storage, per state name (``exp_avg``, ``exp_avg_sq``, ``master_param``):
+
+* FP32: the tensor itself.
+* BF16: ``bfloat16`` tensor, no scale (round-to-nearest from FP32).
+* FP16: ``float16`` tensor holding ``x / scale`` with ``scale = absmax(x) / (65504 / 2)`` (FP32, per tensor).
+* FP8 (``torch.uint8`` in TE's arguments, ``torch.float8_e4m3fn`` accepted too): E4M3 tensor holding
+  ``x / scale`` with ``scale = absmax(x) / 448``, saturated to +-448.
+* ``master_param`` with ``store_param_remainders`` and a BF16 parameter: the low 16 bits of the FP32 master
+  (``int16``); the high 16 bits are the BF16 parameter itself, rounded to nearest.
+
+The update runs in FP32 with the kernel's operation order: bias corrections ``1 - beta**step`` rounded to
+FP32; L2 mode adds ``weight_decay * p`` to the gradient, AdamW mode adds it to the update.
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from optim_factory.optimizers.export import _wrap_like, export_state, load_exported_state
+
+__all__ = ["PortableFusedAdam", "FP8_STORAGE_DTYPE"]
+
+FP8_STORAGE_DTYPE = torch.float8_e4m3fn
+_FP8_MAX = 448.0
+_FP16_RANGE = torch.finfo(torch.float16).max / 2.0
+_STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
+
+
+def _f32(x: float) -> float:
+    """Round a Python float to the nearest FP32 value (what a ``const float`` kernel argument receives)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _normalize_moment_dtype(dtype: Any) -> Any:
+    return torch.uint8 if dtype == FP8_STORAGE_DTYPE else dtype
+
+
+class PortableFusedAdam(torch.optim.Optimizer):
+    """Adam/AdamW with TE FusedAdam's low-precision states, in pure PyTorch.
+
+    Args:
+        params: iterable of parameters or dicts defining parameter groups.
+        lr: learning rate (a tensor on the parameters' device when ``capturable``).
+        betas: coefficients of the running averages of the gradient and its square.
+        eps: term added to the denominator.
+        weight_decay: weight decay (decoupled in ``adam_w_mode``, L2 otherwise).
+        amsgrad: not supported (raises, as TE).
+        bias_correction: apply Adam's bias correction.
+        adam_w_mode: decoupled weight decay (AdamW) when true, L2 regularisation otherwise.
+        capturable: keep ``lr`` and ``step`` as tensors on the parameters' device; accepts ``grad_scaler``.
+        master_weights: keep master weights for FP16/BF16 parameters.
+        master_weight_dtype: ``torch.float32`` or ``torch.float16``.
+        exp_avg_dtype: ``torch.float32``, ``torch.float16``, ``torch.bfloat16`` or ``torch.uint8`` (FP8).
+        exp_avg_sq_dtype: as ``exp_avg_dtype``.
+        use_decoupled_grad: read gradients from ``param.decoupled_grad`` instead of ``param.grad``.
+        store_param_remainders: with BF16 parameters and an FP32 master, store only the master's low 16 bits.
+        set_grad_none: deprecated (as in TE); use ``zero_grad(set_to_none=...)``.
+        state_dict_cpu_offload: make ``state_dict()`` stream each converted state to CPU, one at a time.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter | dict],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        bias_correction: bool = True,
+        adam_w_mode: bool = True,
+        capturable: bool = False,
+        master_weights: bool = False,
+        master_weight_dtype: torch.dtype = torch.float32,
+        exp_avg_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype = torch.float32,
+        use_decoupled_grad: bool = False,
+        store_param_remainders: bool = False,
+        set_grad_none: bool | None = None,
+        state_dict_cpu_offload: bool = False,
+    ):
+        exp_avg_dtype = _normalize_moment_dtype(exp_avg_dtype)
+        exp_avg_sq_dtype = _normalize_moment_dtype(exp_avg_sq_dtype)
+        # The same checks, in the same order and with the same messages, as TE 2.20's FusedAdam.
+        if amsgrad:
+            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
+        if master_weights and master_weight_dtype not in (torch.float32, torch.float16):
+            raise RuntimeError("FusedAdam only supports fp32/fp16 master weights.")
+        moment_dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
+        if exp_avg_dtype not in moment_dtypes:
+            raise RuntimeError("FusedAdam only supports fp32/fp16/bf16/fp8 exp_avg.")
+        if exp_avg_sq_dtype not in moment_dtypes:
+            raise RuntimeError("FusedAdam only supports fp32/fp16/bf16/fp8 exp_avg_sq.")
+        if capturable and master_weights and master_weight_dtype != torch.float32:
+            raise RuntimeError("Capturable mode only supports fp32 master weights.")
+        if capturable and not (
+            exp_avg_dtype == exp_avg_sq_dtype == torch.float32
+            or exp_avg_dtype == exp_avg_sq_dtype == torch.bfloat16
+        ):
+            raise RuntimeError(
+                "Capturable mode requires exp_avg_dtype and exp_avg_sq_dtype to be "
+                "both torch.float32 or both torch.bfloat16, but got "
+                f"exp_avg_dtype={exp_avg_dtype} and exp_avg_sq_dtype={exp_avg_sq_dtype}."
+            )
+
+        defaults = {
+            "lr": torch.tensor(lr, dtype=torch.float32) if capturable else lr,
+            "bias_correction": bias_correction,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+        }
+        super().__init__(params, defaults)
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.capturable = capturable
+        self.master_weights = master_weights
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        self._device = _local(first).device if first is not None else torch.device("cpu")
+        if capturable:
+            for group in self.param_groups:
+                if group["params"]:
+                    lr_value = torch.as_tensor(group["lr"], dtype=torch.float32)
+                    group["lr"] = lr_value.to(device=_local(group["params"][0]).device)
+            self._step_supports_amp_scaling = True
+        self._dummy_overflow_buf = torch.zeros([1], dtype=torch.int, device=self._device)
+
+        self.master_weight_dtype = master_weight_dtype
+        self.exp_avg_dtype = exp_avg_dtype
+        self.exp_avg_sq_dtype = exp_avg_sq_dtype
+        self.name_to_dtype_map = {
+            "exp_avg": exp_avg_dtype,
+            "exp_avg_sq": exp_avg_sq_dtype,
+            "master_param": master_weight_dtype,
+        }
+        self._scales: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        self.use_decoupled_grad = use_decoupled_grad
+        self.store_param_remainders = (
+            store_param_remainders and master_weights and master_weight_dtype == torch.float32
+        )
+        if self.capturable and self.store_param_remainders:
+            raise RuntimeError("Capturable mode doesn't support storing param remainders")
+        self.set_grad_none = set_grad_none
+        if set_grad_none is not None:
+            warnings.warn(
+                "set_grad_none kwarg in FusedAdam constructor is deprecated. "
+                "Use set_to_none kwarg in zero_grad instead.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        self.state_dict_cpu_offload = bool(state_dict_cpu_offload)
+
+    # ------------------------------------------------------------------ gradients
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Reset gradients (``param.decoupled_grad`` with ``use_decoupled_grad``)."""
+        if self.set_grad_none is not None:
+            if set_to_none is not None and set_to_none != self.set_grad_none:
+                raise ValueError(
+                    f"Called zero_grad with set_to_none={set_to_none}, "
+                    f"but FusedAdam was initialized with set_grad_none={self.set_grad_none}"
+                )
+            set_to_none = self.set_grad_none
+        if set_to_none is None:
+            set_to_none = True
+        if not self.use_decoupled_grad:
+            super().zero_grad(set_to_none=set_to_none)
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                if set_to_none:
+                    p.decoupled_grad = None
+                elif getattr(p, "decoupled_grad", None) is not None:
+                    p.decoupled_grad.zero_()
+
+    # ------------------------------------------------------------------ state storage
+    def _is_remainder(self, param: torch.Tensor, state_name: str) -> bool:
+        return self.store_param_remainders and state_name == "master_param" and param.dtype == torch.bfloat16
+
+    def _apply_scale(
+        self, state_name: str, unscaled: torch.Tensor, scaled: torch.Tensor, scale: torch.Tensor
+    ) -> None:
+        """Store FP32 ``unscaled`` into the low-precision ``scaled`` (local tensors), updating ``scale``."""
+        if unscaled.dtype != torch.float32:
+            raise TypeError(f"unscaled state must be float32, got {unscaled.dtype}")
+        unscaled = unscaled.to(scaled.device)
+        if scaled.dtype == torch.bfloat16:
+            scaled.copy_(unscaled)
+            return
+        if unscaled.numel() == 0:
+            return  # nothing to scale (TE's torch.aminmax would raise here)
+        max_range = _FP8_MAX if self.name_to_dtype_map[state_name] == torch.uint8 else _FP16_RANGE
+        lo, hi = torch.aminmax(unscaled)
+        absmax = torch.maximum(-lo, hi).abs().to(torch.float32)  # abs: never a -0 scale
+        scale.copy_((absmax / max_range).reshape(scale.shape))
+        rscale = torch.where(scale > 0, scale.reciprocal(), 0.0)
+        values = unscaled * rscale
+        if scaled.dtype == FP8_STORAGE_DTYPE:
+            values = values.clamp_(-_FP8_MAX, _FP8_MAX)
+        scaled.copy_(values)
+
+    def get_unscaled_state(
+        self, param: torch.Tensor, state_name: str, skip_unscale: bool = False
+    ) -> torch.Tensor:
+        """The state as FP32 (int16 for remainder masters), as a local tensor on the parameter's device.
+
+        FP32 and int16 states are returned as the live tensor (no copy), others as a new tensor. With
+        ``skip_unscale``, BF16 states are returned as they are (TE's fused-unscale path).
+        """
+        stored = _local(self.state[param][state_name])
+        dtype = self.name_to_dtype_map[state_name]
+        if dtype == torch.float32:
+            expected = torch.int16 if self._is_remainder(param, state_name) else torch.float32
+            if stored.dtype != expected:
+                raise RuntimeError(f"state {state_name!r} has dtype {stored.dtype}, expected {expected}")
+            return stored
+        if dtype == torch.bfloat16:
+            return stored if skip_unscale else stored.float()
+        if dtype in (torch.float16, torch.uint8):
+            return stored.float().mul_(self._scales[param][state_name])
+        raise RuntimeError(f"Dtype of {state_name} can only be fp8/fp16/bf16/fp32.")
+
+    def set_scaled_state(self, param: torch.Tensor, state_name: str, unscaled_state: torch.Tensor) -> None:
+        """Store an FP32 state (int16 remainders for a remainder master), scaling it if needed."""
+        remainder = self._is_remainder(param, state_name)
+        expected = torch.int16 if remainder else torch.float32
+        if unscaled_state.dtype != expected:
+            raise TypeError(f"state {state_name!r} must be {expected}, got {unscaled_state.dtype}")
+        if state_name not in self.state[param]:
+            self._initialize_state(param, state_name, False, remainder)
+        local_state = _local(self.state[param][state_name])
+        unscaled_state = _local(unscaled_state)
+        if self.name_to_dtype_map[state_name] != torch.float32:
+            self._apply_scale(state_name, unscaled_state, local_state, self._scales[param][state_name])
+        else:
+            local_state.copy_(unscaled_state)
+
+    def _initialize_state(
+        self, param: torch.Tensor, state_name: str, zero_buffer: bool, store_param_remainders: bool = False
+    ) -> None:
+        dtype = self.name_to_dtype_map[state_name]
+        local_param = _local(param)
+        if store_param_remainders:
+            data = torch.zeros_like(local_param, dtype=torch.int16)
+        else:
+            storage = FP8_STORAGE_DTYPE if dtype == torch.uint8 else dtype
+            make = torch.zeros_like if zero_buffer or dtype == torch.uint8 else torch.empty_like
+            data = make(local_param, dtype=storage)
+        if isinstance(param, DTensor):
+            data = _wrap_like(data, param)
+        self.state[param][state_name] = data
+        if dtype != torch.float32:
+            self._scales.setdefault(param, {})[state_name] = torch.ones(
+                [1], dtype=torch.float32, device=local_param.device
+            )
+
+    def initialize_state(self, param: torch.Tensor, store_param_remainders: bool) -> None:
+        """Create zeroed moments and (with ``master_weights``) the master copy of ``param``."""
+        self._initialize_state(param, "exp_avg", zero_buffer=True)
+        self._initialize_state(param, "exp_avg_sq", zero_buffer=True)
+        if self.master_weights:
+            self._initialize_state(
+                param, "master_param", zero_buffer=False, store_param_remainders=store_param_remainders
+            )
+            if not store_param_remainders:
+                self.set_scaled_state(param, "master_param", _local(param).detach().clone().float())
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """TE's ``FusedAdam.state_dict()``; with ``state_dict_cpu_offload``, streamed to CPU per state."""
+        return export_state(self, cpu_offload=self.state_dict_cpu_offload)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load an exported state dict (CPU or device, plain or DTensor states)."""
+        load_exported_state(self, state_dict)
+
+    # ------------------------------------------------------------------ update
+    @torch.no_grad()
+    def step(self, closure=None, grad_scaler=None):
+        """Perform one optimisation step (``grad_scaler`` is used in capturable mode, as in TE)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        for group in self.param_groups:
+            if "step" in group:
+                group["step"] += 1 if not self.capturable else (self._dummy_overflow_buf != 1).to(torch.int)
+            else:
+                device = _local(group["params"][0]).device if group["params"] else self._device
+                group["step"] = 1 if not self.capturable else torch.ones([1], dtype=torch.int, device=device)
+            if not group["params"]:
+                continue
+            device = _local(group["params"][0]).device
+            inv_scale = None
+            if self.capturable:
+                found_inf = (
+                    grad_scaler._check_inf_per_device(self)[device]
+                    if grad_scaler is not None
+                    else torch.zeros((1,), device=device)
+                )
+                self._dummy_overflow_buf.copy_(found_inf)
+                if grad_scaler is not None:
+                    inv_scale = grad_scaler._get_scale_async().double().reciprocal().float()
+                if bool(self._dummy_overflow_buf.item() == 1):
+                    continue  # the capturable kernels return early on overflow
+            has_fp16 = has_bf16 = False
+            for p in group["params"]:
+                state = self.state[p]
+                remainder = self.store_param_remainders and p.dtype == torch.bfloat16
+                if len(state) == 0:
+                    self.initialize_state(p, remainder)
+                grad = getattr(p, "decoupled_grad", None) if self.use_decoupled_grad else p.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError("FusedAdam does not support sparse gradients.")
+                if isinstance(p, DTensor) != isinstance(grad, DTensor):
+                    raise RuntimeError(
+                        f"[FusedAdam DTensor Disparity] Parameter {p} and Gradient {grad} do not match!"
+                    )
+                if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                    raise RuntimeError("FusedAdam only support model weights in fp32, fp16, bf16 and fp8")
+                has_fp16 = has_fp16 or p.dtype == torch.float16
+                has_bf16 = has_bf16 or p.dtype == torch.bfloat16
+                if has_fp16 and has_bf16:
+                    if self.store_param_remainders:
+                        raise RuntimeError(
+                            "FusedAdam doesn't support a mix of FP16/BF16 weights + Store param remainder."
+                        )
+                    raise RuntimeError(
+                        "FusedAdam does not support a mix of float16 and bfloat16 model weights."
+                    )
+                self._update_param(group, p, _local(grad), remainder, inv_scale)
+        return loss
+
+    def _update_param(
+        self,
+        group: dict,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        remainder: bool,
+        inv_scale: torch.Tensor | None,
+    ) -> None:
+        local_p = _local(p)
+        if local_p.numel() == 0:
+            return
+        g = grad.float()
+        if inv_scale is not None:
+            g = g * inv_scale
+            grad.copy_(g)
+        m = self.get_unscaled_state(p, "exp_avg")
+        v = self.get_unscaled_state(p, "exp_avg_sq")
+        use_master = self.master_weights and p.dtype != torch.float32
+        if use_master and remainder:
+            r_p = _join_bf16_remainder(local_p, _local(self.state[p]["master_param"]))
+        elif use_master:
+            r_p = self.get_unscaled_state(p, "master_param")
+            if r_p.data_ptr() == _local(self.state[p]["master_param"]).data_ptr():
+                r_p = r_p.clone()
+        else:
+            r_p = local_p.float()
+
+        beta1, beta2 = group["betas"]
+        b1, b2 = _f32(beta1), _f32(beta2)
+        one_minus_b1, one_minus_b2 = _f32(1.0 - b1), _f32(1.0 - b2)
+        step = group["step"]
+        if not group["bias_correction"]:
+            bc1 = bc2 = 1.0
+        elif isinstance(step, torch.Tensor):
+            step_f = step.to(device=g.device, dtype=torch.float32)
+            bc1 = 1 - torch.pow(torch.tensor(b1, device=g.device), step_f)
+            bc2 = 1 - torch.pow(torch.tensor(b2, device=g.device), step_f)
+        else:
+            bc1, bc2 = _f32(1.0 - b1**step), _f32(1.0 - b2**step)
+        lr = group["lr"]
+        lr = lr.to(device=g.device, dtype=torch.float32) if isinstance(lr, torch.Tensor) else _f32(lr)
+        decay, eps = _f32(group["weight_decay"]), _f32(group["eps"])
+
+        if self.adam_w_mode == 0 and decay != 0.0:
+            g = g + decay * r_p
+        m.mul_(b1).add_(g * one_minus_b1)
+        v.mul_(b2).add_(g * one_minus_b2 * g)
+        denom = (v / bc2).sqrt_().add_(eps)
+        update = (m / bc1).div_(denom)
+        if self.adam_w_mode == 1 and decay != 0.0:
+            update.add_(decay * r_p)
+        new_p = r_p - lr * update
+
+        if use_master and remainder:
+            _split_bf16_remainder(new_p, local_p, _local(self.state[p]["master_param"]))
+        else:
+            local_p.copy_(new_p)
+            if use_master:
+                self.set_scaled_state(p, "master_param", new_p)
+        self._store_moment(p, "exp_avg", m)
+        self._store_moment(p, "exp_avg_sq", v)
+
+    def _store_moment(self, p: torch.Tensor, name: str, value: torch.Tensor) -> None:
+        stored = _local(self.state[p][name])
+        if value.data_ptr() != stored.data_ptr():
+            self.set_scaled_state(p, name, value)
+
+
+def _join_bf16_remainder(param_bf16: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """FP32 master from a BF16 parameter (high bits, rounded) and int16 remainders (low bits)."""
+    rem = remainder.to(torch.int32)
+    high = param_bf16.view(torch.int16).to(torch.int32) - (rem < 0).to(torch.int32)  # undo the rounding
+    bits = torch.bitwise_or(torch.bitwise_left_shift(high, 16), torch.bitwise_and(rem, 0xFFFF))
+    return bits.view(torch.float32).clone()
+
+
+def _to_int16_bits(x: torch.Tensor) -> torch.Tensor:
+    """The low 16 bits of an int32 tensor as a (two's complement) int16 tensor."""
+    low = torch.bitwise_and(x, 0xFFFF)
+    return (low - torch.where(low >= 0x8000, 0x10000, 0)).to(torch.int16)
+
+
+def _split_bf16_remainder(master: torch.Tensor, param_bf16: torch.Tensor, remainder: torch.Tensor) -> None:
+    """Write FP32 ``master`` as a BF16 parameter rounded to nearest plus int16 low-bit remainders."""
+    bits = master.contiguous().view(torch.int32)
+    rem = _to_int16_bits(bits)
+    high = torch.bitwise_right_shift(bits, 16) + (rem < 0).to(torch.int32)  # round up
+    remainder.copy_(rem)
+    param_bf16.view(torch.int16).copy_(_to_int16_bits(high))
