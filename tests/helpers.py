@@ -56,8 +56,9 @@ LIFECYCLE_CONFIGS: list[tuple[str, torch.dtype, dict]] = [
     (
         "fp16-params-fp16-master-fp8-bf16",
         torch.float16,
-        dict(master_weights=True, master_weight_dtype=torch.float16, exp_avg_dtype=FP8,
-             exp_avg_sq_dtype=torch.bfloat16),
+        dict(
+            master_weights=True, master_weight_dtype=torch.float16, exp_avg_dtype=FP8, exp_avg_sq_dtype=torch.bfloat16
+        ),
     ),
     ("l2-mode-fp16-moments", torch.float32, dict(adam_w_mode=False, exp_avg_dtype=torch.float16)),
 ]
@@ -150,8 +151,9 @@ def assert_state_dicts_bitwise(a: dict, b: dict, what: str = "") -> None:
 def deep_clone(sd: dict) -> dict:
     """A copy of an exported state dict that shares no tensor storage with it."""
     out = copy.copy(sd)
-    out["state"] = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in d.items()}
-                    for k, d in sd["state"].items()}
+    out["state"] = {
+        k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in d.items()} for k, d in sd["state"].items()
+    }
     out["param_groups"] = copy.deepcopy(sd["param_groups"])
     return out
 

@@ -70,7 +70,7 @@ def _to_cpu_copy(t: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
     """A CPU tensor (or DTensor with a CPU local tensor) that never aliases ``live``."""
     if t.device.type != "cpu":
         return t.to(_CPU)
-    if live is not None and _aliases(t, live):
+    if live is not None and (_local(t).numel() == 0 or _aliases(t, live)):
         return t.clone()
     return t
 
@@ -153,9 +153,7 @@ def load_exported_state(optimizer: Any, state_dict: dict[str, Any]) -> None:
                 optimizer.state[param][name] = value
                 continue
             local = _local(value)
-            remainder = (
-                optimizer.store_param_remainders and name == "master_param" and param.dtype == torch.bfloat16
-            )
+            remainder = optimizer.store_param_remainders and name == "master_param" and param.dtype == torch.bfloat16
             if remainder:
                 if local.dtype != torch.int16:
                     raise ValueError(

@@ -112,8 +112,7 @@ class PortableFusedAdam(torch.optim.Optimizer):
         if capturable and master_weights and master_weight_dtype != torch.float32:
             raise RuntimeError("Capturable mode only supports fp32 master weights.")
         if capturable and not (
-            exp_avg_dtype == exp_avg_sq_dtype == torch.float32
-            or exp_avg_dtype == exp_avg_sq_dtype == torch.bfloat16
+            exp_avg_dtype == exp_avg_sq_dtype == torch.float32 or exp_avg_dtype == exp_avg_sq_dtype == torch.bfloat16
         ):
             raise RuntimeError(
                 "Capturable mode requires exp_avg_dtype and exp_avg_sq_dtype to be "
@@ -152,9 +151,7 @@ class PortableFusedAdam(torch.optim.Optimizer):
         }
         self._scales: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         self.use_decoupled_grad = use_decoupled_grad
-        self.store_param_remainders = (
-            store_param_remainders and master_weights and master_weight_dtype == torch.float32
-        )
+        self.store_param_remainders = store_param_remainders and master_weights and master_weight_dtype == torch.float32
         if self.capturable and self.store_param_remainders:
             raise RuntimeError("Capturable mode doesn't support storing param remainders")
         self.set_grad_none = set_grad_none
@@ -193,9 +190,7 @@ class PortableFusedAdam(torch.optim.Optimizer):
     def _is_remainder(self, param: torch.Tensor, state_name: str) -> bool:
         return self.store_param_remainders and state_name == "master_param" and param.dtype == torch.bfloat16
 
-    def _apply_scale(
-        self, state_name: str, unscaled: torch.Tensor, scaled: torch.Tensor, scale: torch.Tensor
-    ) -> None:
+    def _apply_scale(self, state_name: str, unscaled: torch.Tensor, scaled: torch.Tensor, scale: torch.Tensor) -> None:
         """Store FP32 ``unscaled`` into the low-precision ``scaled`` (local tensors), updating ``scale``."""
         if unscaled.dtype != torch.float32:
             raise TypeError(f"unscaled state must be float32, got {unscaled.dtype}")
@@ -215,9 +210,7 @@ class PortableFusedAdam(torch.optim.Optimizer):
             values = values.clamp_(-_FP8_MAX, _FP8_MAX)
         scaled.copy_(values)
 
-    def get_unscaled_state(
-        self, param: torch.Tensor, state_name: str, skip_unscale: bool = False
-    ) -> torch.Tensor:
+    def get_unscaled_state(self, param: torch.Tensor, state_name: str, skip_unscale: bool = False) -> torch.Tensor:
         """The state as FP32 (int16 for remainder masters), as a local tensor on the parameter's device.
 
         FP32 and int16 states are returned as the live tensor (no copy), others as a new tensor. With
@@ -332,9 +325,7 @@ class PortableFusedAdam(torch.optim.Optimizer):
                 if grad.is_sparse:
                     raise RuntimeError("FusedAdam does not support sparse gradients.")
                 if isinstance(p, DTensor) != isinstance(grad, DTensor):
-                    raise RuntimeError(
-                        f"[FusedAdam DTensor Disparity] Parameter {p} and Gradient {grad} do not match!"
-                    )
+                    raise RuntimeError(f"[FusedAdam DTensor Disparity] Parameter {p} and Gradient {grad} do not match!")
                 if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                     raise RuntimeError("FusedAdam only support model weights in fp32, fp16, bf16 and fp8")
                 has_fp16 = has_fp16 or p.dtype == torch.float16
@@ -344,9 +335,7 @@ class PortableFusedAdam(torch.optim.Optimizer):
                         raise RuntimeError(
                             "FusedAdam doesn't support a mix of FP16/BF16 weights + Store param remainder."
                         )
-                    raise RuntimeError(
-                        "FusedAdam does not support a mix of float16 and bfloat16 model weights."
-                    )
+                    raise RuntimeError("FusedAdam does not support a mix of float16 and bfloat16 model weights.")
                 self._update_param(group, p, _local(grad), remainder, inv_scale)
         return loss
 

@@ -26,10 +26,18 @@ CASES = [
 
 
 def _aliases_live(sd: dict, opt) -> bool:
-    live_ptrs = {local(v).untyped_storage().data_ptr() for st in opt.state.values() for v in st.values()
-                 if isinstance(v, torch.Tensor) and v.numel()}
-    return any(local(v).untyped_storage().data_ptr() in live_ptrs
-               for st in sd["state"].values() for v in st.values() if isinstance(v, torch.Tensor))
+    live_ptrs = {
+        local(v).untyped_storage().data_ptr()
+        for st in opt.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor) and v.numel()
+    }
+    return any(
+        local(v).untyped_storage().data_ptr() in live_ptrs
+        for st in sd["state"].values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor)
+    )
 
 
 @pytest.mark.parametrize("name,dtype,kw,offload", CASES)
@@ -49,8 +57,9 @@ def test_lifecycle(name, dtype, kw, offload):
         assert_state_dicts_bitwise(sd, reference, name)
         for st in sd["state"].values():
             for state_name, v in st.items():
-                remainder = state_name == "master_param" and kw.get("store_param_remainders") \
-                    and dtype == torch.bfloat16
+                remainder = (
+                    state_name == "master_param" and kw.get("store_param_remainders") and dtype == torch.bfloat16
+                )
                 assert v.dtype == (torch.int16 if remainder else torch.float32), (state_name, v.dtype)
                 assert v.device.type == "cpu"
         if offload:
@@ -139,7 +148,9 @@ def test_edge_cases_no_grad_zero_element_groups_repeated(offload):
     clones = [torch.nn.Parameter(p.detach().clone()) for p in (p_a, p_nograd, p_empty, p_b)]
     fresh = PortableFusedAdam(
         [{"params": clones[:2], "weight_decay": 0.0}, {"params": clones[2:], "lr": 5e-3}],
-        lr=1e-2, weight_decay=0.05, **kw,
+        lr=1e-2,
+        weight_decay=0.05,
+        **kw,
     )
     fresh.load_state_dict(deep_clone(sd1))
     assert_state_dicts_bitwise(deep_clone(fresh.state_dict()), deep_clone(sd1))

@@ -94,8 +94,7 @@ LOW_PRECISION = [
     ("fp8 moments", torch.float32, dict(exp_avg_dtype=FP8, exp_avg_sq_dtype=FP8), 1e-2),
     ("bf16 params + fp32 master", torch.bfloat16, dict(master_weights=True), 5e-3),
     ("bf16 params + remainders", torch.bfloat16, dict(master_weights=True, store_param_remainders=True), 5e-3),
-    ("bf16 params + fp16 master", torch.bfloat16, dict(master_weights=True, master_weight_dtype=torch.float16),
-     8e-3),
+    ("bf16 params + fp16 master", torch.bfloat16, dict(master_weights=True, master_weight_dtype=torch.float16), 8e-3),
     ("bf16 params, no master", torch.bfloat16, {}, 5e-2),
 ]
 
@@ -131,14 +130,20 @@ INVALID = [
     (dict(master_weights=True, master_weight_dtype=torch.bfloat16), "only supports fp32/fp16 master weights"),
     (dict(exp_avg_dtype=torch.float64), "only supports fp32/fp16/bf16/fp8 exp_avg."),
     (dict(exp_avg_sq_dtype=torch.int8), "only supports fp32/fp16/bf16/fp8 exp_avg_sq."),
-    (dict(capturable=True, master_weights=True, master_weight_dtype=torch.float16),
-     "Capturable mode only supports fp32 master weights."),
-    (dict(capturable=True, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16),
-     "Capturable mode requires exp_avg_dtype and exp_avg_sq_dtype"),
+    (
+        dict(capturable=True, master_weights=True, master_weight_dtype=torch.float16),
+        "Capturable mode only supports fp32 master weights.",
+    ),
+    (
+        dict(capturable=True, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16),
+        "Capturable mode requires exp_avg_dtype and exp_avg_sq_dtype",
+    ),
     (dict(capturable=True, exp_avg_dtype=torch.bfloat16), "Capturable mode requires exp_avg_dtype"),
     (dict(capturable=True, exp_avg_dtype=FP8, exp_avg_sq_dtype=FP8), "Capturable mode requires"),
-    (dict(capturable=True, master_weights=True, store_param_remainders=True),
-     "Capturable mode doesn't support storing param remainders"),
+    (
+        dict(capturable=True, master_weights=True, store_param_remainders=True),
+        "Capturable mode doesn't support storing param remainders",
+    ),
 ]
 
 

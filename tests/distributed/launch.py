@@ -1,0 +1,47 @@
+"""Spawn real gloo process groups on CPU for tests (no mocks of torch.distributed)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        fn(rank, world, *args)
+        dist.barrier()
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; re-raise the first failure with its traceback."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(
+            _entry, args=(world, free_port(), fn, args, errors), nprocs=world, join=True, start_method="spawn"
+        )
+    except Exception as exc:
+        msgs = []
+        while not errors.empty():
+            msgs.append(errors.get())
+        raise AssertionError("\n".join(msgs) or str(exc)) from exc

@@ -1,0 +1,163 @@
+"""Bodies of the multi-process tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from optim_factory import PortableFusedAdam
+from tests.helpers import FP8, assert_bitwise, run_steps
+
+# uneven Shard(0) on 2 ranks: 3/2 rows, 1/0 rows (an empty local shard), 3/3, 4/3
+SHAPES = [(5, 4), (1, 3), (6,), (7, 2)]
+CONFIGS = {
+    # elementwise states: bitwise equal across world sizes
+    "bf16-params-bf16-moments-fp32-master": (
+        torch.bfloat16,
+        dict(master_weights=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
+    ),
+    "fp32-params-fp32-states": (torch.float32, {}),
+    # per-tensor scaled states (scale per local shard)
+    "fp16-fp8-moments": (torch.float32, dict(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=FP8)),
+    "bf16-params-remainders": (
+        torch.bfloat16,
+        dict(
+            master_weights=True,
+            store_param_remainders=True,
+            exp_avg_dtype=torch.bfloat16,
+            exp_avg_sq_dtype=torch.bfloat16,
+        ),
+    ),
+}
+HP = dict(lr=1e-2, weight_decay=0.1)
+
+
+class ShardedModel(torch.nn.Module):
+    """A module whose parameters are DTensors sharded on dim 0 (what FSDP2 gives an optimizer)."""
+
+    def __init__(self, mesh, dtype: torch.dtype, seed: int):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        for i, shape in enumerate(SHAPES):
+            full = torch.randn(shape, generator=gen).to(dtype)
+            self.register_parameter(f"w{i}", torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)])))
+
+
+def build(mesh, cfg: str, seed: int = 0, offload: bool = True):
+    dtype, kw = CONFIGS[cfg]
+    model = ShardedModel(mesh, dtype, seed)
+    opt = PortableFusedAdam(model.parameters(), **HP, state_dict_cpu_offload=offload, **kw)
+    return model, opt
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_same_model_and_state(m1, o1, m2, o2, what: str) -> None:
+    for (n, a), (_, b) in zip(m1.named_parameters(), m2.named_parameters()):
+        assert_bitwise(a, b, f"{what} param {n}")
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        s1, s2 = o1.state[p1], o2.state[p2]
+        assert s1.keys() == s2.keys(), what
+        for name in s1:
+            assert_bitwise(s1[name], s2[name], f"{what} state {name}")
+    assert [g["step"] for g in o1.param_groups] == [g["step"] for g in o2.param_groups]
+
+
+def dcp_roundtrip(rank: int, world: int, cfg: str, tmp: str) -> None:
+    """flatten False/True x dcp.save/async_save: save, load into a fresh model+optimizer, continue."""
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = build(mesh, cfg)
+    run_steps(opt, list(model.parameters()), 0, 3)
+    restored = []
+    for flatten in (False, True):
+        for mode in ("sync", "async"):
+            options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+            state = {
+                "model": get_model_state_dict(model),
+                "optim": get_optimizer_state_dict(model, opt, options=options),
+            }
+            # offloaded states: DTensors with CPU local tensors, the parameter's mesh and placements
+            for v in state["optim"]["state"].values() if not flatten else []:
+                for t in v.values():
+                    assert isinstance(t, DTensor) and t.placements == (Shard(0),)
+            path = f"{tmp}/ckpt-{cfg}-{flatten}-{mode}"
+            if mode == "sync":
+                dcp.save(state, checkpoint_id=path)
+            else:
+                dcp.async_save(state, checkpoint_id=path).result()
+            model2, opt2 = build(mesh, cfg, seed=99)
+            msd2, osd2 = get_state_dict(model2, opt2, options=options)
+            loaded = {"model": msd2, "optim": osd2}
+            dcp.load(loaded, checkpoint_id=path)
+            set_state_dict(
+                model2, opt2, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"], options=options
+            )
+            assert_same_model_and_state(model, opt, model2, opt2, f"{cfg} flatten={flatten} {mode} after load")
+            restored.append((model2, opt2, f"{flatten}-{mode}"))
+    run_steps(opt, list(model.parameters()), 3, 2)
+    for model2, opt2, what in restored:
+        run_steps(opt2, list(model2.parameters()), 3, 2)
+        assert_same_model_and_state(model, opt, model2, opt2, f"{cfg} {what} continued")
+
+
+def full_state_export(rank: int, world: int, cfg: str, tmp: str) -> None:
+    """full_state_dict=True with and without DCP's cpu_offload equals the gathered sharded export."""
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = build(mesh, cfg)
+    run_steps(opt, list(model.parameters()), 0, 3)
+    sharded = get_optimizer_state_dict(model, opt)
+    expected = {fqn: {n: t.full_tensor() for n, t in st.items()} for fqn, st in sharded["state"].items()}
+    for cpu_offload in (False, True):
+        full = get_optimizer_state_dict(
+            model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+        )
+        if cpu_offload and rank != 0:
+            assert full == {} or not full.get("state"), "DCP cpu_offload keeps the full state on rank 0 only"
+            continue
+        assert full["state"].keys() == expected.keys()
+        for fqn, st in full["state"].items():
+            for n, t in st.items():
+                assert not isinstance(t, DTensor) and t.shape == expected[fqn][n].shape
+                assert_bitwise(t, expected[fqn][n], f"full {fqn}.{n} cpu_offload={cpu_offload}")
+
+
+def save_for_reshard(rank: int, world: int, cfg: str, tmp: str) -> None:
+    """Save at step 3 (flattened), then record the full parameters after one more step."""
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = build(mesh, cfg)
+    run_steps(opt, list(model.parameters()), 0, 3)
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    msd, osd = get_state_dict(model, opt, options=options)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{tmp}/reshard-{cfg}-w{world}")
+    run_steps(opt, list(model.parameters()), 3, 1)
+    params = full_params(model)
+    if rank == 0:
+        torch.save(params, f"{tmp}/after-step-{cfg}-w{world}.pt")
+    dist.barrier()
+
+
+def load_resharded(rank: int, world: int, cfg: str, tmp: str, saved_world: int) -> None:
+    """Load a checkpoint written by ``saved_world`` ranks, take one step, compare to that run's next step."""
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = build(mesh, cfg, seed=99)
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    msd, osd = get_state_dict(model, opt, options=options)
+    loaded = {"model": msd, "optim": osd}
+    dcp.load(loaded, checkpoint_id=f"{tmp}/reshard-{cfg}-w{saved_world}")
+    set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"], options=options)
+    run_steps(opt, list(model.parameters()), 3, 1)
+    expected = torch.load(f"{tmp}/after-step-{cfg}-w{saved_world}.pt")
+    for n, t in full_params(model).items():
+        assert_bitwise(t, expected[n], f"{cfg}: {saved_world}->{world} ranks, param {n} after the next step")

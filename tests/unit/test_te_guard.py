@@ -1,0 +1,40 @@
+"""The TE subclass without Transformer Engine: clean import, one clear error, shared export code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import optim_factory
+from optim_factory.optimizers import export, te_fused_adam
+
+
+@pytest.mark.skipif(te_fused_adam.TE_AVAILABLE, reason="Transformer Engine is installed here")
+def test_constructing_without_te_raises_one_clear_error():
+    with pytest.raises(ImportError) as info:
+        optim_factory.FusedAdam([torch.nn.Parameter(torch.zeros(2))], state_dict_cpu_offload=True)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "transformer_engine" in message and "PortableFusedAdam" in message and "pip install" in message
+
+
+def test_package_imports_without_pulling_in_te():
+    code = "import sys, optim_factory; print('transformer_engine' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_both_backends_share_one_export_path():
+    assert te_fused_adam.export_state is export.export_state
+    assert te_fused_adam.load_exported_state is export.load_exported_state
+    assert optim_factory.FusedAdam is te_fused_adam.FusedAdam
+    import inspect
+
+    sig = inspect.signature(te_fused_adam.FusedAdam.__init__)
+    assert sig.parameters["state_dict_cpu_offload"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert sig.parameters["state_dict_cpu_offload"].default is False
+    psig = inspect.signature(optim_factory.PortableFusedAdam.__init__)
+    assert psig.parameters["state_dict_cpu_offload"].kind is inspect.Parameter.KEYWORD_ONLY
