@@ -1,0 +1,98 @@
+"""Optimizer config schemas (dataclasses) registered in Hydra's ConfigStore.
+
+The YAML files under ``conf/optim/`` name these schemas in their defaults list, so an unknown key or a value
+of the wrong type fails when Hydra composes the config, before any model, process group or GPU allocation
+exists. :func:`optim_factory.factory.validate_optim_config` adds the checks across fields.
+
+This is the only module of the library that imports Hydra.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+__all__ = [
+    "GroupOverride",
+    "ParamGroupsConfig",
+    "FusedAdamConfig",
+    "AdamWConfig",
+    "OPTIM_SCHEMAS",
+    "register_configs",
+]
+
+DEFAULT_NO_DECAY = [r"(^|\.)bias$", r"norm", r"(^|\.)ln_?\w*\.", r"embed"]
+
+
+@dataclass
+class GroupOverride:
+    """Per-pattern multipliers: parameters whose name matches ``pattern`` (``re.search``) get their own group."""
+
+    pattern: str = MISSING
+    lr_mult: float = 1.0
+    weight_decay_mult: float = 1.0
+
+
+@dataclass
+class ParamGroupsConfig:
+    """How trainable parameters are split into optimizer groups.
+
+    Attributes:
+        no_decay: regular expressions (``re.search`` on the parameter's name); a match gets weight decay 0.
+            The defaults catch biases, norms (``*norm*``, ``ln_*``) and embeddings.
+        overrides: patterns with lr / weight-decay multipliers; a parameter may match at most one.
+    """
+
+    no_decay: list[str] = field(default_factory=lambda: list(DEFAULT_NO_DECAY))
+    overrides: list[GroupOverride] = field(default_factory=list)
+
+
+@dataclass
+class FusedAdamConfig:
+    """Every option of TE's FusedAdam, ``state_dict_cpu_offload``, and the backend choice."""
+
+    name: str = "fused_adam"
+    backend: str = "auto"  # auto | te | portable
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    amsgrad: bool = False
+    bias_correction: bool = True
+    adam_w_mode: bool = True
+    capturable: bool = False
+    master_weights: bool = False
+    master_weight_dtype: str = "fp32"  # fp32 | fp16
+    exp_avg_dtype: str = "fp32"  # fp32 | fp16 | bf16 | fp8 (or torch.<dtype> spellings)
+    exp_avg_sq_dtype: str = "fp32"
+    use_decoupled_grad: bool = False
+    store_param_remainders: bool = False
+    state_dict_cpu_offload: bool = False
+    param_groups: ParamGroupsConfig = field(default_factory=ParamGroupsConfig)
+
+
+@dataclass
+class AdamWConfig:
+    """``torch.optim.AdamW``."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    amsgrad: bool = False
+    foreach: bool | None = None
+    param_groups: ParamGroupsConfig = field(default_factory=ParamGroupsConfig)
+
+
+OPTIM_SCHEMAS: dict[str, type] = {"fused_adam": FusedAdamConfig, "adamw": AdamWConfig}
+
+
+def register_configs() -> None:
+    """Register the schemas in Hydra's ConfigStore (group ``optim``: ``fused_adam_schema``, ``adamw_schema``)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for name, schema in OPTIM_SCHEMAS.items():
+        cs.store(group="optim", name=f"{name}_schema", node=schema)

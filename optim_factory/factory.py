@@ -1,0 +1,363 @@
+"""Config → optimizer: schema and cross-field validation, backend choice, dtype strings, parameter groups.
+
+``build_optimizer(cfg, model)`` is the one entry point. ``validate_optim_config(cfg)`` runs every check that
+needs no model, so a recipe can call it before it builds anything heavy. Every bad value raises
+:class:`ConfigError` with one line: which key, which value, what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from torch.distributed.tensor import DTensor
+
+from optim_factory.config import OPTIM_SCHEMAS, AdamWConfig, FusedAdamConfig
+
+__all__ = [
+    "ConfigError",
+    "build_optimizer",
+    "validate_optim_config",
+    "parse_dtype",
+    "build_param_groups",
+    "choose_backend",
+]
+
+log = logging.getLogger(__name__)
+
+_DTYPE_ALIASES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp8": torch.uint8,  # TE spells FP8 (E4M3) torch.uint8 in FusedAdam's arguments
+    "uint8": torch.uint8,
+    "float8_e4m3fn": torch.uint8,
+    "fp8_e4m3": torch.uint8,
+}
+_MOMENT_DTYPES = "fp32|fp16|bf16|fp8 (or torch.float32|torch.float16|torch.bfloat16|torch.uint8)"
+_BACKENDS = ("auto", "te", "portable")
+
+
+class ConfigError(ValueError):
+    """A bad optimizer config value: one line naming the key, the value and what is allowed."""
+
+
+def _fail(key: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"optim.{key}={value!r}: {allowed}")
+
+
+def parse_dtype(value: Any, key: str = "dtype") -> torch.dtype:
+    """``fp32|fp16|bf16|fp8``, ``torch.bfloat16``-style strings or a ``torch.dtype`` → the dtype TE expects."""
+    if isinstance(value, torch.dtype):
+        text = str(value)
+    elif isinstance(value, str):
+        text = value
+    else:
+        raise _fail(key, value, f"expected one of {_MOMENT_DTYPES}")
+    name = text.strip().lower().removeprefix("torch.")
+    if name not in _DTYPE_ALIASES:
+        raise _fail(key, value, f"expected one of {_MOMENT_DTYPES}")
+    return _DTYPE_ALIASES[name]
+
+
+# ----------------------------------------------------------------------------------------------- validation
+def _to_schema(cfg: Any) -> FusedAdamConfig | AdamWConfig:
+    """Any of OmegaConf node / dataclass / mapping → the typed schema object (unknown keys, types checked)."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        cfg = OmegaConf.structured(cfg)
+    if isinstance(cfg, Mapping) and not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.create(dict(cfg))
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"optim: expected a mapping, an OmegaConf node or a dataclass, got {type(cfg).__name__}")
+    name = cfg.get("name", "fused_adam")
+    if name not in OPTIM_SCHEMAS:
+        raise _fail("name", name, f"expected one of {'|'.join(OPTIM_SCHEMAS)}")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(OPTIM_SCHEMAS[name]), cfg)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"optim.{key}: {first}") from None
+
+
+def _check_number(key: str, value: Any, *, positive: bool = False, lo: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _fail(key, value, "expected a finite number")
+    if positive and value <= 0:
+        raise _fail(key, value, "must be > 0")
+    if lo is not None and value < lo:
+        raise _fail(key, value, f"must be >= {lo}")
+    return float(value)
+
+
+def _check_patterns(key: str, patterns: Iterable[str]) -> None:
+    for i, pattern in enumerate(patterns):
+        if not isinstance(pattern, str) or not pattern:
+            raise _fail(f"{key}[{i}]", pattern, "expected a non-empty regular expression")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise _fail(f"{key}[{i}]", pattern, f"not a valid regular expression ({exc})") from None
+
+
+def validate_optim_config(cfg: Any) -> FusedAdamConfig | AdamWConfig:
+    """Check everything that needs no model; return the typed config. Raises :class:`ConfigError`.
+
+    Warns (``UserWarning``) where an option silently has no effect (remainders without an FP32 master).
+    """
+    c = _to_schema(cfg)
+    _check_number("lr", c.lr, positive=True)
+    if len(c.betas) != 2:
+        raise _fail("betas", list(c.betas), "expected two numbers [beta1, beta2], each in [0, 1)")
+    for i, beta in enumerate(c.betas):
+        _check_number(f"betas[{i}]", beta)
+        if not 0.0 <= beta < 1.0:
+            raise _fail(f"betas[{i}]", beta, "must be in [0, 1)")
+    _check_number("eps", c.eps, lo=0.0)
+    _check_number("weight_decay", c.weight_decay, lo=0.0)
+    _check_patterns("param_groups.no_decay", c.param_groups.no_decay)
+    _check_patterns("param_groups.overrides.pattern", [o.pattern for o in c.param_groups.overrides])
+    for i, o in enumerate(c.param_groups.overrides):
+        _check_number(f"param_groups.overrides[{i}].lr_mult", o.lr_mult, positive=True)
+        _check_number(f"param_groups.overrides[{i}].weight_decay_mult", o.weight_decay_mult, lo=0.0)
+    if isinstance(c, AdamWConfig):
+        return c
+
+    if c.backend not in _BACKENDS:
+        raise _fail("backend", c.backend, f"expected one of {'|'.join(_BACKENDS)}")
+    if c.amsgrad:
+        raise _fail("amsgrad", c.amsgrad, "FusedAdam does not support AMSGrad; use optim=adamw for it")
+    master = parse_dtype(c.master_weight_dtype, "master_weight_dtype")
+    if master not in (torch.float32, torch.float16):
+        raise _fail("master_weight_dtype", c.master_weight_dtype, "expected fp32|fp16")
+    m = parse_dtype(c.exp_avg_dtype, "exp_avg_dtype")
+    v = parse_dtype(c.exp_avg_sq_dtype, "exp_avg_sq_dtype")
+    if c.capturable:
+        if c.master_weights and master != torch.float32:
+            raise _fail("master_weight_dtype", c.master_weight_dtype, "capturable=true needs fp32 master weights")
+        if not (m == v == torch.float32 or m == v == torch.bfloat16):
+            raise _fail(
+                "exp_avg_dtype",
+                f"{c.exp_avg_dtype}/{c.exp_avg_sq_dtype}",
+                "capturable=true needs exp_avg_dtype and exp_avg_sq_dtype both fp32 or both bf16",
+            )
+        if c.store_param_remainders:
+            raise _fail("store_param_remainders", True, "not supported with capturable=true")
+    if c.store_param_remainders and not (c.master_weights and master == torch.float32):
+        warnings.warn(
+            "optim.store_param_remainders=true has no effect without master_weights=true and master_weight_dtype=fp32",
+            UserWarning,
+            stacklevel=2,
+        )
+    return c
+
+
+# --------------------------------------------------------------------------------------------- param groups
+@dataclass
+class GroupSummary:
+    """One optimizer group as logged: its members and hyperparameters."""
+
+    label: str
+    names: list[str]
+    numel: int
+    lr: float
+    weight_decay: float
+
+    def line(self, index: int) -> str:
+        return (
+            f"param group {index} [{self.label}]: {len(self.names)} tensors, {self.numel:,} elements, "
+            f"lr={self.lr:g}, weight_decay={self.weight_decay:g}"
+        )
+
+
+def _named_trainable(model_or_params: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    if isinstance(model_or_params, torch.nn.Module):
+        named = list(model_or_params.named_parameters())
+    else:
+        named = list(model_or_params)
+        if named and not (isinstance(named[0], tuple) and len(named[0]) == 2):
+            raise ConfigError("build_optimizer: pass an nn.Module or an iterable of (name, parameter) pairs")
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if not trainable:
+        raise ConfigError("build_optimizer: the model has no trainable parameters")
+    return trainable
+
+
+def build_param_groups(
+    cfg: FusedAdamConfig | AdamWConfig, named: list[tuple[str, torch.nn.Parameter]]
+) -> tuple[list[dict], list[GroupSummary]]:
+    """Split parameters into groups: weight decay off for ``no_decay`` matches, per-pattern multipliers.
+
+    Every trainable parameter lands in exactly one group (checked). An override pattern that matches nothing,
+    or two override patterns matching one parameter, raise; ``no_decay`` patterns matching nothing are
+    logged (the defaults cover names a model may not have).
+    """
+    pg = cfg.param_groups
+    no_decay = [re.compile(p) for p in pg.no_decay]
+    overrides = [(re.compile(o.pattern), o) for o in pg.overrides]
+    used_no_decay = [False] * len(no_decay)
+    used_override = [False] * len(overrides)
+    buckets: dict[tuple[int, bool], list[tuple[str, torch.nn.Parameter]]] = {}
+    for name, param in named:
+        hits = [i for i, (rx, _) in enumerate(overrides) if rx.search(name)]
+        if len(hits) > 1:
+            pats = ", ".join(repr(overrides[i][1].pattern) for i in hits)
+            raise _fail("param_groups.overrides", pats, f"patterns overlap on parameter {name!r}; make them disjoint")
+        for i in hits:
+            used_override[i] = True
+        decay_off = False
+        for i, rx in enumerate(no_decay):
+            if rx.search(name):
+                used_no_decay[i] = decay_off = True
+        buckets.setdefault((hits[0] if hits else -1, decay_off), []).append((name, param))
+    for i, used in enumerate(used_override):
+        if not used:
+            raise _fail(
+                f"param_groups.overrides[{i}].pattern", overrides[i][1].pattern, "matches no trainable parameter"
+            )
+    for i, used in enumerate(used_no_decay):
+        if not used:
+            log.info("optim.param_groups.no_decay[%d]=%r matches no parameter", i, pg.no_decay[i])
+
+    groups, summaries = [], []
+    for (override, decay_off), members in sorted(buckets.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        o = overrides[override][1] if override >= 0 else None
+        lr = cfg.lr * (o.lr_mult if o else 1.0)
+        wd = 0.0 if decay_off else cfg.weight_decay * (o.weight_decay_mult if o else 1.0)
+        label = (f"override {o.pattern!r}" if o else "default") + (", no decay" if decay_off else "")
+        groups.append({"params": [p for _, p in members], "lr": lr, "weight_decay": wd})
+        summaries.append(GroupSummary(label, [n for n, _ in members], sum(p.numel() for _, p in members), lr, wd))
+    assert sum(len(g["params"]) for g in groups) == len(named) == len({id(p) for _, p in named})
+    return groups, summaries
+
+
+# ------------------------------------------------------------------------------------------------- backends
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p._local_tensor if isinstance(p, DTensor) else p
+
+
+def choose_backend(requested: str, params: list[torch.Tensor]) -> tuple[str, str]:
+    """``auto|te|portable`` → (``te`` or ``portable``, the reason). ``te`` without TE raises."""
+    from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE, TE_INSTALL_HINT, te_import_error
+
+    on_cuda = bool(params) and all(_local(p).device.type == "cuda" for p in params)
+    if requested == "portable":
+        return "portable", "backend=portable requested"
+    if requested == "te":
+        if not TE_AVAILABLE:
+            raise _fail(
+                "backend", "te", f"Transformer Engine is not importable ({te_import_error()}); {TE_INSTALL_HINT}"
+            )
+        if not on_cuda:
+            raise _fail("backend", "te", "TE's FusedAdam needs CUDA parameters; use backend=portable or auto on CPU")
+        return "te", "backend=te requested"
+    if TE_AVAILABLE and on_cuda:
+        return "te", "auto: Transformer Engine is importable and the parameters are on CUDA"
+    if not TE_AVAILABLE:
+        return "portable", f"auto: Transformer Engine is not importable ({te_import_error()})"
+    return "portable", "auto: the parameters are not on CUDA"
+
+
+def _fused_adam_kwargs(c: FusedAdamConfig) -> dict[str, Any]:
+    return dict(
+        lr=c.lr,
+        betas=tuple(c.betas),
+        eps=c.eps,
+        weight_decay=c.weight_decay,
+        amsgrad=c.amsgrad,
+        bias_correction=c.bias_correction,
+        adam_w_mode=c.adam_w_mode,
+        capturable=c.capturable,
+        master_weights=c.master_weights,
+        master_weight_dtype=parse_dtype(c.master_weight_dtype, "master_weight_dtype"),
+        exp_avg_dtype=parse_dtype(c.exp_avg_dtype, "exp_avg_dtype"),
+        exp_avg_sq_dtype=parse_dtype(c.exp_avg_sq_dtype, "exp_avg_sq_dtype"),
+        use_decoupled_grad=c.use_decoupled_grad,
+        store_param_remainders=c.store_param_remainders,
+        state_dict_cpu_offload=c.state_dict_cpu_offload,
+    )
+
+
+def _drop_empty_local_shards(groups: list[dict]) -> int:
+    """Remove parameters whose local shard is empty (uneven FSDP2): TE's scaling kernels cannot take them."""
+    dropped = 0
+    for g in groups:
+        kept = [p for p in g["params"] if _local(p).numel() > 0]
+        dropped += len(g["params"]) - len(kept)
+        g["params"] = kept
+    return dropped
+
+
+def build_optimizer(cfg: Any, model: Any) -> torch.optim.Optimizer:
+    """Build the optimizer that ``cfg`` describes for ``model``.
+
+    Args:
+        cfg: the ``optim`` config: an OmegaConf node, a dataclass (:class:`FusedAdamConfig`,
+            :class:`AdamWConfig`) or a plain dict; ``name`` picks ``fused_adam`` (default) or ``adamw``.
+        model: an ``nn.Module`` or an iterable of ``(name, parameter)`` pairs.
+
+    Returns:
+        ``optim_factory.FusedAdam`` (TE), ``optim_factory.PortableFusedAdam`` or ``torch.optim.AdamW``.
+
+    Raises:
+        ConfigError: one line naming the key, the value and what is allowed.
+    """
+    c = validate_optim_config(cfg)
+    named = _named_trainable(model)
+    groups, summaries = build_param_groups(c, named)
+    params = [p for _, p in named]
+    if isinstance(c, AdamWConfig):
+        opt = torch.optim.AdamW(
+            groups,
+            lr=c.lr,
+            betas=tuple(c.betas),
+            eps=c.eps,
+            weight_decay=c.weight_decay,
+            amsgrad=c.amsgrad,
+            foreach=c.foreach,
+        )
+        log.info("optimizer: torch.optim.AdamW")
+    else:
+        backend, why = choose_backend(c.backend, params)
+        kwargs = _fused_adam_kwargs(c)
+        on_gpu = any(_local(p).device.type == "cuda" for p in params)
+        if c.state_dict_cpu_offload and not on_gpu:
+            warnings.warn(
+                "optim.state_dict_cpu_offload=true has no memory effect here: the parameters are not on a GPU",
+                UserWarning,
+                stacklevel=2,
+            )
+        if c.store_param_remainders and not any(p.dtype == torch.bfloat16 for p in params):
+            warnings.warn(
+                "optim.store_param_remainders=true has no effect: no parameter is BF16",
+                UserWarning,
+                stacklevel=2,
+            )
+        if backend == "te":
+            from optim_factory.optimizers.te_fused_adam import FusedAdam as cls
+
+            dropped = _drop_empty_local_shards(groups)
+            if dropped:
+                log.info("optimizer: %d parameter(s) with an empty local shard kept away from TE's kernels", dropped)
+        else:
+            from optim_factory.optimizers.portable import PortableFusedAdam as cls
+        opt = cls(groups, **kwargs)
+        log.info("optimizer: %s (%s)", cls.__name__, why)
+    for i, s in enumerate(summaries):
+        log.info(s.line(i))
+    return opt

@@ -1,0 +1,1 @@
+"""Training recipes built on optim_factory (entry point: recipes/train.py)."""

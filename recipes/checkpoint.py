@@ -1,0 +1,272 @@
+"""CheckpointManager: DCP checkpoints of model + optimizer + trainer state, with export reports.
+
+Layout of ``checkpoint.dir``::
+
+    step_00000100/            one DCP checkpoint (``.metadata`` + ``__<rank>_<n>.distcp`` files)
+        COMPLETE.json         written by rank 0 only after DCP finished the save (sync or async)
+    step_00000200/ ...
+
+A checkpoint is *complete* when it has both ``.metadata`` and ``COMPLETE.json``. Resume (``auto``) picks the
+newest complete one; incomplete directories are reported and never loaded. ``keep_last`` deletes only older
+complete checkpoints. With ``async_save`` the previous save is awaited before the next one starts and at exit.
+
+The optimizer is exported with ``get_optimizer_state_dict`` (``flatten_optimizer_state_dict`` configurable); the
+export is timed and, on CUDA, its GPU peak above the pre-export level is measured. The report (seconds, bytes,
+GB/s, peak) is logged and appended to the run's metrics file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from recipes.config import CheckpointConfig
+
+log = logging.getLogger(__name__)
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+MARKER = "COMPLETE.json"
+METADATA = ".metadata"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint problem, in one line naming the checkpoint (or key) and what is wrong."""
+
+
+@dataclass
+class ExportReport:
+    """What one checkpoint export cost."""
+
+    step: int
+    path: str
+    export_s: float
+    export_bytes: int
+    export_gbps: float
+    gpu_peak_mib: float | None
+    save_s: float
+    async_save: bool
+    flatten: bool
+
+
+def is_complete(path: Path) -> bool:
+    return (path / METADATA).is_file() and (path / MARKER).is_file()
+
+
+def state_bytes(obj: Any) -> int:
+    """Bytes of the (local shards of the) tensors in a nested state dict."""
+    if isinstance(obj, DTensor):
+        obj = obj._local_tensor
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v) for v in obj)
+    return 0
+
+
+def check_checkpoint_config(cfg: CheckpointConfig, rank: int = 0) -> None:
+    """Validate the checkpoint config and the directory before any heavy work (one-line CheckpointError)."""
+    if cfg.every_steps < 1:
+        raise CheckpointError(f"checkpoint.every_steps={cfg.every_steps}: must be >= 1")
+    if cfg.keep_last < 0:
+        raise CheckpointError(f"checkpoint.keep_last={cfg.keep_last}: must be >= 0 (0 keeps all)")
+    if not cfg.enabled:
+        return
+    if cfg.resume not in ("auto", "never"):
+        path = Path(cfg.resume)
+        if not (path / METADATA).is_file():
+            raise CheckpointError(
+                f"checkpoint.resume={cfg.resume!r}: not a checkpoint directory (no {METADATA}); "
+                "expected auto|never|<path of a step_* directory>"
+            )
+    root = Path(cfg.dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-probe-{rank}-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint.dir={cfg.dir!r}: not writable ({exc.strerror or exc})") from None
+    if cfg.resume == "never":
+        existing = [p.name for p in root.iterdir() if STEP_DIR.match(p.name)]
+        if existing:
+            raise CheckpointError(
+                f"checkpoint.resume=never but checkpoint.dir={cfg.dir!r} already holds {len(existing)} checkpoint(s) "
+                f"(e.g. {sorted(existing)[-1]}); use resume=auto or another checkpoint.dir"
+            )
+
+
+class CheckpointManager:
+    """Saves, retains and resumes DCP checkpoints (see the module docstring)."""
+
+    def __init__(self, cfg: CheckpointConfig, *, rank: int, device: torch.device, on_report=None):
+        self.cfg = cfg
+        self.root = Path(cfg.dir)
+        self.rank = rank
+        self.device = device
+        self.on_report = on_report
+        self.options = StateDictOptions(flatten_optimizer_state_dict=cfg.flatten_optimizer_state_dict)
+        self._pending: tuple[Future, int, Path, ExportReport] | None = None
+        self.reports: list[ExportReport] = []
+
+    # ------------------------------------------------------------------ discovery
+    def _step_dirs(self) -> list[tuple[int, Path]]:
+        if not self.root.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+        return sorted(found)
+
+    def complete(self) -> list[tuple[int, Path]]:
+        return [(s, p) for s, p in self._step_dirs() if is_complete(p)]
+
+    def incomplete(self) -> list[tuple[int, Path]]:
+        return [(s, p) for s, p in self._step_dirs() if not is_complete(p)]
+
+    def resume_path(self) -> Path | None:
+        """The checkpoint to resume from, per ``checkpoint.resume`` (None: start fresh)."""
+        if not self.cfg.enabled or self.cfg.resume == "never":
+            return None
+        if self.cfg.resume != "auto":
+            return Path(self.cfg.resume)
+        for step, path in self.incomplete():
+            log.warning("ignoring incomplete checkpoint %s (step %d): DCP did not finish it", path, step)
+        done = self.complete()
+        return done[-1][1] if done else None
+
+    def due(self, step: int, max_steps: int) -> bool:
+        return self.cfg.enabled and (step % self.cfg.every_steps == 0 or step == max_steps)
+
+    # ------------------------------------------------------------------ save
+    def _export(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict, dict, float, float | None]:
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+        t0 = time.perf_counter()
+        osd = get_optimizer_state_dict(model, optimizer, options=self.options)
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+        export_s = time.perf_counter() - t0
+        peak = (torch.cuda.max_memory_allocated(self.device) - base) / 2**20 if on_cuda else None
+        msd = get_model_state_dict(model, options=self.options)
+        return msd, osd, export_s, peak
+
+    def save(self, step: int, model, optimizer, trainer_state: dict[str, Any]) -> ExportReport:
+        """Export and save a checkpoint for ``step`` (async if configured). Returns the export report."""
+        self.wait()  # one save in flight at most; its buffers are never touched by the next export
+        path = self.root / f"step_{step:08d}"
+        if self.rank == 0 and path.exists() and not is_complete(path):
+            log.warning("removing incomplete checkpoint %s before saving step %d again", path, step)
+            shutil.rmtree(path)
+        if dist.is_initialized():
+            dist.barrier()
+        msd, osd, export_s, peak = self._export(model, optimizer)
+        nbytes = state_bytes(osd)
+        state = {"model": msd, "optim": osd, "trainer": trainer_state}
+        t0 = time.perf_counter()
+        if self.cfg.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(path))
+        else:
+            dcp.save(state, checkpoint_id=str(path))
+        save_s = time.perf_counter() - t0
+        report = ExportReport(
+            step=step,
+            path=str(path),
+            export_s=export_s,
+            export_bytes=nbytes,
+            export_gbps=nbytes / export_s / 1e9 if export_s > 0 else 0.0,
+            gpu_peak_mib=peak,
+            save_s=save_s,
+            async_save=self.cfg.async_save,
+            flatten=self.cfg.flatten_optimizer_state_dict,
+        )
+        self.reports.append(report)
+        if self.cfg.async_save:
+            self._pending = (future, step, path, report)
+        else:
+            self._finalize(step, path, report)
+        return report
+
+    def _finalize(self, step: int, path: Path, report: ExportReport) -> None:
+        if self.rank == 0:
+            marker = path / MARKER
+            tmp = path / (MARKER + ".tmp")
+            tmp.write_text(json.dumps({"step": step, "time": time.time(), **asdict(report)}))
+            os.replace(tmp, marker)
+            self._retain()
+        peak = "n/a (CPU)" if report.gpu_peak_mib is None else f"{report.gpu_peak_mib:.1f} MiB"
+        log.info(
+            "checkpoint step %d: optimizer export %.3f s, %.2f MB, %.3f GB/s, GPU peak %s; save %.3f s%s -> %s",
+            step,
+            report.export_s,
+            report.export_bytes / 1e6,
+            report.export_gbps,
+            peak,
+            report.save_s,
+            " (async staging)" if report.async_save else "",
+            path,
+        )
+        if self.on_report is not None:
+            self.on_report(report)
+
+    def wait(self) -> None:
+        """Wait for an in-flight async save; mark it complete. A failed save raises here, never silently."""
+        if self._pending is None:
+            return
+        future, step, path, report = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except Exception as exc:
+            raise CheckpointError(f"async save of {path} failed: {type(exc).__name__}: {exc}") from exc
+        self._finalize(step, path, report)
+
+    def _retain(self) -> None:
+        if self.cfg.keep_last <= 0:
+            return
+        done = self.complete()
+        for step, path in done[: max(0, len(done) - self.cfg.keep_last)]:
+            log.info("keep_last=%d: deleting checkpoint %s (step %d)", self.cfg.keep_last, path, step)
+            shutil.rmtree(path, ignore_errors=True)
+
+    def close(self) -> None:
+        self.wait()
+
+    # ------------------------------------------------------------------ load
+    def load(self, path: Path, model, optimizer, trainer_state: dict[str, Any]) -> dict[str, Any]:
+        """Load ``path`` into model, optimizer and a copy of ``trainer_state``; return the loaded trainer state."""
+        msd, osd = get_state_dict(model, optimizer, options=self.options)
+        state = {"model": msd, "optim": osd, "trainer": dict(trainer_state)}
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except Exception as exc:  # DCP's errors are long; keep the first line, name the checkpoint
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {first[:500]}") from exc
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=self.options
+        )
+        return state["trainer"]

@@ -1,0 +1,248 @@
+"""Train a small decoder-only transformer with FSDP2 and DCP checkpoints.
+
+    python recipes/train.py [overrides]                        # one process (CPU or one GPU)
+    torchrun --nproc_per_node=2 recipes/train.py [overrides]   # several processes
+    python recipes/train.py optim.state_dict_cpu_offload=true optim.exp_avg_dtype=bf16
+
+Config: ``conf/train.yaml`` (groups optim, model, data, checkpoint, trainer; presets in ``experiment/``).
+Every config value is checked before the process group, the model or a GPU allocation exists.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `recipes` and `optim_factory` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import hydra
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.fsdp import fully_shard
+
+from optim_factory.factory import ConfigError, build_optimizer, validate_optim_config
+from recipes.checkpoint import CheckpointError, CheckpointManager, ExportReport, check_checkpoint_config
+from recipes.config import register_configs
+from recipes.data import DataError, build_data
+from recipes.distributed import LaunchError, init_distributed, pick_device, resolve_dist_env, shutdown
+from recipes.model import build_model
+
+log = logging.getLogger("recipes.train")
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+USER_ERRORS = (ConfigError, CheckpointError, DataError, LaunchError)
+
+
+class MetricsWriter:
+    """Appends JSON lines to ``<run_dir>/metrics.jsonl`` (rank 0 only)."""
+
+    def __init__(self, run_dir: str, rank: int):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.enabled = rank == 0
+        if self.enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def checkpoint(self, report: ExportReport) -> None:
+        self.write({"kind": "checkpoint", **asdict(report)})
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """Console logging that does not tear the rank-0 progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001
+            self.handleError(record)
+
+
+def _setup_logging(rank: int, run_dir: str) -> None:
+    level = logging.INFO if rank == 0 else logging.WARNING
+    root = logging.getLogger()
+    root.setLevel(level)
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    fmt = logging.Formatter(f"[%(asctime)s][rank{rank}][%(name)s][%(levelname)s] %(message)s", "%H:%M:%S")
+    console = _TqdmHandler()
+    console.setFormatter(fmt)
+    root.addHandler(console)
+    if rank == 0:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(Path(run_dir) / "train.log")
+        fh.setFormatter(fmt)
+        root.addHandler(fh)
+
+
+def lr_factor(step: int, warmup: int, max_steps: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to 10% at ``max_steps`` (``step`` is 0-based)."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, max_steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _set_lr(optimizer: torch.optim.Optimizer, base_lrs: list[float], factor: float) -> float:
+    for group, base in zip(optimizer.param_groups, base_lrs):
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(base * factor)
+        else:
+            group["lr"] = base * factor
+    return base_lrs[0] * factor
+
+
+def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    """FSDP2: shard every block, then the root (also for one rank)."""
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def preflight(cfg: DictConfig):
+    """Every check that needs no heavy work: optimizer config, launcher, device, data, checkpoint dir."""
+    validate_optim_config(cfg.optim)
+    env = resolve_dist_env(os.environ)
+    device = pick_device(cfg.trainer.device, env.local_rank)
+    data = build_data(cfg.data, cfg.model.vocab_size)
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len}: must be <= model.max_seq_len={cfg.model.max_seq_len}")
+    if cfg.trainer.max_steps < 1:
+        raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps}: must be >= 1")
+    check_checkpoint_config(cfg.checkpoint, env.rank)
+    return env, device, data
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Run the training job that ``cfg`` describes; returns a summary (first/last loss, steps, reports)."""
+    env, device, data = preflight(cfg)
+    _setup_logging(env.rank, cfg.run_dir)
+    if cfg.trainer.threads > 0:
+        torch.set_num_threads(cfg.trainer.threads)
+    mesh = init_distributed(env, device)
+    try:
+        return _train(cfg, env, device, data, mesh)
+    finally:
+        shutdown()
+
+
+def _train(cfg: DictConfig, env, device, data, mesh) -> dict[str, Any]:
+    rank, world = env.rank, env.world_size
+    metrics = MetricsWriter(cfg.run_dir, rank)
+    model = shard_model(build_model(cfg.model, seed=cfg.trainer.seed, device=device), mesh)
+    optimizer = build_optimizer(cfg.optim, model)
+    base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+    ckpt = CheckpointManager(cfg.checkpoint, rank=rank, device=device, on_report=metrics.checkpoint)
+    log.info("launcher=%s world_size=%d device=%s run_dir=%s", env.launcher, world, device, cfg.run_dir)
+
+    start = 0
+    resume = ckpt.resume_path()
+    if resume is not None:
+        template = {"step": 0, "data_position": 0, "world_size": 0, "rng_state": torch.get_rng_state()}
+        state = ckpt.load(resume, model, optimizer, template)
+        start = int(state["step"])
+        torch.set_rng_state(state["rng_state"])
+        log.info("resuming from checkpoint %s at step %d (saved by %d rank(s))", resume, start, state["world_size"])
+    max_steps = cfg.trainer.max_steps
+    end = min(max_steps, cfg.trainer.stop_at) if cfg.trainer.stop_at > 0 else max_steps
+    if start >= end:
+        log.info("nothing to do: checkpoint step %d >= %d", start, end)
+
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=end,
+        initial=start,
+        disable=rank != 0 or not cfg.trainer.progress,
+        desc="train",
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
+    first_loss = last_loss = None
+    tokens_since, t_since = 0, time.perf_counter()
+    model.train()
+    for step in range(start, end):
+        lr = _set_lr(optimizer, base_lrs, lr_factor(step, cfg.trainer.warmup_steps, max_steps))
+        inputs, targets = data.batch(step, rank, world)
+        loss = model(inputs.to(device), targets.to(device))
+        loss.backward()
+        if cfg.trainer.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens_since += inputs.numel() * world
+        done = step + 1
+        if done == start + 1 or done % cfg.trainer.log_every == 0 or done == end:
+            value = loss.detach().float()
+            if world > 1:
+                dist.all_reduce(value)  # SUM: gloo has no AVG
+                value = value / world
+            last_loss = float(value)
+            first_loss = last_loss if first_loss is None else first_loss
+            elapsed = time.perf_counter() - t_since
+            tps = tokens_since / elapsed if elapsed > 0 else 0.0
+            metrics.write({"kind": "train", "step": done, "loss": last_loss, "lr": lr, "tokens_per_s": tps})
+            log.info("step %d/%d loss %.4f lr %.3g tokens/s %.0f", done, max_steps, last_loss, lr, tps)
+            bar.set_postfix(loss=f"{last_loss:.3f}")
+            tokens_since, t_since = 0, time.perf_counter()
+        bar.update(1)
+        if ckpt.due(done, end):
+            trainer_state = {
+                "step": done,
+                "data_position": done,
+                "world_size": world,
+                "rng_state": torch.get_rng_state(),
+            }
+            ckpt.save(done, model, optimizer, trainer_state)
+    bar.close()
+    ckpt.close()
+    summary = {
+        "start_step": start,
+        "end_step": max(start, end),
+        "first_loss": first_loss,
+        "last_loss": last_loss,
+        "checkpoints": [r.path for r in ckpt.reports],
+    }
+    metrics.write({"kind": "summary", **summary})
+    log.info("done: %s", json.dumps(summary))
+    return summary
+
+
+def compose_config(overrides: list[str] | None = None) -> DictConfig:
+    """Compose ``conf/train.yaml`` with overrides, as the command line would (for tests and notebooks)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=list(overrides or []))
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+def main(cfg: DictConfig) -> None:
+    OmegaConf.resolve(cfg)
+    try:
+        train(cfg)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+register_configs()
+
+if __name__ == "__main__":
+    main()

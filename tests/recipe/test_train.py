@@ -1,0 +1,254 @@
+"""recipes/train.py end to end on CPU: training, DCP checkpoints, resume, retention, torchrun, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from recipes.checkpoint import CheckpointError, is_complete
+from recipes.data import DataError
+from recipes.train import compose_config, train
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICK = ["experiment=quick", "trainer.threads=1"]
+
+
+def run_cli(args: list[str], *, torchrun: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
+    if torchrun:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={torchrun}",
+            "recipes/train.py",
+            *args,
+        ]
+    else:
+        cmd = [sys.executable, "recipes/train.py", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def model_tensors(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    out = tmp / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def flatten(tree, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def snapshot(path: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()}
+
+
+def test_default_run_learns_checkpoints_and_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    t0 = time.perf_counter()
+    proc = run_cli([f"run_dir={run_dir}", "trainer.progress=false"])
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert elapsed < 120, f"default run took {elapsed:.0f} s"
+    recs = metrics(run_dir)
+    train_recs = [r for r in recs if r["kind"] == "train"]
+    ckpts = [r for r in recs if r["kind"] == "checkpoint"]
+    assert train_recs[-1]["loss"] < 0.5 * train_recs[0]["loss"], (train_recs[0], train_recs[-1])
+    assert len(ckpts) >= 2 and ckpts[-1]["step"] == train_recs[-1]["step"] == 1000
+    for r in ckpts:
+        assert r["export_bytes"] > 0 and r["export_s"] > 0 and r["export_gbps"] > 0 and "gpu_peak_mib" in r
+    done = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if is_complete(p))
+    assert done[-1] == "step_00001000"
+
+    again = run_cli([f"run_dir={run_dir}", "trainer.progress=false", "trainer.max_steps=1020"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from checkpoint" in again.stderr and "step_00001000" in again.stderr
+    assert [r for r in metrics(run_dir) if r["kind"] == "train"][-1]["step"] == 1020
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["optim=adamw"],
+        ["optim.state_dict_cpu_offload=true", "optim.exp_avg_dtype=bf16", "optim.exp_avg_sq_dtype=fp16"],
+        ["optim=fused_adam_lowmem", "model.dtype=bf16"],
+    ],
+    ids=["fused_adam", "adamw", "offload-lowprec", "lowmem-preset"],
+)
+def test_n_plus_resume_plus_n_is_bitwise_equal_to_2n(extra, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(compose_config([*QUICK, *extra, f"run_dir={straight}"]))
+    train(compose_config([*QUICK, *extra, f"run_dir={resumed}", "trainer.stop_at=10"]))
+    summary = train(compose_config([*QUICK, *extra, f"run_dir={resumed}"]))
+    assert summary["start_step"] == 10
+    a = flatten(model_tensors(straight / "checkpoints" / "step_00000020", tmp_path))
+    b = flatten(model_tensors(resumed / "checkpoints" / "step_00000020", tmp_path))
+    assert a.keys() == b.keys()
+    tensors = [k for k in a if isinstance(a[k], torch.Tensor)]
+    assert any(k.startswith("model.") for k in tensors) and any(k.startswith("optim.") for k in tensors)
+    for k in tensors:
+        assert torch.equal(a[k], b[k]), k
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+@pytest.mark.parametrize("async_save", [False, True])
+def test_flatten_and_async_save_resume_continue(flatten, async_save, tmp_path):
+    over = [
+        *QUICK,
+        f"run_dir={tmp_path}",
+        f"checkpoint.flatten_optimizer_state_dict={flatten}",
+        f"checkpoint.async_save={async_save}",
+        "optim.exp_avg_dtype=fp16",
+        "optim.state_dict_cpu_offload=true",
+    ]
+    train(compose_config([*over, "trainer.max_steps=10"]))
+    summary = train(compose_config(over))
+    assert summary["start_step"] == 10 and summary["end_step"] == 20
+    assert [p.name for p in sorted((tmp_path / "checkpoints").iterdir())] == ["step_00000010", "step_00000020"]
+    assert all(is_complete(p) for p in (tmp_path / "checkpoints").iterdir())
+    reports = [r for r in metrics(tmp_path) if r["kind"] == "checkpoint"]
+    assert [r["async_save"] for r in reports] == [async_save, async_save]
+
+
+def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
+    ckdir = tmp_path / "checkpoints"
+    stray = ckdir / "step_00000001"  # an incomplete checkpoint (no .metadata, no marker)
+    stray.mkdir(parents=True)
+    (stray / "__0_0.distcp").write_bytes(b"partial")
+    train(compose_config([*QUICK, f"run_dir={tmp_path}", "checkpoint.every_steps=5", "checkpoint.keep_last=2"]))
+    names = sorted(p.name for p in ckdir.iterdir())
+    assert names == ["step_00000001", "step_00000015", "step_00000020"]
+    assert (stray / "__0_0.distcp").read_bytes() == b"partial"
+
+
+def test_incomplete_newest_checkpoint_is_never_loaded(tmp_path):
+    train(compose_config([*QUICK, f"run_dir={tmp_path}", "trainer.max_steps=10"]))
+    fake = tmp_path / "checkpoints" / "step_00000015"
+    shutil.copytree(tmp_path / "checkpoints" / "step_00000010", fake)
+    (fake / "COMPLETE.json").unlink()
+    summary = train(compose_config([*QUICK, f"run_dir={tmp_path}"]))
+    assert summary["start_step"] == 10
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_and_resharding_both_ways(tmp_path):
+    two = tmp_path / "two"
+    proc = run_cli([*QUICK, f"run_dir={two}", "trainer.max_steps=10"], torchrun=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "world_size=2" in proc.stderr
+    # 2-rank checkpoint → 1 rank
+    one = run_cli([*QUICK, f"run_dir={two}", "trainer.max_steps=20"])
+    assert one.returncode == 0, one.stderr[-4000:]
+    assert "saved by 2 rank(s)" in one.stderr
+    # 1-rank checkpoint (step 20) → 2 ranks
+    back = run_cli([*QUICK, f"run_dir={two}", "trainer.max_steps=30"], torchrun=2)
+    assert back.returncode == 0, back.stderr[-4000:]
+    assert "saved by 1 rank(s)" in back.stderr
+    steps = [r["step"] for r in metrics(two) if r["kind"] == "checkpoint"]
+    assert steps == [10, 20, 30]
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def _assert_untouched(before: dict, path: Path) -> None:
+    assert snapshot(path) == before
+
+
+@pytest.fixture(scope="module")
+def existing_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("existing")
+    train(compose_config([*QUICK, f"run_dir={run_dir}", "trainer.max_steps=10"]))
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    "overrides,error,fragment",
+    [
+        (
+            ["data=tokens", "data.path=/nonexistent/tokens.bin"],
+            DataError,
+            "data.path='/nonexistent/tokens.bin': no such file",
+        ),
+        (["checkpoint.resume=/etc"], CheckpointError, "checkpoint.resume='/etc': not a checkpoint directory"),
+        (["optim.lr=-1"], ValueError, "optim.lr=-1.0: must be > 0"),
+        (["checkpoint.every_steps=0"], CheckpointError, "checkpoint.every_steps=0"),
+        (["checkpoint.resume=never"], CheckpointError, "checkpoint.resume=never but checkpoint.dir="),
+    ],
+    ids=["missing-data-file", "resume-not-a-checkpoint", "negative-lr", "every-steps-0", "never-over-existing"],
+)
+def test_bad_input_fails_before_training_and_touches_nothing(existing_run, overrides, error, fragment):
+    before = snapshot(existing_run)
+    with pytest.raises(error) as info:
+        train(compose_config([*QUICK, f"run_dir={existing_run}", *overrides]))
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+    assert not dist.is_initialized()
+    _assert_untouched(before, existing_run)
+
+
+def test_unwritable_checkpoint_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(CheckpointError, match="not writable"):
+        train(compose_config([*QUICK, f"run_dir={tmp_path}", f"checkpoint.dir={blocker}/ckpts"]))
+    assert not dist.is_initialized()
+
+
+def test_malformed_token_file(tmp_path):
+    path = tmp_path / "tokens.bin"
+    path.write_bytes(b"\x01\x00\x02")  # odd size
+    with pytest.raises(DataError, match="not a whole number of uint16 tokens"):
+        train(compose_config([*QUICK, f"run_dir={tmp_path}", "data=tokens", f"data.path={path}"]))
+
+
+def test_token_file_trains(tmp_path):
+    import numpy as np
+
+    path = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 16, 5000).astype("<u2").tofile(path)
+    summary = train(
+        compose_config(
+            [
+                *QUICK,
+                f"run_dir={tmp_path}",
+                "data=tokens",
+                f"data.path={path}",
+                "data.seq_len=32",
+                "trainer.max_steps=5",
+                "checkpoint.every_steps=5",
+            ]
+        )
+    )
+    assert summary["end_step"] == 5 and summary["last_loss"] is not None
+
+
+def test_cli_unknown_override_and_user_error_are_short(tmp_path):
+    proc = run_cli([f"run_dir={tmp_path}", "optim.no_such_key=1"])
+    assert proc.returncode != 0
+    assert "Could not override 'optim.no_such_key'" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli([f"run_dir={tmp_path}", "data=tokens", "data.path=/nope.bin"])
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: data.path='/nope.bin': no such file"], proc.stderr
+    assert "Traceback" not in proc.stderr
