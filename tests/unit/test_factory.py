@@ -1,0 +1,281 @@
+"""build_optimizer: every config composes and builds, every option reaches the optimizer, bad configs fail early."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from optim_factory import PortableFusedAdam
+from optim_factory.config import AdamWConfig, FusedAdamConfig, GroupOverride, ParamGroupsConfig
+from optim_factory.factory import ConfigError, build_optimizer, parse_dtype, validate_optim_config
+from recipes.config import ModelConfig
+from recipes.model import DecoderLM
+from recipes.train import compose_config
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def tiny_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return DecoderLM(ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=8))
+
+
+def all_config_choices() -> list[list[str]]:
+    """One override list per YAML file in conf/ (each group option, each experiment)."""
+    choices = []
+    for path in sorted(CONF.rglob("*.yaml")):
+        rel = path.relative_to(CONF)
+        if rel.parts == ("train.yaml",):
+            choices.append([])
+        elif rel.parts[0] in ("optim", "model", "data", "checkpoint", "trainer", "experiment"):
+            group = "/".join(rel.parts[:-1])
+            extra = ["data.path=/tmp/unused.bin"] if rel.stem == "tokens" else []
+            choices.append([f"{group}={rel.stem}", *extra])
+        elif rel.parts[0] == "hydra":
+            choices.append([f"{'/'.join(rel.parts[:-1])}={rel.stem}"])
+    return choices
+
+
+@pytest.mark.parametrize("overrides", all_config_choices(), ids=lambda o: ",".join(o) or "train.yaml")
+def test_every_yaml_composes_and_builds_an_optimizer(overrides, tmp_path):
+    if overrides and overrides[0].startswith("hydra/"):
+        pytest.skip("launcher configs are composed by their own tests")
+    cfg = compose_config([*overrides, f"run_dir={tmp_path}"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = build_optimizer(cfg.optim, tiny_model())
+    assert isinstance(opt, (PortableFusedAdam, torch.optim.AdamW))
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(tiny_model().parameters()))
+
+
+def test_every_yaml_file_is_covered():
+    files = {p.relative_to(CONF).as_posix() for p in CONF.rglob("*.yaml")}
+    covered = {"train.yaml"} | {f"{o[0].split('=')[0]}/{o[0].split('=')[1]}.yaml" for o in all_config_choices() if o}
+    assert files == covered
+
+
+OPTION_OVERRIDES = [
+    ("state_dict_cpu_offload=true", "state_dict_cpu_offload", True),
+    ("exp_avg_dtype=bf16", "exp_avg_dtype", torch.bfloat16),
+    ("exp_avg_dtype=fp16", "exp_avg_dtype", torch.float16),
+    ("exp_avg_dtype=fp8", "exp_avg_dtype", torch.uint8),
+    ("exp_avg_sq_dtype=torch.bfloat16", "exp_avg_sq_dtype", torch.bfloat16),
+    ("exp_avg_sq_dtype=float16", "exp_avg_sq_dtype", torch.float16),
+    ("exp_avg_sq_dtype=fp8", "exp_avg_sq_dtype", torch.uint8),
+    ("master_weights=true", "master_weights", True),
+    ("master_weight_dtype=fp16", "master_weight_dtype", torch.float16),
+    ("capturable=true", "capturable", True),
+    ("use_decoupled_grad=true", "use_decoupled_grad", True),
+    ("adam_w_mode=false", "adam_w_mode", 0),
+]
+
+
+@pytest.mark.parametrize("override,attr,expected", OPTION_OVERRIDES, ids=[o[0] for o in OPTION_OVERRIDES])
+def test_each_fused_adam_option_reaches_the_optimizer(override, attr, expected, tmp_path):
+    cfg = compose_config([f"optim.{override}", f"run_dir={tmp_path}"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = build_optimizer(cfg.optim, tiny_model())
+    assert isinstance(opt, PortableFusedAdam)
+    assert getattr(opt, attr) == expected
+
+
+def test_remainders_betas_eps_weight_decay_lr_reach_the_optimizer(tmp_path):
+    cfg = compose_config(
+        [
+            "optim.master_weights=true",
+            "optim.store_param_remainders=true",
+            "optim.betas=[0.8,0.9]",
+            "optim.eps=1e-6",
+            "optim.weight_decay=0.2",
+            "optim.lr=0.01",
+            "optim.bias_correction=false",
+            "model.dtype=bf16",
+            f"run_dir={tmp_path}",
+        ]
+    )
+    model = tiny_model().bfloat16()
+    opt = build_optimizer(cfg.optim, model)
+    assert opt.store_param_remainders is True
+    for g in opt.param_groups:
+        assert g["betas"] == (0.8, 0.9) and g["eps"] == 1e-6 and g["lr"] == 0.01 and g["bias_correction"] is False
+    assert {g["weight_decay"] for g in opt.param_groups} == {0.2, 0.0}
+
+
+def test_cfg_as_dataclass_dict_and_named_parameters():
+    model = tiny_model()
+    a = build_optimizer(FusedAdamConfig(lr=0.02, exp_avg_dtype="bf16"), model)
+    b = build_optimizer({"lr": 0.02, "exp_avg_dtype": "torch.bfloat16"}, list(model.named_parameters()))
+    c = build_optimizer(AdamWConfig(lr=0.02), model)
+    assert a.exp_avg_dtype == b.exp_avg_dtype == torch.bfloat16
+    assert isinstance(c, torch.optim.AdamW) and c.param_groups[0]["lr"] == 0.02
+
+
+def test_backend_choice_is_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="optim_factory.factory"):
+        build_optimizer({"backend": "auto"}, tiny_model())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("optimizer:")]
+    assert len(lines) == 1 and "PortableFusedAdam" in lines[0] and "auto:" in lines[0]
+    assert sum(r.getMessage().startswith("param group") for r in caplog.records) == 2
+
+
+def test_backend_te_without_te_names_the_fix():
+    with pytest.raises(ConfigError) as info:
+        build_optimizer({"backend": "te"}, tiny_model())
+    msg = str(info.value)
+    assert msg.startswith("optim.backend='te':") and "pip install" in msg and "backend=portable" in msg
+
+
+def test_warnings_for_options_without_effect():
+    with pytest.warns(UserWarning, match="state_dict_cpu_offload=true has no memory effect"):
+        build_optimizer({"state_dict_cpu_offload": True}, tiny_model())
+    with pytest.warns(UserWarning, match="no parameter is BF16"):
+        build_optimizer({"master_weights": True, "store_param_remainders": True}, tiny_model())
+    with pytest.warns(UserWarning, match="no effect without master_weights"):
+        validate_optim_config({"store_param_remainders": True})
+
+
+# --------------------------------------------------------------------------------------------- malformed
+MALFORMED = [
+    ({"no_such_key": 1}, "no_such_key"),
+    ({"lr": "fast"}, "lr"),
+    ({"lr": -1.0}, "optim.lr=-1.0"),
+    ({"lr": 0.0}, "optim.lr=0.0"),
+    ({"lr": float("nan")}, "optim.lr=nan"),
+    ({"lr": float("inf")}, "optim.lr=inf"),
+    ({"betas": [0.9]}, "optim.betas=[0.9]"),
+    ({"betas": [0.9, 0.999, 0.5]}, "optim.betas="),
+    ({"betas": [1.0, 0.999]}, "optim.betas[0]=1.0"),
+    ({"betas": [0.9, -0.1]}, "optim.betas[1]=-0.1"),
+    ({"betas": "high"}, "betas"),
+    ({"eps": -1e-8}, "optim.eps=-1e-08"),
+    ({"weight_decay": -0.1}, "optim.weight_decay=-0.1"),
+    ({"exp_avg_dtype": "fp64"}, "optim.exp_avg_dtype='fp64'"),
+    ({"exp_avg_dtype": "int8"}, "optim.exp_avg_dtype='int8'"),
+    ({"exp_avg_sq_dtype": "torch.float64"}, "optim.exp_avg_sq_dtype='torch.float64'"),
+    ({"master_weight_dtype": "bf16"}, "optim.master_weight_dtype='bf16'"),
+    ({"master_weight_dtype": "fp8"}, "optim.master_weight_dtype='fp8'"),
+    ({"backend": "cuda"}, "optim.backend='cuda'"),
+    ({"name": "sgd"}, "optim.name='sgd'"),
+    ({"amsgrad": True}, "optim.amsgrad=True"),
+    ({"capturable": True, "exp_avg_dtype": "fp16", "exp_avg_sq_dtype": "fp16"}, "optim.exp_avg_dtype='fp16/fp16'"),
+    ({"capturable": True, "exp_avg_dtype": "bf16"}, "optim.exp_avg_dtype='bf16/fp32'"),
+    ({"capturable": True, "master_weights": True, "master_weight_dtype": "fp16"}, "optim.master_weight_dtype='fp16'"),
+    ({"capturable": True, "master_weights": True, "store_param_remainders": True}, "optim.store_param_remainders=True"),
+    ({"capturable": "maybe"}, "capturable"),
+    ({"state_dict_cpu_offload": "sometimes"}, "state_dict_cpu_offload"),
+    ({"param_groups": {"no_decay": ["("]}}, "optim.param_groups.no_decay[0]='('"),
+    ({"param_groups": {"no_decay": [""]}}, "optim.param_groups.no_decay[0]=''"),
+    (
+        {"param_groups": {"overrides": [{"pattern": "no_such_param", "lr_mult": 2.0}]}},
+        "optim.param_groups.overrides[0].pattern='no_such_param': matches no trainable parameter",
+    ),
+    (
+        {"param_groups": {"overrides": [{"pattern": "blocks", "lr_mult": 0.0}]}},
+        "optim.param_groups.overrides[0].lr_mult=0.0",
+    ),
+    (
+        {"param_groups": {"overrides": [{"pattern": "blocks", "weight_decay_mult": -1.0}]}},
+        "optim.param_groups.overrides[0].weight_decay_mult=-1.0",
+    ),
+    ({"param_groups": {"overrides": [{"pattern": "blocks"}, {"pattern": "qkv"}]}}, "patterns overlap on parameter"),
+    ({"param_groups": {"overrides": [{"pattern": "[a-"}]}}, "optim.param_groups.overrides.pattern[0]='[a-'"),
+    ({"param_groups": {"unknown": 1}}, "unknown"),
+    ({"name": "adamw", "exp_avg_dtype": "bf16"}, "exp_avg_dtype"),
+    ({"name": "adamw", "lr": -3.0}, "optim.lr=-3.0"),
+]
+
+
+@pytest.mark.parametrize("cfg,fragment", MALFORMED, ids=[str(i) for i in range(len(MALFORMED))])
+def test_malformed_config_raises_one_clear_line(cfg, fragment):
+    with pytest.raises(ConfigError) as info:
+        build_optimizer(cfg, tiny_model())
+    msg = str(info.value)
+    assert "\n" not in msg, msg
+    assert msg.startswith("optim.") or msg.startswith("build_optimizer"), msg
+    assert fragment in msg, msg
+
+
+def test_at_least_thirty_malformed_cases():
+    assert len(MALFORMED) >= 30
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "optim.no_such_key=1",
+        "optim.lr=fast",
+        "optim.capturable=maybe",
+        "optim.param_groups.bogus=1",
+        "optim.betas=oops",
+    ],
+)
+def test_unknown_keys_and_wrong_types_fail_at_compose_time(override, tmp_path):
+    from hydra.errors import HydraException
+
+    with pytest.raises(HydraException) as info:
+        compose_config([override, f"run_dir={tmp_path}"])
+    assert override.split("=")[0] in str(info.value) or "optim" in str(info.value)
+
+
+def test_parse_dtype_spellings():
+    assert parse_dtype("fp8") == parse_dtype("torch.uint8") == parse_dtype(torch.float8_e4m3fn) == torch.uint8
+    assert parse_dtype("BF16") == parse_dtype(torch.bfloat16) == torch.bfloat16
+    assert parse_dtype(" float32 ") == torch.float32
+
+
+# ------------------------------------------------------------------------------------------ parameter groups
+def test_default_groups_no_decay_for_bias_norm_embedding():
+    model = tiny_model()
+    opt = build_optimizer({"weight_decay": 0.1}, model)
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    decay = {name_of[id(p)] for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    no_decay = {name_of[id(p)] for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]}
+    assert all(n.endswith(".bias") or "norm" in n or "embed" in n for n in no_decay)
+    assert {"embed.weight", "pos_embed.weight", "norm.weight", "norm.bias", "blocks.0.qkv.bias"} <= no_decay
+    assert decay == {
+        "blocks.0.qkv.weight",
+        "blocks.0.proj.weight",
+        "blocks.0.fc.weight",
+        "blocks.0.out.weight",
+        "lm_head.weight",
+    }
+    every = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(every) == sorted(id(p) for p in model.parameters()) and len(set(every)) == len(every)
+
+
+def test_overrides_multiply_lr_and_weight_decay():
+    pg = ParamGroupsConfig(overrides=[GroupOverride(pattern=r"^lm_head", lr_mult=0.5, weight_decay_mult=2.0)])
+    opt = build_optimizer(FusedAdamConfig(lr=0.01, weight_decay=0.1, param_groups=pg), tiny_model())
+    head = [
+        g for g in opt.param_groups if len(g["params"]) == 1 and g["params"][0].shape == (16, 16) and g["lr"] == 0.005
+    ]
+    assert head and head[0]["weight_decay"] == pytest.approx(0.2)
+
+
+def test_custom_no_decay_and_unused_default_pattern_is_reported(caplog):
+    with caplog.at_level(logging.INFO, logger="optim_factory.factory"):
+        opt = build_optimizer(
+            {"param_groups": {"no_decay": ["bias$", "never_matches"]}, "weight_decay": 0.1}, tiny_model()
+        )
+    assert any("never_matches" in r.getMessage() and "matches no parameter" in r.getMessage() for r in caplog.records)
+    assert sum(len(g["params"]) for g in opt.param_groups if g["weight_decay"] == 0) == 7  # the biases
+
+
+def test_frozen_parameters_are_left_out():
+    model = tiny_model()
+    model.embed.weight.requires_grad_(False)
+    opt = build_optimizer({}, model)
+    assert all(p is not model.embed.weight for g in opt.param_groups for p in g["params"])
+
+
+def test_yaml_node_is_accepted_directly():
+    node = OmegaConf.load(CONF / "optim" / "fused_adam.yaml")
+    node.pop("defaults")
+    opt = build_optimizer(node, tiny_model())
+    assert isinstance(opt, PortableFusedAdam) and opt.param_groups[0]["lr"] == node.lr
