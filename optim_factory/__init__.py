@@ -1,12 +1,23 @@
 """optim-factory: TE FusedAdam with opt-in ``state_dict_cpu_offload``, a portable twin, and a Hydra factory."""
 
+from optim_factory.factory import ConfigError, build_optimizer, validate_optim_config
 from optim_factory.optimizers import PortableFusedAdam, export_state, load_exported_state
 
 __version__ = "0.1.0"
-__all__ = ["FusedAdam", "PortableFusedAdam", "export_state", "load_exported_state", "__version__"]
+__all__ = [
+    "FusedAdam",
+    "PortableFusedAdam",
+    "build_optimizer",
+    "validate_optim_config",
+    "ConfigError",
+    "export_state",
+    "load_exported_state",
+    "__version__",
+]
 
 
 def __getattr__(name: str):
+    # Lazy: importing Transformer Engine is slow and optional.
     if name == "FusedAdam":
         from optim_factory.optimizers.te_fused_adam import FusedAdam
 

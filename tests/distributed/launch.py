@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 
 import torch.distributed as dist
@@ -27,9 +28,12 @@ def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    dist.destroy_process_group()
+    # Skip interpreter teardown: gloo/TCPStore threads can abort ("terminate called without an active
+    # exception") when the rank hosting the store exits first. Everything this rank had to do is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn, world: int, *args) -> None:
