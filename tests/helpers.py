@@ -66,9 +66,9 @@ LIFECYCLE_CONFIGS: list[tuple[str, torch.dtype, dict]] = [
 SHAPES = [(8, 5), (5,), (3, 4, 2), (33,)]
 
 
-def make_params(dtype: torch.dtype, seed: int = 0, shapes=SHAPES) -> list[torch.nn.Parameter]:
+def make_params(dtype: torch.dtype, seed: int = 0, shapes=SHAPES, device="cpu") -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device=device, dtype=dtype)) for s in shapes]
 
 
 def clone_params(params) -> list[torch.nn.Parameter]:
@@ -88,9 +88,9 @@ def set_grads(params, step: int, seed: int = 1234, skip: set[int] | None = None)
         elif isinstance(p, DTensor):
             from torch.distributed.tensor import distribute_tensor
 
-            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+            p.grad = distribute_tensor(g.to(p.device), p.device_mesh, p.placements)
         else:
-            p.grad = g
+            p.grad = g.to(p.device)
 
 
 def p_dtype(params) -> torch.dtype:
@@ -108,9 +108,16 @@ def local(t):
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def raw(t):
+    """The storage-carrying tensor: the local shard, and for TE's Float8Tensor its uint8 ``_data``."""
+    t = local(t)
+    data = getattr(t, "_data", None)
+    return data if isinstance(data, torch.Tensor) and type(t) is not torch.Tensor else t
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """A tensor's raw bits, for bitwise comparison (NaNs included)."""
-    t = local(t).detach().contiguous()
+    t = raw(t).detach().contiguous()
     if t.dtype in (torch.float32, torch.int32):
         return t.view(torch.int32)
     if t.dtype in (torch.float16, torch.bfloat16, torch.int16):
@@ -121,8 +128,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
-    assert local(a).dtype == local(b).dtype, f"{what}: dtype {local(a).dtype} != {local(b).dtype}"
-    assert local(a).shape == local(b).shape, f"{what}: shape {local(a).shape} != {local(b).shape}"
+    assert raw(a).dtype == raw(b).dtype, f"{what}: dtype {raw(a).dtype} != {raw(b).dtype}"
+    assert raw(a).shape == raw(b).shape, f"{what}: shape {raw(a).shape} != {raw(b).shape}"
     assert torch.equal(bits(a).cpu(), bits(b).cpu()), f"{what}: values differ"
 
 
@@ -173,8 +180,8 @@ class LiveSnapshot:
         for i, p in enumerate(q for g in opt.param_groups for q in g["params"]):
             for name, v in opt.state[p].items():
                 snap.values[(i, name)] = bits(v).clone()
-                snap.ptrs[(i, name)] = local(v).data_ptr()
-                snap.devices[(i, name)] = local(v).device
+                snap.ptrs[(i, name)] = raw(v).data_ptr()
+                snap.devices[(i, name)] = raw(v).device
         for g in opt.param_groups:
             entry = {}
             for k, v in g.items():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -15,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from optim_factory import PortableFusedAdam
+from optim_factory import build_optimizer
 from tests.helpers import FP8, assert_bitwise, run_steps
 
 # uneven Shard(0) on 2 ranks: 3/2 rows, 1/0 rows (an empty local shard), 3/3, 4/3
@@ -42,6 +44,10 @@ CONFIGS = {
 HP = dict(lr=1e-2, weight_decay=0.1)
 
 
+# backend of the optimizer the workers build: "portable" (CPU tests) or "te" (GPU tests); set per process
+BACKEND = {"name": "portable"}
+
+
 class ShardedModel(torch.nn.Module):
     """A module whose parameters are DTensors sharded on dim 0 (what FSDP2 gives an optimizer)."""
 
@@ -49,15 +55,30 @@ class ShardedModel(torch.nn.Module):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         for i, shape in enumerate(SHAPES):
-            full = torch.randn(shape, generator=gen).to(dtype)
+            full = torch.randn(shape, generator=gen).to(device=mesh.device_type, dtype=dtype)
             self.register_parameter(f"w{i}", torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)])))
 
 
+def optim_config(cfg: str, offload: bool) -> dict:
+    """The factory config of one of CONFIGS (dtypes as strings, as a YAML file would spell them)."""
+    _, kw = CONFIGS[cfg]
+    as_text = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in kw.items()}
+    return {"backend": BACKEND["name"], **HP, "state_dict_cpu_offload": offload, **as_text}
+
+
 def build(mesh, cfg: str, seed: int = 0, offload: bool = True):
-    dtype, kw = CONFIGS[cfg]
+    dtype, _ = CONFIGS[cfg]
     model = ShardedModel(mesh, dtype, seed)
-    opt = PortableFusedAdam(model.parameters(), **HP, state_dict_cpu_offload=offload, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "offload has no memory effect on CPU"
+        opt = build_optimizer(optim_config(cfg, offload), model)
     return model, opt
+
+
+def optimized_params(model, opt) -> list[torch.nn.Parameter]:
+    """The model's parameters that the optimizer holds (TE's backend leaves out empty local shards)."""
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    return [p for p in model.parameters() if id(p) in held]
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
@@ -67,7 +88,7 @@ def full_params(model) -> dict[str, torch.Tensor]:
 def assert_same_model_and_state(m1, o1, m2, o2, what: str) -> None:
     for (n, a), (_, b) in zip(m1.named_parameters(), m2.named_parameters()):
         assert_bitwise(a, b, f"{what} param {n}")
-    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+    for p1, p2 in zip(optimized_params(m1, o1), optimized_params(m2, o2)):
         s1, s2 = o1.state[p1], o2.state[p2]
         assert s1.keys() == s2.keys(), what
         for name in s1:

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# GPU validation on a machine with CUDA and Transformer Engine, from the repository root.
+#   bash scripts/gpu_validate.sh single   # one-GPU tests + export benchmark
+#   bash scripts/gpu_validate.sh multi    # 2-GPU tests (torchrun) incl. the recipe
+# Logs and results go to ${OUT:-gpu-out}/ (pytest logs, gpu_results.jsonl, bench.md, bench_peak.png).
+set -u
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" GPU_RESULTS="$out/gpu_results.jsonl"
+py=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/nvidia-smi.csv" 2>&1
+$py -c "import torch, transformer_engine as te; print('torch', torch.__version__, 'te', te.__version__, 'gpus', torch.cuda.device_count())"
+case "${1:-single}" in
+  single)
+    start=$(date +%s)
+    timeout 300 $py -m pytest -q -rs -p no:cacheprovider tests/gpu/test_te_fused_adam.py > "$out/pytest_single.log" 2>&1
+    echo "pytest single rc=$? in $(( $(date +%s) - start )) s"; tail -n 25 "$out/pytest_single.log"
+    start=$(date +%s)
+    timeout 200 $py scripts/bench_export.py --repeats 5 --out "$out/bench.md" --png "$out/bench_peak.png" > "$out/bench.log" 2>&1
+    echo "bench rc=$? in $(( $(date +%s) - start )) s"; cat "$out/bench.md" 2>/dev/null || tail -n 30 "$out/bench.log" ;;
+  multi)
+    start=$(date +%s)
+    timeout 540 $py -m pytest -q -rs -p no:cacheprovider tests/gpu/test_te_distributed.py > "$out/pytest_multi.log" 2>&1
+    echo "pytest multi rc=$? in $(( $(date +%s) - start )) s"; tail -n 60 "$out/pytest_multi.log" ;;
+esac
