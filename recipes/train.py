@@ -240,6 +240,13 @@ def main(cfg: DictConfig) -> None:
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # A torchrun worker whose job is done: skip interpreter teardown, where gloo's threads can abort the
+        # process ("terminate called without an active exception") after a successful run.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 register_configs()

@@ -109,9 +109,6 @@ def d2h_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5)
         "pageable (fresh)": timed(lambda: src.to("cpu")),
         "pageable (reused)": timed(lambda: reused.copy_(src)),
     }
-    del src, pinned, reused
-    gc.collect()
-    torch.cuda.empty_cache()
     return out
 
 
@@ -280,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"{what}: unknown {bad}; allowed: {','.join(known)}")
     device = torch.device(args.device)
     bw = d2h_bandwidth(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     rows = []
     for case in args.cases.split(","):
         big = sum(torch.Size(s).numel() for s in CASES[case]) > 128 * M
