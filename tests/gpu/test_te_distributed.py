@@ -19,7 +19,9 @@ ENV = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 def torchrun(nproc: int, *args: str, timeout: int = 300) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ENV)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
+    if proc.returncode != 0:
+        print(proc.stdout[-4000:], "\n----- stderr -----\n", proc.stderr[-12000:])  # shown in the test report
+    assert proc.returncode == 0, f"torchrun exited {proc.returncode}: see the captured output"
     return proc.stdout + proc.stderr
 
 

@@ -142,6 +142,22 @@ def _deviation(a: torch.Tensor, b: torch.Tensor, dtype) -> tuple[float, float]:
     return ((a - b).abs().max().item() / scale if b.numel() else 0.0), excess
 
 
+# Portable vs TE after 20 steps: max |a - b| / max |b| per tensor. The two differ by FP32 rounding (FMA
+# contraction in the kernel), which flips stored low-precision values by an ulp now and then, and a flipped
+# moment feeds the next steps. Limits are about 3x the largest deviation measured on an H200
+# (benchmarks/results/2026-11-29-h200.md): FP32 3.3e-7, FP16 4.9e-4, BF16 4.8e-3, FP8 1.4e-1.
+MAX_REL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.uint8: 0.3}
+
+
+def _max_rel(a: torch.Tensor, b: torch.Tensor, dtype) -> tuple[float, float]:
+    """(max |a-b| / max|b|, how far past MAX_REL[dtype]; <= 0 is within)."""
+    a, b = a.float().cpu(), b.float().cpu()
+    if not b.numel():
+        return 0.0, 0.0
+    rel = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+    return rel, rel - MAX_REL[dtype]
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, dtype) -> float:
     rel, excess = _deviation(a, b, dtype)
     assert excess <= 0, f"exceeds the {dtype} tolerance by {excess:.3e} (max rel deviation {rel:.3e})"
@@ -155,14 +171,16 @@ def test_portable_on_cuda_matches_te(name, dtype, kw, record):
     te, pt = FusedAdam(p_te, **HP, **kw), PortableFusedAdam(p_pt, **HP, **kw)
     run_steps(te, p_te, 0, 20)
     run_steps(pt, p_pt, 0, 20)
-    found = {"params": [_deviation(a, b, param_tol_dtype(dtype, kw)) for a, b in zip(p_pt, p_te)]}
+    found = {"params": [_max_rel(a, b, param_tol_dtype(dtype, kw)) for a, b in zip(p_pt, p_te)]}
     sd_te, sd_pt = te.state_dict(), pt.state_dict()
     for k, st in sd_te["state"].items():
         for state_name, v in st.items():
             stored = te.name_to_dtype_map[state_name]
             if state_name == "master_param" and kw.get("store_param_remainders"):
                 continue  # int16 remainders: compared through the parameters
-            found.setdefault(state_name, []).append(_deviation(sd_pt["state"][k][state_name], v, stored))
+            # a master weight follows the parameter: it inherits the coarsest state dtype, as parameters do
+            tol = param_tol_dtype(stored, kw) if state_name == "master_param" else stored
+            found.setdefault(state_name, []).append(_max_rel(sd_pt["state"][k][state_name], v, tol))
     rel = {k: max(r for r, _ in v) for k, v in found.items()}
     record(test="portable_vs_te", case=name, max_rel_deviation=rel)
     for k, v in found.items():
