@@ -48,13 +48,22 @@ HP = dict(lr=1e-2, weight_decay=0.1)
 BACKEND = {"name": "portable"}
 
 
+# uneven shards, none empty: TE's backend keeps parameters with an empty local shard out of the optimizer,
+# and a full_state_dict gather needs every rank to hold every parameter's state
+NONEMPTY_SHAPES = [(5, 4), (6,), (7, 2)]
+
+
+def mesh_device() -> str:
+    return "cuda" if BACKEND["name"] == "te" else "cpu"
+
+
 class ShardedModel(torch.nn.Module):
     """A module whose parameters are DTensors sharded on dim 0 (what FSDP2 gives an optimizer)."""
 
-    def __init__(self, mesh, dtype: torch.dtype, seed: int):
+    def __init__(self, mesh, dtype: torch.dtype, seed: int, shapes=SHAPES):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
-        for i, shape in enumerate(SHAPES):
+        for i, shape in enumerate(shapes):
             full = torch.randn(shape, generator=gen).to(device=mesh.device_type, dtype=dtype)
             self.register_parameter(f"w{i}", torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)])))
 
@@ -66,9 +75,9 @@ def optim_config(cfg: str, offload: bool) -> dict:
     return {"backend": BACKEND["name"], **HP, "state_dict_cpu_offload": offload, **as_text}
 
 
-def build(mesh, cfg: str, seed: int = 0, offload: bool = True):
+def build(mesh, cfg: str, seed: int = 0, offload: bool = True, shapes=SHAPES):
     dtype, _ = CONFIGS[cfg]
-    model = ShardedModel(mesh, dtype, seed)
+    model = ShardedModel(mesh, dtype, seed, shapes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "offload has no memory effect on CPU"
         opt = build_optimizer(optim_config(cfg, offload), model)
@@ -98,7 +107,7 @@ def assert_same_model_and_state(m1, o1, m2, o2, what: str) -> None:
 
 def dcp_roundtrip(rank: int, world: int, cfg: str, tmp: str) -> None:
     """flatten False/True x dcp.save/async_save: save, load into a fresh model+optimizer, continue."""
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(mesh_device(), (world,))
     model, opt = build(mesh, cfg)
     run_steps(opt, list(model.parameters()), 0, 3)
     restored = []
@@ -135,8 +144,8 @@ def dcp_roundtrip(rank: int, world: int, cfg: str, tmp: str) -> None:
 
 def full_state_export(rank: int, world: int, cfg: str, tmp: str) -> None:
     """full_state_dict=True with and without DCP's cpu_offload equals the gathered sharded export."""
-    mesh = init_device_mesh("cpu", (world,))
-    model, opt = build(mesh, cfg)
+    mesh = init_device_mesh(mesh_device(), (world,))
+    model, opt = build(mesh, cfg, shapes=NONEMPTY_SHAPES)
     run_steps(opt, list(model.parameters()), 0, 3)
     sharded = get_optimizer_state_dict(model, opt)
     expected = {fqn: {n: t.full_tensor() for n, t in st.items()} for fqn, st in sharded["state"].items()}
@@ -156,7 +165,7 @@ def full_state_export(rank: int, world: int, cfg: str, tmp: str) -> None:
 
 def save_for_reshard(rank: int, world: int, cfg: str, tmp: str) -> None:
     """Save at step 3 (flattened), then record the full parameters after one more step."""
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(mesh_device(), (world,))
     model, opt = build(mesh, cfg)
     run_steps(opt, list(model.parameters()), 0, 3)
     options = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -171,7 +180,7 @@ def save_for_reshard(rank: int, world: int, cfg: str, tmp: str) -> None:
 
 def load_resharded(rank: int, world: int, cfg: str, tmp: str, saved_world: int) -> None:
     """Load a checkpoint written by ``saved_world`` ranks, take one step, compare to that run's next step."""
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(mesh_device(), (world,))
     model, opt = build(mesh, cfg, seed=99)
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     msd, osd = get_state_dict(model, opt, options=options)

@@ -178,8 +178,8 @@ def test_portable_on_cuda_matches_te(name, dtype, kw, record):
             stored = te.name_to_dtype_map[state_name]
             if state_name == "master_param" and kw.get("store_param_remainders"):
                 continue  # int16 remainders: compared through the parameters
-            # a master weight follows the parameter: it inherits the coarsest state dtype, as parameters do
-            tol = param_tol_dtype(stored, kw) if state_name == "master_param" else stored
+            # states are coupled through the parameters: each inherits the coarsest state dtype of the config
+            tol = param_tol_dtype(stored, kw)
             found.setdefault(state_name, []).append(_max_rel(sd_pt["state"][k][state_name], v, tol))
     rel = {k: max(r for r, _ in v) for k, v in found.items()}
     record(test="portable_vs_te", case=name, max_rel_deviation=rel)
