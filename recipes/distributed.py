@@ -22,7 +22,7 @@ class DistEnv:
     local_rank: int
     master_addr: str
     master_port: int
-    launcher: str  # torchrun | single
+    launcher: str  # torchrun | srun | submitit-local | single
 
 
 def _int(env: Mapping[str, str], key: str) -> int:
@@ -32,20 +32,125 @@ def _int(env: Mapping[str, str], key: str) -> int:
         raise LaunchError(f"{key}={env[key]!r}: expected an integer") from None
 
 
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm hostlist: ``node[01-03,07]`` → node01 node02 node03 node07; ``a,b[1-2]-x`` too.
+
+    Zero padding is kept; several bracket groups in one name expand as a product. Raises LaunchError on
+    malformed input.
+    """
+    text = nodelist.strip()
+    if not text:
+        raise LaunchError("SLURM_JOB_NODELIST is empty")
+    names, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise LaunchError(f"SLURM_JOB_NODELIST={nodelist!r}: unbalanced ']'")
+        elif ch == "," and depth == 0:
+            names.append(text[start:i])
+            start = i + 1
+    if depth != 0:
+        raise LaunchError(f"SLURM_JOB_NODELIST={nodelist!r}: unbalanced '['")
+    names.append(text[start:])
+    hosts: list[str] = []
+    for name in names:
+        if not name:
+            raise LaunchError(f"SLURM_JOB_NODELIST={nodelist!r}: empty host name")
+        hosts.extend(_expand_one(name, nodelist))
+    return hosts
+
+
+def _expand_one(name: str, whole: str) -> list[str]:
+    if "[" not in name:
+        return [name]
+    head, rest = name.split("[", 1)
+    body, tail = rest.split("]", 1)
+    values: list[str] = []
+    for part in body.split(","):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise LaunchError(f"SLURM_JOB_NODELIST={whole!r}: bad range {part!r}")
+        if not sep:
+            values.append(lo)
+            continue
+        if int(hi) < int(lo):
+            raise LaunchError(f"SLURM_JOB_NODELIST={whole!r}: descending range {part!r}")
+        values.extend(str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1))
+    return [f"{head}{v}{t}" for v in values for t in _expand_one(tail, whole)]
+
+
+def _port_from_job(env: Mapping[str, str], job_key: str) -> int:
+    if "MASTER_PORT" in env:
+        return _int(env, "MASTER_PORT")
+    return 20000 + _int(env, job_key) % 20000 if job_key in env else 29500
+
+
+def _checked(env: DistEnv) -> DistEnv:
+    if env.world_size < 1 or not 0 <= env.rank < env.world_size:
+        raise LaunchError(f"rank={env.rank}, world_size={env.world_size} ({env.launcher}): need 0 <= rank < world_size")
+    if env.local_rank < 0:
+        raise LaunchError(f"local rank {env.local_rank} ({env.launcher}): must be >= 0")
+    return env
+
+
 def resolve_dist_env(env: Mapping[str, str]) -> DistEnv:
-    """Read rank, world size and rendezvous address from torchrun's variables; none set means one process."""
-    keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    present = [k for k in keys if k in env]
-    if not present:
-        return DistEnv(0, 1, 0, "127.0.0.1", 0, "single")
-    missing = [k for k in keys if k not in env]
-    if missing:
-        raise LaunchError(f"half-set launcher environment: {', '.join(present)} set but {', '.join(missing)} missing")
-    rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-    local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
-    if world < 1 or not 0 <= rank < world:
-        raise LaunchError(f"RANK={rank}, WORLD_SIZE={world}: need 0 <= RANK < WORLD_SIZE")
-    return DistEnv(rank, world, local_rank, env["MASTER_ADDR"], _int(env, "MASTER_PORT"), "torchrun")
+    """Rank, world size and rendezvous address from the launcher's environment.
+
+    Checked in order: torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``; also
+    what ``srun torchrun`` gives each worker); plain ``srun`` with one task per GPU (``SLURM_PROCID``,
+    ``SLURM_NTASKS``, ``SLURM_LOCALID``, the head node of ``SLURM_JOB_NODELIST``, ``MASTER_PORT`` or a port
+    derived from ``SLURM_JOB_ID``; only inside a job step, i.e. with ``SLURM_STEP_ID``); submitit's local
+    executor (``SUBMITIT_LOCAL_*``); else one process. A half-set environment raises LaunchError.
+    """
+    torchrun = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    present = [k for k in torchrun if k in env]
+    if "RANK" in env or "WORLD_SIZE" in env:  # MASTER_* alone may be set by hand for srun
+        missing = [k for k in torchrun if k not in env]
+        if missing:
+            raise LaunchError(
+                f"half-set launcher environment: {', '.join(present)} set but {', '.join(missing)} missing"
+            )
+        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
+        return _checked(DistEnv(rank, world, local, env["MASTER_ADDR"], _int(env, "MASTER_PORT"), "torchrun"))
+
+    if "SLURM_STEP_ID" in env and ("SLURM_PROCID" in env or "SLURM_NTASKS" in env):
+        slurm = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+        missing = [k for k in slurm if k not in env]
+        nodelist = env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST"))
+        if nodelist is None:
+            missing.append("SLURM_JOB_NODELIST")
+        if missing:
+            raise LaunchError(f"half-set srun environment: {', '.join(missing)} missing")
+        head = expand_nodelist(nodelist)[0]
+        env_ = DistEnv(
+            _int(env, "SLURM_PROCID"),
+            _int(env, "SLURM_NTASKS"),
+            _int(env, "SLURM_LOCALID"),
+            env.get("MASTER_ADDR", head),
+            _port_from_job(env, "SLURM_JOB_ID"),
+            "srun",
+        )
+        return _checked(env_)
+
+    if "SUBMITIT_LOCAL_GLOBALID" in env or "SUBMITIT_LOCAL_NTASKS" in env:
+        keys = ("SUBMITIT_LOCAL_GLOBALID", "SUBMITIT_LOCAL_NTASKS", "SUBMITIT_LOCAL_LOCALID")
+        missing = [k for k in keys if k not in env]
+        if missing:
+            raise LaunchError(f"half-set submitit environment: {', '.join(missing)} missing")
+        env_ = DistEnv(
+            _int(env, "SUBMITIT_LOCAL_GLOBALID"),
+            _int(env, "SUBMITIT_LOCAL_NTASKS"),
+            _int(env, "SUBMITIT_LOCAL_LOCALID"),
+            "127.0.0.1",
+            _port_from_job(env, "SUBMITIT_LOCAL_JOB_ID"),
+            "submitit-local",
+        )
+        return _checked(env_)
+    return DistEnv(0, 1, 0, "127.0.0.1", 0, "single")
 
 
 def _free_port() -> int:

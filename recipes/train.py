@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -86,6 +87,40 @@ def _setup_logging(rank: int, run_dir: str) -> None:
         fh = logging.FileHandler(Path(run_dir) / "train.log")
         fh.setFormatter(fmt)
         root.addHandler(fh)
+
+
+class StopSignal:
+    """SIGTERM / SIGUSR1 (Slurm preemption, time limit, torchrun shutting down) ask the loop to stop cleanly.
+
+    The loop checks after every step; all ranks agree (a max all-reduce), save a checkpoint at that step, wait
+    for in-flight saves and return. A requeued job then resumes from it.
+    """
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous = {}
+        for name in self.SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                try:
+                    self._previous[sig] = signal.signal(sig, self._handle)
+                except ValueError:  # not the main thread (e.g. some launchers): no handler, no stop
+                    pass
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def should_stop(self, world: int) -> bool:
+        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32)
+        if world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # CPU tensor: gloo (cpu:gloo,cuda:nccl on CUDA)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
 
 
 def lr_factor(step: int, warmup: int, max_steps: int) -> float:
@@ -174,6 +209,7 @@ def _train(cfg: DictConfig, env, device, data, mesh) -> dict[str, Any]:
     )
     first_loss = last_loss = None
     tokens_since, t_since = 0, time.perf_counter()
+    stop, stopped_at = StopSignal(), None
     model.train()
     for step in range(start, end):
         lr = _set_lr(optimizer, base_lrs, lr_factor(step, cfg.trainer.warmup_steps, max_steps))
@@ -200,7 +236,8 @@ def _train(cfg: DictConfig, env, device, data, mesh) -> dict[str, Any]:
             bar.set_postfix(loss=f"{last_loss:.3f}")
             tokens_since, t_since = 0, time.perf_counter()
         bar.update(1)
-        if ckpt.due(done, end):
+        stopping = stop.should_stop(world)
+        if ckpt.due(done, end) or (stopping and cfg.checkpoint.enabled):
             trainer_state = {
                 "step": done,
                 "data_position": done,
@@ -208,14 +245,24 @@ def _train(cfg: DictConfig, env, device, data, mesh) -> dict[str, Any]:
                 "rng_state": torch.get_rng_state(),
             }
             ckpt.save(done, model, optimizer, trainer_state)
+        if stopping:
+            stopped_at = done
+            log.warning(
+                "stopping at step %d on %s (checkpoint saved); a new launch resumes here",
+                done,
+                stop.received or "a signal on another rank",
+            )
+            break
     bar.close()
     ckpt.close()
+    stop.restore()
     summary = {
         "start_step": start,
-        "end_step": max(start, end),
+        "end_step": stopped_at if stopped_at is not None else max(start, end),
         "first_loss": first_loss,
         "last_loss": last_loss,
         "checkpoints": [r.path for r in ckpt.reports],
+        "stopped_at": stopped_at,
     }
     metrics.write({"kind": "summary", **summary})
     log.info("done: %s", json.dumps(summary))
