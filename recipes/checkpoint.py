@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -66,6 +68,22 @@ class ExportReport:
     save_s: float
     async_save: bool
     flatten: bool
+
+
+_DCP_ERRORS = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
+
+
+def one_line(exc: BaseException) -> str:
+    """A short description of ``exc``; for DCP's per-rank failures, the first rank's own error."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = sorted(failures.items(), key=lambda kv: kv[0])[0]
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            inner = inner[0]  # (exception, traceback)
+        return f"rank {rank}: {one_line(inner) if isinstance(inner, BaseException) else str(inner)[:300]}"
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first[:300]}"
 
 
 def is_complete(path: Path) -> bool:
@@ -129,6 +147,13 @@ class CheckpointManager:
         self.options = StateDictOptions(flatten_optimizer_state_dict=cfg.flatten_optimizer_state_dict)
         self._pending: tuple[Future, int, Path, ExportReport] | None = None
         self.reports: list[ExportReport] = []
+        # Fault injection for scripts/fault_injection.py: RECIPE_FAULT_KILL_AT="<phase>:<step>" SIGKILLs this
+        # process at that point of that step's save (phases: export, write, marker). Unset in normal runs.
+        self._fault = os.environ.get("RECIPE_FAULT_KILL_AT")
+
+    def _fault_point(self, phase: str, step: int) -> None:
+        if self._fault == f"{phase}:{step}":
+            os.kill(os.getpid(), signal.SIGKILL)
 
     # ------------------------------------------------------------------ discovery
     def _step_dirs(self) -> list[tuple[int, Path]]:
@@ -143,16 +168,32 @@ class CheckpointManager:
     def incomplete(self) -> list[tuple[int, Path]]:
         return [(s, p) for s, p in self._step_dirs() if not is_complete(p)]
 
-    def resume_path(self) -> Path | None:
-        """The checkpoint to resume from, per ``checkpoint.resume`` (None: start fresh)."""
+    def resume_candidates(self) -> list[Path]:
+        """Checkpoints to try, newest first, per ``checkpoint.resume`` (empty: start fresh)."""
         if not self.cfg.enabled or self.cfg.resume == "never":
-            return None
+            return []
         if self.cfg.resume != "auto":
-            return Path(self.cfg.resume)
+            return [Path(self.cfg.resume)]
         for step, path in self.incomplete():
             log.warning("ignoring incomplete checkpoint %s (step %d): DCP did not finish it", path, step)
-        done = self.complete()
-        return done[-1][1] if done else None
+        return [p for _, p in reversed(self.complete())]
+
+    def resume(self, model, optimizer, trainer_state: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
+        """Load the newest loadable checkpoint; with ``checkpoint.fallback``, older ones after a failure.
+
+        Returns (path, trainer state) or None when there is nothing to resume. A checkpoint that fails to load
+        raises CheckpointError (or, with fallback, is logged and skipped); the live model and optimizer are
+        only written once a checkpoint has been read completely.
+        """
+        candidates = self.resume_candidates()
+        for i, path in enumerate(candidates):
+            try:
+                return path, self.load(path, model, optimizer, trainer_state)
+            except CheckpointError as exc:
+                if not (self.cfg.fallback and i + 1 < len(candidates)):
+                    raise
+                log.warning("%s; checkpoint.fallback=true: trying the older %s", exc, candidates[i + 1])
+        return None
 
     def due(self, step: int, max_steps: int) -> bool:
         return self.cfg.enabled and (step % self.cfg.every_steps == 0 or step == max_steps)
@@ -185,14 +226,19 @@ class CheckpointManager:
         if dist.is_initialized():
             dist.barrier()
         msd, osd, export_s, peak = self._export(model, optimizer)
+        self._fault_point("export", step)
         nbytes = state_bytes(osd)
         state = {"model": msd, "optim": osd, "trainer": trainer_state}
         t0 = time.perf_counter()
-        if self.cfg.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(path))
-        else:
-            dcp.save(state, checkpoint_id=str(path))
+        try:
+            if self.cfg.async_save:
+                future = dcp.async_save(state, checkpoint_id=str(path))
+            else:
+                dcp.save(state, checkpoint_id=str(path))
+        except _DCP_ERRORS as exc:  # the previous checkpoint is complete and untouched; this one gets no marker
+            raise CheckpointError(f"saving {path} failed: {one_line(exc)}") from exc
         save_s = time.perf_counter() - t0
+        self._fault_point("write", step)
         report = ExportReport(
             step=step,
             path=str(path),
@@ -212,6 +258,7 @@ class CheckpointManager:
         return report
 
     def _finalize(self, step: int, path: Path, report: ExportReport) -> None:
+        self._fault_point("marker", step)
         if self.rank == 0:
             marker = path / MARKER
             tmp = path / (MARKER + ".tmp")
@@ -241,8 +288,8 @@ class CheckpointManager:
         self._pending = None
         try:
             future.result()
-        except Exception as exc:
-            raise CheckpointError(f"async save of {path} failed: {type(exc).__name__}: {exc}") from exc
+        except _DCP_ERRORS as exc:
+            raise CheckpointError(f"async save of {path} failed: {one_line(exc)}") from exc
         self._finalize(step, path, report)
 
     def _retain(self) -> None:
@@ -258,15 +305,30 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load
     def load(self, path: Path, model, optimizer, trainer_state: dict[str, Any]) -> dict[str, Any]:
-        """Load ``path`` into model, optimizer and a copy of ``trainer_state``; return the loaded trainer state."""
+        """Load ``path`` into model, optimizer and a copy of ``trainer_state``; return the loaded trainer state.
+
+        DCP reads into host copies of the state dicts; only a complete read is then set into the live model and
+        optimizer, so a truncated or mismatched checkpoint leaves them untouched.
+        """
         msd, osd = get_state_dict(model, optimizer, options=self.options)
-        state = {"model": msd, "optim": osd, "trainer": dict(trainer_state)}
+        state = _host_copy({"model": msd, "optim": osd, "trainer": dict(trainer_state)})
+        del msd, osd
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except Exception as exc:  # DCP's errors are long; keep the first line, name the checkpoint
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {first[:500]}") from exc
+        except _DCP_ERRORS as exc:  # DCP's errors are long: name the checkpoint and the first rank's error
+            raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {one_line(exc)}") from exc
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=self.options
         )
         return state["trainer"]
+
+
+def _host_copy(obj: Any) -> Any:
+    """The same nested state dict with every tensor (DTensor: its local shard) copied to host memory."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_host_copy(v) for v in obj]
+    return obj

@@ -43,6 +43,7 @@ class CheckpointConfig:
     async_save: bool = False
     flatten_optimizer_state_dict: bool = True
     resume: str = "auto"  # auto | never | <path of a checkpoint directory>
+    fallback: bool = False  # resume=auto: if the newest complete checkpoint fails to load, try older ones
     enabled: bool = True
 
 

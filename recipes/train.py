@@ -77,15 +77,19 @@ def _setup_logging(rank: int, run_dir: str) -> None:
     root = logging.getLogger()
     root.setLevel(level)
     for h in list(root.handlers):
-        root.removeHandler(h)
+        if getattr(h, "_recipe", False):  # ours from an earlier run in this process; leave others' handlers
+            root.removeHandler(h)
+            h.close()
     fmt = logging.Formatter(f"[%(asctime)s][rank{rank}][%(name)s][%(levelname)s] %(message)s", "%H:%M:%S")
     console = _TqdmHandler()
     console.setFormatter(fmt)
+    console._recipe = True
     root.addHandler(console)
     if rank == 0:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         fh = logging.FileHandler(Path(run_dir) / "train.log")
         fh.setFormatter(fmt)
+        fh._recipe = True
         root.addHandler(fh)
 
 
@@ -184,14 +188,15 @@ def _train(cfg: DictConfig, env, device, data, mesh) -> dict[str, Any]:
     ckpt = CheckpointManager(cfg.checkpoint, rank=rank, device=device, on_report=metrics.checkpoint)
     log.info("launcher=%s world_size=%d device=%s run_dir=%s", env.launcher, world, device, cfg.run_dir)
 
-    start = 0
-    resume = ckpt.resume_path()
-    if resume is not None:
-        template = {"step": 0, "data_position": 0, "world_size": 0, "rng_state": torch.get_rng_state()}
-        state = ckpt.load(resume, model, optimizer, template)
-        start = int(state["step"])
+    torch.manual_seed(cfg.trainer.seed + 1000 * rank)  # the process RNG (dropout-free model: recorded, restored)
+    start, resumed_from = 0, None
+    template = {"step": 0, "data_position": 0, "world_size": 0, "rng_state": torch.get_rng_state()}
+    resumed = ckpt.resume(model, optimizer, template)
+    if resumed is not None:
+        path, state = resumed
+        start, resumed_from = int(state["step"]), str(path)
         torch.set_rng_state(state["rng_state"])
-        log.info("resuming from checkpoint %s at step %d (saved by %d rank(s))", resume, start, state["world_size"])
+        log.info("resuming from checkpoint %s at step %d (saved by %d rank(s))", path, start, state["world_size"])
     max_steps = cfg.trainer.max_steps
     end = min(max_steps, cfg.trainer.stop_at) if cfg.trainer.stop_at > 0 else max_steps
     if start >= end:
@@ -258,6 +263,7 @@ def _train(cfg: DictConfig, env, device, data, mesh) -> dict[str, Any]:
     stop.restore()
     summary = {
         "start_step": start,
+        "resumed_from": resumed_from,
         "end_step": stopped_at if stopped_at is not None else max(start, end),
         "first_loss": first_loss,
         "last_loss": last_loss,

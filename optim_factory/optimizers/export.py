@@ -27,7 +27,13 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["export_state", "load_exported_state", "param_index_map"]
+__all__ = [
+    "export_state",
+    "load_exported_state",
+    "param_index_map",
+    "join_bf16_remainder",
+    "split_bf16_remainder",
+]
 
 _CPU = torch.device("cpu")
 
@@ -153,14 +159,17 @@ def load_exported_state(optimizer: Any, state_dict: dict[str, Any]) -> None:
                 optimizer.state[param][name] = value
                 continue
             local = _local(value)
-            remainder = optimizer.store_param_remainders and name == "master_param" and param.dtype == torch.bfloat16
-            if remainder:
-                if local.dtype != torch.int16:
-                    raise ValueError(
-                        f"state {name!r} of a BF16 parameter must be int16 remainders when "
-                        f"store_param_remainders=True, got {local.dtype}"
-                    )
-            else:
+            master_of_bf16 = name == "master_param" and param.dtype == torch.bfloat16
+            if master_of_bf16 and optimizer.store_param_remainders and local.dtype != torch.int16:
+                # an FP32 master saved without remainders: keep its low 16 bits (the parameter holds the rest)
+                remainder = torch.empty(local.shape, dtype=torch.int16, device=local.device)
+                rounded = torch.empty(local.shape, dtype=torch.bfloat16, device=local.device)
+                split_bf16_remainder(local.float(), rounded, remainder)
+                local = remainder
+            elif master_of_bf16 and local.dtype == torch.int16 and not optimizer.store_param_remainders:
+                # int16 remainders saved, an FP32 (or FP16) master wanted: rebuild the exact FP32 master
+                local = join_bf16_remainder(_local(param).detach().to(local.device), local)
+            elif local.dtype != torch.int16:
                 local = local.float()
                 if _aliases(local, value):
                     local = local.clone()  # set_scaled_state may scale its argument in place
@@ -177,3 +186,26 @@ def _place_group_tensors(optimizer: torch.optim.Optimizer) -> None:
         for k, v in group.items():
             if k != "params" and isinstance(v, torch.Tensor) and v.device != device:
                 group[k] = v.to(device)
+
+
+def join_bf16_remainder(param_bf16: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """FP32 master from a BF16 parameter (high bits, rounded) and int16 remainders (low bits)."""
+    rem = remainder.to(torch.int32)
+    high = param_bf16.view(torch.int16).to(torch.int32) - (rem < 0).to(torch.int32)  # undo the rounding
+    bits = torch.bitwise_or(torch.bitwise_left_shift(high, 16), torch.bitwise_and(rem, 0xFFFF))
+    return bits.view(torch.float32).clone()
+
+
+def _to_int16_bits(x: torch.Tensor) -> torch.Tensor:
+    """The low 16 bits of an int32 tensor as a (two's complement) int16 tensor."""
+    low = torch.bitwise_and(x, 0xFFFF)
+    return (low - torch.where(low >= 0x8000, 0x10000, 0)).to(torch.int16)
+
+
+def split_bf16_remainder(master: torch.Tensor, param_bf16: torch.Tensor, remainder: torch.Tensor) -> None:
+    """Write FP32 ``master`` as a BF16 parameter rounded to nearest plus int16 low-bit remainders."""
+    bits = master.contiguous().view(torch.int32)
+    rem = _to_int16_bits(bits)
+    high = torch.bitwise_right_shift(bits, 16) + (rem < 0).to(torch.int32)  # round up
+    remainder.copy_(rem)
+    param_bf16.view(torch.int16).copy_(_to_int16_bits(high))

@@ -30,7 +30,13 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from optim_factory.optimizers.export import _wrap_like, export_state, load_exported_state
+from optim_factory.optimizers.export import (
+    _wrap_like,
+    export_state,
+    join_bf16_remainder,
+    load_exported_state,
+    split_bf16_remainder,
+)
 
 __all__ = ["PortableFusedAdam", "FP8_STORAGE_DTYPE"]
 
@@ -358,7 +364,7 @@ class PortableFusedAdam(torch.optim.Optimizer):
         v = self.get_unscaled_state(p, "exp_avg_sq")
         use_master = self.master_weights and p.dtype != torch.float32
         if use_master and remainder:
-            r_p = _join_bf16_remainder(local_p, _local(self.state[p]["master_param"]))
+            r_p = join_bf16_remainder(local_p, _local(self.state[p]["master_param"]))
         elif use_master:
             r_p = self.get_unscaled_state(p, "master_param")
             if r_p.data_ptr() == _local(self.state[p]["master_param"]).data_ptr():
@@ -393,7 +399,7 @@ class PortableFusedAdam(torch.optim.Optimizer):
         new_p = r_p - lr * update
 
         if use_master and remainder:
-            _split_bf16_remainder(new_p, local_p, _local(self.state[p]["master_param"]))
+            split_bf16_remainder(new_p, local_p, _local(self.state[p]["master_param"]))
         else:
             local_p.copy_(new_p)
             if use_master:
@@ -405,26 +411,3 @@ class PortableFusedAdam(torch.optim.Optimizer):
         stored = _local(self.state[p][name])
         if value.data_ptr() != stored.data_ptr():
             self.set_scaled_state(p, name, value)
-
-
-def _join_bf16_remainder(param_bf16: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """FP32 master from a BF16 parameter (high bits, rounded) and int16 remainders (low bits)."""
-    rem = remainder.to(torch.int32)
-    high = param_bf16.view(torch.int16).to(torch.int32) - (rem < 0).to(torch.int32)  # undo the rounding
-    bits = torch.bitwise_or(torch.bitwise_left_shift(high, 16), torch.bitwise_and(rem, 0xFFFF))
-    return bits.view(torch.float32).clone()
-
-
-def _to_int16_bits(x: torch.Tensor) -> torch.Tensor:
-    """The low 16 bits of an int32 tensor as a (two's complement) int16 tensor."""
-    low = torch.bitwise_and(x, 0xFFFF)
-    return (low - torch.where(low >= 0x8000, 0x10000, 0)).to(torch.int16)
-
-
-def _split_bf16_remainder(master: torch.Tensor, param_bf16: torch.Tensor, remainder: torch.Tensor) -> None:
-    """Write FP32 ``master`` as a BF16 parameter rounded to nearest plus int16 low-bit remainders."""
-    bits = master.contiguous().view(torch.int32)
-    rem = _to_int16_bits(bits)
-    high = torch.bitwise_right_shift(bits, 16) + (rem < 0).to(torch.int32)  # round up
-    remainder.copy_(rem)
-    param_bf16.view(torch.int16).copy_(_to_int16_bits(high))

@@ -150,7 +150,7 @@ def test_incomplete_newest_checkpoint_is_never_loaded(tmp_path):
     shutil.copytree(tmp_path / "checkpoints" / "step_00000010", fake)
     (fake / "COMPLETE.json").unlink()
     summary = train(compose_config([*QUICK, f"run_dir={tmp_path}"]))
-    assert summary["start_step"] == 10
+    assert summary["start_step"] == 10 and summary["resumed_from"].endswith("step_00000010")
 
 
 @pytest.mark.slow

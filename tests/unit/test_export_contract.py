@@ -187,3 +187,31 @@ def test_fp8_storage_and_alias():
     assert st["exp_avg"].dtype == torch.float8_e4m3fn and st["exp_avg_sq"].dtype == torch.float8_e4m3fn
     assert opt.name_to_dtype_map["exp_avg_sq"] == torch.uint8
     assert set(opt._scales[params[0]]) == {"exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.parametrize("saved_remainders", [True, False])
+def test_load_converts_between_int16_remainders_and_fp32_master(saved_remainders):
+    """Turning store_param_remainders on or off between save and resume keeps the exact FP32 master."""
+    from optim_factory.optimizers.export import join_bf16_remainder
+
+    kw = dict(master_weights=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    params = make_params(torch.bfloat16)
+    src = PortableFusedAdam(params, lr=1e-2, store_param_remainders=saved_remainders, **kw)
+    run_steps(src, params, 0, 3)
+    sd = deep_clone(src.state_dict())
+    dst_params = clone_params(params)
+    dst = PortableFusedAdam(dst_params, lr=1e-2, store_param_remainders=not saved_remainders, **kw)
+    dst.load_state_dict(sd)
+    for i, (p_src, p_dst) in enumerate(zip(params, dst_params)):
+        src_master = src.state[p_src]["master_param"]
+        dst_master = dst.state[p_dst]["master_param"]
+        if saved_remainders:  # int16 in the checkpoint → FP32 master now
+            assert dst_master.dtype == torch.float32
+            assert torch.equal(dst_master, join_bf16_remainder(p_src.detach(), src_master)), i
+        else:  # FP32 master in the checkpoint → int16 remainders now
+            assert dst_master.dtype == torch.int16
+            assert torch.equal(join_bf16_remainder(p_dst.detach(), dst_master), src_master), i
+    run_steps(src, params, 3, 3)
+    run_steps(dst, dst_params, 3, 3)
+    for a, b in zip(params, dst_params):
+        assert_bitwise(a, b, "param after resume with remainders toggled")

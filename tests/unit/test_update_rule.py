@@ -119,9 +119,9 @@ def test_remainders_reconstruct_fp32_master_exactly():
         master_a = opt_a.state[pa]["master_param"]
         rem = opt_b.state[pb]["master_param"]
         assert rem.dtype == torch.int16
-        from optim_factory.optimizers.portable import _join_bf16_remainder
+        from optim_factory.optimizers.export import join_bf16_remainder
 
-        assert torch.equal(_join_bf16_remainder(pb.detach(), rem), master_a)
+        assert torch.equal(join_bf16_remainder(pb.detach(), rem), master_a)
         assert torch.equal(master_a.bfloat16(), pb.detach())  # the param is the master rounded to nearest
 
 
