@@ -216,51 +216,54 @@ def _train(cfg: DictConfig, env, device, data, mesh) -> dict[str, Any]:
     tokens_since, t_since = 0, time.perf_counter()
     stop, stopped_at = StopSignal(), None
     model.train()
-    for step in range(start, end):
-        lr = _set_lr(optimizer, base_lrs, lr_factor(step, cfg.trainer.warmup_steps, max_steps))
-        inputs, targets = data.batch(step, rank, world)
-        loss = model(inputs.to(device), targets.to(device))
-        loss.backward()
-        if cfg.trainer.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        tokens_since += inputs.numel() * world
-        done = step + 1
-        if done == start + 1 or done % cfg.trainer.log_every == 0 or done == end:
-            value = loss.detach().float()
-            if world > 1:
-                dist.all_reduce(value)  # SUM: gloo has no AVG
-                value = value / world
-            last_loss = float(value)
-            first_loss = last_loss if first_loss is None else first_loss
-            elapsed = time.perf_counter() - t_since
-            tps = tokens_since / elapsed if elapsed > 0 else 0.0
-            metrics.write({"kind": "train", "step": done, "loss": last_loss, "lr": lr, "tokens_per_s": tps})
-            log.info("step %d/%d loss %.4f lr %.3g tokens/s %.0f", done, max_steps, last_loss, lr, tps)
-            bar.set_postfix(loss=f"{last_loss:.3f}")
-            tokens_since, t_since = 0, time.perf_counter()
-        bar.update(1)
-        stopping = stop.should_stop(world)
-        if ckpt.due(done, end) or (stopping and cfg.checkpoint.enabled):
-            trainer_state = {
-                "step": done,
-                "data_position": done,
-                "world_size": world,
-                "rng_state": torch.get_rng_state(),
-            }
-            ckpt.save(done, model, optimizer, trainer_state)
-        if stopping:
-            stopped_at = done
-            log.warning(
-                "stopping at step %d on %s (checkpoint saved); a new launch resumes here",
-                done,
-                stop.received or "a signal on another rank",
-            )
-            break
+    try:
+        for step in range(start, end):
+            lr = _set_lr(optimizer, base_lrs, lr_factor(step, cfg.trainer.warmup_steps, max_steps))
+            inputs, targets = data.batch(step, rank, world)
+            loss = model(inputs.to(device), targets.to(device))
+            loss.backward()
+            if cfg.trainer.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            tokens_since += inputs.numel() * world
+            done = step + 1
+            if done == start + 1 or done % cfg.trainer.log_every == 0 or done == end:
+                value = loss.detach().float()
+                if world > 1:
+                    dist.all_reduce(value)  # SUM: gloo has no AVG
+                    value = value / world
+                last_loss = float(value)
+                first_loss = last_loss if first_loss is None else first_loss
+                elapsed = time.perf_counter() - t_since
+                tps = tokens_since / elapsed if elapsed > 0 else 0.0
+                metrics.write({"kind": "train", "step": done, "loss": last_loss, "lr": lr, "tokens_per_s": tps})
+                log.info("step %d/%d loss %.4f lr %.3g tokens/s %.0f", done, max_steps, last_loss, lr, tps)
+                bar.set_postfix(loss=f"{last_loss:.3f}")
+                tokens_since, t_since = 0, time.perf_counter()
+            bar.update(1)
+            stopping = stop.should_stop(world)
+            if ckpt.due(done, end) or (stopping and cfg.checkpoint.enabled):
+                trainer_state = {
+                    "step": done,
+                    "data_position": done,
+                    "world_size": world,
+                    "rng_state": torch.get_rng_state(),
+                }
+                ckpt.save(done, model, optimizer, trainer_state)
+            if stopping:
+                stopped_at = done
+                log.warning(
+                    "stopping at step %d on %s%s",
+                    done,
+                    stop.received or "a signal on another rank",
+                    " (checkpoint saved); a new launch resumes here" if cfg.checkpoint.enabled else "",
+                )
+                break
+    finally:
+        stop.restore()  # also when a step or a save raises
     bar.close()
     ckpt.close()
-    stop.restore()
     summary = {
         "start_step": start,
         "resumed_from": resumed_from,
