@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from torch.distributed.tensor import DTensor
 
 from optim_factory.config import OPTIM_SCHEMAS, AdamWConfig, FusedAdamConfig
+from optim_factory.optimizers.export import local_tensor
 
 __all__ = [
     "ConfigError",
@@ -247,15 +247,11 @@ def build_param_groups(
 
 
 # ------------------------------------------------------------------------------------------------- backends
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p._local_tensor if isinstance(p, DTensor) else p
-
-
 def choose_backend(requested: str, params: list[torch.Tensor]) -> tuple[str, str]:
     """``auto|te|portable`` → (``te`` or ``portable``, the reason). ``te`` without TE raises."""
     from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE, TE_INSTALL_HINT, te_import_error
 
-    on_cuda = bool(params) and all(_local(p).device.type == "cuda" for p in params)
+    on_cuda = bool(params) and all(local_tensor(p).device.type == "cuda" for p in params)
     if requested == "portable":
         return "portable", "backend=portable requested"
     if requested == "te":
@@ -297,7 +293,7 @@ def _drop_empty_local_shards(groups: list[dict]) -> int:
     """Remove parameters whose local shard is empty (uneven FSDP2): TE's scaling kernels cannot take them."""
     dropped = 0
     for g in groups:
-        kept = [p for p in g["params"] if _local(p).numel() > 0]
+        kept = [p for p in g["params"] if local_tensor(p).numel() > 0]
         dropped += len(g["params"]) - len(kept)
         g["params"] = kept
     return dropped
@@ -335,7 +331,7 @@ def build_optimizer(cfg: Any, model: Any) -> torch.optim.Optimizer:
     else:
         backend, why = choose_backend(c.backend, params)
         kwargs = _fused_adam_kwargs(c)
-        on_gpu = any(_local(p).device.type == "cuda" for p in params)
+        on_gpu = any(local_tensor(p).device.type == "cuda" for p in params)
         if c.state_dict_cpu_offload and not on_gpu:
             warnings.warn(
                 "optim.state_dict_cpu_offload=true has no memory effect here: the parameters are not on a GPU",

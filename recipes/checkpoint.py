@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -84,6 +85,24 @@ def one_line(exc: BaseException) -> str:
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
     return f"{type(exc).__name__}: {first[:300]}"
+
+
+def read_checkpoint(path: Path, scratch: Path) -> dict[str, Any]:
+    """A checkpoint's contents as one flat ``{"model.<fqn>": tensor, "optim...": ..., "trainer.step": ...}``
+    dictionary, read on CPU without a process group (through a ``torch.save`` file written into ``scratch``)."""
+    target = Path(scratch) / f"{Path(path).parent.parent.name}-{Path(path).name}.pt"
+    dcp_to_torch_save(str(path), str(target))
+    flat: dict[str, Any] = {}
+
+    def walk(tree: dict, prefix: str) -> None:
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                flat[f"{prefix}{k}"] = v
+
+    walk(torch.load(target, weights_only=False), "")
+    return flat
 
 
 def is_complete(path: Path) -> bool:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from recipes.checkpoint import state_bytes  # noqa: E402
 
 M = 1 << 20
 FP8 = torch.uint8
@@ -72,15 +73,6 @@ MODES = ("default", "default+cpu", "offload")
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def tensor_bytes(sd: dict) -> int:
-    total = 0
-    for st in sd["state"].values():
-        for v in st.values():
-            if isinstance(v, torch.Tensor):
-                total += v.numel() * v.element_size()
-    return total
 
 
 def d2h_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
@@ -142,7 +134,7 @@ def run_mode(opt, mode: str, device: torch.device) -> tuple[int, int]:
         sd = {"state": {k: {n: v.to("cpu") for n, v in st.items()} for k, st in sd["state"].items()}}
     sync(device)
     peak = torch.cuda.max_memory_allocated(device) - base if on_cuda else 0
-    nbytes = tensor_bytes(sd)
+    nbytes = state_bytes(sd["state"])
     del sd
     return nbytes, peak
 

@@ -27,11 +27,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from recipes.checkpoint import is_complete  # noqa: E402
+from recipes.checkpoint import is_complete, read_checkpoint  # noqa: E402
 
 STEPS, EVERY = 20, 4
 PHASES = ("export", "write", "marker")
@@ -70,20 +69,8 @@ def launch(run_dir: Path, mode: str, env_extra: dict[str, str] | None = None) ->
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def final_state(run_dir: Path, scratch: Path) -> dict:
-    target = scratch / f"{run_dir.name}.pt"
-    dcp_to_torch_save(str(run_dir / "checkpoints" / f"step_{STEPS:08d}"), str(target))
-    return flat(torch.load(target, weights_only=False))
+    return read_checkpoint(run_dir / "checkpoints" / f"step_{STEPS:08d}", scratch)
 
 
 def equal(a: dict, b: dict) -> str:

@@ -20,7 +20,6 @@ The export contract (see DESIGN.md):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from itertools import chain
 from typing import Any
 
@@ -33,6 +32,7 @@ __all__ = [
     "param_index_map",
     "join_bf16_remainder",
     "split_bf16_remainder",
+    "local_tensor",
 ]
 
 _CPU = torch.device("cpu")
@@ -49,12 +49,13 @@ def param_index_map(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) 
     )
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = _local(a), _local(b)
+    a, b = local_tensor(a), local_tensor(b)
     if a.numel() == 0 or b.numel() == 0:
         return False
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
@@ -76,7 +77,7 @@ def _to_cpu_copy(t: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
     """A CPU tensor (or DTensor with a CPU local tensor) that never aliases ``live``."""
     if t.device.type != "cpu":
         return t.to(_CPU)
-    if live is not None and (_local(t).numel() == 0 or _aliases(t, live)):
+    if live is not None and (local_tensor(t).numel() == 0 or _aliases(t, live)):
         return t.clone()
     return t
 
@@ -131,12 +132,6 @@ def export_state(optimizer: Any, *, cpu_offload: bool) -> dict[str, Any]:
     return state_dict
 
 
-def _iter_loadable(values: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    for name, value in values.items():
-        if value is not None:
-            yield name, value
-
-
 def load_exported_state(optimizer: Any, state_dict: dict[str, Any]) -> None:
     """Load a dictionary made by :func:`export_state` (CPU or accelerator, plain tensors or DTensors).
 
@@ -154,11 +149,13 @@ def load_exported_state(optimizer: Any, state_dict: dict[str, Any]) -> None:
         if param is None:
             continue
         optimizer.state[param] = {}
-        for name, value in _iter_loadable(values):
+        for name, value in values.items():
+            if value is None:
+                continue
             if name not in optimizer.name_to_dtype_map or not isinstance(value, torch.Tensor):
                 optimizer.state[param][name] = value
                 continue
-            local = _local(value)
+            local = local_tensor(value)
             master_of_bf16 = name == "master_param" and param.dtype == torch.bfloat16
             if master_of_bf16 and optimizer.store_param_remainders and local.dtype != torch.int16:
                 # an FP32 master saved without remainders: keep its low 16 bits (the parameter holds the rest)
@@ -168,7 +165,7 @@ def load_exported_state(optimizer: Any, state_dict: dict[str, Any]) -> None:
                 local = remainder
             elif master_of_bf16 and local.dtype == torch.int16 and not optimizer.store_param_remainders:
                 # int16 remainders saved, an FP32 (or FP16) master wanted: rebuild the exact FP32 master
-                local = join_bf16_remainder(_local(param).detach().to(local.device), local)
+                local = join_bf16_remainder(local_tensor(param).detach().to(local.device), local)
             elif local.dtype != torch.int16:
                 local = local.float()
                 if _aliases(local, value):
@@ -182,7 +179,7 @@ def _place_group_tensors(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         if not group["params"]:
             continue
-        device = _local(group["params"][0]).device
+        device = local_tensor(group["params"][0]).device
         for k, v in group.items():
             if k != "params" and isinstance(v, torch.Tensor) and v.device != device:
                 group[k] = v.to(device)

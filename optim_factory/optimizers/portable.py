@@ -35,6 +35,7 @@ from optim_factory.optimizers.export import (
     export_state,
     join_bf16_remainder,
     load_exported_state,
+    local_tensor,
     split_bf16_remainder,
 )
 
@@ -49,10 +50,6 @@ _STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 def _f32(x: float) -> float:
     """Round a Python float to the nearest FP32 value (what a ``const float`` kernel argument receives)."""
     return struct.unpack("f", struct.pack("f", x))[0]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _normalize_moment_dtype(dtype: Any) -> Any:
@@ -138,12 +135,12 @@ class PortableFusedAdam(torch.optim.Optimizer):
         self.capturable = capturable
         self.master_weights = master_weights
         first = next((p for g in self.param_groups for p in g["params"]), None)
-        self._device = _local(first).device if first is not None else torch.device("cpu")
+        self._device = local_tensor(first).device if first is not None else torch.device("cpu")
         if capturable:
             for group in self.param_groups:
                 if group["params"]:
                     lr_value = torch.as_tensor(group["lr"], dtype=torch.float32)
-                    group["lr"] = lr_value.to(device=_local(group["params"][0]).device)
+                    group["lr"] = lr_value.to(device=local_tensor(group["params"][0]).device)
             self._step_supports_amp_scaling = True
         self._dummy_overflow_buf = torch.zeros([1], dtype=torch.int, device=self._device)
 
@@ -222,7 +219,7 @@ class PortableFusedAdam(torch.optim.Optimizer):
         FP32 and int16 states are returned as the live tensor (no copy), others as a new tensor. With
         ``skip_unscale``, BF16 states are returned as they are (TE's fused-unscale path).
         """
-        stored = _local(self.state[param][state_name])
+        stored = local_tensor(self.state[param][state_name])
         dtype = self.name_to_dtype_map[state_name]
         if dtype == torch.float32:
             expected = torch.int16 if self._is_remainder(param, state_name) else torch.float32
@@ -243,8 +240,8 @@ class PortableFusedAdam(torch.optim.Optimizer):
             raise TypeError(f"state {state_name!r} must be {expected}, got {unscaled_state.dtype}")
         if state_name not in self.state[param]:
             self._initialize_state(param, state_name, False, remainder)
-        local_state = _local(self.state[param][state_name])
-        unscaled_state = _local(unscaled_state)
+        local_state = local_tensor(self.state[param][state_name])
+        unscaled_state = local_tensor(unscaled_state)
         if self.name_to_dtype_map[state_name] != torch.float32:
             self._apply_scale(state_name, unscaled_state, local_state, self._scales[param][state_name])
         else:
@@ -254,7 +251,7 @@ class PortableFusedAdam(torch.optim.Optimizer):
         self, param: torch.Tensor, state_name: str, zero_buffer: bool, store_param_remainders: bool = False
     ) -> None:
         dtype = self.name_to_dtype_map[state_name]
-        local_param = _local(param)
+        local_param = local_tensor(param)
         if store_param_remainders:
             data = torch.zeros_like(local_param, dtype=torch.int16)
         else:
@@ -278,7 +275,7 @@ class PortableFusedAdam(torch.optim.Optimizer):
                 param, "master_param", zero_buffer=False, store_param_remainders=store_param_remainders
             )
             if not store_param_remainders:
-                self.set_scaled_state(param, "master_param", _local(param).detach().clone().float())
+                self.set_scaled_state(param, "master_param", local_tensor(param).detach().clone().float())
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
@@ -302,11 +299,11 @@ class PortableFusedAdam(torch.optim.Optimizer):
             if "step" in group:
                 group["step"] += 1 if not self.capturable else (self._dummy_overflow_buf != 1).to(torch.int)
             else:
-                device = _local(group["params"][0]).device if group["params"] else self._device
+                device = local_tensor(group["params"][0]).device if group["params"] else self._device
                 group["step"] = 1 if not self.capturable else torch.ones([1], dtype=torch.int, device=device)
             if not group["params"]:
                 continue
-            device = _local(group["params"][0]).device
+            device = local_tensor(group["params"][0]).device
             inv_scale = None
             if self.capturable:
                 found_inf = (
@@ -342,7 +339,7 @@ class PortableFusedAdam(torch.optim.Optimizer):
                             "FusedAdam doesn't support a mix of FP16/BF16 weights + Store param remainder."
                         )
                     raise RuntimeError("FusedAdam does not support a mix of float16 and bfloat16 model weights.")
-                self._update_param(group, p, _local(grad), remainder, inv_scale)
+                self._update_param(group, p, local_tensor(grad), remainder, inv_scale)
         return loss
 
     def _update_param(
@@ -353,7 +350,7 @@ class PortableFusedAdam(torch.optim.Optimizer):
         remainder: bool,
         inv_scale: torch.Tensor | None,
     ) -> None:
-        local_p = _local(p)
+        local_p = local_tensor(p)
         if local_p.numel() == 0:
             return
         g = grad.float()
@@ -364,10 +361,10 @@ class PortableFusedAdam(torch.optim.Optimizer):
         v = self.get_unscaled_state(p, "exp_avg_sq")
         use_master = self.master_weights and p.dtype != torch.float32
         if use_master and remainder:
-            r_p = join_bf16_remainder(local_p, _local(self.state[p]["master_param"]))
+            r_p = join_bf16_remainder(local_p, local_tensor(self.state[p]["master_param"]))
         elif use_master:
             r_p = self.get_unscaled_state(p, "master_param")
-            if r_p.data_ptr() == _local(self.state[p]["master_param"]).data_ptr():
+            if r_p.data_ptr() == local_tensor(self.state[p]["master_param"]).data_ptr():
                 r_p = r_p.clone()
         else:
             r_p = local_p.float()
@@ -399,7 +396,7 @@ class PortableFusedAdam(torch.optim.Optimizer):
         new_p = r_p - lr * update
 
         if use_master and remainder:
-            split_bf16_remainder(new_p, local_p, _local(self.state[p]["master_param"]))
+            split_bf16_remainder(new_p, local_p, local_tensor(self.state[p]["master_param"]))
         else:
             local_p.copy_(new_p)
             if use_master:
@@ -408,6 +405,6 @@ class PortableFusedAdam(torch.optim.Optimizer):
         self._store_moment(p, "exp_avg_sq", v)
 
     def _store_moment(self, p: torch.Tensor, name: str, value: torch.Tensor) -> None:
-        stored = _local(self.state[p][name])
+        stored = local_tensor(self.state[p][name])
         if value.data_ptr() != stored.data_ptr():
             self.set_scaled_state(p, name, value)

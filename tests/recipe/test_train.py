@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from recipes.checkpoint import CheckpointError, is_complete
+from recipes.checkpoint import CheckpointError, is_complete, read_checkpoint
 from recipes.data import DataError
 from recipes.train import compose_config, train
 
@@ -42,22 +41,6 @@ def run_cli(args: list[str], *, torchrun: int = 0, timeout: int = 300) -> subpro
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def model_tensors(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
-    out = tmp / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
-    dcp_to_torch_save(str(ckpt), str(out))
-    return torch.load(out, weights_only=False)
-
-
-def flatten(tree, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def snapshot(path: Path) -> dict[str, tuple[int, int]]:
@@ -103,8 +86,8 @@ def test_n_plus_resume_plus_n_is_bitwise_equal_to_2n(extra, tmp_path):
     train(compose_config([*QUICK, *extra, f"run_dir={resumed}", "trainer.stop_at=10"]))
     summary = train(compose_config([*QUICK, *extra, f"run_dir={resumed}"]))
     assert summary["start_step"] == 10
-    a = flatten(model_tensors(straight / "checkpoints" / "step_00000020", tmp_path))
-    b = flatten(model_tensors(resumed / "checkpoints" / "step_00000020", tmp_path))
+    a = read_checkpoint(straight / "checkpoints" / "step_00000020", tmp_path)
+    b = read_checkpoint(resumed / "checkpoints" / "step_00000020", tmp_path)
     assert a.keys() == b.keys()
     tensors = [k for k in a if isinstance(a[k], torch.Tensor)]
     assert any(k.startswith("model.") for k in tensors) and any(k.startswith("optim.") for k in tensors)
