@@ -10,6 +10,7 @@ This is the only module of the library that imports Hydra.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -50,7 +51,8 @@ class ParamGroupsConfig:
 
 @dataclass
 class FusedAdamConfig:
-    """Every option of TE's FusedAdam, ``state_dict_cpu_offload``, and the backend choice."""
+    """Every option of TE's FusedAdam, the export options (``state_dict_cpu_offload``,
+    ``state_dict_offload_chunk_bytes``, ``state_dict_offload_reuse_buffers``) and the backend choice."""
 
     name: str = "fused_adam"
     backend: str = "auto"  # auto | te | portable
@@ -69,6 +71,8 @@ class FusedAdamConfig:
     use_decoupled_grad: bool = False
     store_param_remainders: bool = False
     state_dict_cpu_offload: bool = False
+    state_dict_offload_chunk_bytes: Any = None  # null (one state at a time) | bytes | "64MiB"
+    state_dict_offload_reuse_buffers: bool = False
     param_groups: ParamGroupsConfig = field(default_factory=ParamGroupsConfig)
 
 

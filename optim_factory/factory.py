@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from optim_factory.config import OPTIM_SCHEMAS, AdamWConfig, FusedAdamConfig
-from optim_factory.optimizers.export import local_tensor
+from optim_factory.optimizers.export import MIN_CHUNK_BYTES, local_tensor
 
 __all__ = [
     "ConfigError",
@@ -50,6 +50,8 @@ _DTYPE_ALIASES: dict[str, torch.dtype] = {
 }
 _MOMENT_DTYPES = "fp32|fp16|bf16|fp8 (or torch.float32|torch.float16|torch.bfloat16|torch.uint8)"
 _BACKENDS = ("auto", "te", "portable")
+_SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB)?\s*$")
+_UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
 class ConfigError(ValueError):
@@ -72,6 +74,21 @@ def parse_dtype(value: Any, key: str = "dtype") -> torch.dtype:
     if name not in _DTYPE_ALIASES:
         raise _fail(key, value, f"expected one of {_MOMENT_DTYPES}")
     return _DTYPE_ALIASES[name]
+
+
+def parse_bytes(value: Any, key: str) -> int | None:
+    """``None``, an int, or a string like ``"64MiB"`` (units B, KiB, MiB, GiB) → bytes."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        nbytes = value
+    elif isinstance(value, str) and (m := _SIZE.match(value)):
+        nbytes = int(m.group(1)) * _UNITS[m.group(2)]
+    else:
+        raise _fail(key, value, "expected null (one state at a time), bytes as an int, or a size like 64MiB")
+    if nbytes < MIN_CHUNK_BYTES:
+        raise _fail(key, value, f"must be at least {MIN_CHUNK_BYTES} bytes (64MiB is a good budget)")
+    return nbytes
 
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -158,6 +175,19 @@ def validate_optim_config(cfg: Any) -> FusedAdamConfig | AdamWConfig:
             )
         if c.store_param_remainders:
             raise _fail("store_param_remainders", True, "not supported with capturable=true")
+    chunk = parse_bytes(c.state_dict_offload_chunk_bytes, "state_dict_offload_chunk_bytes")
+    if chunk is not None and not c.state_dict_cpu_offload:
+        raise _fail(
+            "state_dict_offload_chunk_bytes",
+            c.state_dict_offload_chunk_bytes,
+            "needs optim.state_dict_cpu_offload=true (chunked streaming is a mode of the CPU export)",
+        )
+    if c.state_dict_offload_reuse_buffers and chunk is None:
+        raise _fail(
+            "state_dict_offload_reuse_buffers",
+            True,
+            "needs optim.state_dict_offload_chunk_bytes (e.g. 64MiB): reusable buffers belong to the chunked export",
+        )
     if c.store_param_remainders and not (c.master_weights and master == torch.float32):
         warnings.warn(
             "optim.store_param_remainders=true has no effect without master_weights=true and master_weight_dtype=fp32",
@@ -286,6 +316,8 @@ def _fused_adam_kwargs(c: FusedAdamConfig) -> dict[str, Any]:
         use_decoupled_grad=c.use_decoupled_grad,
         store_param_remainders=c.store_param_remainders,
         state_dict_cpu_offload=c.state_dict_cpu_offload,
+        state_dict_offload_chunk_bytes=parse_bytes(c.state_dict_offload_chunk_bytes, "state_dict_offload_chunk_bytes"),
+        state_dict_offload_reuse_buffers=c.state_dict_offload_reuse_buffers,
     )
 
 

@@ -13,6 +13,12 @@ complete checkpoints. With ``async_save`` the previous save is awaited before th
 The optimizer is exported with ``get_optimizer_state_dict`` (``flatten_optimizer_state_dict`` configurable); the
 export is timed and, on CUDA, its GPU peak above the pre-export level is measured. The report (seconds, bytes,
 GB/s, peak) is logged and appended to the run's metrics file.
+
+With ``optim.state_dict_offload_reuse_buffers`` the optimizer exports into pooled host buffers. They are handed
+to DCP as they are (an async save stages copies of everything else, as DCP's default does, but not of them),
+and given back to the optimizer only once the save that reads them has finished (sync: when ``dcp.save``
+returns; async: in :meth:`CheckpointManager.wait`), so the next export can never overwrite a checkpoint that is
+still being written.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -43,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from optim_factory.optimizers.export import is_leased_export_buffer, release_exported_state, wrap_host_local
 from recipes.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -164,7 +172,7 @@ class CheckpointManager:
         self.device = device
         self.on_report = on_report
         self.options = StateDictOptions(flatten_optimizer_state_dict=cfg.flatten_optimizer_state_dict)
-        self._pending: tuple[Future, int, Path, ExportReport] | None = None
+        self._pending: tuple[Future, int, Path, ExportReport, Any, dict] | None = None
         self.reports: list[ExportReport] = []
         # Fault injection for scripts/fault_injection.py: RECIPE_FAULT_KILL_AT="<phase>:<step>" SIGKILLs this
         # process at that point of that step's save (phases: export, write, marker). Unset in normal runs.
@@ -250,12 +258,19 @@ class CheckpointManager:
         state = {"model": msd, "optim": osd, "trainer": trainer_state}
         t0 = time.perf_counter()
         try:
-            if self.cfg.async_save:
-                future = dcp.async_save(state, checkpoint_id=str(path))
-            else:
-                dcp.save(state, checkpoint_id=str(path))
+            try:
+                if self.cfg.async_save:
+                    stager = _ExportBufferStager(optimizer)
+                    future = dcp.async_save(state, checkpoint_id=str(path), async_stager=stager)
+                else:
+                    dcp.save(state, checkpoint_id=str(path))
+            except BaseException:
+                release_exported_state(optimizer, osd)  # nothing reads them any more
+                raise
         except _DCP_ERRORS as exc:  # the previous checkpoint is complete and untouched; this one gets no marker
             raise CheckpointError(f"saving {path} failed: {one_line(exc)}") from exc
+        if not self.cfg.async_save:
+            release_exported_state(optimizer, osd)  # written: the next export may reuse the buffers
         save_s = time.perf_counter() - t0
         self._fault_point("write", step)
         report = ExportReport(
@@ -271,7 +286,7 @@ class CheckpointManager:
         )
         self.reports.append(report)
         if self.cfg.async_save:
-            self._pending = (future, step, path, report)
+            self._pending = (future, step, path, report, optimizer, osd)
         else:
             self._finalize(step, path, report)
         return report
@@ -303,12 +318,14 @@ class CheckpointManager:
         """Wait for an in-flight async save; mark it complete. A failed save raises here, never silently."""
         if self._pending is None:
             return
-        future, step, path, report = self._pending
+        future, step, path, report, optimizer, osd = self._pending
         self._pending = None
         try:
             future.result()
         except _DCP_ERRORS as exc:
             raise CheckpointError(f"async save of {path} failed: {one_line(exc)}") from exc
+        finally:
+            release_exported_state(optimizer, osd)  # the save is over: the next export may reuse them
         self._finalize(step, path, report)
 
     def _retain(self) -> None:
@@ -340,6 +357,39 @@ class CheckpointManager:
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=self.options
         )
         return state["trainer"]
+
+
+class _ExportBufferStager(AsyncStager):
+    """Staging for ``dcp.async_save``: host copies of every tensor (as DCP's default stager makes), except the
+    optimizer's leased export buffers, which are passed through: nothing writes them until they are released,
+    which :class:`CheckpointManager` does only after this save has finished."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self, optimizer: Any):
+        self.optimizer = optimizer
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return self._stage(state_dict)
+
+    def _stage(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if is_leased_export_buffer(self.optimizer, obj):
+                return obj
+            if isinstance(obj, DTensor):
+                return wrap_host_local(obj._local_tensor.detach().to("cpu", copy=True), obj)
+            return obj.detach().to("cpu", copy=True)
+        if isinstance(obj, dict):
+            return {k: self._stage(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self._stage(v) for v in obj]
+        return obj
+
+    def synchronize_staging(self) -> None:
+        """Staging is synchronous."""
+
+    def close(self) -> None:
+        """Nothing to free."""
 
 
 def _host_copy(obj: Any) -> Any:

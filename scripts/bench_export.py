@@ -2,17 +2,27 @@
 
     python scripts/bench_export.py                          # all cases, TE backend, prints a markdown table
     python scripts/bench_export.py --cases 8x4M --dtypes bf16 --repeats 3 --out results.md --png peak.png
+    python scripts/bench_export.py --cases 64x4M --dtypes bf16 --modes chunked,chunked+reuse --fresh 10
     python scripts/bench_export.py --backend portable --device cpu --cases 1x1M --repeats 1   # smoke test
 
 Modes:
   default       TE's FusedAdam.state_dict(): every state converted to FP32 on the GPU, all kept until it returns
   default+cpu   the same, then every tensor copied to CPU (what DCP's StateDictOptions(cpu_offload=True) does)
   offload       state_dict_cpu_offload=True: one state converted, copied to CPU and dropped at a time
+  chunked       + state_dict_offload_chunk_bytes (--chunk-mib): streamed in chunks into fresh pageable memory
+                through two pinned staging buffers, conversion overlapped with the copies on a side stream
+  chunked+reuse + state_dict_offload_reuse_buffers: into pooled pinned buffers, released after each export
+                (as the recipe's CheckpointManager does once the checkpoint is written)
+  chunked+reuse-pageable  the same with pageable pooled buffers (through the staging buffers)
 
 GPU peak is torch.cuda.max_memory_allocated() above the level before the call (the largest of the repeats);
 time is the median of --repeats runs after one warm-up; GB/s counts the FP32 bytes exported. In the same run
 the device-to-host copy bandwidth is measured into pinned memory, fresh pageable memory and reused pageable
 memory (1 GiB, median of 5), and each export's GB/s is reported against the pinned figure.
+
+``--fresh N`` also runs, for each chunked mode, a fresh process per case that times its very first export
+(pinned staging or pool buffers allocated, pages first touched) and then N - 1 more (released each time), and
+reports the first, the last, and the process's RSS and pinned host bytes after the 2nd and the Nth export.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
+import json
 import os
 import platform
 import statistics
@@ -52,6 +63,7 @@ CASES: dict[str, list[tuple[int, ...]]] = {
     "8x4M": [(4 * M,)] * 8,
     "64x4M": [(4 * M,)] * 64,
     "gpt-355M": gpt_shapes(),
+    "1x1G": [(1 << 30,)],  # one state of 1.07e9 elements (4 GiB in FP32)
 }
 DTYPES: dict[str, tuple[torch.dtype, dict]] = {
     "bf16": (torch.float32, dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)),
@@ -67,7 +79,12 @@ DTYPES: dict[str, tuple[torch.dtype, dict]] = {
         ),
     ),
 }
-MODES = ("default", "default+cpu", "offload")
+MODES = ("default", "default+cpu", "offload", "chunked", "chunked+reuse", "chunked+reuse-pageable")
+CHUNK_OPTIONS = {  # mode -> (chunked, reuse, pinned pool)
+    "chunked": (True, False, True),
+    "chunked+reuse": (True, True, True),
+    "chunked+reuse-pageable": (True, True, False),
+}
 
 
 def sync(device: torch.device) -> None:
@@ -80,7 +97,10 @@ def d2h_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5)
     if device.type != "cuda":
         return {}
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
-    pinned = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    sync(device)
+    t0 = time.perf_counter()
+    pinned = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)  # the process's first pinned allocation
+    alloc_s = time.perf_counter() - t0
     reused = torch.empty(src.shape, dtype=src.dtype)
     reused.fill_(0)  # touch the pages once
 
@@ -100,6 +120,7 @@ def d2h_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5)
         "pinned": timed(lambda: pinned.copy_(src, non_blocking=True)),
         "pageable (fresh)": timed(lambda: src.to("cpu")),
         "pageable (reused)": timed(lambda: reused.copy_(src)),
+        "pinned allocation (first 1 GiB, not a copy)": nbytes / alloc_s / 1e9,
     }
     return out
 
@@ -121,9 +142,18 @@ def build(case: str, dtype_name: str, backend: str, device: torch.device):
     return params, opt
 
 
+def configure(opt, mode: str, chunk_bytes: int) -> None:
+    from optim_factory.optimizers.export import HostExporter
+
+    chunked, reuse, pinned = CHUNK_OPTIONS.get(mode, (False, False, True))
+    opt.state_dict_cpu_offload = mode == "offload" or chunked
+    opt.state_dict_offload_chunk_bytes = chunk_bytes if chunked else None
+    opt.state_dict_offload_reuse_buffers = reuse
+    HostExporter.of(opt).pin_pool = pinned
+
+
 def run_mode(opt, mode: str, device: torch.device) -> tuple[int, int]:
     """One export in ``mode``; returns (exported bytes, GPU peak bytes above the level before)."""
-    opt.state_dict_cpu_offload = mode == "offload"
     on_cuda = device.type == "cuda"
     sync(device)
     if on_cuda:
@@ -135,16 +165,23 @@ def run_mode(opt, mode: str, device: torch.device) -> tuple[int, int]:
     sync(device)
     peak = torch.cuda.max_memory_allocated(device) - base if on_cuda else 0
     nbytes = state_bytes(sd["state"])
+    opt.release_state_dict(sd)  # reuse modes: the checkpoint is written, the buffers go back to the pool
     del sd
     return nbytes, peak
 
 
-def bench_case(case: str, dtype_name: str, backend: str, device: torch.device, repeats: int) -> list[dict]:
+def bench_case(
+    case: str, dtype_name: str, backend: str, device: torch.device, repeats: int, modes, chunk_bytes: int
+) -> list[dict]:
     params, opt = build(case, dtype_name, backend, device)
     n_params = sum(p.numel() for p in params)
     rows = []
-    for mode in MODES:
-        run_mode(opt, mode, device)  # warm-up
+    for mode in modes:
+        configure(opt, mode, chunk_bytes)
+        gc.collect()
+        t0 = time.perf_counter()
+        run_mode(opt, mode, device)  # warm-up (the first export of this mode in this process)
+        first = time.perf_counter() - t0
         times, peaks, nbytes = [], [], 0
         for _ in range(repeats):
             gc.collect()
@@ -159,10 +196,14 @@ def bench_case(case: str, dtype_name: str, backend: str, device: torch.device, r
                 params=n_params,
                 dtype=dtype_name,
                 mode=mode,
+                chunk_mib=chunk_bytes / M if mode in CHUNK_OPTIONS else None,
                 peak_mib=max(peaks) / M,
                 time_ms=t * 1e3,
+                first_ms=first * 1e3,
+                last_ms=times[-1] * 1e3,
                 bytes=nbytes,
                 gbps=nbytes / t / 1e9,
+                last_gbps=nbytes / times[-1] / 1e9,
             )
         )
     del params, opt
@@ -170,6 +211,60 @@ def bench_case(case: str, dtype_name: str, backend: str, device: torch.device, r
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def host_memory() -> dict[str, int]:
+    """This process's resident set and the pinned host bytes torch's host allocator holds."""
+    rss = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+    pinned = 0
+    if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
+        stats = torch.cuda.host_memory_stats()
+        pinned = int(stats.get("allocated_bytes.current", 0))  # pinned blocks owned (in use + cached)
+    return {"rss": rss, "pinned": pinned}
+
+
+def fresh_process(case: str, dtype_name: str, backend: str, device: torch.device, mode: str, n: int, chunk: int):
+    """Body of the ``--_fresh`` child: the first export of a new process, then n - 1 more; prints one JSON line."""
+    params, opt = build(case, dtype_name, backend, device)
+    configure(opt, mode, chunk)
+    times, memory = [], {}
+    for i in range(n):
+        t0 = time.perf_counter()
+        nbytes, peak = run_mode(opt, mode, device)
+        times.append(time.perf_counter() - t0)
+        gc.collect()
+        if i + 1 in (2, n):
+            memory[i + 1] = host_memory()
+    print(
+        "FRESH "
+        + json.dumps(
+            dict(
+                case=case, dtype=dtype_name, mode=mode, n=n, bytes=nbytes, peak_mib=peak / M, times=times, memory=memory
+            )
+        ),
+        flush=True,
+    )
+
+
+def run_fresh(case: str, dtype_name: str, args, mode: str, alloc_conf: str | None = None) -> dict:
+    cmd = [sys.executable, __file__, "--_fresh", mode, "--cases", case, "--dtypes", dtype_name]
+    cmd += ["--fresh", str(args.fresh), "--backend", args.backend, "--device", args.device]
+    cmd += ["--chunk-mib", str(args.chunk_mib)]
+    env = dict(os.environ)
+    if alloc_conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("FRESH ")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"fresh-process run failed ({out.returncode}): {out.stderr[-2000:]}")
+    result = json.loads(lines[-1].removeprefix("FRESH "))
+    if alloc_conf:
+        result["mode"] += f" ({alloc_conf})"
+    return result
 
 
 def environment(device: torch.device, backend: str) -> list[str]:
@@ -203,7 +298,7 @@ def environment(device: torch.device, backend: str) -> list[str]:
     return lines
 
 
-def render(rows: list[dict], bw: dict[str, float], env: list[str], argv: list[str]) -> str:
+def render(rows: list[dict], fresh: list[dict], bw: dict[str, float], env: list[str], argv: list[str]) -> str:
     out = [
         "# FusedAdam export benchmark",
         "",
@@ -216,16 +311,43 @@ def render(rows: list[dict], bw: dict[str, float], env: list[str], argv: list[st
         out += [f"| {k} | {v:.1f} |" for k, v in bw.items()]
         out.append("")
     pinned = bw.get("pinned")
+
+    def pct(gbps: float) -> str:
+        return f"{100 * gbps / pinned:.0f}%" if pinned else "n/a"
+
     out += [
-        "| case | params | state dtypes | mode | GPU peak (MiB) | time (ms) | exported (MiB) | GB/s | % of pinned |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Time: median of the repeats; first: the warm-up (first export of that mode in this process); last: the "
+        "last repeat. Chunked modes: the GPU peak bound is 2 x chunk.",
+        "",
+        "| case | params | state dtypes | mode | GPU peak (MiB) | <= 2 x chunk | time (ms) | first (ms) | "
+        "last (ms) | exported (MiB) | GB/s | % of pinned | last GB/s | last % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        pct = f"{100 * r['gbps'] / pinned:.0f}%" if pinned else "n/a"
+        bound = "" if r["chunk_mib"] is None else ("yes" if r["peak_mib"] <= 2 * r["chunk_mib"] else "**no**")
         out.append(
-            f"| {r['case']} | {r['params'] / 1e6:.1f}M | {r['dtype']} | {r['mode']} | {r['peak_mib']:.1f} | "
-            f"{r['time_ms']:.1f} | {r['bytes'] / M:.0f} | {r['gbps']:.2f} | {pct} |"
+            f"| {r['case']} | {r['params'] / 1e6:.1f}M | {r['dtype']} | {r['mode']} | {r['peak_mib']:.1f} | {bound} | "
+            f"{r['time_ms']:.1f} | {r['first_ms']:.1f} | {r['last_ms']:.1f} | {r['bytes'] / M:.0f} | "
+            f"{r['gbps']:.2f} | {pct(r['gbps'])} | {r['last_gbps']:.2f} | {pct(r['last_gbps'])} |"
         )
+    if fresh:
+        out += [
+            "",
+            "Fresh processes: the first export of a new process, then the rest (released after each); host memory "
+            "(RSS, pinned bytes held by torch's host allocator) after the 2nd and the last export.",
+            "",
+            "| case | state dtypes | mode | exports | first GB/s | first % | last GB/s | last % | GPU peak (MiB) | "
+            "RSS after 2nd / last (MiB) | pinned after 2nd / last (MiB) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for f in fresh:
+            first, last = f["bytes"] / f["times"][0] / 1e9, f["bytes"] / f["times"][-1] / 1e9
+            m2, mn = f["memory"]["2"], f["memory"][str(f["n"])]
+            out.append(
+                f"| {f['case']} | {f['dtype']} | {f['mode']} | {f['n']} | {first:.2f} | {pct(first)} | {last:.2f} | "
+                f"{pct(last)} | {f['peak_mib']:.1f} | {m2['rss'] / M:.0f} / {mn['rss'] / M:.0f} | "
+                f"{m2['pinned'] / M:.0f} / {mn['pinned'] / M:.0f} |"
+            )
     return "\n".join(out) + "\n"
 
 
@@ -237,7 +359,7 @@ def plot(rows: list[dict], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for dtype_name in sorted({r["dtype"] for r in rows}):
-        for mode, style in (("default", "o-"), ("offload", "s--")):
+        for mode, style in (("default", "o-"), ("offload", "s--"), ("chunked+reuse", "^:")):
             pts = sorted((r["params"], r["peak_mib"]) for r in rows if r["dtype"] == dtype_name and r["mode"] == mode)
             if pts:
                 ax.plot([p / 1e6 for p, _ in pts], [max(m, 0.1) for _, m in pts], style, label=f"{dtype_name} {mode}")
@@ -245,7 +367,7 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("parameters (M)")
     ax.set_ylabel("GPU peak during state_dict() (MiB)")
-    ax.set_title("FusedAdam export: GPU peak, default vs state_dict_cpu_offload")
+    ax.set_title("FusedAdam export: GPU peak, default vs offload (per state, chunked)")
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -255,33 +377,62 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {','.join(CASES)}")
+    ap.add_argument("--cases", default=",".join(c for c in CASES if c != "1x1G"), help=f"of {','.join(CASES)}")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {','.join(DTYPES)}")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--chunk-mib", type=float, default=64.0, help="chunk budget of the chunked modes (MiB)")
+    ap.add_argument("--fresh", type=int, default=0, help="also run N exports in a fresh process per chunked mode")
+    ap.add_argument(
+        "--fresh-alloc-conf",
+        default="pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
+        help="with --fresh: one more chunked+reuse fresh process under this PYTORCH_CUDA_ALLOC_CONF ('' skips it)",
+    )
     ap.add_argument("--backend", choices=("te", "portable"), default="te")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", help="also write the markdown table here")
+    ap.add_argument("--jsonl", help="also append every row as JSON here")
     ap.add_argument("--png", help="also plot GPU peak vs parameter count here")
+    ap.add_argument("--_fresh", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    for name, known, what in ((args.cases, CASES, "--cases"), (args.dtypes, DTYPES, "--dtypes")):
+    for name, known, what in (
+        (args.cases, CASES, "--cases"),
+        (args.dtypes, DTYPES, "--dtypes"),
+        (args.modes, MODES, "--modes"),
+    ):
         bad = [x for x in name.split(",") if x not in known]
         if bad:
             ap.error(f"{what}: unknown {bad}; allowed: {','.join(known)}")
     device = torch.device(args.device)
+    chunk = int(args.chunk_mib * M)
+    if args._fresh:
+        fresh_process(args.cases, args.dtypes, args.backend, device, args._fresh, max(2, args.fresh), chunk)
+        return
     bw = d2h_bandwidth(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    rows = []
+    modes = args.modes.split(",")
+    rows, fresh = [], []
     for case in args.cases.split(","):
         big = sum(torch.Size(s).numel() for s in CASES[case]) > 128 * M
         for dtype_name in args.dtypes.split(","):
-            rows += bench_case(case, dtype_name, args.backend, device, min(args.repeats, 3) if big else args.repeats)
+            rows += bench_case(
+                case, dtype_name, args.backend, device, min(args.repeats, 3) if big else args.repeats, modes, chunk
+            )
             print(f"done {case} {dtype_name}", file=sys.stderr, flush=True)
-    text = render(rows, bw, environment(device, args.backend), argv)
+            if args.fresh:
+                fresh += [run_fresh(case, dtype_name, args, m) for m in modes if m in CHUNK_OPTIONS]
+                if args.fresh_alloc_conf and "chunked+reuse" in modes and device.type == "cuda":
+                    fresh.append(run_fresh(case, dtype_name, args, "chunked+reuse", args.fresh_alloc_conf))
+    text = render(rows, fresh, bw, environment(device, args.backend), argv)
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
+    if args.jsonl:
+        with open(args.jsonl, "a") as f:
+            for r in [*rows, *({"fresh": True, **x} for x in fresh)]:
+                f.write(json.dumps({**r, "pinned_gbps": bw.get("pinned")}) + "\n")
     if args.png:
         plot(rows, args.png)
 

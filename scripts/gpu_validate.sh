@@ -2,6 +2,8 @@
 # GPU validation on a machine with CUDA and Transformer Engine, from the repository root.
 #   bash scripts/gpu_validate.sh single   # one-GPU tests + export benchmark
 #   bash scripts/gpu_validate.sh multi    # 2-GPU tests (torchrun) incl. the recipe
+#   bash scripts/gpu_validate.sh stream   # streaming export acceptance: 2 GiB of BF16 states and one 1.07e9-element
+#                                         # state, every mode, fresh processes (first export, host memory over 10)
 # Logs and results go to ${OUT:-gpu-out}/ (pytest logs, gpu_results.jsonl, bench.md, bench_peak.png).
 set -u
 out=${OUT:-gpu-out}
@@ -18,8 +20,14 @@ case "${1:-single}" in
     echo "pytest single rc=$? in $(( $(date +%s) - start )) s"; tail -n 25 "$out/pytest_single.log"
     [ "${BENCH:-1}" = 0 ] && exit 0
     start=$(date +%s)
-    timeout 200 $py scripts/bench_export.py --repeats 5 --out "$out/bench.md" --png "$out/bench_peak.png" > "$out/bench.log" 2>&1
+    timeout ${BENCH_TIMEOUT:-300} $py scripts/bench_export.py --repeats ${REPEATS:-5} --dtypes ${DTYPES:-bf16,fp16,fp8,bf16-params+fp16-master} \
+      --out "$out/bench.md" --jsonl "$out/bench.jsonl" --png "$out/bench_peak.png" > "$out/bench.log" 2>&1
     echo "bench rc=$? in $(( $(date +%s) - start )) s"; cat "$out/bench.md" 2>/dev/null || tail -n 30 "$out/bench.log" ;;
+  stream)
+    start=$(date +%s)
+    timeout 400 $py scripts/bench_export.py --cases 64x4M,1x1G --dtypes bf16 --repeats 5 --fresh 10 \
+      --out "$out/bench_stream.md" --jsonl "$out/bench_stream.jsonl" > "$out/bench_stream.log" 2>&1
+    echo "bench stream rc=$? in $(( $(date +%s) - start )) s"; cat "$out/bench_stream.md" 2>/dev/null || tail -n 30 "$out/bench_stream.log" ;;
   multi)
     mkdir -p /tmp/smoke
     timeout 120 $py -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.distributed.run_worker \

@@ -16,23 +16,41 @@ The export contract (see DESIGN.md):
   converted. At most one converted state lives on the accelerator at a time. Exported tensors never alias
   live state, and tensors in ``param_groups`` (a capturable ``lr``, ``step``) are exported as CPU copies;
   the live ``param_groups`` keep their objects and devices.
+* ``cpu_offload=True`` with ``chunk_bytes``: the same result, bitwise, built by streaming (see
+  :class:`HostExporter`): every state is converted in pieces of at most ``chunk_bytes`` of output, into two
+  reusable device buffers, so the accelerator never holds more than two chunks of converted data whatever the
+  tensor sizes. Conversion runs on the current stream, device-to-host copies on a side stream, ordered by
+  events; host destinations are either fresh pageable tensors filled through two pinned staging buffers, or
+  (``reuse_buffers``) pinned tensors from a pool that are copied into directly and handed back to the pool by
+  :func:`release_exported_state` once nothing reads them any more.
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 __all__ = [
     "export_state",
     "load_exported_state",
+    "release_exported_state",
+    "is_leased_export_buffer",
+    "check_offload_options",
+    "HostExporter",
+    "OffloadedStateDict",
+    "MIN_CHUNK_BYTES",
     "param_index_map",
     "join_bf16_remainder",
     "split_bf16_remainder",
     "local_tensor",
+    "wrap_host_local",
 ]
 
 _CPU = torch.device("cpu")
@@ -103,18 +121,26 @@ def _export_group_value(value: Any) -> Any:
     return value
 
 
-def export_state(optimizer: Any, *, cpu_offload: bool) -> dict[str, Any]:
+def export_state(
+    optimizer: Any, *, cpu_offload: bool, chunk_bytes: int | None = None, reuse_buffers: bool = False
+) -> dict[str, Any]:
     """Build the state dict of a FusedAdam-like optimizer (see the module docstring for the contract).
 
     Args:
         optimizer: TE's FusedAdam (or a subclass) or :class:`~optim_factory.PortableFusedAdam`.
-        cpu_offload: stream each converted state to CPU, one at a time.
+        cpu_offload: export to CPU: one state at a time, or streamed in chunks with ``chunk_bytes``.
+        chunk_bytes: with ``cpu_offload``, stream in chunks of at most this many bytes of converted output.
+        reuse_buffers: with ``chunk_bytes``, take host destinations from the optimizer's pool (pinned when the
+            states are on CUDA); :func:`release_exported_state` gives them back.
 
     Returns:
         ``{"state": {index: {name: tensor}}, "param_groups": [...]}`` like ``torch.optim.Optimizer``.
     """
+    check_offload_options(cpu_offload, chunk_bytes, reuse_buffers)
     state_dict = torch.optim.Optimizer.state_dict(optimizer)
     id_map = param_index_map(optimizer, state_dict["param_groups"])
+    exporter = HostExporter.of(optimizer) if chunk_bytes is not None else None
+    streamed: list[_Item] = []
     for key, packed in state_dict["state"].items():
         param = id_map.get(key)
         if param is None:
@@ -122,14 +148,380 @@ def export_state(optimizer: Any, *, cpu_offload: bool) -> dict[str, Any]:
         live_state = optimizer.state[param]
         exported = {}
         for name in packed:
-            exported[name] = _export_one(optimizer, param, name, live_state[name], cpu_offload)
+            live = live_state[name]
+            item = exporter.item(optimizer, param, key, name, reuse_buffers) if exporter is not None else None
+            if item is not None:
+                streamed.append(item)
+                exported[name] = item.result
+            else:
+                exported[name] = _export_one(optimizer, param, name, live, cpu_offload)
         state_dict["state"][key] = exported
+    if streamed:
+        exporter.stream(streamed, chunk_bytes)
     if cpu_offload:
         state_dict["param_groups"] = [
             {k: (v if k in ("params", "param_names") else _export_group_value(v)) for k, v in g.items()}
             for g in state_dict["param_groups"]
         ]
     return state_dict
+
+
+MIN_CHUNK_BYTES = 64  # one aligned piece; real budgets are MiBs (the configs default to 64 MiB)
+_ALIGN = 64  # byte offset alignment of the pieces packed into one chunk
+
+
+def check_offload_options(cpu_offload: Any, chunk_bytes: Any, reuse_buffers: Any) -> None:
+    """Raise ``ValueError`` (one line) for an impossible combination of the export options."""
+    if not isinstance(cpu_offload, bool):
+        raise ValueError(f"state_dict_cpu_offload={cpu_offload!r}: expected True or False")
+    if chunk_bytes is not None:
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < MIN_CHUNK_BYTES:
+            raise ValueError(
+                f"state_dict_offload_chunk_bytes={chunk_bytes!r}: expected None (one state at a time) "
+                f"or an int >= {MIN_CHUNK_BYTES} (bytes of converted data per chunk, e.g. 64 MiB = {64 << 20})"
+            )
+        if not cpu_offload:
+            raise ValueError(
+                f"state_dict_offload_chunk_bytes={chunk_bytes}: needs state_dict_cpu_offload=True "
+                "(chunked streaming is a mode of the CPU-offloaded export)"
+            )
+    if not isinstance(reuse_buffers, bool):
+        raise ValueError(f"state_dict_offload_reuse_buffers={reuse_buffers!r}: expected True or False")
+    if reuse_buffers and chunk_bytes is None:
+        raise ValueError(
+            "state_dict_offload_reuse_buffers=True: needs state_dict_offload_chunk_bytes "
+            "(reusable host buffers belong to the chunked export)"
+        )
+
+
+def release_exported_state(optimizer: Any, state_dict: Any) -> int:
+    """Give the pooled host buffers of an exported ``state_dict`` back for reuse; return how many.
+
+    Any nested structure works (the optimizer's own ``state_dict()`` or DCP's flattened one). Call it only
+    when nothing reads those tensors any more (after the checkpoint that holds them is written): the next
+    ``state_dict()`` overwrites them. Tensors that are not pooled export buffers are ignored; without a call
+    the buffers are simply freed with the dictionary.
+    """
+    exporter = getattr(optimizer, _EXPORTER_ATTR, None)
+    return 0 if exporter is None else exporter.pool.release(state_dict)
+
+
+def is_leased_export_buffer(optimizer: Any, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (or a DTensor's local tensor) is a pooled export buffer not yet released: nothing
+    but its holder reads or writes it until :func:`release_exported_state` gives it back."""
+    exporter = getattr(optimizer, _EXPORTER_ATTR, None)
+    return exporter is not None and exporter.pool.is_leased(local_tensor(tensor))
+
+
+_EXPORTER_ATTR = "_optim_factory_host_exporter"
+
+
+@dataclass
+class _Item:
+    """One state streamed to the host: ``source`` (flat, raw storage dtype) times ``scale`` into ``dst``."""
+
+    source: torch.Tensor
+    scale: torch.Tensor | None
+    dst: torch.Tensor  # host, local shape, contiguous
+    result: torch.Tensor  # ``dst``, or ``dst`` wrapped as a DTensor like the parameter
+    staged: bool  # ``dst`` is filled through a staging buffer (pageable memory), not copied into directly
+
+    @property
+    def direct(self) -> bool:
+        """No conversion: the device bytes are the exported bytes (FP32 states, int16 remainders)."""
+        return self.scale is None and self.source.dtype == self.dst.dtype
+
+
+@dataclass
+class _Piece:
+    item: _Item
+    start: int  # element range of the item
+    stop: int
+    offset: int  # byte offset in the chunk buffers
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This piece's slot in a chunk buffer (uint8), typed like the destination."""
+        nbytes = (self.stop - self.start) * self.item.dst.element_size()
+        return buffer[self.offset : self.offset + nbytes].view(self.item.dst.dtype)
+
+    def source(self) -> torch.Tensor:
+        return self.item.source[self.start : self.stop]
+
+    def dst(self) -> torch.Tensor:
+        return self.item.dst.view(-1)[self.start : self.stop]
+
+
+def _plan(items: list[_Item], chunk_bytes: int) -> list[list[_Piece]]:
+    """Cut the items into pieces and pack them, in order, into chunks of at most ``chunk_bytes`` bytes."""
+    chunks: list[list[_Piece]] = []
+    current: list[_Piece] = []
+    used = 0
+    for item in items:
+        esize = item.dst.element_size()
+        start, n = 0, item.dst.numel()
+        while start < n:
+            room = (chunk_bytes - used) // esize
+            if room <= 0:
+                chunks.append(current)
+                current, used = [], 0
+                continue
+            stop = min(n, start + room)
+            current.append(_Piece(item, start, stop, used))
+            used = -(-(used + (stop - start) * esize) // _ALIGN) * _ALIGN
+            start = stop
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _fp8_torch_dtype(te_fp8_dtype: Any) -> torch.dtype:
+    name = str(te_fp8_dtype).lower()
+    if "e5m2" in name:
+        return torch.float8_e5m2
+    if "e4m3" in name:
+        return torch.float8_e4m3fn
+    raise RuntimeError(f"unknown FP8 format {te_fp8_dtype!r}")
+
+
+def _state_source(optimizer: Any, param: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The raw local storage of one state (flat) and the FP32 factor that unscales it, or ``None`` when the
+    state cannot be streamed element by element (non-contiguous storage)."""
+    stored = local_tensor(optimizer.state[param][name])
+    data = getattr(stored, "_data", None)
+    if data is not None and hasattr(stored, "_scale_inv"):
+        # TE's Float8Tensor: its float() is E4M3 -> FP32 times scale_inv, element by element
+        source, scale = data.view(_fp8_torch_dtype(stored._fp8_dtype)), stored._scale_inv
+    elif optimizer.name_to_dtype_map[name] in (torch.float16, torch.uint8):
+        source, scale = stored, optimizer._scales[param][name]  # FP16 (both backends), FP8 (portable)
+    else:
+        source, scale = stored, None  # FP32, int16 remainders (copied as they are), BF16 (widened)
+    if not source.is_contiguous():
+        return None
+    return source.reshape(-1), scale
+
+
+def wrap_host_local(local: torch.Tensor, param: DTensor) -> DTensor:
+    """``local`` (a host tensor) as a DTensor laid out like ``param``, without moving it to the mesh's device
+    (what ``DTensor.to("cpu")`` returns; ``DTensor.from_local`` would copy it back to the accelerator)."""
+    meta = TensorMeta(shape=param.size(), stride=param.stride(), dtype=local.dtype)
+    spec = DTensorSpec(mesh=param.device_mesh, placements=tuple(param.placements), tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=False)
+
+
+class HostBufferPool:
+    """Host tensors for the chunked export, reused across exports once released.
+
+    A buffer handed out by :meth:`take` is *leased*: the pool keeps no reference to it, so a leased buffer is
+    never handed out again; it comes back only through :meth:`release` (or is freed with its dictionary).
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._leased: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+    def take(self, slot: Any, shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        key = (slot, tuple(shape), dtype, pin)
+        free = self._free.get(key)
+        buf = free.pop() if free else torch.empty(shape, dtype=dtype, pin_memory=pin)
+        buf._optim_factory_pool_key = key  # type: ignore[attr-defined]
+        self._leased[id(buf)] = buf
+        return buf
+
+    def is_leased(self, tensor: torch.Tensor) -> bool:
+        return self._leased.get(id(tensor)) is tensor
+
+    def release(self, obj: Any) -> int:
+        if isinstance(obj, DTensor):
+            obj = obj._local_tensor
+        if isinstance(obj, torch.Tensor):
+            if not self.is_leased(obj):
+                return 0
+            del self._leased[id(obj)]
+            self._free.setdefault(obj._optim_factory_pool_key, []).append(obj)  # type: ignore[attr-defined]
+            return 1
+        if isinstance(obj, dict):
+            return sum(self.release(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(self.release(v) for v in obj)
+        return 0
+
+    def free_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
+
+
+class HostExporter:
+    """Streams converted optimizer states into host tensors (the ``chunk_bytes`` mode of the export).
+
+    Per chunk: the pieces that need converting (BF16/FP16/FP8 states) are converted into one of two device
+    buffers on the current stream; a side stream copies every piece (converted, or straight from FP32/int16
+    states) to the host. The current stream waits for the copy of chunk ``i - 2`` before it overwrites that
+    chunk's buffer, so chunk ``i + 1`` is converted while chunk ``i`` is being copied. Host destinations are
+    pinned pool buffers (copied into directly) or fresh pageable tensors, which the device copies into one
+    of two pinned staging buffers, and the host copies each chunk out while the device copies the next.
+    On CPU the same steps run synchronously. One exporter per optimizer (:meth:`of`).
+    """
+
+    def __init__(self) -> None:
+        self.pool = HostBufferPool()
+        self.pin_pool = True  # pooled buffers pinned on CUDA (False: pageable, filled through staging)
+        self._staging: list[torch.Tensor] = []
+        self._copy_streams: dict[torch.device, Any] = {}
+
+    @classmethod
+    def of(cls, optimizer: Any) -> HostExporter:
+        exporter = getattr(optimizer, _EXPORTER_ATTR, None)
+        if exporter is None:
+            exporter = cls()
+            setattr(optimizer, _EXPORTER_ATTR, exporter)
+        return exporter
+
+    def item(self, optimizer: Any, param: torch.Tensor, key: Any, name: str, reuse: bool) -> _Item | None:
+        """The streaming plan for one state, with its host destination; ``None``: export it per state."""
+        live = optimizer.state[param][name]
+        if name not in optimizer.name_to_dtype_map or not isinstance(live, torch.Tensor):
+            return None
+        found = _state_source(optimizer, param, name)
+        if found is None:
+            return None
+        source, scale = found
+        shape = local_tensor(live).shape
+        dtype = torch.int16 if source.dtype == torch.int16 else torch.float32
+        pin = reuse and self.pin_pool and source.device.type == "cuda"
+        if reuse:
+            dst = self.pool.take((key, name), shape, dtype, pin=pin)
+        else:
+            dst = torch.empty(shape, dtype=dtype)
+        result = wrap_host_local(dst, param) if isinstance(param, DTensor) else dst
+        # CUDA: pinned destinations are copied into directly, pageable ones through the pinned staging buffers.
+        # CPU: reused destinations directly, fresh ones staged (the same steps, so CPU tests cover both paths).
+        staged = not pin if source.device.type == "cuda" else not reuse
+        return _Item(source, scale, dst, result, staged)
+
+    def stream(self, items: list[_Item], chunk_bytes: int) -> None:
+        """Fill every item's destination; returns when all host tensors hold their final values."""
+        by_device: dict[torch.device, list[_Item]] = {}
+        for item in items:
+            by_device.setdefault(item.source.device, []).append(item)
+        for device, group in by_device.items():
+            self._stream_device(device, _plan(group, chunk_bytes))
+
+    def _stream_device(self, device: torch.device, chunks: list[list[_Piece]]) -> None:
+        cuda = device.type == "cuda"
+        compute = torch.cuda.current_stream(device) if cuda else None
+        copy = self._copy_stream(device) if cuda else None
+        if cuda:
+            copy.wait_stream(compute)  # the states are final (the last step's kernels have run)
+        need = max((_chunk_bytes(c) for c in chunks if any(not p.item.direct for p in c)), default=0)
+        buffers = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)] if need else []
+        staged = [any(p.item.staged for p in c) for c in chunks]
+        need_staging = max((_chunk_bytes(c) for c, st in zip(chunks, staged) if st), default=0)
+        staging = self._staging_buffers(need_staging, pin=cuda) if need_staging else []
+        freed: list[Any] = [None, None]  # copy-stream events after which buffers[i] / staging[i] may be reused
+        pending: tuple[Any, list[_Piece], torch.Tensor] | None = None
+        for i, chunk in enumerate(chunks):
+            slot = i % 2
+            converts = [p for p in chunk if not p.item.direct]
+            if converts:
+                if freed[slot] is not None:
+                    compute.wait_event(freed[slot])
+                for piece in converts:
+                    _convert(piece, piece.view(buffers[slot]))
+                if cuda:
+                    copy.wait_stream(compute)
+            with torch.cuda.stream(copy) if cuda else contextlib.nullcontext():
+                for piece in chunk:
+                    src = piece.source() if piece.item.direct else piece.view(buffers[slot])
+                    target = piece.view(staging[slot]) if piece.item.staged else piece.dst()
+                    target.copy_(src, non_blocking=cuda)
+                freed[slot] = copy.record_event() if cuda else None
+            if pending is not None:
+                _unstage(*pending)
+                pending = None
+            if staged[i]:
+                pending = (freed[slot], chunk, staging[slot])
+        if pending is not None:
+            _unstage(*pending)
+        if cuda:
+            copy.synchronize()  # every host tensor is final; the device buffers can go back to the allocator
+
+    def _copy_stream(self, device: torch.device) -> Any:
+        stream = self._copy_streams.get(device)
+        if stream is None:
+            stream = self._copy_streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    def _staging_buffers(self, nbytes: int, pin: bool) -> list[torch.Tensor]:
+        """Two staging buffers (pinned for CUDA) of at least ``nbytes``, kept for the next export."""
+        if not self._staging or self._staging[0].numel() < nbytes or self._staging[0].is_pinned() != pin:
+            self._staging = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        return self._staging
+
+
+def _chunk_bytes(chunk: list[_Piece]) -> int:
+    last = chunk[-1]
+    return last.offset + (last.stop - last.start) * last.item.dst.element_size()
+
+
+def _convert(piece: _Piece, out: torch.Tensor) -> None:
+    """Exactly what ``get_unscaled_state`` computes, for one piece: widen to FP32, then times the scale."""
+    out.copy_(piece.source())
+    if piece.item.scale is not None:
+        out.mul_(piece.item.scale)
+
+
+def _unstage(done: Any, chunk: list[_Piece], staging: torch.Tensor) -> None:
+    """Copy one chunk's staged pieces from its staging buffer into their (pageable) host destinations."""
+    if done is not None:
+        done.synchronize()
+    for piece in chunk:
+        if piece.item.staged:
+            piece.dst().copy_(piece.view(staging))
+
+
+class OffloadedStateDict:
+    """``state_dict`` / ``load_state_dict`` / ``release_state_dict`` shared by both FusedAdam backends.
+
+    Options (keyword-only constructor arguments, kept as attributes of the same names):
+
+    * ``state_dict_cpu_offload`` (default ``False``): export to CPU instead of TE's on-device FP32 copies.
+    * ``state_dict_offload_chunk_bytes`` (default ``None``: one whole state at a time): stream the export in
+      chunks of at most this many bytes of converted data; the GPU holds at most two chunks.
+    * ``state_dict_offload_reuse_buffers`` (default ``False``): export into pooled pinned host buffers that
+      ``release_state_dict`` gives back for the next export (no page faults, no new pinned memory).
+    """
+
+    state_dict_cpu_offload: bool = False
+    state_dict_offload_chunk_bytes: int | None = None
+    state_dict_offload_reuse_buffers: bool = False
+
+    def _set_offload_options(self, cpu_offload: Any, chunk_bytes: Any, reuse_buffers: Any) -> None:
+        check_offload_options(cpu_offload, chunk_bytes, reuse_buffers)
+        self.state_dict_cpu_offload = cpu_offload
+        self.state_dict_offload_chunk_bytes = chunk_bytes
+        self.state_dict_offload_reuse_buffers = reuse_buffers
+
+    def _on_device_state_dict(self) -> dict[str, Any]:
+        """The export with offload off (TE's own ``state_dict()``)."""
+        return export_state(self, cpu_offload=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state dict, exported as the offload options say (see ``export_state``)."""
+        if not self.state_dict_cpu_offload:
+            return self._on_device_state_dict()
+        return export_state(
+            self,
+            cpu_offload=True,
+            chunk_bytes=self.state_dict_offload_chunk_bytes,
+            reuse_buffers=self.state_dict_offload_reuse_buffers,
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load CPU or GPU, plain or DTensor states, one state at a time (see ``load_exported_state``)."""
+        load_exported_state(self, state_dict)
+
+    def release_state_dict(self, state_dict: Any) -> int:
+        """Hand an exported state dict's pooled host buffers back for reuse (see ``release_exported_state``)."""
+        return release_exported_state(self, state_dict)
 
 
 def load_exported_state(optimizer: Any, state_dict: dict[str, Any]) -> None:

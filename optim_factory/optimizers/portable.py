@@ -31,10 +31,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from optim_factory.optimizers.export import (
+    OffloadedStateDict,
     _wrap_like,
-    export_state,
     join_bf16_remainder,
-    load_exported_state,
     local_tensor,
     split_bf16_remainder,
 )
@@ -56,7 +55,7 @@ def _normalize_moment_dtype(dtype: Any) -> Any:
     return torch.uint8 if dtype == FP8_STORAGE_DTYPE else dtype
 
 
-class PortableFusedAdam(torch.optim.Optimizer):
+class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
     """Adam/AdamW with TE FusedAdam's low-precision states, in pure PyTorch.
 
     Args:
@@ -76,7 +75,9 @@ class PortableFusedAdam(torch.optim.Optimizer):
         use_decoupled_grad: read gradients from ``param.decoupled_grad`` instead of ``param.grad``.
         store_param_remainders: with BF16 parameters and an FP32 master, store only the master's low 16 bits.
         set_grad_none: deprecated (as in TE); use ``zero_grad(set_to_none=...)``.
-        state_dict_cpu_offload: make ``state_dict()`` stream each converted state to CPU, one at a time.
+        state_dict_cpu_offload: make ``state_dict()`` export to CPU (one state at a time by default).
+        state_dict_offload_chunk_bytes: stream the CPU export in chunks of at most this many bytes.
+        state_dict_offload_reuse_buffers: export into pooled host buffers (see ``release_state_dict``).
     """
 
     def __init__(
@@ -99,7 +100,12 @@ class PortableFusedAdam(torch.optim.Optimizer):
         store_param_remainders: bool = False,
         set_grad_none: bool | None = None,
         state_dict_cpu_offload: bool = False,
+        state_dict_offload_chunk_bytes: int | None = None,
+        state_dict_offload_reuse_buffers: bool = False,
     ):
+        self._set_offload_options(
+            state_dict_cpu_offload, state_dict_offload_chunk_bytes, state_dict_offload_reuse_buffers
+        )
         exp_avg_dtype = _normalize_moment_dtype(exp_avg_dtype)
         exp_avg_sq_dtype = _normalize_moment_dtype(exp_avg_sq_dtype)
         # The same checks, in the same order and with the same messages, as TE 2.20's FusedAdam.
@@ -165,7 +171,6 @@ class PortableFusedAdam(torch.optim.Optimizer):
                 DeprecationWarning,
                 stacklevel=2,
             )
-        self.state_dict_cpu_offload = bool(state_dict_cpu_offload)
 
     # ------------------------------------------------------------------ gradients
     def zero_grad(self, set_to_none: bool | None = None) -> None:
@@ -276,15 +281,6 @@ class PortableFusedAdam(torch.optim.Optimizer):
             )
             if not store_param_remainders:
                 self.set_scaled_state(param, "master_param", local_tensor(param).detach().clone().float())
-
-    # ------------------------------------------------------------------ checkpointing
-    def state_dict(self) -> dict[str, Any]:
-        """TE's ``FusedAdam.state_dict()``; with ``state_dict_cpu_offload``, streamed to CPU per state."""
-        return export_state(self, cpu_offload=self.state_dict_cpu_offload)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load an exported state dict (CPU or device, plain or DTensor states)."""
-        load_exported_state(self, state_dict)
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from optim_factory.optimizers.export import export_state, load_exported_state
+from optim_factory.optimizers.export import OffloadedStateDict
 
 __all__ = ["FusedAdam", "TE_AVAILABLE", "te_import_error"]
 
@@ -37,27 +37,32 @@ def te_import_error() -> str | None:
     return None if _TE_ERROR is None else f"{type(_TE_ERROR).__name__}: {_TE_ERROR}"
 
 
-class FusedAdam(_TEFusedAdam):  # type: ignore[misc,valid-type]
-    """``transformer_engine.pytorch.optimizers.FusedAdam`` plus keyword-only ``state_dict_cpu_offload``.
+class FusedAdam(OffloadedStateDict, _TEFusedAdam):  # type: ignore[misc,valid-type]
+    """``transformer_engine.pytorch.optimizers.FusedAdam`` plus the keyword-only export options.
 
-    With ``state_dict_cpu_offload=False`` (default) ``state_dict()`` is TE's own. With ``True`` it streams
-    each converted FP32 state to CPU one at a time, so the GPU never holds more than the largest single
-    FP32 state during export (see :mod:`optim_factory.optimizers.export`). Everything else, including the
-    CUDA kernels of ``step()``, is TE's.
+    ``state_dict_cpu_offload`` (default ``False``: ``state_dict()`` is TE's own) exports to CPU, one converted
+    FP32 state at a time, so the GPU never holds more than the largest single FP32 state.
+    ``state_dict_offload_chunk_bytes`` streams that export in chunks (the GPU holds at most two), overlapping
+    conversion with the device-to-host copies; ``state_dict_offload_reuse_buffers`` exports into pooled
+    pinned host buffers that ``release_state_dict()`` gives back (see :mod:`optim_factory.optimizers.export`).
+    Everything else, including the CUDA kernels of ``step()``, is TE's.
     """
 
-    def __init__(self, params, *args: Any, state_dict_cpu_offload: bool = False, **kwargs: Any):
+    def __init__(
+        self,
+        params,
+        *args: Any,
+        state_dict_cpu_offload: bool = False,
+        state_dict_offload_chunk_bytes: int | None = None,
+        state_dict_offload_reuse_buffers: bool = False,
+        **kwargs: Any,
+    ):
         if not TE_AVAILABLE:
             raise ImportError(f"{TE_INSTALL_HINT} (import failed: {te_import_error()})")
+        self._set_offload_options(
+            state_dict_cpu_offload, state_dict_offload_chunk_bytes, state_dict_offload_reuse_buffers
+        )
         super().__init__(params, *args, **kwargs)
-        self.state_dict_cpu_offload = bool(state_dict_cpu_offload)
 
-    def state_dict(self) -> dict[str, Any]:
-        """TE's ``state_dict()``, or the per-state CPU-offloaded export when the option is on."""
-        if self.state_dict_cpu_offload:
-            return export_state(self, cpu_offload=True)
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load CPU or GPU, plain or DTensor states, one state at a time (see ``load_exported_state``)."""
-        load_exported_state(self, state_dict)
+    def _on_device_state_dict(self) -> dict[str, Any]:
+        return _TEFusedAdam.state_dict(self)

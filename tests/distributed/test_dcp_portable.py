@@ -27,3 +27,7 @@ def test_one_rank_checkpoint_resumes_on_two_ranks_bitwise(tmp_path):
     cfg = "bf16-params-bf16-moments-fp32-master"
     spawn(workers.save_for_reshard, 1, cfg, str(tmp_path))
     spawn(workers.load_resharded, 2, cfg, str(tmp_path), 1)
+
+
+def test_chunked_export_matches_per_state_on_dtensor_shards_and_through_dcp(tmp_path):
+    spawn(workers.chunked_export, 2, str(tmp_path))

@@ -68,19 +68,19 @@ class ShardedModel(torch.nn.Module):
             self.register_parameter(f"w{i}", torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)])))
 
 
-def optim_config(cfg: str, offload: bool) -> dict:
+def optim_config(cfg: str, offload: bool, **extra) -> dict:
     """The factory config of one of CONFIGS (dtypes as strings, as a YAML file would spell them)."""
     _, kw = CONFIGS[cfg]
     as_text = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in kw.items()}
-    return {"backend": BACKEND["name"], **HP, "state_dict_cpu_offload": offload, **as_text}
+    return {"backend": BACKEND["name"], **HP, "state_dict_cpu_offload": offload, **as_text, **extra}
 
 
-def build(mesh, cfg: str, seed: int = 0, offload: bool = True, shapes=SHAPES):
+def build(mesh, cfg: str, seed: int = 0, offload: bool = True, shapes=SHAPES, **extra):
     dtype, _ = CONFIGS[cfg]
     model = ShardedModel(mesh, dtype, seed, shapes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "offload has no memory effect on CPU"
-        opt = build_optimizer(optim_config(cfg, offload), model)
+        opt = build_optimizer(optim_config(cfg, offload, **extra), model)
     return model, opt
 
 
@@ -140,6 +140,101 @@ def dcp_roundtrip(rank: int, world: int, cfg: str, tmp: str) -> None:
     for model2, opt2, what in restored:
         run_steps(opt2, list(model2.parameters()), 3, 2)
         assert_same_model_and_state(model, opt, model2, opt2, f"{cfg} {what} continued")
+
+
+# the chunked export: (chunk budget, shapes) on CPU (tiny budget, many chunks per local shard) and on CUDA
+# (1 MiB chunks; local shards of up to 8 MiB in FP32)
+CHUNKED = {"cpu": (64, SHAPES), "cuda": (1 << 20, [(4096, 1024), (1001, 3), (8192, 512), (7,)])}
+
+
+def chunked_export(rank: int, world: int, tmp: str) -> None:
+    """Chunked (fresh and reused buffers) == per-state export, bitwise: ``state_dict()`` and DCP's flattened
+    ``get_optimizer_state_dict``; on CUDA the DCP export stays within 2 chunks of GPU memory; an async DCP
+    save of a reused-buffer export loads back bitwise."""
+    import json
+    import time
+
+    from optim_factory.optimizers.export import export_state
+    from recipes.checkpoint import _ExportBufferStager, state_bytes
+
+    device = mesh_device()
+    chunk, shapes = CHUNKED[device]
+    mesh = init_device_mesh(device, (world,))
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    for cfg in CONFIGS:
+        model, opt = build(mesh, cfg, shapes=shapes, state_dict_offload_chunk_bytes=chunk)
+        run_steps(opt, list(model.parameters()), 0, 3)
+        reference = export_state(opt, cpu_offload=True)  # per state
+        opt.state_dict_offload_chunk_bytes = None
+        ref_flat = get_optimizer_state_dict(model, opt, options=flat)
+        opt.state_dict_offload_chunk_bytes = chunk
+        for reuse in (False, True):
+            opt.state_dict_offload_reuse_buffers = reuse
+            for round_ in range(2):
+                what = f"{cfg} reuse={reuse} round {round_}"
+                sd = opt.state_dict()
+                for k, st in reference["state"].items():
+                    for name, v in st.items():
+                        _assert_same_dtensor(sd["state"][k][name], v, f"{what} state_dict {k}.{name}")
+                opt.release_state_dict(sd)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                    base = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                t0 = time.perf_counter()
+                got = get_optimizer_state_dict(model, opt, options=flat)
+                seconds = time.perf_counter() - t0
+                assert got.keys() == ref_flat.keys(), what
+                for key, v in ref_flat.items():
+                    if isinstance(v, torch.Tensor):
+                        _assert_same_dtensor(got[key], v, f"{what} DCP {key}")
+                    else:
+                        assert got[key] == v, f"{what} DCP {key}"
+                if device == "cuda":
+                    peak = torch.cuda.max_memory_allocated() - base
+                    nbytes = state_bytes(got)
+                    print(
+                        "CHUNKED_DCP "
+                        + json.dumps(
+                            dict(
+                                rank=rank,
+                                cfg=cfg,
+                                reuse=reuse,
+                                round=round_,
+                                chunk_bytes=chunk,
+                                peak_bytes=peak,
+                                bytes=nbytes,
+                                seconds=seconds,
+                                gbps=nbytes / seconds / 1e9,
+                            )
+                        ),
+                        flush=True,
+                    )
+                    assert peak <= 2 * chunk + (1 << 20), f"{what}: DCP export peak {peak} > 2 x {chunk} + 1 MiB"
+                if reuse and round_ == 1:
+                    path = f"{tmp}/chunked-{cfg}"
+                    state = {"model": get_model_state_dict(model), "optim": got}
+                    dcp.async_save(state, checkpoint_id=path, async_stager=_ExportBufferStager(opt)).result()
+                    opt.release_state_dict(got)
+                    model2, opt2 = build(mesh, cfg, seed=99, shapes=shapes, state_dict_offload_chunk_bytes=chunk)
+                    msd2, osd2 = get_state_dict(model2, opt2, options=flat)
+                    loaded = {"model": msd2, "optim": osd2}
+                    dcp.load(loaded, checkpoint_id=path)
+                    set_state_dict(
+                        model2, opt2, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"], options=flat
+                    )
+                    assert_same_model_and_state(model, opt, model2, opt2, f"{cfg} chunked async save, loaded")
+                else:
+                    opt.release_state_dict(got)
+
+
+def _assert_same_dtensor(a, b, what: str) -> None:
+    assert type(a) is type(b), f"{what}: {type(a)} vs {type(b)}"
+    if isinstance(a, DTensor):
+        assert a.placements == b.placements and a.device_mesh == b.device_mesh, what
+        assert a.shape == b.shape and a.stride() == b.stride(), what
+        assert a._local_tensor.device.type == "cpu", what
+    assert_bitwise(a, b, what)
 
 
 def full_state_export(rank: int, world: int, cfg: str, tmp: str) -> None:

@@ -31,6 +31,17 @@ def test_fsdp_te_dcp_flatten_sync_async_export_restore_continue(cfg, tmp_path):
     assert out.count("dcp_roundtrip ok") == 2
 
 
+def test_chunked_export_through_dcp_bitwise_and_within_two_chunks(tmp_path):
+    out = torchrun(2, "-m", "tests.distributed.run_worker", "chunked_export", "te", str(tmp_path))
+    assert out.count("chunked_export ok") == 2
+    records = [line for line in out.splitlines() if line.startswith("CHUNKED_DCP ")]
+    assert len(records) == 2 * len(workers.CONFIGS) * 4
+    results = os.environ.get("GPU_RESULTS")
+    if results:
+        with open(results, "a") as f:
+            f.writelines(line.removeprefix("CHUNKED_DCP ") + "\n" for line in records)
+
+
 def test_full_state_export_default_and_cpu(tmp_path):
     out = torchrun(
         2, "-m", "tests.distributed.run_worker", "full_state_export", "te", "fp16-fp8-moments", str(tmp_path)
@@ -45,9 +56,22 @@ def test_two_rank_checkpoint_on_one_rank_bitwise(cfg, tmp_path):
     assert "load_resharded ok" in out
 
 
-def test_recipe_two_gpus_offload_trains_saves_resumes(tmp_path):
+@pytest.mark.parametrize(
+    "export",
+    [
+        [],
+        [
+            "optim.state_dict_offload_chunk_bytes=1MiB",
+            "optim.state_dict_offload_reuse_buffers=true",
+            "checkpoint.async_save=true",
+        ],
+    ],
+    ids=["per-state", "chunked-reuse-async"],
+)
+def test_recipe_two_gpus_offload_trains_saves_resumes(export, tmp_path):
     common = [
         "recipes/train.py",
+        *export,
         "experiment=quick",
         "trainer.device=cuda",
         "optim=fused_adam",
@@ -59,7 +83,7 @@ def test_recipe_two_gpus_offload_trains_saves_resumes(tmp_path):
         f"run_dir={tmp_path}",
     ]
     first = torchrun(2, *common, "trainer.stop_at=10")
-    assert "optimizer: FusedAdam" in first and "GPU peak" in first
+    assert "optimizer: FusedAdam" in first and "GPU peak" in first and "GB/s" in first
     second = torchrun(2, *common)
     assert "resuming from checkpoint" in second and "step_00000010" in second
     assert (tmp_path / "checkpoints" / "step_00000020" / "COMPLETE.json").is_file()

@@ -28,13 +28,21 @@ def test_package_imports_without_pulling_in_te():
 
 
 def test_both_backends_share_one_export_path():
-    assert te_fused_adam.export_state is export.export_state
-    assert te_fused_adam.load_exported_state is export.load_exported_state
+    assert issubclass(te_fused_adam.FusedAdam, export.OffloadedStateDict)
+    assert issubclass(optim_factory.PortableFusedAdam, export.OffloadedStateDict)
+    for name in ("load_state_dict", "release_state_dict"):  # one implementation, not overridden
+        assert getattr(te_fused_adam.FusedAdam, name) is getattr(export.OffloadedStateDict, name)
+        assert getattr(optim_factory.PortableFusedAdam, name) is getattr(export.OffloadedStateDict, name)
     assert optim_factory.FusedAdam is te_fused_adam.FusedAdam
     import inspect
 
-    sig = inspect.signature(te_fused_adam.FusedAdam.__init__)
-    assert sig.parameters["state_dict_cpu_offload"].kind is inspect.Parameter.KEYWORD_ONLY
-    assert sig.parameters["state_dict_cpu_offload"].default is False
-    psig = inspect.signature(optim_factory.PortableFusedAdam.__init__)
-    assert psig.parameters["state_dict_cpu_offload"].kind is inspect.Parameter.KEYWORD_ONLY
+    options = {
+        "state_dict_cpu_offload": False,
+        "state_dict_offload_chunk_bytes": None,
+        "state_dict_offload_reuse_buffers": False,
+    }
+    for cls in (te_fused_adam.FusedAdam, optim_factory.PortableFusedAdam):
+        sig = inspect.signature(cls.__init__)
+        for name, default in options.items():
+            assert sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
+            assert sig.parameters[name].default is default

@@ -1,0 +1,208 @@
+"""The chunked (streaming) export on CPU: bitwise equal to the per-state export, bounded chunks, buffer reuse
+that never overwrites an export still read by an in-flight async DCP save."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from optim_factory import PortableFusedAdam
+from optim_factory.optimizers.export import HostExporter, _plan, export_state, release_exported_state
+from recipes.checkpoint import CheckpointManager, _ExportBufferStager, read_checkpoint
+from recipes.config import CheckpointConfig
+from tests.helpers import (
+    LIFECYCLE_CONFIGS,
+    LiveSnapshot,
+    assert_bitwise,
+    assert_state_dicts_bitwise,
+    clone_params,
+    deep_clone,
+    local,
+    make_params,
+    run_steps,
+)
+
+HP = dict(lr=1e-2, weight_decay=0.1)
+# many chunks per state: the largest test state (33 elements, 132 bytes) spans 3 chunks of 64 bytes
+BUDGETS = [64, 100, 1 << 20]
+SHAPES = [(8, 5), (5,), (3, 4, 2), (33,), (0,), (200, 3)]
+
+
+def _options(chunk: int | None, reuse: bool = False) -> dict:
+    return dict(
+        state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=chunk, state_dict_offload_reuse_buffers=reuse
+    )
+
+
+def _storages(sd: dict) -> set[int]:
+    return {local(v).untyped_storage().data_ptr() for st in sd["state"].values() for v in st.values() if v.numel()}
+
+
+def _live_storages(opt) -> set[int]:
+    return {local(v).untyped_storage().data_ptr() for st in opt.state.values() for v in st.values() if v.numel()}
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "reuse"])
+@pytest.mark.parametrize("chunk", BUDGETS)
+@pytest.mark.parametrize("name,dtype,kw", [c[:3] for c in LIFECYCLE_CONFIGS], ids=[c[0] for c in LIFECYCLE_CONFIGS])
+def test_chunked_export_is_bitwise_the_per_state_export(name, dtype, kw, chunk, reuse):
+    params = make_params(dtype, shapes=SHAPES)
+    opt = PortableFusedAdam(params, **HP, **_options(chunk, reuse), **kw)
+    run_steps(opt, params, 0, 3)
+    before = LiveSnapshot.take(opt)
+    for round_ in range(3):
+        sd = opt.state_dict()
+        reference = export_state(opt, cpu_offload=True)  # the per-state export
+        LiveSnapshot.take(opt).assert_same(before)
+        assert_state_dicts_bitwise(sd, reference, f"{name} chunk={chunk} round {round_}")
+        for st, ref in zip(sd["state"].values(), reference["state"].values()):
+            for state_name, v in st.items():
+                assert v.device.type == "cpu" and v.is_contiguous() and v.stride() == ref[state_name].stride()
+        assert not _storages(sd) & _live_storages(opt), "the export aliases live state"
+        previous = _storages(sd)
+        released = opt.release_state_dict(sd)
+        assert released == (sum(len(st) for st in sd["state"].values()) if reuse else 0)
+        run_steps(opt, params, 3 + round_, 1)
+        before = LiveSnapshot.take(opt)
+        if reuse:
+            assert _storages(opt.state_dict()) == previous  # the released buffers came back
+
+    # restore from a chunked export, continue: bitwise equal to the uninterrupted run
+    exported = deep_clone(opt.state_dict())
+    restored_params = clone_params(params)
+    restored = PortableFusedAdam(restored_params, **HP, **_options(chunk, reuse), **kw)
+    restored.load_state_dict(exported)
+    run_steps(opt, params, 10, 3)
+    run_steps(restored, restored_params, 10, 3)
+    for a, b in zip(params, restored_params):
+        assert_bitwise(a, b, f"{name} param after resume from a chunked export")
+
+
+def test_plan_packs_pieces_within_the_budget_and_covers_every_element_once():
+    params = make_params(torch.float32, shapes=[(1000,), (3,), (0,), (77, 3), (1,)])
+    opt = PortableFusedAdam(params, exp_avg_dtype=torch.bfloat16, **_options(256))
+    run_steps(opt, params, 0, 1)
+    exporter = HostExporter.of(opt)
+    items = [exporter.item(opt, p, i, n, reuse=False) for i, p in enumerate(params) for n in opt.state[p]]
+    for budget in (64, 256, 4000, 1 << 20):
+        chunks = _plan(items, budget)
+        covered = {id(it): [] for it in items}
+        for chunk in chunks:
+            last = chunk[-1]
+            assert last.offset + (last.stop - last.start) * last.item.dst.element_size() <= budget
+            assert all(p.offset % 64 == 0 for p in chunk)
+            for p in chunk:
+                covered[id(p.item)].append((p.start, p.stop))
+        for it in items:
+            ranges = covered[id(it)]
+            assert [a for a, _ in ranges] == [0] + [b for _, b in ranges[:-1]] if ranges else it.dst.numel() == 0
+            assert (ranges[-1][1] if ranges else 0) == it.dst.numel()
+    assert len(_plan(items, 64)) >= 2 * 1000 * 4 // 64  # exp_avg and exp_avg_sq of the 1000-element state alone
+
+
+def test_unreleased_exports_are_never_overwritten_and_memory_stays_flat():
+    params = make_params(torch.float32, shapes=SHAPES)
+    opt = PortableFusedAdam(params, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.float16, **_options(64, True))
+    run_steps(opt, params, 0, 1)
+    kept = opt.state_dict()
+    frozen = deep_clone(kept)
+    pool = HostExporter.of(opt).pool
+    for step in range(10):  # export, step, export: the kept (unreleased) export never changes
+        run_steps(opt, params, 1 + step, 1)
+        other = opt.state_dict()
+        assert not _storages(other) & _storages(kept)
+        assert opt.release_state_dict(other) == sum(len(st) for st in other["state"].values())
+        assert opt.release_state_dict(other) == 0  # released once only
+        if step == 1:
+            free_after_2 = pool.free_bytes()
+    assert pool.free_bytes() == free_after_2  # one set of buffers, reused: no growth over 10 exports
+    assert_state_dicts_bitwise(kept, frozen, "kept export")
+    assert release_exported_state(opt, {"state": {0: {"exp_avg": torch.zeros(3)}}}) == 0  # not ours: ignored
+    assert release_exported_state(torch.optim.SGD(params, lr=0.1), kept) == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(state_dict_offload_chunk_bytes=1 << 20), "needs state_dict_cpu_offload=True"),
+        (dict(state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=8), "expected None"),
+        (dict(state_dict_cpu_offload=True, state_dict_offload_chunk_bytes="64MiB"), "expected None"),
+        (dict(state_dict_cpu_offload=True, state_dict_offload_reuse_buffers=True), "needs state_dict_offload_chunk"),
+        (dict(state_dict_cpu_offload="yes"), "expected True or False"),
+    ],
+)
+def test_bad_export_options_are_one_line_errors(kwargs, needle):
+    with pytest.raises(ValueError, match=needle) as info:
+        PortableFusedAdam(make_params(torch.float32), **kwargs)
+    assert "\n" not in str(info.value)
+
+
+class _GatedWriter(FileSystemWriter):
+    """A real filesystem writer whose ``write_data`` waits until the test opens the gate: the save is then
+    certainly in flight while the test keeps training and exporting."""
+
+    def __init__(self, path: str, gate: threading.Event):
+        super().__init__(path)
+        self.gate = gate
+
+    def write_data(self, plan, planner):
+        assert self.gate.wait(60), "the test never opened the gate"
+        return super().write_data(plan, planner)
+
+
+def test_buffers_read_by_an_in_flight_async_save_are_never_overwritten(tmp_path):
+    params = make_params(torch.float32, shapes=SHAPES)
+    opt = PortableFusedAdam(params, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.uint8, **_options(64, True))
+    run_steps(opt, params, 0, 2)
+    sd = opt.state_dict()
+    expected = deep_clone(sd)
+    gate = threading.Event()
+    path = str(tmp_path / "in-flight")
+    # the export buffers go to the writer un-copied (the CheckpointManager's stager), so DCP reads them late
+    future = dcp.async_save(
+        {"optim": sd}, storage_writer=_GatedWriter(path, gate), async_stager=_ExportBufferStager(opt)
+    )
+    try:
+        for step in range(3):  # training and exporting go on while the save waits at the gate
+            run_steps(opt, params, 2 + step, 1)
+            other = opt.state_dict()
+            assert not _storages(other) & _storages(sd), "an export reused a buffer of the in-flight save"
+            opt.release_state_dict(other)
+    finally:
+        gate.set()
+    future.result()
+    written = read_checkpoint(tmp_path / "in-flight", tmp_path)
+    for k, st in expected["state"].items():
+        for state_name, v in st.items():
+            assert_bitwise(written[f"optim.state.{k}.{state_name}"], v, f"checkpoint {k}.{state_name}")
+    assert opt.release_state_dict(sd) > 0  # the save is over: now they may be reused
+    assert _storages(opt.state_dict()) & _storages(expected) == set()
+
+
+def test_checkpoint_manager_releases_export_buffers_only_after_the_save(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    opt = PortableFusedAdam(model.parameters(), exp_avg_dtype=torch.bfloat16, **_options(64, True))
+    pool = HostExporter.of(opt).pool
+    cfg = CheckpointConfig(dir=str(tmp_path / "ck"), every_steps=1, async_save=True)
+    manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
+    expected = {}
+    for step in (1, 2, 3):
+        run_steps(opt, list(model.parameters()), step, 1)
+        expected[step] = export_state(opt, cpu_offload=True)
+        manager.save(step, model, opt, {"step": step})
+        assert pool.free_bytes() == 0, "export buffers released while their async save may still read them"
+        if step == 1:
+            manager.wait()
+            assert pool.free_bytes() > 0  # the save is over: its buffers are back in the pool
+    manager.close()
+    for step, sd in expected.items():
+        written = read_checkpoint(tmp_path / "ck" / f"step_{step:08d}", tmp_path)
+        names = {id(p): n for n, p in model.named_parameters()}
+        for k, st in sd["state"].items():
+            fqn = names[id(opt.param_groups[0]["params"][k])]
+            for state_name, v in st.items():
+                assert_bitwise(written[f"optim.state.{fqn}.{state_name}"], v, f"step {step} {fqn}.{state_name}")
