@@ -11,9 +11,11 @@ Modes:
   offload       state_dict_cpu_offload=True: one state converted, copied to CPU and dropped at a time
   chunked       + state_dict_offload_chunk_bytes (--chunk-mib): streamed in chunks into fresh pageable memory
                 through two pinned staging buffers, conversion overlapped with the copies on a side stream
-  chunked+reuse + state_dict_offload_reuse_buffers: into pooled pinned buffers, released after each export
-                (as the recipe's CheckpointManager does once the checkpoint is written)
-  chunked+reuse-pageable  the same with pageable pooled buffers (through the staging buffers)
+  chunked+reuse + state_dict_offload_reuse_buffers: into pooled buffers, released after each export (as the
+                recipe's CheckpointManager does once the checkpoint is written); new buffers are pageable (huge
+                pages, through the staging buffers) and pinned in place in the background once released
+  chunked+reuse-alloc     pooled buffers allocated pinned (cudaHostAlloc), copied into directly
+  chunked+reuse-pageable  pooled buffers never pinned (always through the staging buffers)
 
 GPU peak is torch.cuda.max_memory_allocated() above the level before the call (the largest of the repeats);
 time is the median of --repeats runs after one warm-up; GB/s counts the FP32 bytes exported. In the same run
@@ -79,11 +81,20 @@ DTYPES: dict[str, tuple[torch.dtype, dict]] = {
         ),
     ),
 }
-MODES = ("default", "default+cpu", "offload", "chunked", "chunked+reuse", "chunked+reuse-pageable")
-CHUNK_OPTIONS = {  # mode -> (chunked, reuse, pinned pool)
-    "chunked": (True, False, True),
-    "chunked+reuse": (True, True, True),
-    "chunked+reuse-pageable": (True, True, False),
+MODES = (
+    "default",
+    "default+cpu",
+    "offload",
+    "chunked",
+    "chunked+reuse",
+    "chunked+reuse-alloc",
+    "chunked+reuse-pageable",
+)
+CHUNK_OPTIONS = {  # mode -> (reuse, pinning of the pooled buffers)
+    "chunked": (False, "none"),
+    "chunked+reuse": (True, "register"),
+    "chunked+reuse-alloc": (True, "alloc"),
+    "chunked+reuse-pageable": (True, "none"),
 }
 
 
@@ -145,11 +156,21 @@ def build(case: str, dtype_name: str, backend: str, device: torch.device):
 def configure(opt, mode: str, chunk_bytes: int) -> None:
     from optim_factory.optimizers.export import HostExporter
 
-    chunked, reuse, pinned = CHUNK_OPTIONS.get(mode, (False, False, True))
+    chunked = mode in CHUNK_OPTIONS
+    reuse, pinning = CHUNK_OPTIONS.get(mode, (False, "none"))
     opt.state_dict_cpu_offload = mode == "offload" or chunked
     opt.state_dict_offload_chunk_bytes = chunk_bytes if chunked else None
     opt.state_dict_offload_reuse_buffers = reuse
-    HostExporter.of(opt).pin_pool = pinned
+    HostExporter.of(opt).pinning = pinning
+
+
+def wait_pinning(opt) -> float:
+    """Seconds until the pool's background pinning of released buffers is done (between checkpoints)."""
+    from optim_factory.optimizers.export import HostExporter
+
+    t0 = time.perf_counter()
+    HostExporter.of(opt).pool.wait_pinning()
+    return time.perf_counter() - t0
 
 
 def run_mode(opt, mode: str, device: torch.device) -> tuple[int, int]:
@@ -182,6 +203,7 @@ def bench_case(
         t0 = time.perf_counter()
         run_mode(opt, mode, device)  # warm-up (the first export of this mode in this process)
         first = time.perf_counter() - t0
+        wait_pinning(opt)  # as between two checkpoints: released buffers get pinned in the background
         times, peaks, nbytes = [], [], 0
         for _ in range(repeats):
             gc.collect()
@@ -213,8 +235,11 @@ def bench_case(
     return rows
 
 
-def host_memory() -> dict[str, int]:
-    """This process's resident set and the pinned host bytes torch's host allocator holds."""
+def host_memory(opt) -> dict[str, int]:
+    """This process's resident set and its pinned host bytes: torch's host allocator's plus those the export
+    pool pinned with cudaHostRegister."""
+    from optim_factory.optimizers.export import HostExporter
+
     rss = 0
     with open("/proc/self/status") as f:
         for line in f:
@@ -224,6 +249,7 @@ def host_memory() -> dict[str, int]:
     if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
         stats = torch.cuda.host_memory_stats()
         pinned = int(stats.get("allocated_bytes.current", 0))  # pinned blocks owned (in use + cached)
+    pinned += HostExporter.of(opt).pool.registered_bytes()
     return {"rss": rss, "pinned": pinned}
 
 
@@ -231,19 +257,28 @@ def fresh_process(case: str, dtype_name: str, backend: str, device: torch.device
     """Body of the ``--_fresh`` child: the first export of a new process, then n - 1 more; prints one JSON line."""
     params, opt = build(case, dtype_name, backend, device)
     configure(opt, mode, chunk)
-    times, memory = [], {}
+    times, pin_waits, memory = [], [], {}
     for i in range(n):
         t0 = time.perf_counter()
         nbytes, peak = run_mode(opt, mode, device)
         times.append(time.perf_counter() - t0)
+        pin_waits.append(wait_pinning(opt))  # not timed: as between two checkpoints
         gc.collect()
         if i + 1 in (2, n):
-            memory[i + 1] = host_memory()
+            memory[i + 1] = host_memory(opt)
     print(
         "FRESH "
         + json.dumps(
             dict(
-                case=case, dtype=dtype_name, mode=mode, n=n, bytes=nbytes, peak_mib=peak / M, times=times, memory=memory
+                case=case,
+                dtype=dtype_name,
+                mode=mode,
+                n=n,
+                bytes=nbytes,
+                peak_mib=peak / M,
+                times=times,
+                pin_waits=pin_waits,
+                memory=memory,
             )
         ),
         flush=True,
@@ -333,19 +368,22 @@ def render(rows: list[dict], fresh: list[dict], bw: dict[str, float], env: list[
     if fresh:
         out += [
             "",
-            "Fresh processes: the first export of a new process, then the rest (released after each); host memory "
-            "(RSS, pinned bytes held by torch's host allocator) after the 2nd and the last export.",
+            "Fresh processes: the first export of a new process, then the rest (released after each; the "
+            "background pinning of released buffers is awaited between exports, untimed, and its wait reported); "
+            "host memory (RSS; pinned bytes: torch's host allocator + registered by the pool) after the 2nd and "
+            "the last export.",
             "",
             "| case | state dtypes | mode | exports | first GB/s | first % | last GB/s | last % | GPU peak (MiB) | "
-            "RSS after 2nd / last (MiB) | pinned after 2nd / last (MiB) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "pin wait after 1st (s) | RSS after 2nd / last (MiB) | pinned after 2nd / last (MiB) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for f in fresh:
             first, last = f["bytes"] / f["times"][0] / 1e9, f["bytes"] / f["times"][-1] / 1e9
             m2, mn = f["memory"]["2"], f["memory"][str(f["n"])]
             out.append(
                 f"| {f['case']} | {f['dtype']} | {f['mode']} | {f['n']} | {first:.2f} | {pct(first)} | {last:.2f} | "
-                f"{pct(last)} | {f['peak_mib']:.1f} | {m2['rss'] / M:.0f} / {mn['rss'] / M:.0f} | "
+                f"{pct(last)} | {f['peak_mib']:.1f} | {f['pin_waits'][0]:.2f} | "
+                f"{m2['rss'] / M:.0f} / {mn['rss'] / M:.0f} | "
                 f"{m2['pinned'] / M:.0f} / {mn['pinned'] / M:.0f} |"
             )
     return "\n".join(out) + "\n"
@@ -386,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--fresh-alloc-conf",
         default="pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
-        help="with --fresh: one more chunked+reuse fresh process under this PYTORCH_CUDA_ALLOC_CONF ('' skips it)",
+        help="with --fresh: one more chunked+reuse-alloc process under this PYTORCH_CUDA_ALLOC_CONF ('' skips it)",
     )
     ap.add_argument("--backend", choices=("te", "portable"), default="te")
     ap.add_argument("--device", default="cuda")
@@ -422,8 +460,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"done {case} {dtype_name}", file=sys.stderr, flush=True)
             if args.fresh:
                 fresh += [run_fresh(case, dtype_name, args, m) for m in modes if m in CHUNK_OPTIONS]
-                if args.fresh_alloc_conf and "chunked+reuse" in modes and device.type == "cuda":
-                    fresh.append(run_fresh(case, dtype_name, args, "chunked+reuse", args.fresh_alloc_conf))
+                if args.fresh_alloc_conf and "chunked+reuse-alloc" in modes and device.type == "cuda":
+                    fresh.append(run_fresh(case, dtype_name, args, "chunked+reuse-alloc", args.fresh_alloc_conf))
     text = render(rows, fresh, bw, environment(device, args.backend), argv)
     print(text)
     if args.out:

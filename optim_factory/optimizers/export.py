@@ -28,7 +28,10 @@ The export contract (see DESIGN.md):
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import sys
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -275,7 +278,7 @@ def _plan(items: list[_Item], chunk_bytes: int) -> list[list[_Piece]]:
 
 
 def _fp8_torch_dtype(te_fp8_dtype: Any) -> torch.dtype:
-    name = str(te_fp8_dtype).lower()
+    name = str(getattr(te_fp8_dtype, "name", te_fp8_dtype)).lower()  # an IntEnum: str() is its number
     if "e5m2" in name:
         return torch.float8_e5m2
     if "e4m3" in name:
@@ -308,24 +311,71 @@ def wrap_host_local(local: torch.Tensor, param: DTensor) -> DTensor:
     return DTensor(local, spec, requires_grad=False)
 
 
+_PAGE = 4096
+_MADV_HUGEPAGE = 14  # Linux
+_HUGE = 2 << 20
+try:
+    _LIBC: Any = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+except (OSError, AttributeError):  # pragma: no cover - no libc symbol table
+    _LIBC = None
+
+
+def host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh pageable host tensor whose pages Linux is asked to back with transparent huge pages before they
+    are first touched (one page fault per 2 MiB instead of per 4 KiB). Unsupported systems get a plain one."""
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if _LIBC is not None and nbytes >= _HUGE:
+        start = -(-t.data_ptr() // _PAGE) * _PAGE
+        end = (t.data_ptr() + nbytes) // _PAGE * _PAGE
+        _LIBC.madvise(start, end - start, _MADV_HUGEPAGE)  # EINVAL where THP is off: harmless
+    return t
+
+
+PINNING = ("register", "alloc", "none")
+
+
 class HostBufferPool:
     """Host tensors for the chunked export, reused across exports once released.
 
     A buffer handed out by :meth:`take` is *leased*: the pool keeps no reference to it, so a leased buffer is
     never handed out again; it comes back only through :meth:`release` (or is freed with its dictionary).
+
+    Pinning (for CUDA states) says how the pool's buffers become page-locked, so that the device copies into
+    them directly at the link's bandwidth:
+
+    * ``register`` (default): a new buffer is pageable (huge pages, filled through the staging buffers), and
+      is pinned in place with ``cudaHostRegister`` on a background thread once it is released, so the first
+      export does not wait for pinning and later ones copy directly; unpinned when the tensor is freed.
+    * ``alloc``: new buffers come pinned from torch's host allocator (``cudaHostAlloc``; slow to allocate).
+    * ``none``: pageable buffers, always filled through the staging buffers.
     """
 
     def __init__(self) -> None:
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self._leased: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._pinner: ThreadPoolExecutor | None = None
+        self._registered = [0]  # bytes pinned with cudaHostRegister and not yet unpinned
 
-    def take(self, slot: Any, shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        key = (slot, tuple(shape), dtype, pin)
+    def take(self, slot: Any, shape: torch.Size, dtype: torch.dtype, pinning: str) -> torch.Tensor:
+        key = (slot, tuple(shape), dtype, pinning)
         free = self._free.get(key)
-        buf = free.pop() if free else torch.empty(shape, dtype=dtype, pin_memory=pin)
+        if free:
+            buf = free.pop()
+        elif pinning == "alloc":
+            buf = torch.empty(shape, dtype=dtype, pin_memory=True)
+        else:
+            buf = host_empty(shape, dtype)
         buf._optim_factory_pool_key = key  # type: ignore[attr-defined]
         self._leased[id(buf)] = buf
         return buf
+
+    @staticmethod
+    def is_pinned(buf: torch.Tensor) -> bool:
+        """Whether the device may copy into ``buf`` directly (pinned by allocation or registration)."""
+        pinning = buf._optim_factory_pool_key[3]  # type: ignore[attr-defined]
+        return pinning == "alloc" or getattr(buf, "_optim_factory_registered", False)
 
     def is_leased(self, tensor: torch.Tensor) -> bool:
         return self._leased.get(id(tensor)) is tensor
@@ -337,7 +387,13 @@ class HostBufferPool:
             if not self.is_leased(obj):
                 return 0
             del self._leased[id(obj)]
-            self._free.setdefault(obj._optim_factory_pool_key, []).append(obj)  # type: ignore[attr-defined]
+            key = obj._optim_factory_pool_key  # type: ignore[attr-defined]
+            self._free.setdefault(key, []).append(obj)
+            if key[3] == "register" and not hasattr(obj, "_optim_factory_registered"):
+                obj._optim_factory_registered = False  # type: ignore[attr-defined]  # pinning scheduled
+                if self._pinner is None:
+                    self._pinner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-pin")
+                self._pinner.submit(self._register, obj)
             return 1
         if isinstance(obj, dict):
             return sum(self.release(v) for v in obj.values())
@@ -345,8 +401,34 @@ class HostBufferPool:
             return sum(self.release(v) for v in obj)
         return 0
 
+    def _register(self, buf: torch.Tensor) -> None:
+        """Pin ``buf`` in place (background thread); it is unpinned when the tensor is freed."""
+        ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
+        if nbytes == 0 or int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) != 0:
+            return  # stays pageable: exports keep filling it through the staging buffers
+        self._registered[0] += nbytes
+        finalizer = weakref.finalize(buf, _unregister, ptr, nbytes, self._registered)
+        finalizer.atexit = False
+        buf._optim_factory_registered = True  # type: ignore[attr-defined]
+
+    def wait_pinning(self) -> None:
+        """Block until the buffers released so far are pinned (benchmarks and tests)."""
+        if self._pinner is not None:
+            self._pinner.submit(lambda: None).result()
+
+    def registered_bytes(self) -> int:
+        return self._registered[0]
+
     def free_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
+
+
+def _unregister(ptr: int, nbytes: int, counter: list[int]) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+        counter[0] -= nbytes
+    except Exception:  # noqa: BLE001  (CUDA already shut down)
+        pass
 
 
 class HostExporter:
@@ -363,7 +445,7 @@ class HostExporter:
 
     def __init__(self) -> None:
         self.pool = HostBufferPool()
-        self.pin_pool = True  # pooled buffers pinned on CUDA (False: pageable, filled through staging)
+        self.pinning = "register"  # how pooled buffers of CUDA states get pinned (see HostBufferPool)
         self._staging: list[torch.Tensor] = []
         self._copy_streams: dict[torch.device, Any] = {}
 
@@ -386,16 +468,16 @@ class HostExporter:
         source, scale = found
         shape = local_tensor(live).shape
         dtype = torch.int16 if source.dtype == torch.int16 else torch.float32
-        pin = reuse and self.pin_pool and source.device.type == "cuda"
-        if reuse:
-            dst = self.pool.take((key, name), shape, dtype, pin=pin)
-        else:
-            dst = torch.empty(shape, dtype=dtype)
-        result = wrap_host_local(dst, param) if isinstance(param, DTensor) else dst
+        cuda = source.device.type == "cuda"
         # CUDA: pinned destinations are copied into directly, pageable ones through the pinned staging buffers.
         # CPU: reused destinations directly, fresh ones staged (the same steps, so CPU tests cover both paths).
-        staged = not pin if source.device.type == "cuda" else not reuse
-        return _Item(source, scale, dst, result, staged)
+        if reuse:
+            dst = self.pool.take((key, name), shape, dtype, self.pinning if cuda else "none")
+            direct = HostBufferPool.is_pinned(dst) if cuda else True
+        else:
+            dst, direct = host_empty(shape, dtype), False
+        result = wrap_host_local(dst, param) if isinstance(param, DTensor) else dst
+        return _Item(source, scale, dst, result, staged=not direct)
 
     def stream(self, items: list[_Item], chunk_bytes: int) -> None:
         """Fill every item's destination; returns when all host tensors hold their final values."""

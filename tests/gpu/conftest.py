@@ -29,6 +29,8 @@ def pytest_collection_modifyitems(config, items):
         if "tests/gpu/" not in str(item.fspath).replace(os.sep, "/"):
             continue
         item.add_marker(pytest.mark.gpu)
+        if item.get_closest_marker("cuda_only") and torch.cuda.is_available():
+            continue  # needs CUDA, not Transformer Engine
         if reason:
             item.add_marker(pytest.mark.skip(reason=f"GPU test: {reason}"))
         elif item.get_closest_marker("two_gpus") and torch.cuda.device_count() < 2:
@@ -37,6 +39,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "two_gpus: needs 2 CUDA devices")
+    config.addinivalue_line("markers", "cuda_only: needs CUDA but not Transformer Engine")
 
 
 @pytest.fixture

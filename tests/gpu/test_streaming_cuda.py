@@ -1,0 +1,89 @@
+"""The chunked export's CUDA pipeline with the portable backend (CUDA, no Transformer Engine needed): bitwise
+equal to the per-state export for every pinning of the pooled buffers, within two chunks of GPU memory, and
+the background pinning (cudaHostRegister) of released buffers: used by the next export, undone on free."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from optim_factory import PortableFusedAdam
+from optim_factory.optimizers.export import PINNING, HostExporter, export_state
+from tests.helpers import FP8, assert_state_dicts_bitwise, local, make_params, run_steps
+
+pytestmark = pytest.mark.cuda_only
+CHUNK = 256 << 10
+SHAPES = [(1024, 1024), (1000,), (512, 300), (2048, 256)]
+CONFIGS = {
+    "fp32": (torch.float32, {}),
+    "bf16-fp16": (torch.float32, dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.float16)),
+    "fp8-master-remainders": (
+        torch.bfloat16,
+        dict(master_weights=True, store_param_remainders=True, exp_avg_dtype=FP8, exp_avg_sq_dtype=FP8),
+    ),
+}
+
+
+def _build(cfg: str, reuse: bool):
+    dtype, kw = CONFIGS[cfg]
+    params = make_params(dtype, shapes=SHAPES, device="cuda")
+    opt = PortableFusedAdam(
+        params,
+        lr=1e-2,
+        state_dict_cpu_offload=True,
+        state_dict_offload_chunk_bytes=CHUNK,
+        state_dict_offload_reuse_buffers=reuse,
+        **kw,
+    )
+    run_steps(opt, params, 0, 2)
+    return params, opt
+
+
+def _peak(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.parametrize("pinning", [None, *PINNING], ids=["fresh", *PINNING])
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_cuda_chunked_export_bitwise_and_bounded(cfg, pinning, record):
+    params, opt = _build(cfg, reuse=pinning is not None)
+    pool = HostExporter.of(opt).pool
+    if pinning is not None:
+        HostExporter.of(opt).pinning = pinning
+    for round_ in range(3):
+        sd, peak = _peak(opt.state_dict)
+        record(test="cuda_chunked", cfg=cfg, pinning=pinning, round=round_, peak_bytes=peak, chunk_bytes=CHUNK)
+        assert peak <= 2 * CHUNK + (1 << 20), peak
+        assert_state_dicts_bitwise(sd, export_state(opt, cpu_offload=True), f"{cfg} {pinning} round {round_}")
+        opt.release_state_dict(sd)
+        pool.wait_pinning()
+        run_steps(opt, params, 2 + round_, 1)
+    if pinning in ("register", "alloc"):
+        sd = opt.state_dict()
+        assert all(local(v).is_pinned() for st in sd["state"].values() for v in st.values())
+
+
+def test_released_buffers_get_pinned_in_place_and_unpinned_when_freed():
+    params, opt = _build("bf16-fp16", reuse=True)
+    pool = HostExporter.of(opt).pool
+    sd = opt.state_dict()
+    total = sum(local(v).numel() * local(v).element_size() for st in sd["state"].values() for v in st.values())
+    assert not any(local(v).is_pinned() for st in sd["state"].values() for v in st.values())  # first: pageable
+    ptrs = {local(v).data_ptr() for st in sd["state"].values() for v in st.values()}
+    opt.release_state_dict(sd)
+    pool.wait_pinning()
+    assert pool.registered_bytes() == total
+    again = opt.state_dict()
+    assert {local(v).data_ptr() for st in again["state"].values() for v in st.values()} == ptrs
+    assert all(local(v).is_pinned() for st in again["state"].values() for v in st.values())
+    assert_state_dicts_bitwise(again, export_state(opt, cpu_offload=True), "after pinning")
+    del sd, again  # leased and dropped: freed (and unpinned) with the dictionary
+    gc.collect()
+    assert pool.registered_bytes() == 0
