@@ -226,6 +226,10 @@ def _train(cfg: DictConfig, env, device, data, mesh) -> dict[str, Any]:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if step == start and cfg.checkpoint.enabled and hasattr(optimizer, "prepare_state_dict"):
+                # reused export buffers: allocate, touch and pin them in the background now, so that even the
+                # first checkpoint streams at the host link's bandwidth (no-op unless the option is on)
+                optimizer.prepare_state_dict()
             tokens_since += inputs.numel() * world
             done = step + 1
             if done == start + 1 or done % cfg.trainer.log_every == 0 or done == end:

@@ -24,7 +24,8 @@ memory (1 GiB, median of 5), and each export's GB/s is reported against the pinn
 
 ``--fresh N`` also runs, for each chunked mode, a fresh process per case that times its very first export
 (pinned staging or pool buffers allocated, pages first touched) and then N - 1 more (released each time), and
-reports the first, the last, and the process's RSS and pinned host bytes after the 2nd and the Nth export.
+reports the first, the last, and the process's RSS and pinned host bytes after the 2nd and the Nth export; with
+chunked+reuse, one more whose buffers ``prepare_state_dict()`` readied before the first export (timed apart).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ MODES = (
     "chunked+reuse-alloc",
     "chunked+reuse-pageable",
 )
+PREPARED = ", prepared"
 CHUNK_OPTIONS = {  # mode -> (reuse, pinning of the pooled buffers)
     "chunked": (False, "none"),
     "chunked+reuse": (True, "register"),
@@ -254,9 +256,15 @@ def host_memory(opt) -> dict[str, int]:
 
 
 def fresh_process(case: str, dtype_name: str, backend: str, device: torch.device, mode: str, n: int, chunk: int):
-    """Body of the ``--_fresh`` child: the first export of a new process, then n - 1 more; prints one JSON line."""
+    """Body of the ``--_fresh`` child: the first export of a new process, then n - 1 more; prints one JSON line.
+    Mode ``chunked+reuse, prepared``: ``prepare_state_dict()`` runs (and is awaited, timed apart) first."""
     params, opt = build(case, dtype_name, backend, device)
-    configure(opt, mode, chunk)
+    configure(opt, mode.removesuffix(PREPARED), chunk)
+    prepare_s = 0.0
+    if mode.endswith(PREPARED):
+        t0 = time.perf_counter()
+        opt.prepare_state_dict().result()
+        prepare_s = time.perf_counter() - t0
     times, pin_waits, memory = [], [], {}
     for i in range(n):
         t0 = time.perf_counter()
@@ -278,6 +286,7 @@ def fresh_process(case: str, dtype_name: str, backend: str, device: torch.device
                 peak_mib=peak / M,
                 times=times,
                 pin_waits=pin_waits,
+                prepare_s=prepare_s,
                 memory=memory,
             )
         ),
@@ -374,15 +383,15 @@ def render(rows: list[dict], fresh: list[dict], bw: dict[str, float], env: list[
             "the last export.",
             "",
             "| case | state dtypes | mode | exports | first GB/s | first % | last GB/s | last % | GPU peak (MiB) | "
-            "pin wait after 1st (s) | RSS after 2nd / last (MiB) | pinned after 2nd / last (MiB) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "prepare (s) | pin wait after 1st (s) | RSS after 2nd / last (MiB) | pinned after 2nd / last (MiB) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for f in fresh:
             first, last = f["bytes"] / f["times"][0] / 1e9, f["bytes"] / f["times"][-1] / 1e9
             m2, mn = f["memory"]["2"], f["memory"][str(f["n"])]
             out.append(
                 f"| {f['case']} | {f['dtype']} | {f['mode']} | {f['n']} | {first:.2f} | {pct(first)} | {last:.2f} | "
-                f"{pct(last)} | {f['peak_mib']:.1f} | {f['pin_waits'][0]:.2f} | "
+                f"{pct(last)} | {f['peak_mib']:.1f} | {f.get('prepare_s', 0.0):.2f} | {f['pin_waits'][0]:.2f} | "
                 f"{m2['rss'] / M:.0f} / {mn['rss'] / M:.0f} | "
                 f"{m2['pinned'] / M:.0f} / {mn['pinned'] / M:.0f} |"
             )
@@ -460,6 +469,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"done {case} {dtype_name}", file=sys.stderr, flush=True)
             if args.fresh:
                 fresh += [run_fresh(case, dtype_name, args, m) for m in modes if m in CHUNK_OPTIONS]
+                if "chunked+reuse" in modes:
+                    fresh.append(run_fresh(case, dtype_name, args, "chunked+reuse" + PREPARED))
                 if args.fresh_alloc_conf and "chunked+reuse-alloc" in modes and device.type == "cuda":
                     fresh.append(run_fresh(case, dtype_name, args, "chunked+reuse-alloc", args.fresh_alloc_conf))
     text = render(rows, fresh, bw, environment(device, args.backend), argv)

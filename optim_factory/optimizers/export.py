@@ -31,7 +31,7 @@ import contextlib
 import ctypes
 import sys
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -143,6 +143,8 @@ def export_state(
     state_dict = torch.optim.Optimizer.state_dict(optimizer)
     id_map = param_index_map(optimizer, state_dict["param_groups"])
     exporter = HostExporter.of(optimizer) if chunk_bytes is not None else None
+    if exporter is not None:
+        exporter.pool.wait_preparation()  # never race a background prepare for the same slots
     streamed: list[_Item] = []
     for key, packed in state_dict["state"].items():
         param = id_map.get(key)
@@ -356,6 +358,7 @@ class HostBufferPool:
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self._leased: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._pinner: ThreadPoolExecutor | None = None
+        self._preparing: Future | None = None
         self._registered = [0]  # bytes pinned with cudaHostRegister and not yet unpinned
 
     def take(self, slot: Any, shape: torch.Size, dtype: torch.dtype, pinning: str) -> torch.Tensor:
@@ -391,9 +394,7 @@ class HostBufferPool:
             self._free.setdefault(key, []).append(obj)
             if key[3] == "register" and not hasattr(obj, "_optim_factory_registered"):
                 obj._optim_factory_registered = False  # type: ignore[attr-defined]  # pinning scheduled
-                if self._pinner is None:
-                    self._pinner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-pin")
-                self._pinner.submit(self._register, obj)
+                self._background(self._register, obj)
             return 1
         if isinstance(obj, dict):
             return sum(self.release(v) for v in obj.values())
@@ -410,6 +411,39 @@ class HostBufferPool:
         finalizer = weakref.finalize(buf, _unregister, ptr, nbytes, self._registered)
         finalizer.atexit = False
         buf._optim_factory_registered = True  # type: ignore[attr-defined]
+
+    def _background(self, fn, *args) -> Future:
+        if self._pinner is None:
+            self._pinner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-pin")
+        return self._pinner.submit(fn, *args)
+
+    def prepare(self, slots: list[tuple[Any, torch.Size, torch.dtype, str]]) -> Future:
+        """Allocate, first-touch and pin (per the slot's pinning) a free buffer for every slot that has none,
+        on the background thread; the next export then finds them ready (no page faults, no pinning)."""
+        self._preparing = self._background(self._prepare, list(slots))
+        return self._preparing
+
+    def _prepare(self, slots: list[tuple[Any, torch.Size, torch.dtype, str]]) -> None:
+        for slot, shape, dtype, pinning in slots:
+            key = (slot, tuple(shape), dtype, pinning)
+            if self._free.get(key):
+                continue
+            if pinning == "alloc":
+                buf = torch.empty(shape, dtype=dtype, pin_memory=True)
+            else:
+                buf = host_empty(shape, dtype)
+                buf.view(-1).view(torch.uint8).fill_(0)  # first touch, on all intra-op threads
+            buf._optim_factory_pool_key = key  # type: ignore[attr-defined]
+            if pinning == "register":
+                buf._optim_factory_registered = False  # type: ignore[attr-defined]
+                self._register(buf)
+            self._free.setdefault(key, []).append(buf)
+
+    def wait_preparation(self) -> None:
+        """Block until a running :meth:`prepare` is done (an export must not race it for the same slots)."""
+        if self._preparing is not None:
+            self._preparing.result()
+            self._preparing = None
 
     def wait_pinning(self) -> None:
         """Block until the buffers released so far are pinned (benchmarks and tests)."""
@@ -466,18 +500,35 @@ class HostExporter:
         if found is None:
             return None
         source, scale = found
-        shape = local_tensor(live).shape
-        dtype = torch.int16 if source.dtype == torch.int16 else torch.float32
+        shape, dtype, pinning = self._slot(found, live)
         cuda = source.device.type == "cuda"
         # CUDA: pinned destinations are copied into directly, pageable ones through the pinned staging buffers.
         # CPU: reused destinations directly, fresh ones staged (the same steps, so CPU tests cover both paths).
         if reuse:
-            dst = self.pool.take((key, name), shape, dtype, self.pinning if cuda else "none")
+            dst = self.pool.take((key, name), shape, dtype, pinning)
             direct = HostBufferPool.is_pinned(dst) if cuda else True
         else:
             dst, direct = host_empty(shape, dtype), False
         result = wrap_host_local(dst, param) if isinstance(param, DTensor) else dst
         return _Item(source, scale, dst, result, staged=not direct)
+
+    def _slot(self, found: tuple[torch.Tensor, Any], live: torch.Tensor) -> tuple[torch.Size, torch.dtype, str]:
+        """Shape, dtype and pinning of a state's host destination."""
+        source = found[0]
+        dtype = torch.int16 if source.dtype == torch.int16 else torch.float32
+        return local_tensor(live).shape, dtype, self.pinning if source.device.type == "cuda" else "none"
+
+    def prepare(self, optimizer: Any) -> Future:
+        """Get a ready pooled buffer for every state of ``optimizer`` (see :meth:`HostBufferPool.prepare`)."""
+        packed = torch.optim.Optimizer.state_dict(optimizer)
+        slots = []
+        for key, param in param_index_map(optimizer, packed["param_groups"]).items():
+            for name, live in optimizer.state.get(param, {}).items():
+                if name in optimizer.name_to_dtype_map and isinstance(live, torch.Tensor):
+                    found = _state_source(optimizer, param, name)
+                    if found is not None:
+                        slots.append(((key, name), *self._slot(found, live)))
+        return self.pool.prepare(slots)
 
     def stream(self, items: list[_Item], chunk_bytes: int) -> None:
         """Fill every item's destination; returns when all host tensors hold their final values."""
@@ -604,6 +655,14 @@ class OffloadedStateDict:
     def release_state_dict(self, state_dict: Any) -> int:
         """Hand an exported state dict's pooled host buffers back for reuse (see ``release_exported_state``)."""
         return release_exported_state(self, state_dict)
+
+    def prepare_state_dict(self) -> Future | None:
+        """With reused buffers: allocate, first-touch and pin the host buffers of the next export on a background
+        thread (after the states exist, e.g. after the first step), so that even the first export streams at
+        the link's bandwidth. Returns the background job's future (``None`` when buffers are not reused)."""
+        if not (self.state_dict_cpu_offload and self.state_dict_offload_reuse_buffers):
+            return None
+        return HostExporter.of(self).prepare(self)
 
 
 def load_exported_state(optimizer: Any, state_dict: dict[str, Any]) -> None:

@@ -87,3 +87,11 @@ def test_released_buffers_get_pinned_in_place_and_unpinned_when_freed():
     del sd, again  # leased and dropped: freed (and unpinned) with the dictionary
     gc.collect()
     assert pool.registered_bytes() == 0
+
+
+def test_prepared_buffers_are_pinned_before_the_first_export():
+    params, opt = _build("bf16-fp16", reuse=True)
+    opt.prepare_state_dict().result()
+    sd = opt.state_dict()
+    assert all(local(v).is_pinned() for st in sd["state"].values() for v in st.values())
+    assert_state_dicts_bitwise(sd, export_state(opt, cpu_offload=True), "first export into prepared buffers")

@@ -206,3 +206,21 @@ def test_checkpoint_manager_releases_export_buffers_only_after_the_save(tmp_path
             fqn = names[id(opt.param_groups[0]["params"][k])]
             for state_name, v in st.items():
                 assert_bitwise(written[f"optim.state.{fqn}.{state_name}"], v, f"step {step} {fqn}.{state_name}")
+
+
+def test_prepare_readies_the_buffers_of_the_next_export():
+    params = make_params(torch.float32, shapes=SHAPES)
+    opt = PortableFusedAdam(params, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.uint8, **_options(64, True))
+    assert PortableFusedAdam(make_params(torch.float32), **_options(64)).prepare_state_dict() is None  # no reuse
+    run_steps(opt, params, 0, 2)
+    pool = HostExporter.of(opt).pool
+    opt.prepare_state_dict().result()
+    prepared = pool.free_bytes()
+    states = sum(local(v).numel() * 4 for st in opt.state.values() for v in st.values())
+    assert prepared == states  # one FP32 buffer per state
+    ready = {id(t) for ts in pool._free.values() for t in ts}
+    opt.prepare_state_dict()  # a second prepare adds nothing, and the export waits for it
+    sd = opt.state_dict()
+    assert pool.free_bytes() == 0
+    assert {id(local(v)) for st in sd["state"].values() for v in st.values()} == ready
+    assert_state_dicts_bitwise(sd, export_state(opt, cpu_offload=True), "export into prepared buffers")
