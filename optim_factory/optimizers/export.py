@@ -20,9 +20,11 @@ The export contract (see DESIGN.md):
   :class:`HostExporter`): every state is converted in pieces of at most ``chunk_bytes`` of output, into two
   reusable device buffers, so the accelerator never holds more than two chunks of converted data whatever the
   tensor sizes. Conversion runs on the current stream, device-to-host copies on a side stream, ordered by
-  events; host destinations are either fresh pageable tensors filled through two pinned staging buffers, or
-  (``reuse_buffers``) pinned tensors from a pool that are copied into directly and handed back to the pool by
-  :func:`release_exported_state` once nothing reads them any more.
+  events; host destinations are either fresh pageable tensors (huge pages) filled through two pinned staging
+  buffers, or (``reuse_buffers``) tensors from a :class:`HostBufferPool`, handed back by
+  :func:`release_exported_state` once nothing reads them any more and then pinned in place in the background,
+  so that later exports copy into them directly (``OffloadedStateDict.prepare_state_dict`` readies them
+  before the first export).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import sys
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -232,9 +235,9 @@ class _Item:
     staged: bool  # ``dst`` is filled through a staging buffer (pageable memory), not copied into directly
 
     @property
-    def direct(self) -> bool:
-        """No conversion: the device bytes are the exported bytes (FP32 states, int16 remainders)."""
-        return self.scale is None and self.source.dtype == self.dst.dtype
+    def converts(self) -> bool:
+        """Needs converting (BF16/FP16/FP8); FP32 states and int16 remainders are copied as they are."""
+        return self.scale is not None or self.source.dtype != self.dst.dtype
 
 
 @dataclass
@@ -440,10 +443,12 @@ class HostBufferPool:
             self._free.setdefault(key, []).append(buf)
 
     def wait_preparation(self) -> None:
-        """Block until a running :meth:`prepare` is done (an export must not race it for the same slots)."""
+        """Block until a running :meth:`prepare` is done (an export must not race it for the same slots). A
+        failed preparation only costs speed: the export allocates what is missing."""
         if self._preparing is not None:
-            self._preparing.result()
-            self._preparing = None
+            preparing, self._preparing = self._preparing, None
+            if preparing.exception() is not None:
+                warnings.warn(f"preparing export buffers failed: {preparing.exception()!r}", stacklevel=3)
 
     def wait_pinning(self) -> None:
         """Block until the buffers released so far are pinned (benchmarks and tests)."""
@@ -471,10 +476,10 @@ class HostExporter:
     Per chunk: the pieces that need converting (BF16/FP16/FP8 states) are converted into one of two device
     buffers on the current stream; a side stream copies every piece (converted, or straight from FP32/int16
     states) to the host. The current stream waits for the copy of chunk ``i - 2`` before it overwrites that
-    chunk's buffer, so chunk ``i + 1`` is converted while chunk ``i`` is being copied. Host destinations are
-    pinned pool buffers (copied into directly) or fresh pageable tensors, which the device copies into one
-    of two pinned staging buffers, and the host copies each chunk out while the device copies the next.
-    On CPU the same steps run synchronously. One exporter per optimizer (:meth:`of`).
+    chunk's buffer, so chunk ``i + 1`` is converted while chunk ``i`` is being copied. Pinned destinations
+    (pool buffers) are copied into directly; pageable ones (fresh, or pool buffers not pinned yet) through
+    one of two pinned staging buffers, which the host empties while the device fills the other. On CPU the
+    same steps run synchronously. One exporter per optimizer (:meth:`of`).
     """
 
     def __init__(self) -> None:
@@ -506,11 +511,11 @@ class HostExporter:
         # CPU: reused destinations directly, fresh ones staged (the same steps, so CPU tests cover both paths).
         if reuse:
             dst = self.pool.take((key, name), shape, dtype, pinning)
-            direct = HostBufferPool.is_pinned(dst) if cuda else True
+            staged = cuda and not HostBufferPool.is_pinned(dst)
         else:
-            dst, direct = host_empty(shape, dtype), False
+            dst, staged = host_empty(shape, dtype), True
         result = wrap_host_local(dst, param) if isinstance(param, DTensor) else dst
-        return _Item(source, scale, dst, result, staged=not direct)
+        return _Item(source, scale, dst, result, staged)
 
     def _slot(self, found: tuple[torch.Tensor, Any], live: torch.Tensor) -> tuple[torch.Size, torch.dtype, str]:
         """Shape, dtype and pinning of a state's host destination."""
@@ -544,7 +549,7 @@ class HostExporter:
         copy = self._copy_stream(device) if cuda else None
         if cuda:
             copy.wait_stream(compute)  # the states are final (the last step's kernels have run)
-        need = max((_chunk_bytes(c) for c in chunks if any(not p.item.direct for p in c)), default=0)
+        need = max((_chunk_bytes(c) for c in chunks if any(p.item.converts for p in c)), default=0)
         buffers = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)] if need else []
         staged = [any(p.item.staged for p in c) for c in chunks]
         need_staging = max((_chunk_bytes(c) for c, st in zip(chunks, staged) if st), default=0)
@@ -553,7 +558,7 @@ class HostExporter:
         pending: tuple[Any, list[_Piece], torch.Tensor] | None = None
         for i, chunk in enumerate(chunks):
             slot = i % 2
-            converts = [p for p in chunk if not p.item.direct]
+            converts = [p for p in chunk if p.item.converts]
             if converts:
                 if freed[slot] is not None:
                     compute.wait_event(freed[slot])
@@ -563,7 +568,7 @@ class HostExporter:
                     copy.wait_stream(compute)
             with torch.cuda.stream(copy) if cuda else contextlib.nullcontext():
                 for piece in chunk:
-                    src = piece.source() if piece.item.direct else piece.view(buffers[slot])
+                    src = piece.view(buffers[slot]) if piece.item.converts else piece.source()
                     target = piece.view(staging[slot]) if piece.item.staged else piece.dst()
                     target.copy_(src, non_blocking=cuda)
                 freed[slot] = copy.record_event() if cuda else None

@@ -105,6 +105,16 @@ def assert_same_model_and_state(m1, o1, m2, o2, what: str) -> None:
     assert [g["step"] for g in o1.param_groups] == [g["step"] for g in o2.param_groups]
 
 
+def load_fresh(mesh, cfg: str, path: str, options: StateDictOptions, **build_kw):
+    """A fresh model + optimizer (other seed) with the DCP checkpoint at ``path`` loaded into them."""
+    model, opt = build(mesh, cfg, seed=99, **build_kw)
+    msd, osd = get_state_dict(model, opt, options=options)
+    loaded = {"model": msd, "optim": osd}
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"], options=options)
+    return model, opt
+
+
 def dcp_roundtrip(rank: int, world: int, cfg: str, tmp: str) -> None:
     """flatten False/True x dcp.save/async_save: save, load into a fresh model+optimizer, continue."""
     mesh = init_device_mesh(mesh_device(), (world,))
@@ -127,13 +137,7 @@ def dcp_roundtrip(rank: int, world: int, cfg: str, tmp: str) -> None:
                 dcp.save(state, checkpoint_id=path)
             else:
                 dcp.async_save(state, checkpoint_id=path).result()
-            model2, opt2 = build(mesh, cfg, seed=99)
-            msd2, osd2 = get_state_dict(model2, opt2, options=options)
-            loaded = {"model": msd2, "optim": osd2}
-            dcp.load(loaded, checkpoint_id=path)
-            set_state_dict(
-                model2, opt2, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"], options=options
-            )
+            model2, opt2 = load_fresh(mesh, cfg, path, options)
             assert_same_model_and_state(model, opt, model2, opt2, f"{cfg} flatten={flatten} {mode} after load")
             restored.append((model2, opt2, f"{flatten}-{mode}"))
     run_steps(opt, list(model.parameters()), 3, 2)
@@ -216,12 +220,8 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
                     state = {"model": get_model_state_dict(model), "optim": got}
                     dcp.async_save(state, checkpoint_id=path, async_stager=_ExportBufferStager(opt)).result()
                     opt.release_state_dict(got)
-                    model2, opt2 = build(mesh, cfg, seed=99, shapes=shapes, state_dict_offload_chunk_bytes=chunk)
-                    msd2, osd2 = get_state_dict(model2, opt2, options=flat)
-                    loaded = {"model": msd2, "optim": osd2}
-                    dcp.load(loaded, checkpoint_id=path)
-                    set_state_dict(
-                        model2, opt2, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"], options=flat
+                    model2, opt2 = load_fresh(
+                        mesh, cfg, path, flat, shapes=shapes, state_dict_offload_chunk_bytes=chunk
                     )
                     assert_same_model_and_state(model, opt, model2, opt2, f"{cfg} chunked async save, loaded")
                 else:

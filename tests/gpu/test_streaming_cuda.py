@@ -11,6 +11,7 @@ import torch
 
 from optim_factory import PortableFusedAdam
 from optim_factory.optimizers.export import PINNING, HostExporter, export_state
+from tests.gpu.test_te_fused_adam import measure
 from tests.helpers import FP8, assert_state_dicts_bitwise, local, make_params, run_steps
 
 pytestmark = pytest.mark.cuda_only
@@ -41,15 +42,6 @@ def _build(cfg: str, reuse: bool):
     return params, opt
 
 
-def _peak(fn):
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated() - base
-
-
 @pytest.mark.parametrize("pinning", [None, *PINNING], ids=["fresh", *PINNING])
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_cuda_chunked_export_bitwise_and_bounded(cfg, pinning, record):
@@ -58,7 +50,7 @@ def test_cuda_chunked_export_bitwise_and_bounded(cfg, pinning, record):
     if pinning is not None:
         HostExporter.of(opt).pinning = pinning
     for round_ in range(3):
-        sd, peak = _peak(opt.state_dict)
+        sd, peak, _ = measure(opt.state_dict)
         record(test="cuda_chunked", cfg=cfg, pinning=pinning, round=round_, peak_bytes=peak, chunk_bytes=CHUNK)
         assert peak <= 2 * CHUNK + (1 << 20), peak
         assert_state_dicts_bitwise(sd, export_state(opt, cpu_offload=True), f"{cfg} {pinning} round {round_}")
