@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU validation on a machine with CUDA and Transformer Engine, from the repository root.
-#   bash scripts/gpu_validate.sh single   # one-GPU tests + export benchmark
+#   bash scripts/gpu_validate.sh single   # one-GPU tests + export benchmark over every case (BENCH=0: tests only)
 #   bash scripts/gpu_validate.sh multi    # 2-GPU tests (torchrun) incl. the recipe
 #   bash scripts/gpu_validate.sh stream   # streaming export acceptance: 2 GiB of BF16 states and one 1.07e9-element
 #                                         # state, every mode, fresh processes (first export, host memory over 10)
@@ -16,11 +16,13 @@ $py -c "import torch, transformer_engine as te; print('torch', torch.__version__
 case "${1:-single}" in
   single)
     start=$(date +%s)
-    timeout 300 $py -m pytest -q -rs -p no:cacheprovider tests/gpu/test_te_fused_adam.py > "$out/pytest_single.log" 2>&1
+    timeout 300 $py -m pytest -q -rs -p no:cacheprovider tests/gpu/test_te_fused_adam.py tests/gpu/test_streaming_cuda.py > "$out/pytest_single.log" 2>&1
     echo "pytest single rc=$? in $(( $(date +%s) - start )) s"; tail -n 25 "$out/pytest_single.log"
     [ "${BENCH:-1}" = 0 ] && exit 0
     start=$(date +%s)
-    timeout ${BENCH_TIMEOUT:-300} $py scripts/bench_export.py --repeats ${REPEATS:-5} --dtypes ${DTYPES:-bf16,fp16,fp8,bf16-params+fp16-master} \
+    # every benchmark case: GPU peak and GB/s of the default, per-state and chunked exports (64 MiB chunks)
+    timeout ${BENCH_TIMEOUT:-300} $py scripts/bench_export.py --repeats ${REPEATS:-3} --dtypes ${DTYPES:-bf16,fp8} \
+      --modes ${MODES:-default,default+cpu,offload,chunked,chunked+reuse} \
       --out "$out/bench.md" --jsonl "$out/bench.jsonl" --png "$out/bench_peak.png" > "$out/bench.log" 2>&1
     echo "bench rc=$? in $(( $(date +%s) - start )) s"; cat "$out/bench.md" 2>/dev/null || tail -n 30 "$out/bench.log" ;;
   stream)
