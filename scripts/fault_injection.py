@@ -2,6 +2,7 @@
 
     python scripts/fault_injection.py --trials 20 --modes sync,async --out docs/fault-injection.md   # full
     python scripts/fault_injection.py --trials 3                                                   # CI size
+    python scripts/fault_injection.py --trials 4 --overrides "optim=fused_adam_lowmem model.dtype=bf16"  # streamed
 
 Per mode (``checkpoint.async_save`` false/true) an uninterrupted reference run is made once. Each trial then
 launches ``recipes/train.py`` (20 steps, a checkpoint every 4 steps) and kills it with SIGKILL: even trials at a
@@ -33,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from recipes.checkpoint import is_complete, read_checkpoint  # noqa: E402
 
 STEPS, EVERY = 20, 4
+OVERRIDES: list[str] = []  # extra recipe overrides for every launch (--overrides)
 PHASES = ("export", "write", "marker")
 RESUME = re.compile(r"resuming from checkpoint (\S+) at step")
 
@@ -63,6 +65,7 @@ def launch(run_dir: Path, mode: str, env_extra: dict[str, str] | None = None) ->
         "checkpoint.keep_last=0",
         f"checkpoint.async_save={mode == 'async'}",
         f"run_dir={run_dir}",
+        *OVERRIDES,
     ]
     env = {k: v for k, v in os.environ.items() if k != "RECIPE_FAULT_KILL_AT"}
     env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})})
@@ -133,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="write the markdown table here")
     ap.add_argument("--json", help="write every trial here")
+    ap.add_argument("--overrides", default="", help="extra recipe overrides, space-separated")
     args = ap.parse_args(argv)
+    OVERRIDES[:] = args.overrides.split()
     rng = random.Random(args.seed)
     trials: list[Trial] = []
     t0 = time.time()
@@ -157,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
     lines = [
         f"Fault injection, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, torch {torch.__version__}: "
-        f"`python scripts/fault_injection.py --trials {args.trials} --modes {args.modes} --seed {args.seed}` "
+        f"`python scripts/fault_injection.py --trials {args.trials} --modes {args.modes} --seed {args.seed}"
+        f"{' --overrides ' + repr(args.overrides) if args.overrides else ''}` "
         f"({time.time() - t0:.0f} s)",
         "",
         "| mode | trials | processes killed | killed inside a save | incomplete checkpoints found (never loaded) "
