@@ -188,6 +188,7 @@ def validate_optim_config(cfg: Any) -> FusedAdamConfig | AdamWConfig:
             True,
             "needs optim.state_dict_offload_chunk_bytes (e.g. 64MiB): reusable buffers belong to the chunked export",
         )
+    c.state_dict_offload_chunk_bytes = chunk  # bytes from here on ("64MiB" parsed once)
     if c.store_param_remainders and not (c.master_weights and master == torch.float32):
         warnings.warn(
             "optim.store_param_remainders=true has no effect without master_weights=true and master_weight_dtype=fp32",
@@ -316,7 +317,7 @@ def _fused_adam_kwargs(c: FusedAdamConfig) -> dict[str, Any]:
         use_decoupled_grad=c.use_decoupled_grad,
         store_param_remainders=c.store_param_remainders,
         state_dict_cpu_offload=c.state_dict_cpu_offload,
-        state_dict_offload_chunk_bytes=parse_bytes(c.state_dict_offload_chunk_bytes, "state_dict_offload_chunk_bytes"),
+        state_dict_offload_chunk_bytes=c.state_dict_offload_chunk_bytes,  # parsed by validate_optim_config
         state_dict_offload_reuse_buffers=c.state_dict_offload_reuse_buffers,
     )
 

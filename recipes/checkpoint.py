@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from optim_factory.optimizers.export import is_leased_export_buffer, release_exported_state, wrap_host_local
+from optim_factory.optimizers.export import is_leased_export_buffer, release_exported_state
 from recipes.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -370,20 +370,7 @@ class _ExportBufferStager(AsyncStager):
         self.optimizer = optimizer
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return self._stage(state_dict)
-
-    def _stage(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if is_leased_export_buffer(self.optimizer, obj):
-                return obj
-            if isinstance(obj, DTensor):
-                return wrap_host_local(obj._local_tensor.detach().to("cpu", copy=True), obj)
-            return obj.detach().to("cpu", copy=True)
-        if isinstance(obj, dict):
-            return {k: self._stage(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [self._stage(v) for v in obj]
-        return obj
+        return _host_copy(state_dict, keep=lambda t: is_leased_export_buffer(self.optimizer, t))
 
     def synchronize_staging(self) -> None:
         """Staging is synchronous."""
@@ -392,12 +379,13 @@ class _ExportBufferStager(AsyncStager):
         """Nothing to free."""
 
 
-def _host_copy(obj: Any) -> Any:
-    """The same nested state dict with every tensor (DTensor: its local shard) copied to host memory."""
+def _host_copy(obj: Any, keep=None) -> Any:
+    """The same nested state dict with every tensor copied to host memory (DTensors stay DTensors, with a host
+    local tensor); tensors for which ``keep(tensor)`` is true are passed through uncopied."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return obj if keep is not None and keep(obj) else obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: _host_copy(v) for k, v in obj.items()}
+        return {k: _host_copy(v, keep) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_host_copy(v) for v in obj]
+        return [_host_copy(v, keep) for v in obj]
     return obj

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from optim_factory.optimizers.export import HostExporter  # noqa: E402
 from recipes.checkpoint import state_bytes  # noqa: E402
 
 M = 1 << 20
@@ -156,8 +157,6 @@ def build(case: str, dtype_name: str, backend: str, device: torch.device):
 
 
 def configure(opt, mode: str, chunk_bytes: int) -> None:
-    from optim_factory.optimizers.export import HostExporter
-
     chunked = mode in CHUNK_OPTIONS
     reuse, pinning = CHUNK_OPTIONS.get(mode, (False, "none"))
     opt.state_dict_cpu_offload = mode == "offload" or chunked
@@ -168,8 +167,6 @@ def configure(opt, mode: str, chunk_bytes: int) -> None:
 
 def wait_pinning(opt) -> float:
     """Seconds until the pool's background pinning of released buffers is done (between checkpoints)."""
-    from optim_factory.optimizers.export import HostExporter
-
     t0 = time.perf_counter()
     HostExporter.of(opt).pool.wait_pinning()
     return time.perf_counter() - t0
@@ -240,8 +237,6 @@ def bench_case(
 def host_memory(opt) -> dict[str, int]:
     """This process's resident set and its pinned host bytes: torch's host allocator's plus those the export
     pool pinned with cudaHostRegister."""
-    from optim_factory.optimizers.export import HostExporter
-
     rss = 0
     with open("/proc/self/status") as f:
         for line in f:

@@ -505,7 +505,7 @@ class HostExporter:
         if found is None:
             return None
         source, scale = found
-        shape, dtype, pinning = self._slot(found, live)
+        shape, dtype, pinning = self._slot(source, live)
         cuda = source.device.type == "cuda"
         # CUDA: pinned destinations are copied into directly, pageable ones through the pinned staging buffers.
         # CPU: reused destinations directly, fresh ones staged (the same steps, so CPU tests cover both paths).
@@ -517,9 +517,8 @@ class HostExporter:
         result = wrap_host_local(dst, param) if isinstance(param, DTensor) else dst
         return _Item(source, scale, dst, result, staged)
 
-    def _slot(self, found: tuple[torch.Tensor, Any], live: torch.Tensor) -> tuple[torch.Size, torch.dtype, str]:
+    def _slot(self, source: torch.Tensor, live: torch.Tensor) -> tuple[torch.Size, torch.dtype, str]:
         """Shape, dtype and pinning of a state's host destination."""
-        source = found[0]
         dtype = torch.int16 if source.dtype == torch.int16 else torch.float32
         return local_tensor(live).shape, dtype, self.pinning if source.device.type == "cuda" else "none"
 
@@ -532,7 +531,7 @@ class HostExporter:
                 if name in optimizer.name_to_dtype_map and isinstance(live, torch.Tensor):
                     found = _state_source(optimizer, param, name)
                     if found is not None:
-                        slots.append(((key, name), *self._slot(found, live)))
+                        slots.append(((key, name), *self._slot(found[0], live)))
         return self.pool.prepare(slots)
 
     def stream(self, items: list[_Item], chunk_bytes: int) -> None:

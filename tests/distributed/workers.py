@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 import warnings
 
 import torch
@@ -18,28 +20,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from optim_factory import build_optimizer
-from tests.helpers import FP8, assert_bitwise, run_steps
+from optim_factory.optimizers.export import export_state
+from recipes.checkpoint import _ExportBufferStager, state_bytes
+from tests.helpers import FP8, LIFECYCLE_CONFIGS, assert_bitwise, run_steps
 
 # uneven Shard(0) on 2 ranks: 3/2 rows, 1/0 rows (an empty local shard), 3/3, 4/3
 SHAPES = [(5, 4), (1, 3), (6,), (7, 2)]
+_LIFECYCLE = {name: (dtype, kw) for name, dtype, kw in LIFECYCLE_CONFIGS}
 CONFIGS = {
     # elementwise states: bitwise equal across world sizes
-    "bf16-params-bf16-moments-fp32-master": (
-        torch.bfloat16,
-        dict(master_weights=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
-    ),
-    "fp32-params-fp32-states": (torch.float32, {}),
+    "bf16-params-bf16-moments-fp32-master": _LIFECYCLE["bf16-params-bf16-moments-fp32-master"],
+    "fp32-params-fp32-states": _LIFECYCLE["fp32"],
     # per-tensor scaled states (scale per local shard)
     "fp16-fp8-moments": (torch.float32, dict(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=FP8)),
-    "bf16-params-remainders": (
-        torch.bfloat16,
-        dict(
-            master_weights=True,
-            store_param_remainders=True,
-            exp_avg_dtype=torch.bfloat16,
-            exp_avg_sq_dtype=torch.bfloat16,
-        ),
-    ),
+    "bf16-params-remainders": _LIFECYCLE["bf16-params-remainders-bf16-moments"],
 }
 HP = dict(lr=1e-2, weight_decay=0.1)
 
@@ -155,12 +149,6 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
     """Chunked (fresh and reused buffers) == per-state export, bitwise: ``state_dict()`` and DCP's flattened
     ``get_optimizer_state_dict``; on CUDA the DCP export stays within 2 chunks of GPU memory; an async DCP
     save of a reused-buffer export loads back bitwise."""
-    import json
-    import time
-
-    from optim_factory.optimizers.export import export_state
-    from recipes.checkpoint import _ExportBufferStager, state_bytes
-
     device = mesh_device()
     chunk, shapes = CHUNKED[device]
     mesh = init_device_mesh(device, (world,))
