@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -445,6 +446,8 @@ def main(argv: list[str] | None = None) -> None:
         bad = [x for x in name.split(",") if x not in known]
         if bad:
             ap.error(f"{what}: unknown {bad}; allowed: {','.join(known)}")
+    if args.png and importlib.util.find_spec("matplotlib") is None:
+        ap.error(f"--png {args.png}: needs matplotlib (pip install matplotlib), or leave --png out")
     device = torch.device(args.device)
     chunk = int(args.chunk_mib * M)
     if args._fresh:

@@ -20,10 +20,11 @@ case "${1:-single}" in
     echo "pytest single rc=$? in $(( $(date +%s) - start )) s"; tail -n 25 "$out/pytest_single.log"
     [ "${BENCH:-1}" = 0 ] && exit 0
     start=$(date +%s)
+    png=""; $py -c "import matplotlib" 2>/dev/null && png="--png $out/bench_peak.png"
     # every benchmark case: GPU peak and GB/s of the default, per-state and chunked exports (64 MiB chunks)
     timeout ${BENCH_TIMEOUT:-300} $py scripts/bench_export.py --repeats ${REPEATS:-3} --dtypes ${DTYPES:-bf16,fp8} \
       --modes ${MODES:-default,default+cpu,offload,chunked,chunked+reuse} \
-      --out "$out/bench.md" --jsonl "$out/bench.jsonl" --png "$out/bench_peak.png" > "$out/bench.log" 2>&1
+      --out "$out/bench.md" --jsonl "$out/bench.jsonl" $png > "$out/bench.log" 2>&1
     echo "bench rc=$? in $(( $(date +%s) - start )) s"; cat "$out/bench.md" 2>/dev/null || tail -n 30 "$out/bench.log" ;;
   stream)
     start=$(date +%s)
