@@ -1,11 +1,17 @@
 """What host memory costs on this machine: the numbers behind the streaming export's design choices.
 
     python scripts/probe_host_memory.py [--gib 2]     # CUDA machine; prints a markdown table
+    python scripts/probe_host_memory.py --stall [--backend te]   # training steps during background pinning
 
 In one fresh process, for --gib GiB: first touch of fresh pageable memory (4 KiB pages vs transparent huge
 pages, torch's parallel fill), host memcpy into fresh and into reused memory, pinning by allocation
 (cudaHostAlloc through torch's host allocator) and by registration of touched memory (cudaHostRegister), and
 device-to-host copies into pinned and registered memory. Each figure is one timed run (GB/s of --gib GiB).
+
+--stall answers whether the export's background work slows training: the time of optimizer steps (the
+bench's 64x4M case, BF16 moments: 268M parameters, 2 GiB of exported FP32 state) alone, while
+``prepare_state_dict()`` allocates, first-touches and pins the export buffers on its thread, and while the
+buffers of a released export are pinned in place (``cudaHostRegister``) on that thread.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from optim_factory.optimizers.export import host_empty  # noqa: E402
+from bench_export import M, build, configure, sync  # noqa: E402
+
+from optim_factory.optimizers.export import HostExporter, host_empty  # noqa: E402
 
 
 def timed(fn) -> float:
@@ -36,10 +44,70 @@ def sysfs(path: str) -> str:
         return "n/a"
 
 
+def step_times(opt, params, grads, until, device: torch.device) -> list[float]:
+    """Seconds of each optimizer step (launch to completion) until ``until(steps done)`` is true."""
+    out: list[float] = []
+    while not until(len(out)):
+        t0 = time.perf_counter()
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        sync(device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def stall(backend: str, device: torch.device) -> None:
+    row = "| {} | {} | {:.2f} | {:.2f} | {:.2f} | {} |"
+    print(f"- torch {torch.__version__}, backend {backend}, case 64x4M (BF16 moments), 64 MiB chunks, reuse on")
+    print()
+    print("| optimizer steps | steps | median (ms) | p90 (ms) | max (ms) | background work (s) |")
+    print("|---|---|---|---|---|---|")
+    params, opt = build("64x4M", "bf16", backend, device)
+    configure(opt, "chunked+reuse", 64 * M)
+    grads = [torch.randn_like(p) for p in params]
+
+    def report(name: str, times: list[float], seconds: float | None) -> None:
+        ms = sorted(t * 1e3 for t in times)
+        if not ms:
+            print(f"| {name} | 0 | - | - | - | {seconds:.2f} |")
+            return
+        p90 = ms[min(len(ms) - 1, int(0.9 * len(ms)))]
+        print(row.format(name, len(ms), ms[len(ms) // 2], p90, ms[-1], "-" if seconds is None else f"{seconds:.2f}"))
+
+    step_times(opt, params, grads, lambda n: n >= 10, device)  # warm-up
+    report("alone", step_times(opt, params, grads, lambda n: n >= 50, device), None)
+    t0 = time.perf_counter()
+    preparing = opt.prepare_state_dict()
+    times = step_times(opt, params, grads, lambda n: preparing.done(), device)
+    report("during prepare_state_dict() (allocate, first touch, pin)", times, time.perf_counter() - t0)
+    sd = opt.state_dict()  # into the prepared buffers
+    opt.release_state_dict(sd)
+    del sd
+    # a second optimizer without preparation: its first export fills fresh buffers, released ones get pinned
+    params2, opt2 = build("64x4M", "bf16", backend, device)
+    configure(opt2, "chunked+reuse", 64 * M)
+    sd = opt2.state_dict()
+    t0 = time.perf_counter()
+    opt2.release_state_dict(sd)
+    pool = HostExporter.of(opt2).pool
+    pinning = pool._background(lambda: None)  # done once the pinning queued before it is done
+    times = step_times(opt, params, grads, lambda n: pinning.done(), device)
+    report("during the pinning of a released export (cudaHostRegister)", times, time.perf_counter() - t0)
+    report("alone, after", step_times(opt, params, grads, lambda n: n >= 50, device), None)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=2.0)
-    n = int(ap.parse_args().gib * 2**30)
+    ap.add_argument("--stall", action="store_true", help="measure optimizer steps during background pinning")
+    ap.add_argument("--backend", choices=("te", "portable"), default="portable")
+    ap.add_argument("--device", default="cuda", help="with --stall (cpu: a smoke run of the script)")
+    args = ap.parse_args()
+    if args.stall:
+        stall(args.backend, torch.device(args.device))
+        return
+    n = int(args.gib * 2**30)
     gb = n / 1e9
     torch.cuda.init()
     dev = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(7)
