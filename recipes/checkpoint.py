@@ -8,7 +8,8 @@ Layout of ``checkpoint.dir``::
 
 A checkpoint is *complete* when it has both ``.metadata`` and ``COMPLETE.json``. Resume (``auto``) picks the
 newest complete one; incomplete directories are reported and never loaded. ``keep_last`` deletes only older
-complete checkpoints. With ``async_save`` the previous save is awaited before the next one starts and at exit.
+complete checkpoints. With ``async_save`` the previous save is awaited before the next one starts and at exit,
+and DCP's collectives for it run on a gloo group of their own, so that they never interleave with training's.
 
 The optimizer is exported with ``get_optimizer_state_dict`` (``flatten_optimizer_state_dict`` configurable); the
 export is timed and, on CUDA, its GPU peak above the pre-export level is measured. The report (seconds, bytes,
@@ -173,6 +174,12 @@ class CheckpointManager:
         self.on_report = on_report
         self.options = StateDictOptions(flatten_optimizer_state_dict=cfg.flatten_optimizer_state_dict)
         self._pending: tuple[Future, int, Path, ExportReport, Any, dict] | None = None
+        # An async save plans and finishes on DCP's background thread with collectives of its own; on the
+        # default group they would interleave with training's (gloo: a collective-mismatch abort; NCCL: a
+        # hang), so they get a gloo group of their own (created here, on every rank, in the same order).
+        self._save_group = (
+            dist.new_group(backend="gloo") if cfg.enabled and cfg.async_save and dist.is_initialized() else None
+        )
         self.reports: list[ExportReport] = []
         # Fault injection for scripts/fault_injection.py: RECIPE_FAULT_KILL_AT="<phase>:<step>" SIGKILLs this
         # process at that point of that step's save (phases: export, write, marker). Unset in normal runs.
@@ -261,7 +268,9 @@ class CheckpointManager:
             try:
                 if self.cfg.async_save:
                     stager = _ExportBufferStager(optimizer)
-                    future = dcp.async_save(state, checkpoint_id=str(path), async_stager=stager)
+                    future = dcp.async_save(
+                        state, checkpoint_id=str(path), async_stager=stager, process_group=self._save_group
+                    )
                 else:
                     dcp.save(state, checkpoint_id=str(path))
             except BaseException:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import sys
@@ -22,7 +23,8 @@ def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        # a collective that waits longer than this fails the test instead of hanging it
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
         fn(rank, world, *args)
         dist.barrier()
     except BaseException:

@@ -31,3 +31,7 @@ def test_one_rank_checkpoint_resumes_on_two_ranks_bitwise(tmp_path):
 
 def test_chunked_export_matches_per_state_on_dtensor_shards_and_through_dcp(tmp_path):
     spawn(workers.chunked_export, 2, str(tmp_path))
+
+
+def test_async_saves_while_training_collectives_run_complete_and_load(tmp_path):
+    spawn(workers.async_save_while_training, 2, str(tmp_path))

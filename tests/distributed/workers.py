@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from optim_factory import build_optimizer
 from optim_factory.optimizers.export import export_state
-from recipes.checkpoint import _ExportBufferStager, state_bytes
+from recipes.checkpoint import CheckpointManager, _ExportBufferStager, state_bytes
+from recipes.config import CheckpointConfig
 from tests.helpers import FP8, LIFECYCLE_CONFIGS, assert_bitwise, run_steps
 
 # uneven Shard(0) on 2 ranks: 3/2 rows, 1/0 rows (an empty local shard), 3/3, 4/3
@@ -274,3 +275,34 @@ def load_resharded(rank: int, world: int, cfg: str, tmp: str, saved_world: int) 
     expected = torch.load(f"{tmp}/after-step-{cfg}-w{saved_world}.pt")
     for n, t in full_params(model).items():
         assert_bitwise(t, expected[n], f"{cfg}: {saved_world}->{world} ranks, param {n} after the next step")
+
+
+def async_save_while_training(rank: int, world: int, tmp: str) -> None:
+    """The recipe's CheckpointManager with async saves, while training's collectives run on the default group:
+    DCP's background thread plans and finishes each save with collectives of its own, which must not interleave
+    with the training's on the same group (gloo: "collective mismatch" abort; NCCL: a hang). Then the last
+    checkpoint loads back bitwise."""
+    mesh = init_device_mesh(mesh_device(), (world,))
+    cfg = "fp32-params-fp32-states"
+    shapes = [(4096, 1024)] * 4  # 16M elements: 2 x 32 MiB of states per rank to write, so saves take a while
+    model, opt = build(
+        mesh, cfg, shapes=shapes, state_dict_offload_chunk_bytes=1 << 20, state_dict_offload_reuse_buffers=True
+    )
+    params = optimized_params(model, opt)
+    ckpt = CheckpointManager(
+        CheckpointConfig(dir=f"{tmp}/ck", every_steps=1, keep_last=0, async_save=True),
+        rank=rank,
+        device=torch.device(mesh_device()),
+    )
+    for step in (1, 2, 3):
+        run_steps(opt, params, step, 1)
+        ckpt.save(step, model, opt, {"step": step})
+        for _ in range(300):  # the training's collectives, while the save is in flight (same count on every rank)
+            dist.all_reduce(torch.ones(1024, device=mesh_device()))
+    ckpt.close()
+    dist.barrier()  # rank 0 writes the completion markers
+    assert [s for s, _ in ckpt.complete()] == [1, 2, 3]
+    model2, opt2 = load_fresh(
+        mesh, cfg, f"{tmp}/ck/step_00000003", StateDictOptions(flatten_optimizer_state_dict=True), shapes=shapes
+    )
+    assert_same_model_and_state(model, opt, model2, opt2, "async saves during training, loaded")
