@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from optim_factory.config import OPTIM_SCHEMAS, AdamWConfig, FusedAdamConfig
-from optim_factory.optimizers.export import MIN_CHUNK_BYTES, local_tensor
+from optim_factory.optimizers.export import check_offload_options, local_tensor
 
 __all__ = [
     "ConfigError",
@@ -86,8 +86,6 @@ def parse_bytes(value: Any, key: str) -> int | None:
         nbytes = int(m.group(1)) * _UNITS[m.group(2)]
     else:
         raise _fail(key, value, "expected null (one state at a time), bytes as an int, or a size like 64MiB")
-    if nbytes < MIN_CHUNK_BYTES:
-        raise _fail(key, value, f"must be at least {MIN_CHUNK_BYTES} bytes (64MiB is a good budget)")
     return nbytes
 
 
@@ -176,18 +174,10 @@ def validate_optim_config(cfg: Any) -> FusedAdamConfig | AdamWConfig:
         if c.store_param_remainders:
             raise _fail("store_param_remainders", True, "not supported with capturable=true")
     chunk = parse_bytes(c.state_dict_offload_chunk_bytes, "state_dict_offload_chunk_bytes")
-    if chunk is not None and not c.state_dict_cpu_offload:
-        raise _fail(
-            "state_dict_offload_chunk_bytes",
-            c.state_dict_offload_chunk_bytes,
-            "needs optim.state_dict_cpu_offload=true (chunked streaming is a mode of the CPU export)",
-        )
-    if c.state_dict_offload_reuse_buffers and chunk is None:
-        raise _fail(
-            "state_dict_offload_reuse_buffers",
-            True,
-            "needs optim.state_dict_offload_chunk_bytes (e.g. 64MiB): reusable buffers belong to the chunked export",
-        )
+    try:  # the optimizers' own rules for the export options, checked before anything is built
+        check_offload_options(c.state_dict_cpu_offload, chunk, c.state_dict_offload_reuse_buffers)
+    except ValueError as exc:
+        raise ConfigError(f"optim.{exc}") from None
     c.state_dict_offload_chunk_bytes = chunk  # bytes from here on ("64MiB" parsed once)
     if c.store_param_remainders and not (c.master_weights and master == torch.float32):
         warnings.warn(

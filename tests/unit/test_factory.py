@@ -169,6 +169,10 @@ MALFORMED = [
     ({"capturable": True, "master_weights": True, "store_param_remainders": True}, "optim.store_param_remainders=True"),
     ({"capturable": "maybe"}, "capturable"),
     ({"state_dict_cpu_offload": "sometimes"}, "state_dict_cpu_offload"),
+    ({"state_dict_cpu_offload": True, "state_dict_offload_chunk_bytes": "64 MB"}, "chunk_bytes='64 MB'"),
+    ({"state_dict_cpu_offload": True, "state_dict_offload_chunk_bytes": 8}, "optim.state_dict_offload_chunk_bytes=8: "),
+    ({"state_dict_offload_chunk_bytes": "64MiB"}, "needs state_dict_cpu_offload=True"),
+    ({"state_dict_cpu_offload": True, "state_dict_offload_reuse_buffers": True}, "needs state_dict_offload_chunk"),
     ({"param_groups": {"no_decay": ["("]}}, "optim.param_groups.no_decay[0]='('"),
     ({"param_groups": {"no_decay": [""]}}, "optim.param_groups.no_decay[0]=''"),
     (
