@@ -364,16 +364,21 @@ class HostBufferPool:
         self._preparing: Future | None = None
         self._registered = [0]  # bytes pinned with cudaHostRegister and not yet unpinned
 
+    @staticmethod
+    def _new(key: tuple) -> torch.Tensor:
+        """A new buffer for ``key`` = (slot, shape, dtype, pinning): pinned by allocation, or pageable."""
+        _, shape, dtype, pinning = key
+        if pinning == "alloc":
+            buf = torch.empty(shape, dtype=dtype, pin_memory=True)
+        else:
+            buf = host_empty(torch.Size(shape), dtype)
+        buf._optim_factory_pool_key = key  # type: ignore[attr-defined]
+        return buf
+
     def take(self, slot: Any, shape: torch.Size, dtype: torch.dtype, pinning: str) -> torch.Tensor:
         key = (slot, tuple(shape), dtype, pinning)
         free = self._free.get(key)
-        if free:
-            buf = free.pop()
-        elif pinning == "alloc":
-            buf = torch.empty(shape, dtype=dtype, pin_memory=True)
-        else:
-            buf = host_empty(shape, dtype)
-        buf._optim_factory_pool_key = key  # type: ignore[attr-defined]
+        buf = free.pop() if free else self._new(key)
         self._leased[id(buf)] = buf
         return buf
 
@@ -431,12 +436,9 @@ class HostBufferPool:
             key = (slot, tuple(shape), dtype, pinning)
             if self._free.get(key):
                 continue
-            if pinning == "alloc":
-                buf = torch.empty(shape, dtype=dtype, pin_memory=True)
-            else:
-                buf = host_empty(shape, dtype)
+            buf = self._new(key)
+            if pinning != "alloc":
                 buf.view(-1).view(torch.uint8).fill_(0)  # first touch, on all intra-op threads
-            buf._optim_factory_pool_key = key  # type: ignore[attr-defined]
             if pinning == "register":
                 buf._optim_factory_registered = False  # type: ignore[attr-defined]
                 self._register(buf)
@@ -496,8 +498,9 @@ class HostExporter:
             setattr(optimizer, _EXPORTER_ATTR, exporter)
         return exporter
 
-    def item(self, optimizer: Any, param: torch.Tensor, key: Any, name: str, reuse: bool) -> _Item | None:
-        """The streaming plan for one state, with its host destination; ``None``: export it per state."""
+    def _streamable(self, optimizer: Any, param: torch.Tensor, name: str) -> tuple[torch.Tensor, Any, tuple] | None:
+        """Source, scale and host slot (shape, dtype, pinning) of a state that streams; ``None``: it does not
+        (not an optimizer state tensor, or not contiguous) and is exported per state."""
         live = optimizer.state[param][name]
         if name not in optimizer.name_to_dtype_map or not isinstance(live, torch.Tensor):
             return None
@@ -505,7 +508,16 @@ class HostExporter:
         if found is None:
             return None
         source, scale = found
-        shape, dtype, pinning = self._slot(source, live)
+        dtype = torch.int16 if source.dtype == torch.int16 else torch.float32
+        pinning = self.pinning if source.device.type == "cuda" else "none"
+        return source, scale, (local_tensor(live).shape, dtype, pinning)
+
+    def item(self, optimizer: Any, param: torch.Tensor, key: Any, name: str, reuse: bool) -> _Item | None:
+        """The streaming plan for one state, with its host destination; ``None``: export it per state."""
+        found = self._streamable(optimizer, param, name)
+        if found is None:
+            return None
+        source, scale, (shape, dtype, pinning) = found
         cuda = source.device.type == "cuda"
         # CUDA: pinned destinations are copied into directly, pageable ones through the pinned staging buffers.
         # CPU: reused destinations directly, fresh ones staged (the same steps, so CPU tests cover both paths).
@@ -517,21 +529,15 @@ class HostExporter:
         result = wrap_host_local(dst, param) if isinstance(param, DTensor) else dst
         return _Item(source, scale, dst, result, staged)
 
-    def _slot(self, source: torch.Tensor, live: torch.Tensor) -> tuple[torch.Size, torch.dtype, str]:
-        """Shape, dtype and pinning of a state's host destination."""
-        dtype = torch.int16 if source.dtype == torch.int16 else torch.float32
-        return local_tensor(live).shape, dtype, self.pinning if source.device.type == "cuda" else "none"
-
     def prepare(self, optimizer: Any) -> Future:
         """Get a ready pooled buffer for every state of ``optimizer`` (see :meth:`HostBufferPool.prepare`)."""
         packed = torch.optim.Optimizer.state_dict(optimizer)
         slots = []
         for key, param in param_index_map(optimizer, packed["param_groups"]).items():
-            for name, live in optimizer.state.get(param, {}).items():
-                if name in optimizer.name_to_dtype_map and isinstance(live, torch.Tensor):
-                    found = _state_source(optimizer, param, name)
-                    if found is not None:
-                        slots.append(((key, name), *self._slot(found[0], live)))
+            for name in optimizer.state.get(param, {}):
+                found = self._streamable(optimizer, param, name)
+                if found is not None:
+                    slots.append(((key, name), *found[2]))
         return self.pool.prepare(slots)
 
     def stream(self, items: list[_Item], chunk_bytes: int) -> None:
