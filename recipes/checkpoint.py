@@ -264,22 +264,21 @@ class CheckpointManager:
         nbytes = state_bytes(osd)
         state = {"model": msd, "optim": osd, "trainer": trainer_state}
         t0 = time.perf_counter()
+        in_flight = False
         try:
-            try:
-                if self.cfg.async_save:
-                    stager = _ExportBufferStager(optimizer)
-                    future = dcp.async_save(
-                        state, checkpoint_id=str(path), async_stager=stager, process_group=self._save_group
-                    )
-                else:
-                    dcp.save(state, checkpoint_id=str(path))
-            except BaseException:
-                release_exported_state(optimizer, osd)  # nothing reads them any more
-                raise
+            if self.cfg.async_save:
+                stager = _ExportBufferStager(optimizer)
+                future = dcp.async_save(
+                    state, checkpoint_id=str(path), async_stager=stager, process_group=self._save_group
+                )
+                in_flight = True
+            else:
+                dcp.save(state, checkpoint_id=str(path))
         except _DCP_ERRORS as exc:  # the previous checkpoint is complete and untouched; this one gets no marker
             raise CheckpointError(f"saving {path} failed: {one_line(exc)}") from exc
-        if not self.cfg.async_save:
-            release_exported_state(optimizer, osd)  # written: the next export may reuse the buffers
+        finally:
+            if not in_flight:  # written (sync) or failed: nothing reads the export buffers any more
+                release_exported_state(optimizer, osd)
         save_s = time.perf_counter() - t0
         self._fault_point("write", step)
         report = ExportReport(
