@@ -118,39 +118,29 @@ def resolve_dist_env(env: Mapping[str, str]) -> DistEnv:
         return _checked(DistEnv(rank, world, local, env["MASTER_ADDR"], _int(env, "MASTER_PORT"), "torchrun"))
 
     if "SLURM_STEP_ID" in env and ("SLURM_PROCID" in env or "SLURM_NTASKS" in env):
-        slurm = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
-        missing = [k for k in slurm if k not in env]
         nodelist = env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST"))
-        if nodelist is None:
-            missing.append("SLURM_JOB_NODELIST")
-        if missing:
-            raise LaunchError(f"half-set srun environment: {', '.join(missing)} missing")
-        head = expand_nodelist(nodelist)[0]
-        env_ = DistEnv(
-            _int(env, "SLURM_PROCID"),
-            _int(env, "SLURM_NTASKS"),
-            _int(env, "SLURM_LOCALID"),
-            env.get("MASTER_ADDR", head),
-            _port_from_job(env, "SLURM_JOB_ID"),
-            "srun",
-        )
-        return _checked(env_)
+        keys = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+        _require(env, keys, "srun", also_missing=() if nodelist is not None else ("SLURM_JOB_NODELIST",))
+        addr = env.get("MASTER_ADDR", expand_nodelist(nodelist)[0])
+        return _task_env(env, keys, addr, _port_from_job(env, "SLURM_JOB_ID"), "srun")
 
     if "SUBMITIT_LOCAL_GLOBALID" in env or "SUBMITIT_LOCAL_NTASKS" in env:
         keys = ("SUBMITIT_LOCAL_GLOBALID", "SUBMITIT_LOCAL_NTASKS", "SUBMITIT_LOCAL_LOCALID")
-        missing = [k for k in keys if k not in env]
-        if missing:
-            raise LaunchError(f"half-set submitit environment: {', '.join(missing)} missing")
-        env_ = DistEnv(
-            _int(env, "SUBMITIT_LOCAL_GLOBALID"),
-            _int(env, "SUBMITIT_LOCAL_NTASKS"),
-            _int(env, "SUBMITIT_LOCAL_LOCALID"),
-            "127.0.0.1",
-            _port_from_job(env, "SUBMITIT_LOCAL_JOB_ID"),
-            "submitit-local",
-        )
-        return _checked(env_)
+        _require(env, keys, "submitit")
+        return _task_env(env, keys, "127.0.0.1", _port_from_job(env, "SUBMITIT_LOCAL_JOB_ID"), "submitit-local")
     return DistEnv(0, 1, 0, "127.0.0.1", 0, "single")
+
+
+def _require(env: Mapping[str, str], keys: tuple[str, ...], launcher: str, also_missing: tuple[str, ...] = ()) -> None:
+    missing = [k for k in keys if k not in env] + list(also_missing)
+    if missing:
+        raise LaunchError(f"half-set {launcher} environment: {', '.join(missing)} missing")
+
+
+def _task_env(env: Mapping[str, str], keys: tuple[str, str, str], addr: str, port: int, launcher: str) -> DistEnv:
+    """A DistEnv from the launcher's (global rank, task count, local rank) variables, checked."""
+    rank, world, local = (_int(env, k) for k in keys)
+    return _checked(DistEnv(rank, world, local, addr, port, launcher))
 
 
 def _free_port() -> int:
