@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from optim_factory.config import OPTIM_SCHEMAS, AdamWConfig, FusedAdamConfig
-from optim_factory.optimizers.export import check_offload_options, local_tensor
+from optim_factory.optimizers.export import ExportOptions, local_tensor
 
 __all__ = [
     "ConfigError",
@@ -175,7 +175,7 @@ def validate_optim_config(cfg: Any) -> FusedAdamConfig | AdamWConfig:
             raise _fail("store_param_remainders", True, "not supported with capturable=true")
     chunk = parse_bytes(c.state_dict_offload_chunk_bytes, "state_dict_offload_chunk_bytes")
     try:  # the optimizers' own rules for the export options, checked before anything is built
-        check_offload_options(c.state_dict_cpu_offload, chunk, c.state_dict_offload_reuse_buffers)
+        ExportOptions(c.state_dict_cpu_offload, chunk, c.state_dict_offload_reuse_buffers)
     except ValueError as exc:
         raise ConfigError(f"optim.{exc}") from None
     c.state_dict_offload_chunk_bytes = chunk  # bytes from here on ("64MiB" parsed once)

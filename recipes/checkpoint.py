@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from optim_factory.optimizers.export import is_leased_export_buffer, release_exported_state
+from optim_factory.optimizers.export import OffloadedStateDict
 from recipes.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -267,7 +267,7 @@ class CheckpointManager:
         in_flight = False
         try:
             if self.cfg.async_save:
-                stager = _ExportBufferStager(optimizer)
+                stager = ExportBufferStager(optimizer)
                 future = dcp.async_save(
                     state, checkpoint_id=str(path), async_stager=stager, process_group=self._save_group
                 )
@@ -278,7 +278,7 @@ class CheckpointManager:
             raise CheckpointError(f"saving {path} failed: {one_line(exc)}") from exc
         finally:
             if not in_flight:  # written (sync) or failed: nothing reads the export buffers any more
-                release_exported_state(optimizer, osd)
+                _release(optimizer, osd)
         save_s = time.perf_counter() - t0
         self._fault_point("write", step)
         report = ExportReport(
@@ -333,7 +333,7 @@ class CheckpointManager:
         except _DCP_ERRORS as exc:
             raise CheckpointError(f"async save of {path} failed: {one_line(exc)}") from exc
         finally:
-            release_exported_state(optimizer, osd)  # the save is over: the next export may reuse them
+            _release(optimizer, osd)  # the save is over: the next export may reuse them
         self._finalize(step, path, report)
 
     def _retain(self) -> None:
@@ -367,10 +367,17 @@ class CheckpointManager:
         return state["trainer"]
 
 
-class _ExportBufferStager(AsyncStager):
+class ExportBufferStager(AsyncStager):
     """Staging for ``dcp.async_save``: host copies of every tensor (as DCP's default stager makes), except the
     optimizer's leased export buffers, which are passed through: nothing writes them until they are released,
-    which :class:`CheckpointManager` does only after this save has finished."""
+    which :class:`CheckpointManager` does only after this save has finished.
+
+    Why not DCP's own stager (``DefaultStager`` / ``BlockingAsyncStager``): it copies *every* tensor into its
+    own (pinned) host memory, so the pooled export buffers, already on the host and owned by this save, would be
+    copied a second time (twice the host memory and a second full memcpy per checkpoint). It has no hook to
+    skip some tensors, so this stager does the small part of its job that is needed: plain host copies of the
+    rest (the model state and tensors that are not pooled). See docs/design.md, "Checkpoints".
+    """
 
     _synchronize_after_execute = False
 
@@ -378,13 +385,20 @@ class _ExportBufferStager(AsyncStager):
         self.optimizer = optimizer
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return _host_copy(state_dict, keep=lambda t: is_leased_export_buffer(self.optimizer, t))
+        leased = self.optimizer.is_leased_export_buffer if isinstance(self.optimizer, OffloadedStateDict) else None
+        return _host_copy(state_dict, keep=leased)
 
     def synchronize_staging(self) -> None:
         """Staging is synchronous."""
 
     def close(self) -> None:
         """Nothing to free."""
+
+
+def _release(optimizer: Any, osd: Any) -> None:
+    """Give an export's pooled host buffers back to the optimizer (only our FusedAdams have any)."""
+    if isinstance(optimizer, OffloadedStateDict):
+        optimizer.release_state_dict(osd)
 
 
 def _host_copy(obj: Any, keep=None) -> Any:

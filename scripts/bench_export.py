@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from optim_factory.optimizers.export import HostExporter  # noqa: E402
+from optim_factory.optimizers.export import ExportOptions  # noqa: E402
 from recipes.checkpoint import state_bytes  # noqa: E402
 
 M = 1 << 20
@@ -95,7 +95,7 @@ MODES = (
 )
 PREPARED = ", prepared"
 CHUNK_OPTIONS = {  # mode -> (reuse, pinning of the pooled buffers)
-    "chunked": (False, "none"),
+    "chunked": (False, "register"),  # no pool: the pinning option does not apply
     "chunked+reuse": (True, "register"),
     "chunked+reuse-alloc": (True, "alloc"),
     "chunked+reuse-pageable": (True, "none"),
@@ -159,17 +159,15 @@ def build(case: str, dtype_name: str, backend: str, device: torch.device):
 
 def configure(opt, mode: str, chunk_bytes: int) -> None:
     chunked = mode in CHUNK_OPTIONS
-    reuse, pinning = CHUNK_OPTIONS.get(mode, (False, "none"))
-    opt.state_dict_cpu_offload = mode == "offload" or chunked
-    opt.state_dict_offload_chunk_bytes = chunk_bytes if chunked else None
-    opt.state_dict_offload_reuse_buffers = reuse
-    HostExporter.of(opt).pinning = pinning
+    reuse, pinning = CHUNK_OPTIONS.get(mode, (False, "register"))
+    options = ExportOptions(mode == "offload" or chunked, chunk_bytes if chunked else None, reuse, pinning)
+    opt.configure_export(options)
 
 
 def wait_pinning(opt) -> float:
     """Seconds until the pool's background pinning of released buffers is done (between checkpoints)."""
     t0 = time.perf_counter()
-    HostExporter.of(opt).pool.wait_pinning()
+    opt.state_exporter.pool.wait_pinning()
     return time.perf_counter() - t0
 
 
@@ -247,7 +245,7 @@ def host_memory(opt) -> dict[str, int]:
     if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
         stats = torch.cuda.host_memory_stats()
         pinned = int(stats.get("allocated_bytes.current", 0))  # pinned blocks owned (in use + cached)
-    pinned += HostExporter.of(opt).pool.registered_bytes()
+    pinned += opt.state_exporter.pool.registered_bytes()
     return {"rss": rss, "pinned": pinned}
 
 

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_export import M, build, configure, sync  # noqa: E402
 
-from optim_factory.optimizers.export import HostExporter, host_empty  # noqa: E402
+from optim_factory.optimizers.export import host_empty  # noqa: E402
 
 
 def timed(fn) -> float:
@@ -90,8 +90,7 @@ def stall(backend: str, device: torch.device) -> None:
     sd = opt2.state_dict()
     t0 = time.perf_counter()
     opt2.release_state_dict(sd)
-    pool = HostExporter.of(opt2).pool
-    pinning = pool._background(lambda: None)  # done once the pinning queued before it is done
+    pinning = opt2.state_exporter.pool.pinning_done()
     times = step_times(opt, params, grads, lambda n: pinning.done(), device)
     report("during the pinning of a released export (cudaHostRegister)", times, time.perf_counter() - t0)
     report("alone, after", step_times(opt, params, grads, lambda n: n >= 50, device), None)

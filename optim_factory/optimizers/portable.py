@@ -31,11 +31,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from optim_factory.optimizers.export import (
+    ExportOptions,
     OffloadedStateDict,
-    _wrap_like,
+    Pinning,
     join_bf16_remainder,
     local_tensor,
     split_bf16_remainder,
+    wrap_like,
 )
 
 __all__ = ["PortableFusedAdam", "FP8_STORAGE_DTYPE"]
@@ -78,6 +80,8 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
         state_dict_cpu_offload: make ``state_dict()`` export to CPU (one state at a time by default).
         state_dict_offload_chunk_bytes: stream the CPU export in chunks of at most this many bytes.
         state_dict_offload_reuse_buffers: export into pooled host buffers (see ``release_state_dict``).
+        state_dict_offload_pinning: how pooled buffers of CUDA states are pinned: ``register`` | ``alloc`` |
+            ``none`` (see :class:`~optim_factory.optimizers.export.Pinning`).
     """
 
     def __init__(
@@ -102,9 +106,15 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
         state_dict_cpu_offload: bool = False,
         state_dict_offload_chunk_bytes: int | None = None,
         state_dict_offload_reuse_buffers: bool = False,
+        state_dict_offload_pinning: Pinning | str = Pinning.register,
     ):
-        self._set_offload_options(
-            state_dict_cpu_offload, state_dict_offload_chunk_bytes, state_dict_offload_reuse_buffers
+        self._init_export(
+            ExportOptions.from_kwargs(
+                state_dict_cpu_offload,
+                state_dict_offload_chunk_bytes,
+                state_dict_offload_reuse_buffers,
+                state_dict_offload_pinning,
+            )
         )
         exp_avg_dtype = _normalize_moment_dtype(exp_avg_dtype)
         exp_avg_sq_dtype = _normalize_moment_dtype(exp_avg_sq_dtype)
@@ -264,7 +274,7 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
             make = torch.zeros_like if zero_buffer or dtype == torch.uint8 else torch.empty_like
             data = make(local_param, dtype=storage)
         if isinstance(param, DTensor):
-            data = _wrap_like(data, param)
+            data = wrap_like(data, param)
         self.state[param][state_name] = data
         if dtype != torch.float32:
             self._scales.setdefault(param, {})[state_name] = torch.ones(

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from optim_factory.optimizers.export import OffloadedStateDict
+from optim_factory.optimizers.export import ExportOptions, OffloadedStateDict, Pinning
 
 __all__ = ["FusedAdam", "TE_AVAILABLE", "te_import_error"]
 
@@ -44,7 +44,8 @@ class FusedAdam(OffloadedStateDict, _TEFusedAdam):  # type: ignore[misc,valid-ty
     FP32 state at a time, so the GPU never holds more than the largest single FP32 state.
     ``state_dict_offload_chunk_bytes`` streams that export in chunks (the GPU holds at most two), overlapping
     conversion with the device-to-host copies; ``state_dict_offload_reuse_buffers`` exports into pooled
-    pinned host buffers that ``release_state_dict()`` gives back (see :mod:`optim_factory.optimizers.export`).
+    host buffers that ``release_state_dict()`` gives back, pinned as ``state_dict_offload_pinning`` says
+    (see :mod:`optim_factory.optimizers.export`).
     Everything else, including the CUDA kernels of ``step()``, is TE's.
     """
 
@@ -55,12 +56,18 @@ class FusedAdam(OffloadedStateDict, _TEFusedAdam):  # type: ignore[misc,valid-ty
         state_dict_cpu_offload: bool = False,
         state_dict_offload_chunk_bytes: int | None = None,
         state_dict_offload_reuse_buffers: bool = False,
+        state_dict_offload_pinning: Pinning | str = Pinning.register,
         **kwargs: Any,
     ):
         if not TE_AVAILABLE:
             raise ImportError(f"{TE_INSTALL_HINT} (import failed: {te_import_error()})")
-        self._set_offload_options(
-            state_dict_cpu_offload, state_dict_offload_chunk_bytes, state_dict_offload_reuse_buffers
+        self._init_export(
+            ExportOptions.from_kwargs(
+                state_dict_cpu_offload,
+                state_dict_offload_chunk_bytes,
+                state_dict_offload_reuse_buffers,
+                state_dict_offload_pinning,
+            )
         )
         super().__init__(params, *args, **kwargs)
 

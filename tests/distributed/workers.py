@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from optim_factory import build_optimizer
-from optim_factory.optimizers.export import export_state
-from recipes.checkpoint import CheckpointManager, _ExportBufferStager, state_bytes
+from optim_factory.optimizers.export import ExportOptions, export_state
+from recipes.checkpoint import CheckpointManager, ExportBufferStager, state_bytes
 from recipes.config import CheckpointConfig
 from tests.helpers import FP8, LIFECYCLE_CONFIGS, assert_bitwise, run_steps
 
@@ -158,11 +158,10 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
         model, opt = build(mesh, cfg, shapes=shapes, state_dict_offload_chunk_bytes=chunk)
         run_steps(opt, list(model.parameters()), 0, 3)
         reference = export_state(opt, cpu_offload=True)  # per state
-        opt.state_dict_offload_chunk_bytes = None
+        opt.configure_export(ExportOptions(cpu_offload=True))
         ref_flat = get_optimizer_state_dict(model, opt, options=flat)
-        opt.state_dict_offload_chunk_bytes = chunk
         for reuse in (False, True):
-            opt.state_dict_offload_reuse_buffers = reuse
+            opt.configure_export(ExportOptions(cpu_offload=True, chunk_bytes=chunk, reuse_buffers=reuse))
             for round_ in range(2):
                 what = f"{cfg} reuse={reuse} round {round_}"
                 sd = opt.state_dict()
@@ -207,7 +206,7 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
                 if reuse and round_ == 1:
                     path = f"{tmp}/chunked-{cfg}"
                     state = {"model": get_model_state_dict(model), "optim": got}
-                    dcp.async_save(state, checkpoint_id=path, async_stager=_ExportBufferStager(opt)).result()
+                    dcp.async_save(state, checkpoint_id=path, async_stager=ExportBufferStager(opt)).result()
                     opt.release_state_dict(got)
                     model2, opt2 = load_fresh(
                         mesh, cfg, path, flat, shapes=shapes, state_dict_offload_chunk_bytes=chunk

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from optim_factory import PortableFusedAdam
-from optim_factory.optimizers.export import PINNING, HostExporter, export_state
+from optim_factory.optimizers.export import Pinning, export_state
 from tests.gpu.test_te_fused_adam import measure
 from tests.helpers import FP8, assert_state_dicts_bitwise, local, make_params, run_steps
 
@@ -27,7 +27,7 @@ CONFIGS = {
 }
 
 
-def _build(cfg: str, reuse: bool):
+def _build(cfg: str, reuse: bool, pinning: Pinning = Pinning.register):
     dtype, kw = CONFIGS[cfg]
     params = make_params(dtype, shapes=SHAPES, device="cuda")
     opt = PortableFusedAdam(
@@ -36,19 +36,18 @@ def _build(cfg: str, reuse: bool):
         state_dict_cpu_offload=True,
         state_dict_offload_chunk_bytes=CHUNK,
         state_dict_offload_reuse_buffers=reuse,
+        state_dict_offload_pinning=pinning,
         **kw,
     )
     run_steps(opt, params, 0, 2)
     return params, opt
 
 
-@pytest.mark.parametrize("pinning", [None, *PINNING], ids=["fresh", *PINNING])
+@pytest.mark.parametrize("pinning", [None, *Pinning], ids=["fresh", *(p.value for p in Pinning)])
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_cuda_chunked_export_bitwise_and_bounded(cfg, pinning, record):
-    params, opt = _build(cfg, reuse=pinning is not None)
-    pool = HostExporter.of(opt).pool
-    if pinning is not None:
-        HostExporter.of(opt).pinning = pinning
+    params, opt = _build(cfg, reuse=pinning is not None, pinning=pinning or Pinning.register)
+    pool = opt.state_exporter.pool
     for round_ in range(3):
         sd, peak, _ = measure(opt.state_dict)
         record(test="cuda_chunked", cfg=cfg, pinning=pinning, round=round_, peak_bytes=peak, chunk_bytes=CHUNK)
@@ -57,14 +56,14 @@ def test_cuda_chunked_export_bitwise_and_bounded(cfg, pinning, record):
         opt.release_state_dict(sd)
         pool.wait_pinning()
         run_steps(opt, params, 2 + round_, 1)
-    if pinning in ("register", "alloc"):
+    if pinning in (Pinning.register, Pinning.alloc):
         sd = opt.state_dict()
         assert all(local(v).is_pinned() for st in sd["state"].values() for v in st.values())
 
 
 def test_released_buffers_get_pinned_in_place_and_unpinned_when_freed():
     params, opt = _build("bf16-fp16", reuse=True)
-    pool = HostExporter.of(opt).pool
+    pool = opt.state_exporter.pool
     sd = opt.state_dict()
     total = sum(local(v).numel() * local(v).element_size() for st in sd["state"].values() for v in st.values())
     assert not any(local(v).is_pinned() for st in sd["state"].values() for v in st.values())  # first: pageable

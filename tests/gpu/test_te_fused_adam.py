@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from optim_factory import PortableFusedAdam, build_optimizer
+from optim_factory.optimizers.export import ExportOptions
 from tests.helpers import (
     LIFECYCLE_CONFIGS,
     LiveSnapshot,
@@ -118,7 +119,7 @@ def test_te_lifecycle_and_memory(name, dtype, kw, mode, record):
             assert released > 0 and _storages(again) == _storages(sd)
         exports.append(deep_clone(again))
         sd = again
-    opt.state_dict_cpu_offload = False
+    opt.configure_export(ExportOptions())
     reference = deep_clone(opt.state_dict())  # TE's own export
     for e in exports:
         assert_state_dicts_bitwise(e, reference, f"{name} {mode}")
@@ -153,7 +154,7 @@ def test_chunked_export_of_one_large_state_stays_within_two_chunks(record):
     sd, peak, retained = measure(opt.state_dict)
     record(test="te_large_state_chunked", numel=params[0].numel(), chunk_bytes=chunk, peak_bytes=peak)
     assert peak <= 2 * chunk + SLACK and retained == 0, peak
-    opt.state_dict_cpu_offload = False
+    opt.configure_export(ExportOptions())
     reference = opt.state_dict()
     for state_name, v in reference["state"][0].items():
         assert torch.equal(sd["state"][0][state_name], v.cpu()), state_name

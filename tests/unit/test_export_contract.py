@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from optim_factory import PortableFusedAdam
+from optim_factory.optimizers.export import ExportOptions
 from tests.helpers import (
     LIFECYCLE_CONFIGS,
     LiveSnapshot,
@@ -48,9 +49,9 @@ def test_lifecycle(name, dtype, kw, offload):
 
     before = LiveSnapshot.take(opt)
     exports = [opt.state_dict() for _ in range(3)]
-    opt.state_dict_cpu_offload = False
+    opt.configure_export(ExportOptions())
     reference = deep_clone(opt.state_dict())  # the option-off (TE) export
-    opt.state_dict_cpu_offload = offload
+    opt.configure_export(ExportOptions(cpu_offload=offload))
     LiveSnapshot.take(opt).assert_same(before)
 
     for sd in exports:

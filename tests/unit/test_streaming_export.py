@@ -11,8 +11,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from optim_factory import PortableFusedAdam
-from optim_factory.optimizers.export import HostExporter, _plan, export_state, release_exported_state
-from recipes.checkpoint import CheckpointManager, _ExportBufferStager, read_checkpoint
+from optim_factory.optimizers.export import export_state, plan_chunks
+from recipes.checkpoint import CheckpointManager, ExportBufferStager, read_checkpoint
 from recipes.config import CheckpointConfig
 from tests.helpers import (
     LIFECYCLE_CONFIGS,
@@ -86,10 +86,10 @@ def test_plan_packs_pieces_within_the_budget_and_covers_every_element_once():
     params = make_params(torch.float32, shapes=[(1000,), (3,), (0,), (77, 3), (1,)])
     opt = PortableFusedAdam(params, exp_avg_dtype=torch.bfloat16, **_options(256))
     run_steps(opt, params, 0, 1)
-    exporter = HostExporter.of(opt)
+    exporter = opt.state_exporter
     items = [exporter.item(opt, p, i, n, reuse=False) for i, p in enumerate(params) for n in opt.state[p]]
     for budget in (64, 256, 4000, 1 << 20):
-        chunks = _plan(items, budget)
+        chunks = plan_chunks(items, budget)
         covered = {id(it): [] for it in items}
         for chunk in chunks:
             last = chunk[-1]
@@ -101,7 +101,7 @@ def test_plan_packs_pieces_within_the_budget_and_covers_every_element_once():
             ranges = covered[id(it)]
             assert [a for a, _ in ranges] == [0] + [b for _, b in ranges[:-1]] if ranges else it.dst.numel() == 0
             assert (ranges[-1][1] if ranges else 0) == it.dst.numel()
-    assert len(_plan(items, 64)) >= 2 * 1000 * 4 // 64  # exp_avg and exp_avg_sq of the 1000-element state alone
+    assert len(plan_chunks(items, 64)) >= 2 * 1000 * 4 // 64  # exp_avg and exp_avg_sq of the 1000-element state alone
 
 
 def test_unreleased_exports_are_never_overwritten_and_memory_stays_flat():
@@ -110,7 +110,7 @@ def test_unreleased_exports_are_never_overwritten_and_memory_stays_flat():
     run_steps(opt, params, 0, 1)
     kept = opt.state_dict()
     frozen = deep_clone(kept)
-    pool = HostExporter.of(opt).pool
+    pool = opt.state_exporter.pool
     for step in range(10):  # export, step, export: the kept (unreleased) export never changes
         run_steps(opt, params, 1 + step, 1)
         other = opt.state_dict()
@@ -121,8 +121,10 @@ def test_unreleased_exports_are_never_overwritten_and_memory_stays_flat():
             free_after_2 = pool.free_bytes()
     assert pool.free_bytes() == free_after_2  # one set of buffers, reused: no growth over 10 exports
     assert_state_dicts_bitwise(kept, frozen, "kept export")
-    assert release_exported_state(opt, {"state": {0: {"exp_avg": torch.zeros(3)}}}) == 0  # not ours: ignored
-    assert release_exported_state(torch.optim.SGD(params, lr=0.1), kept) == 0
+    assert opt.release_state_dict({"state": {0: {"exp_avg": torch.zeros(3)}}}) == 0  # not ours: ignored
+    assert all(opt.is_leased_export_buffer(v) for st in kept["state"].values() for v in st.values())
+    assert opt.release_state_dict(kept) == sum(len(st) for st in kept["state"].values())
+    assert not any(opt.is_leased_export_buffer(v) for st in kept["state"].values() for v in st.values())
 
 
 @pytest.mark.parametrize(
@@ -164,7 +166,7 @@ def test_buffers_read_by_an_in_flight_async_save_are_never_overwritten(tmp_path)
     path = str(tmp_path / "in-flight")
     # the export buffers go to the writer un-copied (the CheckpointManager's stager), so DCP reads them late
     future = dcp.async_save(
-        {"optim": sd}, storage_writer=_GatedWriter(path, gate), async_stager=_ExportBufferStager(opt)
+        {"optim": sd}, storage_writer=_GatedWriter(path, gate), async_stager=ExportBufferStager(opt)
     )
     try:
         for step in range(3):  # training and exporting go on while the save waits at the gate
@@ -186,7 +188,7 @@ def test_buffers_read_by_an_in_flight_async_save_are_never_overwritten(tmp_path)
 def test_checkpoint_manager_releases_export_buffers_only_after_the_save(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
     opt = PortableFusedAdam(model.parameters(), exp_avg_dtype=torch.bfloat16, **_options(64, True))
-    pool = HostExporter.of(opt).pool
+    pool = opt.state_exporter.pool
     cfg = CheckpointConfig(dir=str(tmp_path / "ck"), every_steps=1, async_save=True)
     manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
     expected = {}
@@ -213,14 +215,14 @@ def test_prepare_readies_the_buffers_of_the_next_export():
     opt = PortableFusedAdam(params, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.uint8, **_options(64, True))
     assert PortableFusedAdam(make_params(torch.float32), **_options(64)).prepare_state_dict() is None  # no reuse
     run_steps(opt, params, 0, 2)
-    pool = HostExporter.of(opt).pool
+    pool = opt.state_exporter.pool
     opt.prepare_state_dict().result()
     prepared = pool.free_bytes()
     states = sum(local(v).numel() * 4 for st in opt.state.values() for v in st.values())
     assert prepared == states  # one FP32 buffer per state
-    ready = {id(t) for ts in pool._free.values() for t in ts}
     opt.prepare_state_dict()  # a second prepare adds nothing, and the export waits for it
     sd = opt.state_dict()
-    assert pool.free_bytes() == 0
-    assert {id(local(v)) for st in sd["state"].values() for v in st.values()} == ready
+    assert pool.free_bytes() == 0  # the export took the prepared buffers (none left over, none allocated)
+    assert opt.release_state_dict(sd) == sum(len(st) for st in sd["state"].values())
+    assert pool.free_bytes() == prepared
     assert_state_dicts_bitwise(sd, export_state(opt, cpu_offload=True), "export into prepared buffers")

@@ -1,0 +1,41 @@
+"""The export path shared by both FusedAdam backends, one job per module (docs/design.md, "Export"):
+
+* :mod:`.contract`: the TE-matching export and load (``export_state``, ``load_exported_state``);
+* :mod:`.options`: the frozen, validated export options (``ExportOptions``, ``Pinning``);
+* :mod:`.stream`: chunk planning and the stream pipeline (``StateExporter``);
+* :mod:`.host_memory`: host memory and pinning (``host_empty``, ``HostBufferPool``);
+* :mod:`.tensors`: DTensor and BF16-remainder bit helpers, shared with the portable backend;
+* :mod:`.mixin`: ``OffloadedStateDict``, the ``state_dict`` family both optimizer classes inherit.
+"""
+
+from optim_factory.optimizers.export.contract import export_state, load_exported_state, param_index_map
+from optim_factory.optimizers.export.host_memory import HostBufferPool, host_empty
+from optim_factory.optimizers.export.mixin import OffloadedStateDict
+from optim_factory.optimizers.export.options import MIN_CHUNK_BYTES, ExportOptions, Pinning
+from optim_factory.optimizers.export.stream import StateExporter, plan_chunks
+from optim_factory.optimizers.export.tensors import (
+    join_bf16_remainder,
+    local_tensor,
+    split_bf16_remainder,
+    wrap_host_local,
+    wrap_like,
+)
+
+__all__ = [
+    "export_state",
+    "load_exported_state",
+    "param_index_map",
+    "ExportOptions",
+    "Pinning",
+    "MIN_CHUNK_BYTES",
+    "OffloadedStateDict",
+    "StateExporter",
+    "plan_chunks",
+    "HostBufferPool",
+    "host_empty",
+    "local_tensor",
+    "wrap_like",
+    "wrap_host_local",
+    "join_bf16_remainder",
+    "split_bf16_remainder",
+]

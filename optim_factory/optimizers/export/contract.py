@@ -1,0 +1,281 @@
+"""The TE-matching export contract: ``export_state`` builds what ``optimizer.state_dict()`` returns and
+``load_exported_state`` is its inverse. See docs/design.md, "The export contract".
+
+Both work on any optimizer with Transformer Engine's FusedAdam state API (``get_unscaled_state``,
+``set_scaled_state``, ``name_to_dtype_map``, ``store_param_remainders``): TE's own class and
+:class:`~optim_factory.PortableFusedAdam`.
+
+* ``cpu_offload=False``: exactly TE's ``FusedAdam.state_dict()``: every state converted to FP32 (int16 for
+  remainder masters) on the state's device, DTensor states re-wrapped as DTensors. FP32 states alias the live
+  state, as in TE.
+* ``cpu_offload=True``: the same keys, names, dtypes and bitwise-equal values, but each state is converted,
+  wrapped as a DTensor *on the parameter's device*, copied to CPU, and its device temporary dropped before the
+  next state is converted. At most one converted state lives on the accelerator at a time. Exported tensors
+  never alias live state, and tensors in ``param_groups`` (a capturable ``lr``, ``step``) are exported as CPU
+  copies; the live ``param_groups`` keep their objects and devices.
+* ``cpu_offload=True`` with ``chunk_bytes``: the same result, bitwise, streamed in chunks by a
+  :class:`~optim_factory.optimizers.export.stream.StateExporter` (the accelerator holds at most two chunks).
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from optim_factory.optimizers.export.options import ExportOptions
+from optim_factory.optimizers.export.stream import StateExporter, StreamItem
+from optim_factory.optimizers.export.tensors import (
+    aliases,
+    join_bf16_remainder,
+    local_tensor,
+    split_bf16_remainder,
+    wrap_like,
+)
+
+__all__ = ["export_state", "load_exported_state", "check_loadable", "param_index_map"]
+
+_CPU = torch.device("cpu")
+
+
+def param_index_map(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> dict[Any, torch.Tensor]:
+    """Map the parameter ids of a packed state dict (``saved_groups``) to the live parameters."""
+    return dict(
+        zip(
+            chain.from_iterable(g["params"] for g in saved_groups),
+            chain.from_iterable(g["params"] for g in optimizer.param_groups),
+            strict=True,
+        )
+    )
+
+
+def _to_cpu_copy(t: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+    """A CPU tensor (or DTensor with a CPU local tensor) that never aliases ``live``."""
+    if t.device.type != "cpu":
+        return t.to(_CPU)
+    if live is not None and (local_tensor(t).numel() == 0 or aliases(t, live)):
+        return t.clone()
+    return t
+
+
+def _export_one(optimizer: Any, param: torch.Tensor, name: str, live: Any, cpu_offload: bool) -> Any:
+    """Export a single optimizer state of ``param``."""
+    if name not in optimizer.name_to_dtype_map or not isinstance(live, torch.Tensor):
+        # Not one of FusedAdam's states (e.g. added by a user): passed through, copied when offloading.
+        if cpu_offload and isinstance(live, torch.Tensor):
+            return _to_cpu_copy(live, live)
+        return live
+    converted = optimizer.get_unscaled_state(param, name)  # FP32 (int16 remainders), local, param's device
+    if isinstance(param, DTensor):
+        converted = wrap_like(converted, param)  # on the parameter's device, before any copy
+    if not cpu_offload:
+        return converted
+    return _to_cpu_copy(converted, live)
+
+
+def _export_group_value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(_CPU, copy=True)
+    return value
+
+
+def export_state(
+    optimizer: Any,
+    *,
+    cpu_offload: bool,
+    chunk_bytes: int | None = None,
+    reuse_buffers: bool = False,
+    exporter: StateExporter | None = None,
+) -> dict[str, Any]:
+    """Build the state dict of a FusedAdam-like optimizer (see the module docstring for the contract).
+
+    Args:
+        optimizer: TE's FusedAdam (or a subclass) or :class:`~optim_factory.PortableFusedAdam`.
+        cpu_offload: export to CPU: one state at a time, or streamed in chunks with ``chunk_bytes``.
+        chunk_bytes: with ``cpu_offload``, stream in chunks of at most this many bytes of converted output.
+        reuse_buffers: with ``chunk_bytes``, take host destinations from ``exporter``'s pool (pinned when the
+            states are on CUDA); the optimizer's ``release_state_dict`` gives them back.
+        exporter: the optimizer's own :class:`StateExporter` (needed with ``reuse_buffers``; a temporary one is
+            used for a chunked export without it).
+
+    Returns:
+        ``{"state": {index: {name: tensor}}, "param_groups": [...]}`` like ``torch.optim.Optimizer``.
+    """
+    options = ExportOptions(cpu_offload, chunk_bytes, reuse_buffers)
+    if reuse_buffers and exporter is None:
+        raise ValueError("reuse_buffers=True: needs the optimizer's own exporter (it owns the buffer pool)")
+    if chunk_bytes is not None and exporter is None:
+        exporter = StateExporter(options)
+    state_dict = torch.optim.Optimizer.state_dict(optimizer)
+    id_map = param_index_map(optimizer, state_dict["param_groups"])
+    if chunk_bytes is not None:
+        exporter.pool.wait_preparation()  # never race a background prepare for the same slots
+    streamed: list[StreamItem] = []
+    for key, packed in state_dict["state"].items():
+        param = id_map.get(key)
+        if param is None:
+            continue
+        live_state = optimizer.state[param]
+        exported = {}
+        for name in packed:
+            live = live_state[name]
+            item = exporter.item(optimizer, param, key, name, reuse_buffers) if chunk_bytes is not None else None
+            if item is not None:
+                streamed.append(item)
+                exported[name] = item.result
+            else:
+                exported[name] = _export_one(optimizer, param, name, live, cpu_offload)
+        state_dict["state"][key] = exported
+    if streamed:
+        exporter.stream(streamed, chunk_bytes)
+    if cpu_offload:
+        state_dict["param_groups"] = [
+            {k: (v if k in ("params", "param_names") else _export_group_value(v)) for k, v in g.items()}
+            for g in state_dict["param_groups"]
+        ]
+    return state_dict
+
+
+_LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "bias_correction")
+
+
+def _where(g: int, i: int, group: dict) -> str:
+    names = group.get("param_names")
+    name = f" ({names[i]})" if isinstance(names, (list, tuple)) and i < len(names) else ""
+    return f"group {g}, parameter {i}{name}"
+
+
+def check_loadable(optimizer: Any, state_dict: Any) -> None:
+    """Check a whole state dict against ``optimizer`` before anything is loaded; raise one ``ValueError`` line
+    naming the group, the parameter (index, and name where the dictionary has ``param_names``) and the mismatch.
+
+    Checked: the dictionary's structure; group count and sizes; the keys FusedAdam's groups need; state names
+    (``exp_avg``, ``exp_avg_sq``, ``master_param``); every state's local shape against its parameter's local
+    shape; dtypes that convert (FP32, BF16, FP16; int16 remainders only for the master of a BF16 parameter).
+    """
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise ValueError(f"load_state_dict: expected a dict with 'state' and 'param_groups', got {keys}")
+    saved_groups, live_groups = state_dict["param_groups"], optimizer.param_groups
+    if len(saved_groups) != len(live_groups):
+        raise ValueError(
+            f"load_state_dict: the state dict has {len(saved_groups)} parameter group(s), the optimizer "
+            f"{len(live_groups)}"
+        )
+    state = state_dict["state"]
+    for g, (saved, live) in enumerate(zip(saved_groups, live_groups)):
+        missing = [k for k in _GROUP_KEYS if k not in saved]
+        if missing:
+            raise ValueError(
+                f"load_state_dict: group {g} lacks {', '.join(map(repr, missing))}: not a FusedAdam state dict "
+                "(e.g. torch.optim.AdamW's)"
+            )
+        if len(saved["params"]) != len(live["params"]):
+            raise ValueError(
+                f"load_state_dict: group {g} has {len(saved['params'])} parameter(s) in the state dict, "
+                f"{len(live['params'])} in the optimizer"
+            )
+        for i, (key, param) in enumerate(zip(saved["params"], live["params"])):
+            values = state.get(key, {})
+            if not isinstance(values, dict):
+                raise ValueError(f"load_state_dict: {_where(g, i, saved)}: expected a dict of states")
+            for name, value in values.items():
+                _check_state(optimizer, f"{_where(g, i, saved)}: {name}", name, value, param)
+            moments = [n for n in ("exp_avg", "exp_avg_sq") if values.get(n) is not None]
+            if len(moments) == 1:
+                raise ValueError(f"load_state_dict: {_where(g, i, saved)}: has {moments[0]} but not the other moment")
+
+
+def _check_state(optimizer: Any, where: str, name: str, value: Any, param: torch.Tensor) -> None:
+    if name not in optimizer.name_to_dtype_map:
+        known = ", ".join(optimizer.name_to_dtype_map)
+        raise ValueError(f"load_state_dict: {where}: unknown state (FusedAdam's states are {known})")
+    if value is None:
+        return
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"load_state_dict: {where}: expected a tensor, got {type(value).__name__}")
+    local, live = local_tensor(value), local_tensor(param)
+    if local.shape != live.shape:
+        raise ValueError(
+            f"load_state_dict: {where} has shape {tuple(local.shape)}, the parameter's (local) shape is "
+            f"{tuple(live.shape)}"
+        )
+    remainder = name == "master_param" and param.dtype == torch.bfloat16 and local.dtype == torch.int16
+    if local.dtype not in _LOADABLE_DTYPES and not remainder:
+        raise ValueError(
+            f"load_state_dict: {where} has dtype {local.dtype}; loadable: float32, bfloat16, float16 "
+            "(int16 remainders for the master of a BF16 parameter)"
+        )
+
+
+def load_exported_state(optimizer: Any, state_dict: dict[str, Any]) -> None:
+    """Load a dictionary made by :func:`export_state` (CPU or accelerator, plain tensors or DTensors).
+
+    The whole dictionary is checked first (:func:`check_loadable`): a mismatch raises one ``ValueError`` line
+    and leaves the optimizer exactly as it was.
+
+    Unlike ``torch.optim.Optimizer.load_state_dict`` this never materialises every state at the parameter's
+    dtype on its device first: each state is handed to ``set_scaled_state`` one at a time, which converts it
+    to the optimizer's storage dtype (FP16/FP8 with a fresh scale, BF16, FP32, int16 remainders) in place.
+    The caller's dictionary is not modified. Tensors in ``param_groups`` (a capturable ``lr``, ``step``) are
+    put back on the device of their group's parameters.
+    """
+    check_loadable(optimizer, state_dict)
+    saved_state = state_dict["state"]
+    torch.optim.Optimizer.load_state_dict(optimizer, {**state_dict, "state": {}})
+    id_map = param_index_map(optimizer, state_dict["param_groups"])
+    for key, values in saved_state.items():
+        param = id_map.get(key)
+        if param is None:
+            continue
+        optimizer.state[param] = {}
+        wants_master = optimizer.master_weights and param.dtype != torch.float32
+        for name, value in values.items():
+            if value is None or (name == "master_param" and not wants_master):
+                continue  # master weights turned off: the parameter (loaded with the model) is the weight
+            if name not in optimizer.name_to_dtype_map or not isinstance(value, torch.Tensor):
+                optimizer.state[param][name] = value
+                continue
+            local = local_tensor(value)
+            master_of_bf16 = name == "master_param" and param.dtype == torch.bfloat16
+            if master_of_bf16 and optimizer.store_param_remainders and local.dtype != torch.int16:
+                # an FP32 master saved without remainders: keep its low 16 bits (the parameter holds the rest)
+                remainder = torch.empty(local.shape, dtype=torch.int16, device=local.device)
+                rounded = torch.empty(local.shape, dtype=torch.bfloat16, device=local.device)
+                split_bf16_remainder(local.float(), rounded, remainder)
+                local = remainder
+            elif master_of_bf16 and local.dtype == torch.int16 and not optimizer.store_param_remainders:
+                # int16 remainders saved, an FP32 (or FP16) master wanted: rebuild the exact FP32 master
+                local = join_bf16_remainder(local_tensor(param).detach().to(local.device), local)
+            elif local.dtype != torch.int16:
+                local = local.float()
+                if aliases(local, value):
+                    local = local.clone()  # set_scaled_state may scale its argument in place
+            optimizer.set_scaled_state(param, name, local)
+        if wants_master and values and "master_param" not in values:
+            _master_from_param(optimizer, param)
+    _place_group_tensors(optimizer)
+
+
+def _master_from_param(optimizer: Any, param: torch.Tensor) -> None:
+    """Master weights turned on since the save: the master starts as the (loaded) parameter, exactly."""
+    live = local_tensor(param).detach()
+    if optimizer.store_param_remainders and param.dtype == torch.bfloat16:
+        remainders = torch.zeros(live.shape, dtype=torch.int16, device=live.device)
+        optimizer.set_scaled_state(param, "master_param", remainders)
+    else:
+        optimizer.set_scaled_state(param, "master_param", live.float())
+
+
+def _place_group_tensors(optimizer: torch.optim.Optimizer) -> None:
+    """Move tensors in ``param_groups`` (capturable ``lr`` and ``step``) to their parameters' device."""
+    for group in optimizer.param_groups:
+        if not group["params"]:
+            continue
+        device = local_tensor(group["params"][0]).device
+        for k, v in group.items():
+            if k != "params" and isinstance(v, torch.Tensor) and v.device != device:
+                group[k] = v.to(device)

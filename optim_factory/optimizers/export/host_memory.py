@@ -1,0 +1,199 @@
+"""Host memory for the chunked export: fresh pageable tensors backed by huge pages, and the pool of reusable
+export buffers with its background pinning thread. See docs/design.md, "Host memory".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import warnings
+import weakref
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from optim_factory.optimizers.export.options import Pinning
+
+__all__ = ["host_empty", "HostBufferPool", "Slot"]
+
+_PAGE = 4096
+_MADV_HUGEPAGE = 14  # Linux
+_HUGE = 2 << 20
+try:
+    _LIBC: Any = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+except (OSError, AttributeError):  # pragma: no cover - no libc symbol table
+    _LIBC = None
+
+
+def host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh pageable host tensor whose pages Linux is asked to back with transparent huge pages before they
+    are first touched (one page fault per 2 MiB instead of per 4 KiB). Unsupported systems get a plain one."""
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if _LIBC is not None and nbytes >= _HUGE:
+        start = -(-t.data_ptr() // _PAGE) * _PAGE
+        end = (t.data_ptr() + nbytes) // _PAGE * _PAGE
+        _LIBC.madvise(start, end - start, _MADV_HUGEPAGE)  # EINVAL where THP is off: harmless
+    return t
+
+
+@dataclass(frozen=True)
+class Slot:
+    """What a pooled buffer is for: the state (``key``: param index and state name), its shape, dtype, pinning."""
+
+    key: Any
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pinning: Pinning
+
+
+@dataclass
+class _Buffer:
+    """The pool's record of one of its buffers (kept by the pool, keyed by the tensor's id, never on the tensor)."""
+
+    slot: Slot
+    registered: bool = False  # pinned in place with cudaHostRegister
+    registering: bool = False  # pinning scheduled or done
+
+
+class HostBufferPool:
+    """Host tensors for the chunked export, reused across exports once released.
+
+    A buffer handed out by :meth:`take` is *leased*: the pool keeps no reference to it, so a leased buffer is
+    never handed out again; it comes back only through :meth:`release` (or is freed with its dictionary).
+
+    Pinning (for CUDA states; :class:`Pinning`) says how the pool's buffers become page-locked, so that the device
+    copies into them directly at the link's bandwidth:
+
+    * ``register`` (default): a new buffer is pageable (huge pages, filled through the staging buffers), and
+      is pinned in place with ``cudaHostRegister`` on a background thread once it is released, so the first
+      export does not wait for pinning and later ones copy directly; unpinned when the tensor is freed.
+    * ``alloc``: new buffers come pinned from torch's host allocator (``cudaHostAlloc``; slow to allocate).
+    * ``none``: pageable buffers, always filled through the staging buffers.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[Slot, list[torch.Tensor]] = {}
+        self._leased: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._buffers: dict[int, _Buffer] = {}  # id(tensor) -> record, dropped when the tensor is freed
+        self._pinner: ThreadPoolExecutor | None = None
+        self._preparing: Future | None = None
+        self._registered = [0]  # bytes pinned with cudaHostRegister and not yet unpinned
+
+    def _new(self, slot: Slot) -> torch.Tensor:
+        """A new buffer for ``slot``: pinned by allocation, or pageable."""
+        if slot.pinning is Pinning.alloc:
+            buf = torch.empty(slot.shape, dtype=slot.dtype, pin_memory=True)
+        else:
+            buf = host_empty(torch.Size(slot.shape), slot.dtype)
+        self._buffers[id(buf)] = _Buffer(slot)
+        weakref.finalize(buf, self._buffers.pop, id(buf), None).atexit = False
+        return buf
+
+    def take(self, slot: Slot) -> torch.Tensor:
+        """A buffer for ``slot``: a released one if there is one, else a new one. It is leased until released."""
+        free = self._free.get(slot)
+        buf = free.pop() if free else self._new(slot)
+        self._leased[id(buf)] = buf
+        return buf
+
+    def is_pinned(self, buf: torch.Tensor) -> bool:
+        """Whether the device may copy into pool buffer ``buf`` directly (pinned by allocation or registration)."""
+        record = self._buffers[id(buf)]
+        return record.slot.pinning is Pinning.alloc or record.registered
+
+    def is_leased(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (or a DTensor's local tensor) is one of this pool's buffers, not yet released."""
+        if isinstance(tensor, DTensor):
+            tensor = tensor._local_tensor
+        return self._leased.get(id(tensor)) is tensor
+
+    def release(self, obj: Any) -> int:
+        """Take back every leased buffer found in ``obj`` (any nesting of dicts, lists, tuples); return how many."""
+        if isinstance(obj, DTensor):
+            obj = obj._local_tensor
+        if isinstance(obj, torch.Tensor):
+            if not self.is_leased(obj):
+                return 0
+            del self._leased[id(obj)]
+            record = self._buffers[id(obj)]
+            self._free.setdefault(record.slot, []).append(obj)
+            if record.slot.pinning is Pinning.register and not record.registering:
+                record.registering = True
+                self._background(self._register, obj)
+            return 1
+        if isinstance(obj, dict):
+            return sum(self.release(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(self.release(v) for v in obj)
+        return 0
+
+    def _register(self, buf: torch.Tensor) -> None:
+        """Pin ``buf`` in place (background thread); it is unpinned when the tensor is freed."""
+        ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
+        if nbytes == 0 or int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) != 0:
+            return  # stays pageable: exports keep filling it through the staging buffers
+        self._registered[0] += nbytes
+        weakref.finalize(buf, _unregister, ptr, nbytes, self._registered).atexit = False
+        self._buffers[id(buf)].registered = True
+
+    def _background(self, fn, *args) -> Future:
+        if self._pinner is None:
+            self._pinner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-pin")
+        return self._pinner.submit(fn, *args)
+
+    def prepare(self, slots: Iterable[Slot]) -> Future:
+        """Allocate, first-touch and pin (per the slot's pinning) a free buffer for every slot that has none,
+        on the background thread; the next export then finds them ready (no page faults, no pinning)."""
+        self._preparing = self._background(self._prepare, list(slots))
+        return self._preparing
+
+    def _prepare(self, slots: list[Slot]) -> None:
+        for slot in slots:
+            if self._free.get(slot):
+                continue
+            buf = self._new(slot)
+            if slot.pinning is not Pinning.alloc:
+                buf.view(-1).view(torch.uint8).fill_(0)  # first touch, on all intra-op threads
+            if slot.pinning is Pinning.register:
+                self._buffers[id(buf)].registering = True
+                self._register(buf)
+            self._free.setdefault(slot, []).append(buf)
+
+    def wait_preparation(self) -> None:
+        """Block until a running :meth:`prepare` is done (an export must not race it for the same slots). A
+        failed preparation only costs speed: the export allocates what is missing."""
+        if self._preparing is not None:
+            preparing, self._preparing = self._preparing, None
+            if preparing.exception() is not None:
+                warnings.warn(f"preparing export buffers failed: {preparing.exception()!r}", stacklevel=3)
+
+    def pinning_done(self) -> Future:
+        """A future that is done once the buffers released so far are pinned (benchmarks and tests)."""
+        return self._background(lambda: None)
+
+    def wait_pinning(self) -> None:
+        """Block until the buffers released so far are pinned (benchmarks and tests)."""
+        if self._pinner is not None:
+            self.pinning_done().result()
+
+    def registered_bytes(self) -> int:
+        """Bytes pinned in place with ``cudaHostRegister`` and not yet unpinned."""
+        return self._registered[0]
+
+    def free_bytes(self) -> int:
+        """Bytes of released buffers waiting for the next export."""
+        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
+
+
+def _unregister(ptr: int, nbytes: int, counter: list[int]) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+        counter[0] -= nbytes
+    except Exception:  # noqa: BLE001  (CUDA already shut down)
+        pass

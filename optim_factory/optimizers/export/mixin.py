@@ -1,0 +1,107 @@
+"""``OffloadedStateDict``: the ``state_dict`` family shared by both FusedAdam backends. See docs/design.md,
+"Optimizer API".
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from optim_factory.optimizers.export.contract import export_state, load_exported_state, param_index_map
+from optim_factory.optimizers.export.options import ExportOptions, Pinning
+from optim_factory.optimizers.export.stream import StateExporter
+
+__all__ = ["OffloadedStateDict"]
+
+
+class OffloadedStateDict:
+    """``state_dict`` / ``load_state_dict`` / ``release_state_dict`` / ``prepare_state_dict`` of both backends.
+
+    The optimizer calls :meth:`_init_export` in its ``__init__`` with its keyword-only export options; it then
+    owns one frozen :class:`ExportOptions` (:attr:`export_options`) and one :class:`StateExporter` (with the pool
+    of reusable host buffers). The options' constructor names are readable as attributes
+    (``opt.state_dict_cpu_offload`` ...), not writable: :meth:`configure_export` replaces the options, validated.
+    """
+
+    _export_options: ExportOptions
+    _exporter: StateExporter
+
+    def _init_export(self, options: ExportOptions) -> None:
+        self._export_options = options
+        self._exporter = StateExporter(options)
+
+    # ------------------------------------------------------------------ options
+    @property
+    def export_options(self) -> ExportOptions:
+        """The export options (frozen)."""
+        return self._export_options
+
+    def configure_export(self, options: ExportOptions) -> None:
+        """Export with other options from now on (benchmarks, tests); the buffer pool is kept."""
+        if not isinstance(options, ExportOptions):
+            raise TypeError(f"configure_export: expected ExportOptions, got {type(options).__name__}")
+        self._export_options = self._exporter.options = options
+
+    @property
+    def state_dict_cpu_offload(self) -> bool:
+        return self._export_options.cpu_offload
+
+    @property
+    def state_dict_offload_chunk_bytes(self) -> int | None:
+        return self._export_options.chunk_bytes
+
+    @property
+    def state_dict_offload_reuse_buffers(self) -> bool:
+        return self._export_options.reuse_buffers
+
+    @property
+    def state_dict_offload_pinning(self) -> Pinning:
+        return self._export_options.pinning
+
+    @property
+    def state_exporter(self) -> StateExporter:
+        """The optimizer's exporter and its buffer pool (``state_exporter.pool``: pinning waits, byte counts)."""
+        return self._exporter
+
+    # ------------------------------------------------------------------ export and load
+    def _on_device_state_dict(self) -> dict[str, Any]:
+        """The export with offload off (TE's own ``state_dict()``)."""
+        return export_state(self, cpu_offload=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state dict, exported as the options say (see :func:`export_state`)."""
+        o = self._export_options
+        if not o.cpu_offload:
+            return self._on_device_state_dict()
+        return export_state(
+            self, cpu_offload=True, chunk_bytes=o.chunk_bytes, reuse_buffers=o.reuse_buffers, exporter=self._exporter
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load CPU or GPU, plain or DTensor states, one state at a time (see :func:`load_exported_state`)."""
+        load_exported_state(self, state_dict)
+
+    def release_state_dict(self, state_dict: Any) -> int:
+        """Give the pooled host buffers of an exported ``state_dict`` back for reuse; return how many.
+
+        Any nesting works (the optimizer's own ``state_dict()`` or DCP's flattened one). Call it only when nothing
+        reads those tensors any more (after the checkpoint that holds them is written): the next ``state_dict()``
+        overwrites them. Other tensors are ignored; without a call the buffers are freed with the dictionary.
+        """
+        return self._exporter.pool.release(state_dict)
+
+    def is_leased_export_buffer(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (or a DTensor's local tensor) is a pooled export buffer not yet released: nothing
+        but its holder reads or writes it until :meth:`release_state_dict` gives it back."""
+        return self._exporter.pool.is_leased(tensor)
+
+    def prepare_state_dict(self) -> Future | None:
+        """With reused buffers: allocate, first-touch and pin the host buffers of the next export on a background
+        thread (after the states exist, e.g. after the first step), so that even the first export streams at
+        the link's bandwidth. Returns the background job's future (``None`` when buffers are not reused)."""
+        if not (self._export_options.cpu_offload and self._export_options.reuse_buffers):
+            return None
+        packed = torch.optim.Optimizer.state_dict(self)
+        return self._exporter.prepare(self, param_index_map(self, packed["param_groups"]))

@@ -1,0 +1,102 @@
+"""The export options: one frozen, validated object per optimizer.
+
+``ExportOptions`` is built once from the optimizer's keyword-only constructor arguments (``state_dict_cpu_offload``,
+``state_dict_offload_chunk_bytes``, ``state_dict_offload_reuse_buffers``, ``state_dict_offload_pinning``); an
+impossible combination raises one ``ValueError`` line naming the option. The factory validates configs with the
+same class, so these rules exist once. See docs/design.md, "Export options".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+__all__ = ["ExportOptions", "Pinning", "MIN_CHUNK_BYTES"]
+
+MIN_CHUNK_BYTES = 64  # one aligned piece; real budgets are MiBs (the recipe's preset uses 64 MiB)
+
+
+class Pinning(str, Enum):
+    """How pooled host buffers of CUDA states become page-locked (see ``HostBufferPool``).
+
+    * ``register``: allocated pageable, pinned in place (``cudaHostRegister``) in the background once released;
+    * ``alloc``: allocated pinned (``cudaHostAlloc``; slow to allocate);
+    * ``none``: pageable, always filled through the pinned staging buffers.
+    """
+
+    register = "register"
+    alloc = "alloc"
+    none = "none"
+
+
+def _require_bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}={value!r}: expected True or False")
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What ``state_dict()`` does (the keyword-only export options of both FusedAdam backends).
+
+    Attributes:
+        cpu_offload: export to CPU instead of TE's on-device FP32 copies (one state at a time by default).
+        chunk_bytes: with ``cpu_offload``, stream the export in chunks of at most this many bytes of converted
+            data; the accelerator holds at most two chunks. ``None``: one whole state at a time.
+        reuse_buffers: with ``chunk_bytes``, export into pooled host buffers that ``release_state_dict`` gives
+            back for the next export.
+        pinning: with ``reuse_buffers``, how pooled buffers of CUDA states get pinned (:class:`Pinning`).
+    """
+
+    cpu_offload: bool = False
+    chunk_bytes: int | None = None
+    reuse_buffers: bool = False
+    pinning: Pinning = Pinning.register
+
+    def __post_init__(self) -> None:
+        _require_bool("state_dict_cpu_offload", self.cpu_offload)
+        chunk = self.chunk_bytes
+        if chunk is not None:
+            if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < MIN_CHUNK_BYTES:
+                raise ValueError(
+                    f"state_dict_offload_chunk_bytes={chunk!r}: expected None (one state at a time) "
+                    f"or an int >= {MIN_CHUNK_BYTES} (bytes of converted data per chunk, e.g. 64 MiB = {64 << 20})"
+                )
+            if not self.cpu_offload:
+                raise ValueError(
+                    f"state_dict_offload_chunk_bytes={chunk}: needs state_dict_cpu_offload=True "
+                    "(chunked streaming is a mode of the CPU-offloaded export)"
+                )
+        _require_bool("state_dict_offload_reuse_buffers", self.reuse_buffers)
+        if self.reuse_buffers and chunk is None:
+            raise ValueError(
+                "state_dict_offload_reuse_buffers=True: needs state_dict_offload_chunk_bytes "
+                "(reusable host buffers belong to the chunked export)"
+            )
+        try:
+            pinning = Pinning(self.pinning.value if isinstance(self.pinning, Pinning) else self.pinning)
+        except ValueError:
+            allowed = "|".join(p.value for p in Pinning)
+            raise ValueError(f"state_dict_offload_pinning={self.pinning!r}: expected one of {allowed}") from None
+        if pinning is not Pinning.register and not self.reuse_buffers:
+            raise ValueError(
+                f"state_dict_offload_pinning={pinning.value}: needs state_dict_offload_reuse_buffers=True "
+                "(only pooled buffers are pinned)"
+            )
+        object.__setattr__(self, "pinning", pinning)
+
+    @classmethod
+    def from_kwargs(
+        cls,
+        state_dict_cpu_offload: Any,
+        state_dict_offload_chunk_bytes: Any,
+        state_dict_offload_reuse_buffers: Any,
+        state_dict_offload_pinning: Any,
+    ) -> ExportOptions:
+        """Build from the constructors' keyword names (the names users and configs spell)."""
+        return cls(
+            state_dict_cpu_offload,
+            state_dict_offload_chunk_bytes,
+            state_dict_offload_reuse_buffers,
+            state_dict_offload_pinning,
+        )

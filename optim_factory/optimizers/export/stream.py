@@ -1,0 +1,257 @@
+"""The streamed (chunked) export: planning states into chunks, and the pipeline that converts them on the
+accelerator and copies them to host memory. See docs/design.md, "Streaming".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from optim_factory.optimizers.export.host_memory import HostBufferPool, Slot, host_empty
+from optim_factory.optimizers.export.options import ExportOptions, Pinning
+from optim_factory.optimizers.export.tensors import local_tensor, wrap_host_local
+
+__all__ = ["StreamItem", "Piece", "plan_chunks", "StateExporter"]
+
+_ALIGN = 64  # byte offset alignment of the pieces packed into one chunk
+
+
+@dataclass
+class StreamItem:
+    """One state streamed to the host: ``source`` (flat, raw storage dtype) times ``scale`` into ``dst``."""
+
+    source: torch.Tensor
+    scale: torch.Tensor | None
+    dst: torch.Tensor  # host, local shape, contiguous
+    result: torch.Tensor  # ``dst``, or ``dst`` wrapped as a DTensor like the parameter
+    staged: bool  # ``dst`` is filled through a staging buffer (pageable memory), not copied into directly
+
+    @property
+    def converts(self) -> bool:
+        """Needs converting (BF16/FP16/FP8); FP32 states and int16 remainders are copied as they are."""
+        return self.scale is not None or self.source.dtype != self.dst.dtype
+
+
+@dataclass
+class Piece:
+    """An element range of one item, placed at a byte offset of a chunk."""
+
+    item: StreamItem
+    start: int  # element range of the item
+    stop: int
+    offset: int  # byte offset in the chunk buffers
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This piece's slot in a chunk buffer (uint8), typed like the destination."""
+        nbytes = (self.stop - self.start) * self.item.dst.element_size()
+        return buffer[self.offset : self.offset + nbytes].view(self.item.dst.dtype)
+
+    def source(self) -> torch.Tensor:
+        return self.item.source[self.start : self.stop]
+
+    def dst(self) -> torch.Tensor:
+        return self.item.dst.view(-1)[self.start : self.stop]
+
+
+def plan_chunks(items: list[StreamItem], chunk_bytes: int) -> list[list[Piece]]:
+    """Cut the items into pieces and pack them, in order, into chunks of at most ``chunk_bytes`` bytes."""
+    chunks: list[list[Piece]] = []
+    current: list[Piece] = []
+    used = 0
+    for item in items:
+        esize = item.dst.element_size()
+        start, n = 0, item.dst.numel()
+        while start < n:
+            room = (chunk_bytes - used) // esize
+            if room <= 0:
+                chunks.append(current)
+                current, used = [], 0
+                continue
+            stop = min(n, start + room)
+            current.append(Piece(item, start, stop, used))
+            used = -(-(used + (stop - start) * esize) // _ALIGN) * _ALIGN
+            start = stop
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _chunk_bytes(chunk: list[Piece]) -> int:
+    last = chunk[-1]
+    return last.offset + (last.stop - last.start) * last.item.dst.element_size()
+
+
+def _fp8_torch_dtype(te_fp8_dtype: Any) -> torch.dtype:
+    name = str(getattr(te_fp8_dtype, "name", te_fp8_dtype)).lower()  # an IntEnum: str() is its number
+    if "e5m2" in name:
+        return torch.float8_e5m2
+    if "e4m3" in name:
+        return torch.float8_e4m3fn
+    raise RuntimeError(f"unknown FP8 format {te_fp8_dtype!r}")
+
+
+def _state_source(optimizer: Any, param: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The raw local storage of one state (flat) and the FP32 factor that unscales it, or ``None`` when the
+    state cannot be streamed element by element (non-contiguous storage).
+
+    This reads the optimizers' storage as TE 2.20's ``get_unscaled_state`` does (TE's ``Float8Tensor`` data and
+    ``_scale_inv``, the per-state ``_scales`` of FP16 states), so that each chunk is converted with the same
+    arithmetic: see docs/design.md, "Streaming".
+    """
+    stored = local_tensor(optimizer.state[param][name])
+    data = getattr(stored, "_data", None)
+    if data is not None and hasattr(stored, "_scale_inv"):
+        # TE's Float8Tensor: its float() is E4M3 -> FP32 times scale_inv, element by element
+        source, scale = data.view(_fp8_torch_dtype(stored._fp8_dtype)), stored._scale_inv
+    elif optimizer.name_to_dtype_map[name] in (torch.float16, torch.uint8):
+        source, scale = stored, optimizer._scales[param][name]  # FP16 (both backends), FP8 (portable)
+    else:
+        source, scale = stored, None  # FP32, int16 remainders (copied as they are), BF16 (widened)
+    if not source.is_contiguous():
+        return None
+    return source.reshape(-1), scale
+
+
+def _convert(piece: Piece, out: torch.Tensor) -> None:
+    """Exactly what ``get_unscaled_state`` computes, for one piece: widen to FP32, then times the scale."""
+    out.copy_(piece.source())
+    if piece.item.scale is not None:
+        out.mul_(piece.item.scale)
+
+
+def _unstage(done: Any, chunk: list[Piece], staging: torch.Tensor) -> None:
+    """Copy one chunk's staged pieces from its staging buffer into their (pageable) host destinations."""
+    if done is not None:
+        done.synchronize()
+    for piece in chunk:
+        if piece.item.staged:
+            piece.dst().copy_(piece.view(staging))
+
+
+class StateExporter:
+    """Streams converted optimizer states into host tensors (the ``chunk_bytes`` mode of the export).
+
+    Per chunk: the pieces that need converting (BF16/FP16/FP8 states) are converted into one of two device
+    buffers on the current stream; a side stream copies every piece (converted, or straight from FP32/int16
+    states) to the host. The current stream waits for the copy of chunk ``i - 2`` before it overwrites that
+    chunk's buffer, so chunk ``i + 1`` is converted while chunk ``i`` is being copied. Pinned destinations
+    (pool buffers) are copied into directly; pageable ones (fresh, or pool buffers not pinned yet) through
+    one of two pinned staging buffers, which the host empties while the device fills the other. On CPU the
+    same steps run synchronously.
+
+    Each FusedAdam of this package creates one in ``__init__`` and owns it (with its :attr:`pool`); an optimizer
+    without one (TE's own class, in tests) can be given a temporary one.
+    """
+
+    def __init__(self, options: ExportOptions) -> None:
+        self.options = options
+        self.pool = HostBufferPool()
+        self._staging: list[torch.Tensor] = []
+        self._copy_streams: dict[torch.device, Any] = {}
+
+    def _streamable(self, optimizer: Any, param: torch.Tensor, name: str) -> tuple[torch.Tensor, Any, Slot] | None:
+        """Source, scale and pool slot of a state that streams; ``None``: it does not (not an optimizer state
+        tensor, or not contiguous) and is exported per state."""
+        live = optimizer.state[param][name]
+        if name not in optimizer.name_to_dtype_map or not isinstance(live, torch.Tensor):
+            return None
+        found = _state_source(optimizer, param, name)
+        if found is None:
+            return None
+        source, scale = found
+        dtype = torch.int16 if source.dtype == torch.int16 else torch.float32
+        pinning = self.options.pinning if source.device.type == "cuda" else Pinning.none
+        return source, scale, Slot(None, tuple(local_tensor(live).shape), dtype, pinning)
+
+    def item(self, optimizer: Any, param: torch.Tensor, key: Any, name: str, reuse: bool) -> StreamItem | None:
+        """The streaming plan for one state, with its host destination; ``None``: export it per state."""
+        found = self._streamable(optimizer, param, name)
+        if found is None:
+            return None
+        source, scale, slot = found
+        cuda = source.device.type == "cuda"
+        # CUDA: pinned destinations are copied into directly, pageable ones through the pinned staging buffers.
+        # CPU: reused destinations directly, fresh ones staged (the same steps, so CPU tests cover both paths).
+        if reuse:
+            dst = self.pool.take(Slot((key, name), slot.shape, slot.dtype, slot.pinning))
+            staged = cuda and not self.pool.is_pinned(dst)
+        else:
+            dst, staged = host_empty(torch.Size(slot.shape), slot.dtype), True
+        result = wrap_host_local(dst, param) if isinstance(param, DTensor) else dst
+        return StreamItem(source, scale, dst, result, staged)
+
+    def prepare(self, optimizer: Any, params: dict[Any, torch.Tensor]) -> Future:
+        """Get a ready pooled buffer for every state of ``params`` (packed index -> parameter) in the background
+        (see :meth:`HostBufferPool.prepare`)."""
+        slots = []
+        for key, param in params.items():
+            for name in optimizer.state.get(param, {}):
+                found = self._streamable(optimizer, param, name)
+                if found is not None:
+                    slot = found[2]
+                    slots.append(Slot((key, name), slot.shape, slot.dtype, slot.pinning))
+        return self.pool.prepare(slots)
+
+    def stream(self, items: list[StreamItem], chunk_bytes: int) -> None:
+        """Fill every item's destination; returns when all host tensors hold their final values."""
+        by_device: dict[torch.device, list[StreamItem]] = {}
+        for item in items:
+            by_device.setdefault(item.source.device, []).append(item)
+        for device, group in by_device.items():
+            self._stream_device(device, plan_chunks(group, chunk_bytes))
+
+    def _stream_device(self, device: torch.device, chunks: list[list[Piece]]) -> None:
+        cuda = device.type == "cuda"
+        compute = torch.cuda.current_stream(device) if cuda else None
+        copy = self._copy_stream(device) if cuda else None
+        if cuda:
+            copy.wait_stream(compute)  # the states are final (the last step's kernels have run)
+        need = max((_chunk_bytes(c) for c in chunks if any(p.item.converts for p in c)), default=0)
+        buffers = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)] if need else []
+        staged = [any(p.item.staged for p in c) for c in chunks]
+        need_staging = max((_chunk_bytes(c) for c, st in zip(chunks, staged) if st), default=0)
+        staging = self._staging_buffers(need_staging, pin=cuda) if need_staging else []
+        freed: list[Any] = [None, None]  # copy-stream events after which buffers[i] / staging[i] may be reused
+        pending: tuple[Any, list[Piece], torch.Tensor] | None = None
+        for i, chunk in enumerate(chunks):
+            slot = i % 2
+            converts = [p for p in chunk if p.item.converts]
+            if converts:
+                if freed[slot] is not None:
+                    compute.wait_event(freed[slot])
+                for piece in converts:
+                    _convert(piece, piece.view(buffers[slot]))
+                if cuda:
+                    copy.wait_stream(compute)
+            with torch.cuda.stream(copy) if cuda else contextlib.nullcontext():
+                for piece in chunk:
+                    src = piece.view(buffers[slot]) if piece.item.converts else piece.source()
+                    target = piece.view(staging[slot]) if piece.item.staged else piece.dst()
+                    target.copy_(src, non_blocking=cuda)
+                freed[slot] = copy.record_event() if cuda else None
+            if pending is not None:
+                _unstage(*pending)
+                pending = None
+            if staged[i]:
+                pending = (freed[slot], chunk, staging[slot])
+        if pending is not None:
+            _unstage(*pending)
+        if cuda:
+            copy.synchronize()  # every host tensor is final; the device buffers can go back to the allocator
+
+    def _copy_stream(self, device: torch.device) -> Any:
+        stream = self._copy_streams.get(device)
+        if stream is None:
+            stream = self._copy_streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    def _staging_buffers(self, nbytes: int, pin: bool) -> list[torch.Tensor]:
+        """Two staging buffers (pinned for CUDA) of at least ``nbytes``, kept for the next export."""
+        if not self._staging or self._staging[0].numel() < nbytes or self._staging[0].is_pinned() != pin:
+            self._staging = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        return self._staging

@@ -1,0 +1,90 @@
+"""The export options: one frozen, validated object owned by the optimizer; the optimizer owns its exporter;
+nothing is patched onto tensors or optimizers."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+from optim_factory import PortableFusedAdam
+from optim_factory.optimizers import te_fused_adam
+from optim_factory.optimizers.export import ExportOptions, OffloadedStateDict, Pinning
+from tests.helpers import make_params, run_steps
+
+CONSTRUCTOR_NAMES = {
+    "state_dict_cpu_offload": "cpu_offload",
+    "state_dict_offload_chunk_bytes": "chunk_bytes",
+    "state_dict_offload_reuse_buffers": "reuse_buffers",
+    "state_dict_offload_pinning": "pinning",
+}
+
+
+@pytest.mark.parametrize("cls", [PortableFusedAdam, te_fused_adam.FusedAdam], ids=["portable", "te"])
+def test_constructor_options_are_keyword_only_with_the_options_defaults(cls):
+    sig = inspect.signature(cls.__init__)
+    defaults = ExportOptions()
+    for kwarg, field in CONSTRUCTOR_NAMES.items():
+        assert sig.parameters[kwarg].kind is inspect.Parameter.KEYWORD_ONLY
+        assert sig.parameters[kwarg].default == getattr(defaults, field), kwarg
+    assert set(CONSTRUCTOR_NAMES.values()) == {f.name for f in dataclasses.fields(ExportOptions)}
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(cpu_offload=1), "state_dict_cpu_offload=1: expected True or False"),
+        (dict(cpu_offload=False, chunk_bytes=1 << 20), "needs state_dict_cpu_offload=True"),
+        (dict(cpu_offload=True, chunk_bytes=8), "state_dict_offload_chunk_bytes=8: expected None"),
+        (dict(cpu_offload=True, reuse_buffers=True), "needs state_dict_offload_chunk_bytes"),
+        (dict(cpu_offload=True, chunk_bytes=64, reuse_buffers=True, pinning="pinned"), "expected one of register"),
+        (dict(cpu_offload=True, chunk_bytes=64, pinning="alloc"), "needs state_dict_offload_reuse_buffers=True"),
+    ],
+)
+def test_impossible_options_are_one_line(kwargs, needle):
+    with pytest.raises(ValueError) as info:
+        ExportOptions(**kwargs)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_options_are_frozen_and_read_only_on_the_optimizer():
+    params = make_params(torch.float32)
+    opt = PortableFusedAdam(
+        params,
+        state_dict_cpu_offload=True,
+        state_dict_offload_chunk_bytes=64,
+        state_dict_offload_reuse_buffers=True,
+        state_dict_offload_pinning="none",
+    )
+    assert opt.export_options == ExportOptions(True, 64, True, Pinning.none)
+    assert opt.state_dict_offload_pinning is Pinning.none
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opt.export_options.cpu_offload = False
+    with pytest.raises(AttributeError):  # no silent instance attribute that the export would ignore
+        opt.state_dict_cpu_offload = False
+    with pytest.raises(TypeError):
+        opt.configure_export({"cpu_offload": False})
+    opt.configure_export(ExportOptions())
+    assert not opt.state_dict_cpu_offload and opt.state_exporter.options == ExportOptions()
+
+
+def test_the_optimizer_owns_its_exporter_and_nothing_is_patched_onto_tensors_or_optimizers():
+    params = make_params(torch.float32, shapes=[(8, 5), (33,)])
+    kw = dict(state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=64, state_dict_offload_reuse_buffers=True)
+    opt = PortableFusedAdam(params, exp_avg_dtype=torch.bfloat16, **kw)
+    exporter = opt.state_exporter  # created in __init__, before any export
+    attributes = set(vars(opt))
+    run_steps(opt, params, 0, 1)
+    opt.prepare_state_dict().result()
+    for _ in range(2):
+        sd = opt.state_dict()
+        for st in sd["state"].values():
+            for v in st.values():
+                assert not any(k.startswith("_optim_factory") for k in dir(v)), "attribute patched onto a tensor"
+                assert opt.is_leased_export_buffer(v)
+        opt.release_state_dict(sd)
+    assert opt.state_exporter is exporter
+    assert set(vars(opt)) - attributes <= {"_scales"}  # only the optimizer's own state grew
+    assert isinstance(opt, OffloadedStateDict)

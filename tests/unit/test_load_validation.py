@@ -1,0 +1,122 @@
+"""``load_state_dict`` checks the whole dictionary first: a mismatch is one ValueError naming the group, the
+parameter and the problem, and the optimizer stays bitwise as it was (issue 15, observation 9). Master weights
+turned on or off between save and load convert."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optim_factory import PortableFusedAdam
+from tests.helpers import LiveSnapshot, assert_bitwise, clone_params, deep_clone, make_params, run_steps
+
+HP = dict(lr=1e-2, weight_decay=0.1)
+
+
+def _trained(dtype=torch.float32, shapes=((4, 3), (5,)), **kw):
+    params = make_params(dtype, shapes=list(shapes))
+    opt = PortableFusedAdam(params, **HP, **kw)
+    run_steps(opt, params, 0, 2)
+    return params, opt
+
+
+def _mutations():
+    """(what, how to damage an exported state dict, words the error must contain)."""
+
+    def shape(sd):
+        sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"][:1]  # (1, 3) into a (4, 3) parameter
+
+    def one_moment(sd):
+        del sd["state"][1]["exp_avg_sq"]
+
+    def unknown(sd):
+        sd["state"][1]["momentum_buffer"] = torch.zeros(5)
+
+    def adamw(sd):
+        for g in sd["param_groups"]:
+            del g["bias_correction"]
+
+    def groups(sd):
+        sd["param_groups"].append(dict(sd["param_groups"][0], params=[]))
+
+    def sizes(sd):
+        sd["param_groups"][0]["params"] = sd["param_groups"][0]["params"][:1]
+
+    def dtype(sd):
+        sd["state"][1]["exp_avg"] = sd["state"][1]["exp_avg"].to(torch.float64)
+
+    def int16(sd):  # remainders belong to the master of a BF16 parameter only
+        sd["state"][1]["exp_avg"] = torch.zeros(5, dtype=torch.int16)
+
+    return [
+        ("shape", shape, ["group 0, parameter 0", "exp_avg", "(1, 3)", "(4, 3)"]),
+        ("one moment", one_moment, ["group 0, parameter 1", "exp_avg", "not the other moment"]),
+        ("unknown state", unknown, ["group 0, parameter 1", "momentum_buffer", "unknown state"]),
+        ("adamw dict", adamw, ["group 0", "bias_correction", "not a FusedAdam state dict"]),
+        ("group count", groups, ["2 parameter group(s)", "1"]),
+        ("group size", sizes, ["group 0 has 1 parameter(s)", "2 in the optimizer"]),
+        ("dtype", dtype, ["group 0, parameter 1", "torch.float64"]),
+        ("int16", int16, ["group 0, parameter 1", "torch.int16"]),
+    ]
+
+
+@pytest.mark.parametrize("what,damage,words", _mutations(), ids=[m[0] for m in _mutations()])
+def test_a_bad_state_dict_is_one_line_and_changes_nothing(what, damage, words):
+    _, saved = _trained()
+    sd = deep_clone(saved.state_dict())
+    damage(sd)
+    params, opt = _trained()
+    run_steps(opt, params, 2, 1)  # different values from the saved ones: a partial load would show
+    opt.param_groups[0]["lr"] = 0.5
+    before = LiveSnapshot.take(opt)
+    with pytest.raises(ValueError) as info:
+        opt.load_state_dict(sd)
+    message = str(info.value)
+    assert "\n" not in message and all(w in message for w in words), message
+    LiveSnapshot.take(opt).assert_same(before)
+    run_steps(opt, params, 3, 1)  # and it still steps
+
+
+def test_param_names_are_named_in_errors():
+    _, saved = _trained()
+    sd = deep_clone(saved.state_dict())
+    sd["param_groups"][0]["param_names"] = ["lm_head.weight", "norm.bias"]
+    sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"][:1]
+    _, opt = _trained()
+    with pytest.raises(ValueError, match=r"group 0, parameter 0 \(lm_head.weight\): exp_avg has shape"):
+        opt.load_state_dict(sd)
+
+
+def test_torch_adamw_state_dict_is_refused_in_one_line():
+    params = make_params(torch.float32, shapes=[(4, 3), (5,)])
+    adamw = torch.optim.AdamW(params, lr=1e-2)
+    run_steps(adamw, params, 0, 1)
+    _, opt = _trained()
+    with pytest.raises(ValueError, match="not a FusedAdam state dict"):
+        opt.load_state_dict(adamw.state_dict())
+
+
+@pytest.mark.parametrize("remainders", [False, True], ids=["fp32-master", "remainders"])
+def test_master_weights_turned_on_start_from_the_parameter(remainders):
+    params, opt = _trained(torch.bfloat16)
+    sd = deep_clone(opt.state_dict())
+    kw = dict(master_weights=True, store_param_remainders=remainders)
+    restored_params = clone_params(params)
+    restored = PortableFusedAdam(restored_params, **HP, **kw)
+    restored.load_state_dict(sd)
+    for p in restored_params:
+        master = restored.get_unscaled_state(p, "master_param")
+        expected = torch.zeros_like(p, dtype=torch.int16) if remainders else p.detach().float()
+        assert_bitwise(master, expected, "master starts as the parameter")
+    before = [p.detach().clone() for p in restored_params]
+    run_steps(restored, restored_params, 2, 2)  # steps with the master (before the fix: KeyError)
+    assert all(not torch.equal(a, b) for a, b in zip(before, restored_params))
+
+
+def test_master_weights_turned_off_drop_the_master():
+    params, opt = _trained(torch.bfloat16, master_weights=True)
+    sd = deep_clone(opt.state_dict())
+    restored = PortableFusedAdam(clone_params(params), **HP)
+    restored.load_state_dict(sd)
+    assert all("master_param" not in st for st in restored.state.values())
+    assert set(restored.state_dict()["state"][0]) == {"exp_avg", "exp_avg_sq"}
