@@ -73,6 +73,7 @@ class FusedAdamConfig:
     state_dict_cpu_offload: bool = False
     state_dict_offload_chunk_bytes: Any = None  # null (one state at a time) | bytes | "64MiB"
     state_dict_offload_reuse_buffers: bool = False
+    state_dict_keep_bf16: bool = False  # export BF16 states as BF16 (half the bytes; TE's own class cannot load it)
     param_groups: ParamGroupsConfig = field(default_factory=ParamGroupsConfig)
 
 

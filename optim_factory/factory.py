@@ -309,6 +309,7 @@ def _fused_adam_kwargs(c: FusedAdamConfig) -> dict[str, Any]:
         state_dict_cpu_offload=c.state_dict_cpu_offload,
         state_dict_offload_chunk_bytes=c.state_dict_offload_chunk_bytes,  # parsed by validate_optim_config
         state_dict_offload_reuse_buffers=c.state_dict_offload_reuse_buffers,
+        state_dict_keep_bf16=c.state_dict_keep_bf16,
     )
 
 

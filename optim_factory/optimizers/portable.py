@@ -82,6 +82,8 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
         state_dict_offload_reuse_buffers: export into pooled host buffers (see ``release_state_dict``).
         state_dict_offload_pinning: how pooled buffers of CUDA states are pinned: ``register`` | ``alloc`` |
             ``none`` (see :class:`~optim_factory.optimizers.export.Pinning`).
+        state_dict_keep_bf16: export BF16 states as BF16 instead of FP32 (half the bytes; TE's own class cannot
+            load such an export, both classes of this package can).
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
         state_dict_offload_chunk_bytes: int | None = None,
         state_dict_offload_reuse_buffers: bool = False,
         state_dict_offload_pinning: Pinning | str = Pinning.register,
+        state_dict_keep_bf16: bool = False,
     ):
         self._init_export(
             ExportOptions.from_kwargs(
@@ -114,6 +117,7 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
                 state_dict_offload_chunk_bytes,
                 state_dict_offload_reuse_buffers,
                 state_dict_offload_pinning,
+                state_dict_keep_bf16,
             )
         )
         exp_avg_dtype = _normalize_moment_dtype(exp_avg_dtype)

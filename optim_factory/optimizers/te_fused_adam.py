@@ -57,6 +57,7 @@ class FusedAdam(OffloadedStateDict, _TEFusedAdam):  # type: ignore[misc,valid-ty
         state_dict_offload_chunk_bytes: int | None = None,
         state_dict_offload_reuse_buffers: bool = False,
         state_dict_offload_pinning: Pinning | str = Pinning.register,
+        state_dict_keep_bf16: bool = False,
         **kwargs: Any,
     ):
         if not TE_AVAILABLE:
@@ -67,6 +68,7 @@ class FusedAdam(OffloadedStateDict, _TEFusedAdam):  # type: ignore[misc,valid-ty
                 state_dict_offload_chunk_bytes,
                 state_dict_offload_reuse_buffers,
                 state_dict_offload_pinning,
+                state_dict_keep_bf16,
             )
         )
         super().__init__(params, *args, **kwargs)

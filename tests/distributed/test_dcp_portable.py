@@ -17,7 +17,9 @@ def test_full_state_dict_export_with_and_without_dcp_cpu_offload(tmp_path):
     spawn(workers.full_state_export, 2, "fp16-fp8-moments", str(tmp_path))
 
 
-@pytest.mark.parametrize("cfg", ["bf16-params-bf16-moments-fp32-master", "fp32-params-fp32-states"])
+@pytest.mark.parametrize(
+    "cfg", ["bf16-params-bf16-moments-fp32-master", "fp32-params-fp32-states", "bf16-moments-kept-bf16"]
+)
 def test_two_rank_checkpoint_resumes_on_one_rank_bitwise(cfg, tmp_path):
     spawn(workers.save_for_reshard, 2, cfg, str(tmp_path))
     spawn(workers.load_resharded, 1, cfg, str(tmp_path), 2)

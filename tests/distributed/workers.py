@@ -35,6 +35,11 @@ CONFIGS = {
     # per-tensor scaled states (scale per local shard)
     "fp16-fp8-moments": (torch.float32, dict(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=FP8)),
     "bf16-params-remainders": _LIFECYCLE["bf16-params-remainders-bf16-moments"],
+    # BF16 moments exported as BF16 (state_dict_keep_bf16): half the bytes, the same results
+    "bf16-moments-kept-bf16": (
+        torch.bfloat16,
+        dict(_LIFECYCLE["bf16-params-bf16-moments-fp32-master"][1], state_dict_keep_bf16=True),
+    ),
 }
 HP = dict(lr=1e-2, weight_decay=0.1)
 
@@ -157,11 +162,12 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
     for cfg in CONFIGS:
         model, opt = build(mesh, cfg, shapes=shapes, state_dict_offload_chunk_bytes=chunk)
         run_steps(opt, list(model.parameters()), 0, 3)
-        reference = export_state(opt, cpu_offload=True)  # per state
-        opt.configure_export(ExportOptions(cpu_offload=True))
+        keep = opt.state_dict_keep_bf16
+        reference = export_state(opt, cpu_offload=True, keep_bf16=keep)  # per state
+        opt.configure_export(ExportOptions(cpu_offload=True, keep_bf16=keep))
         ref_flat = get_optimizer_state_dict(model, opt, options=flat)
         for reuse in (False, True):
-            opt.configure_export(ExportOptions(cpu_offload=True, chunk_bytes=chunk, reuse_buffers=reuse))
+            opt.configure_export(ExportOptions(True, chunk, reuse, keep_bf16=keep))
             for round_ in range(2):
                 what = f"{cfg} reuse={reuse} round {round_}"
                 sd = opt.state_dict()

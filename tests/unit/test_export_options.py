@@ -19,6 +19,7 @@ CONSTRUCTOR_NAMES = {
     "state_dict_offload_chunk_bytes": "chunk_bytes",
     "state_dict_offload_reuse_buffers": "reuse_buffers",
     "state_dict_offload_pinning": "pinning",
+    "state_dict_keep_bf16": "keep_bf16",
 }
 
 

@@ -13,6 +13,8 @@ Both work on any optimizer with Transformer Engine's FusedAdam state API (``get_
   next state is converted. At most one converted state lives on the accelerator at a time. Exported tensors
   never alias live state, and tensors in ``param_groups`` (a capturable ``lr``, ``step``) are exported as CPU
   copies; the live ``param_groups`` keep their objects and devices.
+* ``keep_bf16``: BF16 states are exported as BF16 (the stored values, bitwise) instead of FP32, in every mode;
+  everything else as above. Loading accepts BF16 or FP32 for any state.
 * ``cpu_offload=True`` with ``chunk_bytes``: the same result, bitwise, streamed in chunks by a
   :class:`~optim_factory.optimizers.export.stream.StateExporter` (the accelerator holds at most two chunks).
 """
@@ -60,14 +62,17 @@ def _to_cpu_copy(t: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
     return t
 
 
-def _export_one(optimizer: Any, param: torch.Tensor, name: str, live: Any, cpu_offload: bool) -> Any:
+def _export_one(optimizer: Any, param: torch.Tensor, name: str, live: Any, cpu_offload: bool, keep_bf16: bool) -> Any:
     """Export a single optimizer state of ``param``."""
     if name not in optimizer.name_to_dtype_map or not isinstance(live, torch.Tensor):
         # Not one of FusedAdam's states (e.g. added by a user): passed through, copied when offloading.
         if cpu_offload and isinstance(live, torch.Tensor):
             return _to_cpu_copy(live, live)
         return live
-    converted = optimizer.get_unscaled_state(param, name)  # FP32 (int16 remainders), local, param's device
+    if keep_bf16 and optimizer.name_to_dtype_map[name] == torch.bfloat16:
+        converted = local_tensor(live)  # the stored BF16 tensor (aliases live state, as TE's FP32 states do)
+    else:
+        converted = optimizer.get_unscaled_state(param, name)  # FP32 (int16 remainders), local, param's device
     if isinstance(param, DTensor):
         converted = wrap_like(converted, param)  # on the parameter's device, before any copy
     if not cpu_offload:
@@ -87,6 +92,7 @@ def export_state(
     cpu_offload: bool,
     chunk_bytes: int | None = None,
     reuse_buffers: bool = False,
+    keep_bf16: bool = False,
     exporter: StateExporter | None = None,
 ) -> dict[str, Any]:
     """Build the state dict of a FusedAdam-like optimizer (see the module docstring for the contract).
@@ -97,13 +103,14 @@ def export_state(
         chunk_bytes: with ``cpu_offload``, stream in chunks of at most this many bytes of converted output.
         reuse_buffers: with ``chunk_bytes``, take host destinations from ``exporter``'s pool (pinned when the
             states are on CUDA); the optimizer's ``release_state_dict`` gives them back.
+        keep_bf16: export BF16 states as they are stored (BF16) instead of converting them to FP32.
         exporter: the optimizer's own :class:`StateExporter` (needed with ``reuse_buffers``; a temporary one is
             used for a chunked export without it).
 
     Returns:
         ``{"state": {index: {name: tensor}}, "param_groups": [...]}`` like ``torch.optim.Optimizer``.
     """
-    options = ExportOptions(cpu_offload, chunk_bytes, reuse_buffers)
+    options = ExportOptions(cpu_offload, chunk_bytes, reuse_buffers, keep_bf16=keep_bf16)
     if reuse_buffers and exporter is None:
         raise ValueError("reuse_buffers=True: needs the optimizer's own exporter (it owns the buffer pool)")
     if chunk_bytes is not None and exporter is None:
@@ -121,12 +128,14 @@ def export_state(
         exported = {}
         for name in packed:
             live = live_state[name]
-            item = exporter.item(optimizer, param, key, name, reuse_buffers) if chunk_bytes is not None else None
+            item = None
+            if chunk_bytes is not None:
+                item = exporter.item(optimizer, param, key, name, reuse_buffers, keep_bf16)
             if item is not None:
                 streamed.append(item)
                 exported[name] = item.result
             else:
-                exported[name] = _export_one(optimizer, param, name, live, cpu_offload)
+                exported[name] = _export_one(optimizer, param, name, live, cpu_offload, keep_bf16)
         state_dict["state"][key] = exported
     if streamed:
         exporter.stream(streamed, chunk_bytes)

@@ -61,6 +61,10 @@ class OffloadedStateDict:
         return self._export_options.pinning
 
     @property
+    def state_dict_keep_bf16(self) -> bool:
+        return self._export_options.keep_bf16
+
+    @property
     def state_exporter(self) -> StateExporter:
         """The optimizer's exporter and its buffer pool (``state_exporter.pool``: pinning waits, byte counts)."""
         return self._exporter
@@ -73,10 +77,15 @@ class OffloadedStateDict:
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state dict, exported as the options say (see :func:`export_state`)."""
         o = self._export_options
-        if not o.cpu_offload:
+        if not (o.cpu_offload or o.keep_bf16):
             return self._on_device_state_dict()
         return export_state(
-            self, cpu_offload=True, chunk_bytes=o.chunk_bytes, reuse_buffers=o.reuse_buffers, exporter=self._exporter
+            self,
+            cpu_offload=o.cpu_offload,
+            chunk_bytes=o.chunk_bytes,
+            reuse_buffers=o.reuse_buffers,
+            keep_bf16=o.keep_bf16,
+            exporter=self._exporter,
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

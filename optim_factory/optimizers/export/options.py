@@ -1,7 +1,8 @@
 """The export options: one frozen, validated object per optimizer.
 
 ``ExportOptions`` is built once from the optimizer's keyword-only constructor arguments (``state_dict_cpu_offload``,
-``state_dict_offload_chunk_bytes``, ``state_dict_offload_reuse_buffers``, ``state_dict_offload_pinning``); an
+``state_dict_offload_chunk_bytes``, ``state_dict_offload_reuse_buffers``, ``state_dict_offload_pinning``,
+``state_dict_keep_bf16``); an
 impossible combination raises one ``ValueError`` line naming the option. The factory validates configs with the
 same class, so these rules exist once. See docs/design.md, "Export options".
 """
@@ -46,12 +47,15 @@ class ExportOptions:
         reuse_buffers: with ``chunk_bytes``, export into pooled host buffers that ``release_state_dict`` gives
             back for the next export.
         pinning: with ``reuse_buffers``, how pooled buffers of CUDA states get pinned (:class:`Pinning`).
+        keep_bf16: export BF16 states as BF16 (no conversion, half the bytes) instead of FP32; in every mode.
+            TE's own class cannot load such an export; both classes of this package can.
     """
 
     cpu_offload: bool = False
     chunk_bytes: int | None = None
     reuse_buffers: bool = False
     pinning: Pinning = Pinning.register
+    keep_bf16: bool = False
 
     def __post_init__(self) -> None:
         _require_bool("state_dict_cpu_offload", self.cpu_offload)
@@ -68,6 +72,7 @@ class ExportOptions:
                     "(chunked streaming is a mode of the CPU-offloaded export)"
                 )
         _require_bool("state_dict_offload_reuse_buffers", self.reuse_buffers)
+        _require_bool("state_dict_keep_bf16", self.keep_bf16)
         if self.reuse_buffers and chunk is None:
             raise ValueError(
                 "state_dict_offload_reuse_buffers=True: needs state_dict_offload_chunk_bytes "
@@ -92,6 +97,7 @@ class ExportOptions:
         state_dict_offload_chunk_bytes: Any,
         state_dict_offload_reuse_buffers: Any,
         state_dict_offload_pinning: Any,
+        state_dict_keep_bf16: Any,
     ) -> ExportOptions:
         """Build from the constructors' keyword names (the names users and configs spell)."""
         return cls(
@@ -99,4 +105,5 @@ class ExportOptions:
             state_dict_offload_chunk_bytes,
             state_dict_offload_reuse_buffers,
             state_dict_offload_pinning,
+            state_dict_keep_bf16,
         )

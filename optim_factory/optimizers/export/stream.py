@@ -154,7 +154,9 @@ class StateExporter:
         self._staging: list[torch.Tensor] = []
         self._copy_streams: dict[torch.device, Any] = {}
 
-    def _streamable(self, optimizer: Any, param: torch.Tensor, name: str) -> tuple[torch.Tensor, Any, Slot] | None:
+    def _streamable(
+        self, optimizer: Any, param: torch.Tensor, name: str, keep_bf16: bool
+    ) -> tuple[torch.Tensor, Any, Slot] | None:
         """Source, scale and pool slot of a state that streams; ``None``: it does not (not an optimizer state
         tensor, or not contiguous) and is exported per state."""
         live = optimizer.state[param][name]
@@ -164,13 +166,16 @@ class StateExporter:
         if found is None:
             return None
         source, scale = found
-        dtype = torch.int16 if source.dtype == torch.int16 else torch.float32
+        kept = source.dtype == torch.int16 or (keep_bf16 and source.dtype == torch.bfloat16 and scale is None)
+        dtype = source.dtype if kept else torch.float32  # int16 remainders, kept BF16: copied as they are
         pinning = self.options.pinning if source.device.type == "cuda" else Pinning.none
         return source, scale, Slot(None, tuple(local_tensor(live).shape), dtype, pinning)
 
-    def item(self, optimizer: Any, param: torch.Tensor, key: Any, name: str, reuse: bool) -> StreamItem | None:
+    def item(
+        self, optimizer: Any, param: torch.Tensor, key: Any, name: str, reuse: bool, keep_bf16: bool = False
+    ) -> StreamItem | None:
         """The streaming plan for one state, with its host destination; ``None``: export it per state."""
-        found = self._streamable(optimizer, param, name)
+        found = self._streamable(optimizer, param, name, keep_bf16)
         if found is None:
             return None
         source, scale, slot = found
@@ -191,7 +196,7 @@ class StateExporter:
         slots = []
         for key, param in params.items():
             for name in optimizer.state.get(param, {}):
-                found = self._streamable(optimizer, param, name)
+                found = self._streamable(optimizer, param, name, self.options.keep_bf16)
                 if found is not None:
                     slot = found[2]
                     slots.append(Slot((key, name), slot.shape, slot.dtype, slot.pinning))
