@@ -3,12 +3,17 @@
 Layout of ``checkpoint.dir``::
 
     step_00000100/            one DCP checkpoint (``.metadata`` + ``__<rank>_<n>.distcp`` files)
-        COMPLETE.json         written by rank 0 only after DCP finished the save (sync or async)
+        COMPLETE.json         the manifest, written by rank 0 (atomically) only after DCP finished the save (sync
+                              or async): the export report, the size and CRC-32 of every file (recorded while it
+                              was written, see recipes/integrity.py) and the resolved run config
     step_00000200/ ...
 
 A checkpoint is *complete* when it has both ``.metadata`` and ``COMPLETE.json``. Resume (``auto``) picks the
-newest complete one; incomplete directories are reported and never loaded. ``keep_last`` deletes only older
-complete checkpoints. With ``async_save`` the previous save is awaited before the next one starts and at exit,
+newest complete one; incomplete directories are reported and never loaded. A load first verifies every file of
+the manifest (present, recorded size, recorded CRC-32; the ranks share the files to read) and refuses a damaged
+checkpoint in one line, before anything is read into the model or optimizer. A save refuses a state with
+non-finite values. ``keep_last`` deletes only older complete checkpoints, and never the newest verified one (the
+last saved or loaded). With ``async_save`` the previous save is awaited before the next one starts and at exit,
 and DCP's collectives for it run on a gloo group of their own, so that they never interleave with training's.
 
 The optimizer is exported with ``get_optimizer_state_dict`` (``flatten_optimizer_state_dict`` configurable); the
@@ -53,12 +58,14 @@ from torch.distributed.tensor import DTensor
 
 from optim_factory.optimizers.export import OffloadedStateDict
 from recipes.config import CheckpointConfig
+from recipes.integrity import ALGORITHM, ChecksumFileSystemWriter, all_finite, file_problem, local_tensors
 
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MARKER = "COMPLETE.json"
 METADATA = ".metadata"
+FALLBACK_HINT = "checkpoint.fallback=true resumes from the newest checkpoint that verifies"
 
 
 class CheckpointError(RuntimeError):
@@ -118,6 +125,25 @@ def is_complete(path: Path) -> bool:
     return (path / METADATA).is_file() and (path / MARKER).is_file()
 
 
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest (``COMPLETE.json``) of checkpoint ``path``: step, export report, ``files`` (name -> size and
+    CRC-32; absent in checkpoints written before checksums were recorded) and ``config`` (the resolved run
+    config). A missing or unreadable manifest is a one-line CheckpointError."""
+    marker = Path(path) / MARKER
+    try:
+        manifest = json.loads(marker.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {path}: no {MARKER} (DCP did not finish it, or it was not written by this recipe); "
+            f"{FALLBACK_HINT}"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {MARKER} is unreadable ({one_line(exc)}); {FALLBACK_HINT}") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"checkpoint {path}: {MARKER} is not a JSON object; {FALLBACK_HINT}")
+    return manifest
+
+
 def state_bytes(obj: Any) -> int:
     """Bytes of the (local shards of the) tensors in a nested state dict."""
     if isinstance(obj, DTensor):
@@ -166,14 +192,24 @@ def check_checkpoint_config(cfg: CheckpointConfig, rank: int = 0) -> None:
 class CheckpointManager:
     """Saves, retains and resumes DCP checkpoints (see the module docstring)."""
 
-    def __init__(self, cfg: CheckpointConfig, *, rank: int, device: torch.device, on_report=None):
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        *,
+        rank: int,
+        device: torch.device,
+        on_report=None,
+        run_config: dict[str, Any] | None = None,
+    ):
+        """``run_config``: the resolved config of the run (a plain dict), stored in every checkpoint's manifest."""
         self.cfg = cfg
+        self.run_config = run_config
         self.root = Path(cfg.dir)
         self.rank = rank
         self.device = device
         self.on_report = on_report
         self.options = StateDictOptions(flatten_optimizer_state_dict=cfg.flatten_optimizer_state_dict)
-        self._pending: tuple[Future, int, Path, ExportReport, Any, dict] | None = None
+        self._pending: tuple[Future, int, Path, ExportReport, Any, dict, ChecksumFileSystemWriter] | None = None
         # An async save plans and finishes on DCP's background thread with collectives of its own; on the
         # default group they would interleave with training's (gloo: a collective-mismatch abort; NCCL: a
         # hang), so they get a gloo group of their own (created here, on every rank, in the same order).
@@ -181,6 +217,7 @@ class CheckpointManager:
             dist.new_group(backend="gloo") if cfg.enabled and cfg.async_save and dist.is_initialized() else None
         )
         self.reports: list[ExportReport] = []
+        self.verified: Path | None = None  # the newest checkpoint known good: last saved or loaded; never deleted
         # Fault injection for scripts/fault_injection.py: RECIPE_FAULT_KILL_AT="<phase>:<step>" SIGKILLs this
         # process at that point of that step's save (phases: export, write, marker). Unset in normal runs.
         self._fault = os.environ.get("RECIPE_FAULT_KILL_AT")
@@ -254,26 +291,37 @@ class CheckpointManager:
         """Export and save a checkpoint for ``step`` (async if configured). Returns the export report."""
         self.wait()  # one save in flight at most; its buffers are never touched by the next export
         path = self.root / f"step_{step:08d}"
-        if self.rank == 0 and path.exists() and not is_complete(path):
-            log.warning("removing incomplete checkpoint %s before saving step %d again", path, step)
+        msd, osd, export_s, peak = self._export(model, optimizer)
+        self._fault_point("export", step)
+        try:
+            self._check_finite(step, msd, osd)  # before anything on disk changes
+        except CheckpointError:
+            _release(optimizer, osd)
+            raise
+        if self.rank == 0 and path.exists():  # incomplete, or complete from before a resume at an earlier step
+            kind = "complete" if is_complete(path) else "incomplete"
+            log.warning("removing %s checkpoint %s before saving step %d again", kind, path, step)
             shutil.rmtree(path)
         if dist.is_initialized():
             dist.barrier()
-        msd, osd, export_s, peak = self._export(model, optimizer)
-        self._fault_point("export", step)
         nbytes = state_bytes(osd)
         state = {"model": msd, "optim": osd, "trainer": trainer_state}
         t0 = time.perf_counter()
         in_flight = False
+        writer = ChecksumFileSystemWriter(path)
         try:
             if self.cfg.async_save:
                 stager = ExportBufferStager(optimizer)
                 future = dcp.async_save(
-                    state, checkpoint_id=str(path), async_stager=stager, process_group=self._save_group
+                    state,
+                    checkpoint_id=str(path),
+                    storage_writer=writer,
+                    async_stager=stager,
+                    process_group=self._save_group,
                 )
                 in_flight = True
             else:
-                dcp.save(state, checkpoint_id=str(path))
+                dcp.save(state, checkpoint_id=str(path), storage_writer=writer)
         except _DCP_ERRORS as exc:  # the previous checkpoint is complete and untouched; this one gets no marker
             raise CheckpointError(f"saving {path} failed: {one_line(exc)}") from exc
         finally:
@@ -294,18 +342,54 @@ class CheckpointManager:
         )
         self.reports.append(report)
         if self.cfg.async_save:
-            self._pending = (future, step, path, report, optimizer, osd)
+            self._pending = (future, step, path, report, optimizer, osd, writer)
         else:
-            self._finalize(step, path, report)
+            self._finalize(step, path, report, self._gather_checksums(writer))
         return report
 
-    def _finalize(self, step: int, path: Path, report: ExportReport) -> None:
+    def _check_finite(self, step: int, msd: dict, osd: dict) -> None:
+        """Refuse to save a state holding NaN or inf (all ranks agree: one all-reduce)."""
+        bad = torch.tensor([0 if all_finite(local_tensors({"model": msd, "optim": osd})) else 1])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            raise CheckpointError(
+                f"not saving step {step}: the model or optimizer state holds non-finite values (NaN/inf); "
+                f"the newest good checkpoint is {self.verified or 'none'}"
+            )
+
+    def _gather_checksums(self, writer: ChecksumFileSystemWriter) -> dict[str, dict[str, Any]] | None:
+        """Every rank's file checksums, merged on rank 0 (None elsewhere). All ranks call it after the save."""
+        mine = writer.checksums()
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return mine
+        gathered = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if self.rank != 0:
+            return None
+        return {name: record for part in gathered for name, record in part.items()}
+
+    def _finalize(self, step: int, path: Path, report: ExportReport, files: dict | None) -> None:
         self._fault_point("marker", step)
         if self.rank == 0:
+            on_disk = {p.name for p in path.iterdir() if p.name == METADATA or p.suffix == ".distcp"}
+            unrecorded = sorted(on_disk - set(files or {}))
+            if unrecorded:  # a torch that writes around ChecksumFileSystem: fail loudly, never unverifiable
+                raise CheckpointError(f"saving {path} failed: no checksum was recorded for {', '.join(unrecorded)}")
+            manifest = {
+                "step": step,
+                "time": time.time(),
+                **asdict(report),
+                "checksum": ALGORITHM,
+                "files": files,
+                "config": self.run_config,
+            }
             marker = path / MARKER
             tmp = path / (MARKER + ".tmp")
-            tmp.write_text(json.dumps({"step": step, "time": time.time(), **asdict(report)}))
+            tmp.write_text(json.dumps(manifest))
             os.replace(tmp, marker)
+        self.verified = path
+        if self.rank == 0:
             self._retain()
         peak = "n/a (CPU)" if report.gpu_peak_mib is None else f"{report.gpu_peak_mib:.1f} MiB"
         log.info(
@@ -326,7 +410,7 @@ class CheckpointManager:
         """Wait for an in-flight async save; mark it complete. A failed save raises here, never silently."""
         if self._pending is None:
             return
-        future, step, path, report, optimizer, osd = self._pending
+        future, step, path, report, optimizer, osd, writer = self._pending
         self._pending = None
         try:
             future.result()
@@ -334,13 +418,16 @@ class CheckpointManager:
             raise CheckpointError(f"async save of {path} failed: {one_line(exc)}") from exc
         finally:
             _release(optimizer, osd)  # the save is over: the next export may reuse them
-        self._finalize(step, path, report)
+        self._finalize(step, path, report, self._gather_checksums(writer))
 
     def _retain(self) -> None:
         if self.cfg.keep_last <= 0:
             return
         done = self.complete()
         for step, path in done[: max(0, len(done) - self.cfg.keep_last)]:
+            if self.verified is not None and path.resolve() == self.verified.resolve():
+                log.info("keep_last=%d: keeping %s, the newest verified checkpoint", self.cfg.keep_last, path)
+                continue
             log.info("keep_last=%d: deleting checkpoint %s (step %d)", self.cfg.keep_last, path, step)
             shutil.rmtree(path, ignore_errors=True)
 
@@ -351,9 +438,11 @@ class CheckpointManager:
     def load(self, path: Path, model, optimizer, trainer_state: dict[str, Any]) -> dict[str, Any]:
         """Load ``path`` into model, optimizer and a copy of ``trainer_state``; return the loaded trainer state.
 
-        DCP reads into host copies of the state dicts; only a complete read is then set into the live model and
-        optimizer, so a truncated or mismatched checkpoint leaves them untouched.
+        The checkpoint is verified first (:meth:`verify`). DCP then reads into host copies of the state dicts;
+        only a complete read is set into the live model and optimizer, so a damaged or mismatched checkpoint
+        leaves them untouched.
         """
+        self.verify(path)
         msd, osd = get_state_dict(model, optimizer, options=self.options)
         state = _host_copy({"model": msd, "optim": osd, "trainer": dict(trainer_state)})
         del msd, osd
@@ -364,7 +453,40 @@ class CheckpointManager:
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=self.options
         )
+        self.verified = Path(path)
         return state["trainer"]
+
+    def verify(self, path: Path) -> None:
+        """Check ``path`` against its manifest: every file present, with the recorded size and CRC-32.
+
+        The files (sorted by name) are dealt out to the ranks round-robin, so each byte is read once by one
+        rank whatever the world size (the checkpoint's files do not depend on it); the verdicts are shared
+        (one all_gather_object), so all ranks raise the same CheckpointError or none does. A checkpoint
+        written before checksums were recorded (no ``files`` in its manifest) is loaded with a warning.
+        """
+        manifest = read_manifest(path)
+        files = manifest.get("files")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        problem = None
+        if files is None:
+            if self.rank == 0:
+                log.warning(
+                    "checkpoint %s has no checksums (written before they were recorded): loading it unverified", path
+                )
+        else:
+            for name in sorted(files)[self.rank :: world]:
+                try:
+                    problem = file_problem(Path(path), name, files[name])
+                except OSError as exc:
+                    problem = f"{name}: unreadable ({exc.strerror or exc})"
+                if problem:
+                    break
+        if world > 1:
+            verdicts = [None] * world
+            dist.all_gather_object(verdicts, problem)
+            problem = next((v for v in verdicts if v), None)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} is damaged: {problem}; {FALLBACK_HINT}")
 
 
 class ExportBufferStager(AsyncStager):

@@ -39,7 +39,13 @@ from recipes.model import build_model
 
 log = logging.getLogger("recipes.train")
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-USER_ERRORS = (ConfigError, CheckpointError, DataError, LaunchError)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm became non-finite: the run stops before its next save (exit 2)."""
+
+
+USER_ERRORS = (ConfigError, CheckpointError, DataError, LaunchError, TrainingDiverged)
 
 
 class MetricsWriter:
@@ -116,11 +122,15 @@ class StopSignal:
     def _handle(self, signum, frame) -> None:
         self.received = signal.Signals(signum).name
 
-    def should_stop(self, world: int) -> bool:
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32)
+    def should_stop(self, world: int, nonfinite: torch.Tensor | None = None) -> tuple[bool, bool]:
+        """(a stop signal arrived on some rank, ``nonfinite`` is true on some rank): one all-reduce for both."""
+        flag = torch.tensor([1 if self.received else 0, 0], dtype=torch.int32)
+        if nonfinite is not None:
+            flag[1] = nonfinite.to(device="cpu", dtype=torch.int32)  # the step's one device->host copy
         if world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # CPU tensor: gloo (cpu:gloo,cuda:nccl on CUDA)
-        return bool(flag.item())
+        stop, bad = flag.tolist()
+        return bool(stop), bool(bad)
 
     def restore(self) -> None:
         for sig, previous in self._previous.items():
@@ -185,7 +195,13 @@ def _train(cfg: DictConfig, env, device, data, mesh) -> dict[str, Any]:
     model = shard_model(build_model(cfg.model, seed=cfg.trainer.seed, device=device), mesh)
     optimizer = build_optimizer(cfg.optim, model)
     base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
-    ckpt = CheckpointManager(cfg.checkpoint, rank=rank, device=device, on_report=metrics.checkpoint)
+    ckpt = CheckpointManager(
+        cfg.checkpoint,
+        rank=rank,
+        device=device,
+        on_report=metrics.checkpoint,
+        run_config=OmegaConf.to_container(cfg, resolve=True),  # stored in every checkpoint's manifest
+    )
     log.info("launcher=%s world_size=%d device=%s run_dir=%s", env.launcher, world, device, cfg.run_dir)
 
     torch.manual_seed(cfg.trainer.seed + 1000 * rank)  # the process RNG (dropout-free model: recorded, restored)
@@ -222,8 +238,11 @@ def _train(cfg: DictConfig, env, device, data, mesh) -> dict[str, Any]:
             inputs, targets = data.batch(step, rank, world)
             loss = model(inputs.to(device), targets.to(device))
             loss.backward()
+            nonfinite = ~torch.isfinite(loss.detach())  # this rank's loss; no sync here
             if cfg.trainer.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
+                norm = norm.to_local() if hasattr(norm, "to_local") else norm  # replicated: the global norm
+                nonfinite = nonfinite | ~torch.isfinite(norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if step == start and cfg.checkpoint.enabled and hasattr(optimizer, "prepare_state_dict"):
@@ -246,7 +265,14 @@ def _train(cfg: DictConfig, env, device, data, mesh) -> dict[str, Any]:
                 bar.set_postfix(loss=f"{last_loss:.3f}")
                 tokens_since, t_since = 0, time.perf_counter()
             bar.update(1)
-            stopping = stop.should_stop(world)
+            stopping, diverged = stop.should_stop(world, nonfinite)
+            if diverged:
+                ckpt.close()  # an async save of an earlier (finite) step finishes and is marked complete
+                raise TrainingDiverged(
+                    f"step {done}: non-finite loss or gradient norm (NaN/inf); stopped before saving, "
+                    f"the newest good checkpoint is {ckpt.verified or 'none'} (lower optim.lr, set "
+                    "trainer.grad_clip, or check the data)"
+                )
             if ckpt.due(done, end) or (stopping and cfg.checkpoint.enabled):
                 trainer_state = {
                     "step": done,

@@ -1,0 +1,176 @@
+"""Checkpoint integrity: checksums of every file recorded while DCP writes it, checked again before a load.
+
+:class:`ChecksumFileSystemWriter` is DCP's ``FileSystemWriter`` with a file system whose write streams run a
+CRC-32 over every byte on its way to the file (bytes already in memory: the file is never read back), so a save
+costs one extra pass over data that is hot in cache. Each rank's writer knows the size and CRC-32 of the files
+it wrote (rank 0 also of ``.metadata``); :class:`recipes.checkpoint.CheckpointManager` gathers them into the
+checkpoint's manifest. :func:`file_problem` reads a file back and says what is wrong with it, if anything.
+
+Only public DCP classes are subclassed (``FileSystemWriter``, ``FileSystem``): the writer's ``fs`` attribute,
+and ``FileSystem.create_stream`` / ``rename``, which the writer uses for every data file and for ``.metadata``
+(torch 2.11-2.14). The manager checks after each save that every file in the checkpoint has a checksum, so a
+torch that wrote around them would fail the save loudly instead of writing unverifiable checkpoints.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+ALGORITHM = "crc32"
+READ_CHUNK = 16 * 2**20
+
+
+def crc32_hex(value: int) -> str:
+    return f"{value & 0xFFFFFFFF:08x}"
+
+
+class _ChecksumStream:
+    """A write stream that passes every byte on to ``raw`` and keeps a running CRC-32 and size of them.
+
+    Data files are written front to back (``wb``; DCP and ``torch.save`` only append), so the running CRC-32
+    is the file's. There is no ``seek``: a writer that seeks back would fail here instead of being miscounted.
+    """
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.crc = 0
+        self.size = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        written = self.raw.write(view)
+        written = len(view) if written is None else written
+        self.crc = zlib.crc32(view[:written], self.crc)  # zlib releases the GIL on large buffers
+        self.size += written
+        return written
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        self.raw.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.raw.closed
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+
+class ChecksumFileSystem(FileSystem):
+    """DCP's local file system, recording ``{file name: {"size", "crc32"}}`` of every file written through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()  # DCP may write files from several threads (thread_count > 1)
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode and "a" not in mode:
+                yield stream
+                return
+            if "a" in mode:
+                raise RuntimeError(f"{path}: append-mode writes cannot be checksummed")
+            counted = _ChecksumStream(stream)
+            yield counted
+        with self._lock:  # only a stream that was written and closed without an error is recorded
+            self.records[Path(path).name] = {"size": counted.size, ALGORITHM: crc32_hex(counted.crc)}
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            record = self.records.pop(Path(path).name, None)
+            if record is not None:
+                self.records[Path(new_path).name] = record
+
+
+class ChecksumFileSystemWriter(FileSystemWriter):
+    """``FileSystemWriter`` whose files get a size and CRC-32 as they are written (see :meth:`checksums`)."""
+
+    def __init__(self, path, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        if not isinstance(getattr(self, "fs", None), FileSystem):
+            raise RuntimeError(
+                f"torch {torch.__version__}: FileSystemWriter has no local `fs` to checksum files through"
+            )
+        self.fs = ChecksumFileSystem()
+
+    def reset(self, checkpoint_id=None) -> None:
+        super().reset(checkpoint_id)
+        with self.fs._lock:
+            self.fs.records.clear()
+
+    def checksums(self) -> dict[str, dict[str, Any]]:
+        """``{file name: {"size": bytes, "crc32": hex}}`` of the files this rank wrote in the last save."""
+        with self.fs._lock:
+            return {k: dict(v) for k, v in self.fs.records.items()}
+
+
+def file_crc32(path: Path) -> tuple[int, int]:
+    """(size, CRC-32) of a file, read in 16 MiB chunks."""
+    crc, size = 0, 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(READ_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return size, crc
+
+
+def file_problem(directory: Path, name: str, record: dict[str, Any]) -> str | None:
+    """What is wrong with ``directory/name`` against its manifest ``record`` (None: it verifies)."""
+    path = Path(directory) / name
+    if not path.is_file():
+        return f"{name}: missing"
+    size = path.stat().st_size
+    if size < record["size"]:
+        return f"{name}: truncated ({size} of {record['size']} bytes)"
+    if size > record["size"]:
+        return f"{name}: {size} bytes, {record['size']} recorded"
+    size, crc = file_crc32(path)
+    if crc32_hex(crc) != record[ALGORITHM]:
+        return f"{name}: checksum mismatch ({ALGORITHM} {crc32_hex(crc)}, {record[ALGORITHM]} recorded)"
+    return None
+
+
+def local_tensors(obj: Any):
+    """Every tensor in a nested state dict (the local shard of a DTensor), depth first."""
+    if isinstance(obj, torch.Tensor):
+        yield obj.to_local() if hasattr(obj, "to_local") else obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from local_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from local_tensors(v)
+
+
+def all_finite(tensors) -> bool:
+    """Whether every floating-point value in ``tensors`` is finite: one float64 sum per tensor (exact for
+    this test: finite FP32/BF16/FP16 values cannot overflow it, NaN and inf propagate), one sync per device."""
+    per_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.is_floating_point() and t.element_size() > 1 and t.numel():
+            per_device.setdefault(t.device, []).append(t.detach().sum(dtype=torch.float64))
+    return all(bool(torch.isfinite(torch.stack(sums).sum())) for sums in per_device.values())
