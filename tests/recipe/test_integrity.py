@@ -1,0 +1,215 @@
+"""Checkpoint integrity (issue 15, observations 7 and 8): checksums recorded at save time and verified before a
+load, fallback only to a checkpoint that verifies, non-finite training stopped before it is saved, keep_last never
+deleting the newest verified checkpoint, the resolved config stored in each checkpoint's manifest."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import shutil
+import zlib
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from recipes.checkpoint import FALLBACK_HINT, MARKER, CheckpointError, is_complete, read_checkpoint, read_manifest
+from recipes.train import compose_config, train
+from tests.recipe.test_launchers import complete_steps
+from tests.recipe.test_train import QUICK, run_cli, snapshot
+
+STEP20 = "step_00000020"
+
+
+def _run(run_dir, *extra):
+    return train(compose_config([*QUICK, f"run_dir={run_dir}", *extra]))
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """A finished quick run with complete checkpoints at steps 10 and 20 (copied per test)."""
+    run_dir = tmp_path_factory.mktemp("two")
+    _run(run_dir, "checkpoint.keep_last=0")
+    assert complete_steps(run_dir) == [10, 20]
+    return run_dir
+
+
+@pytest.fixture
+def run_dir(two_checkpoints, tmp_path):
+    shutil.copytree(two_checkpoints, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _shard(run_dir, step_dir=STEP20, name="__0_0.distcp"):
+    return run_dir / "checkpoints" / step_dir / name
+
+
+def _assert_refused(run_dir, fragment):
+    """Resuming raises one CheckpointError line naming the checkpoint, the file and the reason, with the
+    fallback hint; nothing on disk changes."""
+    before = snapshot(run_dir / "checkpoints")
+    with pytest.raises(CheckpointError) as info:
+        _run(run_dir, "trainer.max_steps=25")
+    msg = str(info.value)
+    assert "\n" not in msg, msg
+    assert f"checkpoint {run_dir / 'checkpoints' / STEP20} is damaged: {fragment}" in msg, msg
+    assert msg.endswith(FALLBACK_HINT), msg
+    assert snapshot(run_dir / "checkpoints") == before
+    return msg
+
+
+def _all_finite(path, scratch) -> bool:
+    state = read_checkpoint(path, scratch)
+    return all(torch.isfinite(v).all() for v in state.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+
+
+def test_obs7_overwritten_bytes_are_refused_and_fallback_resumes_from_the_previous_verified(run_dir, tmp_path):
+    shard = _shard(run_dir)
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:  # 4 KiB of 0xFF in the middle of the shard, size unchanged
+        f.seek(size // 2)
+        f.write(b"\xff" * 4096)
+    assert shard.stat().st_size == size
+    _assert_refused(run_dir, "__0_0.distcp: checksum mismatch (crc32 ")
+    summary = _run(run_dir, "trainer.max_steps=25", "checkpoint.fallback=true")
+    assert summary["resumed_from"].endswith("step_00000010") and summary["start_step"] == 10
+    assert math.isfinite(summary["last_loss"])
+    assert _all_finite(run_dir / "checkpoints" / "step_00000025", tmp_path)
+
+
+def test_obs8_truncated_shard_names_the_file_and_the_reason(run_dir):
+    shard = _shard(run_dir)
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 2])
+    _assert_refused(run_dir, f"__0_0.distcp: truncated ({size // 2} of {size} bytes)")
+
+
+def test_missing_file_is_refused(run_dir):
+    _shard(run_dir).unlink()
+    _assert_refused(run_dir, "__0_0.distcp: missing")
+
+
+def test_corrupted_metadata_is_refused(run_dir):
+    meta = _shard(run_dir, name=".metadata")
+    data = bytearray(meta.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit
+    meta.write_bytes(bytes(data))
+    _assert_refused(run_dir, ".metadata: checksum mismatch")
+
+
+def test_fallback_goes_only_to_a_checkpoint_that_verifies(run_dir):
+    for step_dir in (STEP20, "step_00000010"):
+        _shard(run_dir, step_dir).unlink()
+    with pytest.raises(CheckpointError, match=r"step_00000010 is damaged: __0_0.distcp: missing"):
+        _run(run_dir, "trainer.max_steps=25", "checkpoint.fallback=true")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_manifest_records_every_file_with_its_checksum_and_the_resolved_config(async_save, tmp_path):
+    cfg = compose_config([*QUICK, f"run_dir={tmp_path}", f"checkpoint.async_save={async_save}", "optim.eps=1e-7"])
+    train(cfg)
+    for step in (10, 20):
+        path = tmp_path / "checkpoints" / f"step_{step:08d}"
+        manifest = read_manifest(path)
+        on_disk = {p.name for p in path.iterdir() if p.name != MARKER}
+        assert set(manifest["files"]) == on_disk == {".metadata", "__0_0.distcp"}
+        for name, record in manifest["files"].items():
+            data = (path / name).read_bytes()
+            assert record == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
+        assert manifest["config"] == OmegaConf.to_container(cfg, resolve=True)
+        assert manifest["config"]["optim"]["eps"] == 1e-7
+
+
+def test_each_checkpoint_keeps_the_config_that_produced_it(tmp_path):
+    _run(tmp_path, "trainer.stop_at=10", "optim.weight_decay=0.05")
+    _run(tmp_path, "optim.weight_decay=0.07")
+    ck = tmp_path / "checkpoints"
+    assert read_manifest(ck / "step_00000010")["config"]["optim"]["weight_decay"] == 0.05
+    assert read_manifest(ck / STEP20)["config"]["optim"]["weight_decay"] == 0.07
+
+
+def test_checkpoint_without_checksums_loads_with_a_warning(run_dir, caplog):
+    """Checkpoints written before checksums were recorded (b6e5845: no ``files`` in the manifest) are accepted,
+    with one warning naming the checkpoint; a damaged one of them fails as DCP finds it."""
+    marker = run_dir / "checkpoints" / STEP20 / MARKER
+    manifest = json.loads(marker.read_text())
+    for key in ("files", "checksum", "config"):
+        del manifest[key]
+    marker.write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="recipes.checkpoint"):
+        summary = _run(run_dir, "trainer.max_steps=25")
+    assert summary["start_step"] == 20
+    warned = [r.getMessage() for r in caplog.records if "has no checksums" in r.getMessage()]
+    assert len(warned) == 1 and STEP20 in warned[0] and "loading it unverified" in warned[0]
+
+
+def test_keep_last_never_deletes_the_newest_verified_checkpoint(run_dir):
+    """Step 20 is damaged; the run falls back to 10 and saves 15. keep_last=1 would keep only the highest step
+    (the damaged 20): 15, the newest that verifies, stays, and the next resume uses it."""
+    _shard(run_dir).unlink()
+    common = ["checkpoint.fallback=true", "checkpoint.keep_last=1", "checkpoint.every_steps=5"]
+    summary = _run(run_dir, "trainer.max_steps=15", *common)
+    assert summary["start_step"] == 10
+    ck = run_dir / "checkpoints"
+    assert is_complete(ck / "step_00000015") and not (ck / "step_00000010").exists()
+    summary = _run(run_dir, "trainer.max_steps=18", *common)
+    assert summary["resumed_from"].endswith("step_00000015")
+
+
+def test_non_finite_loss_stops_the_run_before_the_next_save(tmp_path):
+    """lr=1e30: the first step moves every weight by ~1e29 (finite, saved at step 1); the second forward
+    overflows, its loss is NaN: one line, exit 2, and no checkpoint of that step or later exists."""
+    proc = run_cli(
+        [*QUICK, f"run_dir={tmp_path}", "optim.lr=1e30", "checkpoint.every_steps=1", "trainer.max_steps=5"]
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: step 2: non-finite loss or gradient norm (NaN/inf); stopped before saving"), last
+    assert "step_00000001" in last
+    ck = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir()) == ["step_00000001"]
+    assert _all_finite(ck / "step_00000001", tmp_path)
+
+
+def test_a_non_finite_state_is_never_saved(tmp_path):
+    """lr=1e39 (inf in FP32): the first step's loss and gradient norm are finite, its update is not; the save
+    due after it refuses, and leaves no directory behind."""
+    with pytest.raises(CheckpointError) as info:
+        _run(tmp_path, "optim.lr=1e39", "checkpoint.every_steps=1", "trainer.max_steps=5")
+    assert str(info.value).startswith("not saving step 1: the model or optimizer state holds non-finite values")
+    assert not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_two_rank_checkpoint_verifies_on_one_and_two_ranks(tmp_path):
+    """Files do not depend on the world size: a 2-rank checkpoint verifies on 1 rank (which reads rank 1's file
+    too), and 2 ranks share the verification (rank 1 checks __0_0.distcp; both ranks stop with the same line)."""
+    two = tmp_path / "two"
+    proc = run_cli([*QUICK, f"run_dir={two}", "trainer.max_steps=10"], torchrun=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert set(read_manifest(two / "checkpoints" / "step_00000010")["files"]) == {
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    }
+    good = tmp_path / "good"
+    shutil.copytree(two, good)
+    assert _run(good, "trainer.max_steps=12")["start_step"] == 10  # 2 -> 1 rank, verified
+
+    shard = two / "checkpoints" / "step_00000010" / "__1_0.distcp"
+    with open(shard, "r+b") as f:
+        f.seek(shard.stat().st_size // 2)
+        f.write(b"\xff" * 4096)
+    with pytest.raises(CheckpointError, match=r"step_00000010 is damaged: __1_0.distcp: checksum mismatch"):
+        _run(two, "trainer.max_steps=12")
+    shutil.copy(good / "checkpoints" / "step_00000010" / "__1_0.distcp", shard)
+    zero = two / "checkpoints" / "step_00000010" / "__0_0.distcp"
+    zero.write_bytes(zero.read_bytes()[:100])
+    proc = run_cli([*QUICK, f"run_dir={two}", "trainer.max_steps=12"], torchrun=2)
+    assert proc.returncode != 0
+    # both ranks print the same verdict (their lines may interleave on torchrun's shared stderr)
+    verdicts = re.findall(r"error: checkpoint \S+ is damaged: ([^;]+);", proc.stderr)
+    assert len(verdicts) == 2 and all(v.startswith("__0_0.distcp: truncated (100 of ") for v in verdicts), (
+        proc.stderr[-4000:]
+    )
