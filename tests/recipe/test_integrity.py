@@ -161,9 +161,7 @@ def test_keep_last_never_deletes_the_newest_verified_checkpoint(run_dir):
 def test_non_finite_loss_stops_the_run_before_the_next_save(tmp_path):
     """lr=1e30: the first step moves every weight by ~1e29 (finite, saved at step 1); the second forward
     overflows, its loss is NaN: one line, exit 2, and no checkpoint of that step or later exists."""
-    proc = run_cli(
-        [*QUICK, f"run_dir={tmp_path}", "optim.lr=1e30", "checkpoint.every_steps=1", "trainer.max_steps=5"]
-    )
+    proc = run_cli([*QUICK, f"run_dir={tmp_path}", "optim.lr=1e30", "checkpoint.every_steps=1", "trainer.max_steps=5"])
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: step 2: non-finite loss or gradient norm (NaN/inf); stopped before saving"), last
@@ -210,6 +208,5 @@ def test_two_rank_checkpoint_verifies_on_one_and_two_ranks(tmp_path):
     assert proc.returncode != 0
     # both ranks print the same verdict (their lines may interleave on torchrun's shared stderr)
     verdicts = re.findall(r"error: checkpoint \S+ is damaged: ([^;]+);", proc.stderr)
-    assert len(verdicts) == 2 and all(v.startswith("__0_0.distcp: truncated (100 of ") for v in verdicts), (
-        proc.stderr[-4000:]
-    )
+    assert len(verdicts) == 2, proc.stderr[-4000:]
+    assert all(v.startswith("__0_0.distcp: truncated (100 of ") for v in verdicts), verdicts
