@@ -4,13 +4,13 @@ Layout of ``checkpoint.dir``::
 
     step_00000100/            one DCP checkpoint (``.metadata`` + ``__<rank>_<n>.distcp`` files)
         COMPLETE.json         the manifest, written by rank 0 (atomically) only after DCP finished the save (sync
-                              or async): the export report, the size and CRC-32 of every file (recorded while it
+                              or async): the export report, the size and XXH3-64 hash of every file (recorded while it
                               was written, see recipes/integrity.py) and the resolved run config
     step_00000200/ ...
 
 A checkpoint is *complete* when it has both ``.metadata`` and ``COMPLETE.json``. Resume (``auto``) picks the
 newest complete one; incomplete directories are reported and never loaded. A load first verifies every file of
-the manifest (present, recorded size, recorded CRC-32; the ranks share the files to read) and refuses a damaged
+the manifest (present, recorded size, recorded hash; the ranks share the files to read) and refuses a damaged
 checkpoint in one line, before anything is read into the model or optimizer. A save refuses a state with
 non-finite values. ``keep_last`` deletes only older complete checkpoints, and never the newest verified one (the
 last saved or loaded). With ``async_save`` the previous save is awaited before the next one starts and at exit,
@@ -127,7 +127,7 @@ def is_complete(path: Path) -> bool:
 
 def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest (``COMPLETE.json``) of checkpoint ``path``: step, export report, ``files`` (name -> size and
-    CRC-32; absent in checkpoints written before checksums were recorded) and ``config`` (the resolved run
+    hash; absent in checkpoints written before checksums were recorded) and ``config`` (the resolved run
     config). A missing or unreadable manifest is a one-line CheckpointError."""
     marker = Path(path) / MARKER
     try:
@@ -457,7 +457,7 @@ class CheckpointManager:
         return state["trainer"]
 
     def verify(self, path: Path) -> None:
-        """Check ``path`` against its manifest: every file present, with the recorded size and CRC-32.
+        """Check ``path`` against its manifest: every file present, with the recorded size and hash.
 
         The files (sorted by name) are dealt out to the ranks round-robin, so each byte is read once by one
         rank whatever the world size (the checkpoint's files do not depend on it); the verdicts are shared

@@ -9,10 +9,10 @@ import logging
 import math
 import re
 import shutil
-import zlib
 
 import pytest
 import torch
+import xxhash
 from omegaconf import OmegaConf
 
 from recipes.checkpoint import FALLBACK_HINT, MARKER, CheckpointError, is_complete, read_checkpoint, read_manifest
@@ -72,7 +72,7 @@ def test_obs7_overwritten_bytes_are_refused_and_fallback_resumes_from_the_previo
         f.seek(size // 2)
         f.write(b"\xff" * 4096)
     assert shard.stat().st_size == size
-    _assert_refused(run_dir, "__0_0.distcp: checksum mismatch (crc32 ")
+    _assert_refused(run_dir, "__0_0.distcp: checksum mismatch (xxh3_64 ")
     summary = _run(run_dir, "trainer.max_steps=25", "checkpoint.fallback=true")
     assert summary["resumed_from"].endswith("step_00000010") and summary["start_step"] == 10
     assert math.isfinite(summary["last_loss"])
@@ -117,7 +117,7 @@ def test_manifest_records_every_file_with_its_checksum_and_the_resolved_config(a
         assert set(manifest["files"]) == on_disk == {".metadata", "__0_0.distcp"}
         for name, record in manifest["files"].items():
             data = (path / name).read_bytes()
-            assert record == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
+            assert record == {"size": len(data), "xxh3_64": xxhash.xxh3_64(data).hexdigest()}, name
         assert manifest["config"] == OmegaConf.to_container(cfg, resolve=True)
         assert manifest["config"]["optim"]["eps"] == 1e-7
 
