@@ -76,15 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-checksum-"))
     root.mkdir(parents=True, exist_ok=True)
     times: dict[str, list[float]] = {"plain": [], "checksum": []}
+    cpu: dict[str, list[float]] = {"plain": [], "checksum": []}
     try:
         for r in range(args.repeats):
             order = ("plain", "checksum") if r % 2 == 0 else ("checksum", "plain")
             for kind in order:
                 path = root / f"{kind}-{r}"
                 writer = FileSystemWriter(path) if kind == "plain" else ChecksumFileSystemWriter(path)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 dcp.save(state, storage_writer=writer, no_dist=True)
                 times[kind].append(time.perf_counter() - t0)
+                cpu[kind].append(time.process_time() - c0)
                 if kind == "checksum":
                     sums = writer.checksums()
                     t0 = time.perf_counter()
@@ -102,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"state {nbytes / 1e9:.2f} GB ({n} x 64 MiB FP32), {args.repeats} repeats, into {root}")
     print(f"save plain    median {plain:.3f} s  ({nbytes / plain / 1e9:.2f} GB/s)  all {times['plain']}")
     print(f"save checksum median {checked:.3f} s  ({nbytes / checked / 1e9:.2f} GB/s)  all {times['checksum']}")
-    print(f"checksum overhead {100 * (checked / plain - 1):+.1f} % of the save time")
+    print(f"checksum overhead {100 * (checked / plain - 1):+.1f} % of the save time (median)")
+    fast_p, fast_c = min(times["plain"]), min(times["checksum"])
+    print(f"fastest: plain {fast_p:.3f} s, checksum {fast_c:.3f} s: {100 * (fast_c / fast_p - 1):+.1f} %")
+    cp, cc = statistics.median(cpu["plain"]), statistics.median(cpu["checksum"])
+    print(f"CPU time (process, median): plain {cp:.3f} s, checksum {cc:.3f} s: +{cc - cp:.3f} s")
     print(f"finite check (save) {finite_s:.3f} s; verification read (load) {verify_s:.3f} s")
     return 0
 
