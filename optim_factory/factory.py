@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from optim_factory.config import OPTIM_SCHEMAS, AdamWConfig, FusedAdamConfig
 from optim_factory.optimizers.export import ExportOptions, local_tensor
+from optim_factory.optimizers.rules import OptionError, check_state_dtypes, parse_bytes, parse_dtype
 
 __all__ = [
     "ConfigError",
@@ -34,24 +35,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_DTYPE_ALIASES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp8": torch.uint8,  # TE spells FP8 (E4M3) torch.uint8 in FusedAdam's arguments
-    "uint8": torch.uint8,
-    "float8_e4m3fn": torch.uint8,
-    "fp8_e4m3": torch.uint8,
-}
-_MOMENT_DTYPES = "fp32|fp16|bf16|fp8 (or torch.float32|torch.float16|torch.bfloat16|torch.uint8)"
 _BACKENDS = ("auto", "te", "portable")
-_SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB)?\s*$")
-_UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
 class ConfigError(ValueError):
@@ -60,33 +44,6 @@ class ConfigError(ValueError):
 
 def _fail(key: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"optim.{key}={value!r}: {allowed}")
-
-
-def parse_dtype(value: Any, key: str = "dtype") -> torch.dtype:
-    """``fp32|fp16|bf16|fp8``, ``torch.bfloat16``-style strings or a ``torch.dtype`` → the dtype TE expects."""
-    if isinstance(value, torch.dtype):
-        text = str(value)
-    elif isinstance(value, str):
-        text = value
-    else:
-        raise _fail(key, value, f"expected one of {_MOMENT_DTYPES}")
-    name = text.strip().lower().removeprefix("torch.")
-    if name not in _DTYPE_ALIASES:
-        raise _fail(key, value, f"expected one of {_MOMENT_DTYPES}")
-    return _DTYPE_ALIASES[name]
-
-
-def parse_bytes(value: Any, key: str) -> int | None:
-    """``None``, an int, or a string like ``"64MiB"`` (units B, KiB, MiB, GiB) → bytes."""
-    if value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        nbytes = value
-    elif isinstance(value, str) and (m := _SIZE.match(value)):
-        nbytes = int(m.group(1)) * _UNITS[m.group(2)]
-    else:
-        raise _fail(key, value, "expected null (one state at a time), bytes as an int, or a size like 64MiB")
-    return nbytes
 
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -157,34 +114,23 @@ def validate_optim_config(cfg: Any) -> FusedAdamConfig | AdamWConfig:
         raise _fail("backend", c.backend, f"expected one of {'|'.join(_BACKENDS)}")
     if c.amsgrad:
         raise _fail("amsgrad", c.amsgrad, "FusedAdam does not support AMSGrad; use optim=adamw for it")
-    master = parse_dtype(c.master_weight_dtype, "master_weight_dtype")
-    if master not in (torch.float32, torch.float16):
-        raise _fail("master_weight_dtype", c.master_weight_dtype, "expected fp32|fp16")
-    m = parse_dtype(c.exp_avg_dtype, "exp_avg_dtype")
-    v = parse_dtype(c.exp_avg_sq_dtype, "exp_avg_sq_dtype")
-    if c.capturable:
-        if c.master_weights and master != torch.float32:
-            raise _fail("master_weight_dtype", c.master_weight_dtype, "capturable=true needs fp32 master weights")
-        if not (m == v == torch.float32 or m == v == torch.bfloat16):
-            raise _fail(
-                "exp_avg_dtype",
-                f"{c.exp_avg_dtype}/{c.exp_avg_sq_dtype}",
-                "capturable=true needs exp_avg_dtype and exp_avg_sq_dtype both fp32 or both bf16",
-            )
-        if c.store_param_remainders:
-            raise _fail("store_param_remainders", True, "not supported with capturable=true")
-    chunk = parse_bytes(c.state_dict_offload_chunk_bytes, "state_dict_offload_chunk_bytes")
+    try:  # the optimizers' own dtype / capturable / master-weight rules (one source: optimizers/rules.py)
+        check_state_dtypes(
+            master_weights=c.master_weights,
+            master_weight_dtype=c.master_weight_dtype,
+            exp_avg_dtype=c.exp_avg_dtype,
+            exp_avg_sq_dtype=c.exp_avg_sq_dtype,
+            capturable=c.capturable,
+            store_param_remainders=c.store_param_remainders,
+        )
+    except OptionError as exc:
+        raise ConfigError(f"optim.{exc.key}={exc.value!r}: {exc.allowed}") from None
     try:  # the optimizers' own rules for the export options, checked before anything is built
+        chunk = parse_bytes(c.state_dict_offload_chunk_bytes, "state_dict_offload_chunk_bytes")
         ExportOptions(c.state_dict_cpu_offload, chunk, c.state_dict_offload_reuse_buffers)
     except ValueError as exc:
         raise ConfigError(f"optim.{exc}") from None
     c.state_dict_offload_chunk_bytes = chunk  # bytes from here on ("64MiB" parsed once)
-    if c.store_param_remainders and not (c.master_weights and master == torch.float32):
-        warnings.warn(
-            "optim.store_param_remainders=true has no effect without master_weights=true and master_weight_dtype=fp32",
-            UserWarning,
-            stacklevel=2,
-        )
     return c
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import struct
 import warnings
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -39,6 +38,7 @@ from optim_factory.optimizers.export import (
     split_bf16_remainder,
     wrap_like,
 )
+from optim_factory.optimizers.rules import check_adam_options, parse_bytes
 
 __all__ = ["PortableFusedAdam", "FP8_STORAGE_DTYPE"]
 
@@ -51,10 +51,6 @@ _STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 def _f32(x: float) -> float:
     """Round a Python float to the nearest FP32 value (what a ``const float`` kernel argument receives)."""
     return struct.unpack("f", struct.pack("f", x))[0]
-
-
-def _normalize_moment_dtype(dtype: Any) -> Any:
-    return torch.uint8 if dtype == FP8_STORAGE_DTYPE else dtype
 
 
 class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
@@ -71,14 +67,17 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
         adam_w_mode: decoupled weight decay (AdamW) when true, L2 regularisation otherwise.
         capturable: keep ``lr`` and ``step`` as tensors on the parameters' device; accepts ``grad_scaler``.
         master_weights: keep master weights for FP16/BF16 parameters.
-        master_weight_dtype: ``torch.float32`` or ``torch.float16``.
-        exp_avg_dtype: ``torch.float32``, ``torch.float16``, ``torch.bfloat16`` or ``torch.uint8`` (FP8).
+        master_weight_dtype: ``torch.float32`` or ``torch.float16`` (or a string: ``fp32``, ``"torch.float16"`` ...).
+        exp_avg_dtype: ``torch.float32``, ``torch.float16``, ``torch.bfloat16`` or ``torch.uint8`` (FP8), or a
+            string (``fp32|fp16|bf16|fp8``, ``bfloat16``, ``torch.bfloat16``, ``float8_e4m3fn``; see
+            :mod:`optim_factory.optimizers.rules`).
         exp_avg_sq_dtype: as ``exp_avg_dtype``.
         use_decoupled_grad: read gradients from ``param.decoupled_grad`` instead of ``param.grad``.
         store_param_remainders: with BF16 parameters and an FP32 master, store only the master's low 16 bits.
         set_grad_none: deprecated (as in TE); use ``zero_grad(set_to_none=...)``.
         state_dict_cpu_offload: make ``state_dict()`` export to CPU (one state at a time by default).
-        state_dict_offload_chunk_bytes: stream the CPU export in chunks of at most this many bytes.
+        state_dict_offload_chunk_bytes: stream the CPU export in chunks of at most this many bytes (an int or a
+            size string such as ``"64MiB"``).
         state_dict_offload_reuse_buffers: export into pooled host buffers (see ``release_state_dict``).
         state_dict_offload_pinning: how pooled buffers of CUDA states are pinned: ``register`` | ``alloc`` |
             ``none`` (see :class:`~optim_factory.optimizers.export.Pinning`).
@@ -99,52 +98,50 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
         adam_w_mode: bool = True,
         capturable: bool = False,
         master_weights: bool = False,
-        master_weight_dtype: torch.dtype = torch.float32,
-        exp_avg_dtype: torch.dtype = torch.float32,
-        exp_avg_sq_dtype: torch.dtype = torch.float32,
+        master_weight_dtype: torch.dtype | str = torch.float32,
+        exp_avg_dtype: torch.dtype | str = torch.float32,
+        exp_avg_sq_dtype: torch.dtype | str = torch.float32,
         use_decoupled_grad: bool = False,
         store_param_remainders: bool = False,
         set_grad_none: bool | None = None,
         state_dict_cpu_offload: bool = False,
-        state_dict_offload_chunk_bytes: int | None = None,
+        state_dict_offload_chunk_bytes: int | str | None = None,
         state_dict_offload_reuse_buffers: bool = False,
         state_dict_offload_pinning: Pinning | str = Pinning.register,
         state_dict_keep_bf16: bool = False,
     ):
+        # TE's checks (same messages) and torch.optim.Adam's, from the one rule module; dtype and size strings.
+        o = check_adam_options(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            bias_correction=bias_correction,
+            adam_w_mode=adam_w_mode,
+            capturable=capturable,
+            master_weights=master_weights,
+            master_weight_dtype=master_weight_dtype,
+            exp_avg_dtype=exp_avg_dtype,
+            exp_avg_sq_dtype=exp_avg_sq_dtype,
+            use_decoupled_grad=use_decoupled_grad,
+            store_param_remainders=store_param_remainders,
+        )
         self._init_export(
             ExportOptions.from_kwargs(
                 state_dict_cpu_offload,
-                state_dict_offload_chunk_bytes,
+                parse_bytes(state_dict_offload_chunk_bytes, "state_dict_offload_chunk_bytes"),
                 state_dict_offload_reuse_buffers,
                 state_dict_offload_pinning,
                 state_dict_keep_bf16,
             )
         )
-        exp_avg_dtype = _normalize_moment_dtype(exp_avg_dtype)
-        exp_avg_sq_dtype = _normalize_moment_dtype(exp_avg_sq_dtype)
-        # The same checks, in the same order and with the same messages, as TE 2.20's FusedAdam.
-        if amsgrad:
-            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
-        if master_weights and master_weight_dtype not in (torch.float32, torch.float16):
-            raise RuntimeError("FusedAdam only supports fp32/fp16 master weights.")
-        moment_dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
-        if exp_avg_dtype not in moment_dtypes:
-            raise RuntimeError("FusedAdam only supports fp32/fp16/bf16/fp8 exp_avg.")
-        if exp_avg_sq_dtype not in moment_dtypes:
-            raise RuntimeError("FusedAdam only supports fp32/fp16/bf16/fp8 exp_avg_sq.")
-        if capturable and master_weights and master_weight_dtype != torch.float32:
-            raise RuntimeError("Capturable mode only supports fp32 master weights.")
-        if capturable and not (
-            exp_avg_dtype == exp_avg_sq_dtype == torch.float32 or exp_avg_dtype == exp_avg_sq_dtype == torch.bfloat16
-        ):
-            raise RuntimeError(
-                "Capturable mode requires exp_avg_dtype and exp_avg_sq_dtype to be "
-                "both torch.float32 or both torch.bfloat16, but got "
-                f"exp_avg_dtype={exp_avg_dtype} and exp_avg_sq_dtype={exp_avg_sq_dtype}."
-            )
+        lr, betas, eps, weight_decay = o.lr, o.betas, o.eps, o.weight_decay
+        master_weight_dtype, exp_avg_dtype = o.master_weight_dtype, o.exp_avg_dtype
+        exp_avg_sq_dtype = o.exp_avg_sq_dtype
 
         defaults = {
-            "lr": torch.tensor(lr, dtype=torch.float32) if capturable else lr,
+            "lr": torch.as_tensor(lr, dtype=torch.float32).clone() if capturable else lr,
             "bias_correction": bias_correction,
             "betas": betas,
             "eps": eps,
@@ -175,8 +172,6 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
         self._scales: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         self.use_decoupled_grad = use_decoupled_grad
         self.store_param_remainders = store_param_remainders and master_weights and master_weight_dtype == torch.float32
-        if self.capturable and self.store_param_remainders:
-            raise RuntimeError("Capturable mode doesn't support storing param remainders")
         self.set_grad_none = set_grad_none
         if set_grad_none is not None:
             warnings.warn(

@@ -6,11 +6,13 @@ raises one :class:`ImportError` that says how to install TE and points to :class
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from optim_factory.optimizers.export import ExportOptions, OffloadedStateDict, Pinning
+from optim_factory.optimizers.rules import check_adam_options, parse_bytes
 
 __all__ = ["FusedAdam", "TE_AVAILABLE", "te_import_error"]
 
@@ -47,31 +49,67 @@ class FusedAdam(OffloadedStateDict, _TEFusedAdam):  # type: ignore[misc,valid-ty
     host buffers that ``release_state_dict()`` gives back, pinned as ``state_dict_offload_pinning`` says
     (see :mod:`optim_factory.optimizers.export`).
     Everything else, including the CUDA kernels of ``step()``, is TE's.
+
+    The constructor also takes dtypes as strings (``bf16``, ``torch.bfloat16``, ``fp8`` ...) and sizes as
+    ``"64MiB"``, and checks every option as :class:`PortableFusedAdam` does (see
+    :mod:`optim_factory.optimizers.rules`) before Transformer Engine is needed, so a Hydra ``_target_`` block
+    that names this class builds it.
     """
 
     def __init__(
         self,
-        params,
-        *args: Any,
+        params: Iterable[torch.nn.Parameter | dict],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        bias_correction: bool = True,
+        adam_w_mode: bool = True,
+        capturable: bool = False,
+        master_weights: bool = False,
+        master_weight_dtype: torch.dtype | str = torch.float32,
+        exp_avg_dtype: torch.dtype | str = torch.float32,
+        exp_avg_sq_dtype: torch.dtype | str = torch.float32,
+        use_decoupled_grad: bool = False,
+        store_param_remainders: bool = False,
+        set_grad_none: bool | None = None,
         state_dict_cpu_offload: bool = False,
-        state_dict_offload_chunk_bytes: int | None = None,
+        state_dict_offload_chunk_bytes: int | str | None = None,
         state_dict_offload_reuse_buffers: bool = False,
         state_dict_offload_pinning: Pinning | str = Pinning.register,
         state_dict_keep_bf16: bool = False,
-        **kwargs: Any,
     ):
+        # TE 2.20's signature (the portable twin's too). Checked and converted before TE is needed: a bad
+        # value gets its one-line reason on a machine without TE as well; TE then receives torch dtypes.
+        options = check_adam_options(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            bias_correction=bias_correction,
+            adam_w_mode=adam_w_mode,
+            capturable=capturable,
+            master_weights=master_weights,
+            master_weight_dtype=master_weight_dtype,
+            exp_avg_dtype=exp_avg_dtype,
+            exp_avg_sq_dtype=exp_avg_sq_dtype,
+            use_decoupled_grad=use_decoupled_grad,
+            store_param_remainders=store_param_remainders,
+        )
+        export_options = ExportOptions.from_kwargs(
+            state_dict_cpu_offload,
+            parse_bytes(state_dict_offload_chunk_bytes, "state_dict_offload_chunk_bytes"),
+            state_dict_offload_reuse_buffers,
+            state_dict_offload_pinning,
+            state_dict_keep_bf16,
+        )
         if not TE_AVAILABLE:
             raise ImportError(f"{TE_INSTALL_HINT} (import failed: {te_import_error()})")
-        self._init_export(
-            ExportOptions.from_kwargs(
-                state_dict_cpu_offload,
-                state_dict_offload_chunk_bytes,
-                state_dict_offload_reuse_buffers,
-                state_dict_offload_pinning,
-                state_dict_keep_bf16,
-            )
-        )
-        super().__init__(params, *args, **kwargs)
+        self._init_export(export_options)
+        super().__init__(params, **options.te_kwargs(), set_grad_none=set_grad_none)
 
     def _on_device_state_dict(self) -> dict[str, Any]:
         return _TEFusedAdam.state_dict(self)
