@@ -1,0 +1,220 @@
+"""The constructor rules (optim_factory/optimizers/rules.py) as both FusedAdam classes apply them.
+
+Issue 15, observation 10: ``PortableFusedAdam`` accepted lr=NaN, lr<0, betas=(1.0, ...), betas=(0.9, 1.5), eps<0,
+weight_decay<0 and ``master_weights="yes"``. Issue 16, item 3: both classes take dtype and size strings.
+The TE subclass checks before it needs Transformer Engine, so its refusals are tested on CPU machines too.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from optim_factory import PortableFusedAdam
+from optim_factory.optimizers.rules import OptionError, parse_bytes, parse_dtype
+from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE
+from optim_factory.optimizers.te_fused_adam import FusedAdam as TEFusedAdam
+
+CLASSES = [PortableFusedAdam, TEFusedAdam]
+
+
+def params() -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+
+
+# kwargs, the message (torch.optim.Adam's where it has one: compared below)
+BAD_HYPERPARAMETERS = [
+    (dict(lr=float("nan")), "Invalid learning rate: nan"),
+    (dict(lr=-1e-3), "Invalid learning rate: -0.001"),
+    (dict(lr=float("inf")), "Invalid learning rate: inf"),
+    (dict(lr="1e-3"), "Invalid learning rate: '1e-3'"),
+    (dict(lr=True), "Invalid learning rate: True"),
+    (dict(betas=(1.0, 0.999)), "Invalid beta parameter at index 0: 1.0"),
+    (dict(betas=(0.9, 1.5)), "Invalid beta parameter at index 1: 1.5"),
+    (dict(betas=(-0.1, 0.999)), "Invalid beta parameter at index 0: -0.1"),
+    (dict(betas=(0.9, float("nan"))), "Invalid beta parameter at index 1: nan"),
+    (dict(betas=(0.9,)), "betas=[0.9]: expected two numbers"),
+    (dict(betas=(0.9, 0.99, 0.999)), "betas=[0.9, 0.99, 0.999]: expected two numbers"),
+    (dict(betas="0.9,0.999"), "betas='0.9,0.999': expected two numbers"),
+    (dict(eps=-1e-8), "Invalid epsilon value: -1e-08"),
+    (dict(eps=float("nan")), "Invalid epsilon value: nan"),
+    (dict(eps=float("inf")), "Invalid epsilon value: inf"),
+    (dict(weight_decay=-0.1), "Invalid weight_decay value: -0.1"),
+    (dict(weight_decay=float("inf")), "Invalid weight_decay value: inf"),
+    (dict(master_weights="yes"), "master_weights='yes': expected True or False"),
+    (dict(capturable=1), "capturable=1: expected True or False"),
+    (dict(adam_w_mode="false"), "adam_w_mode='false': expected True or False"),
+    (dict(bias_correction=None), "bias_correction=None: expected True or False"),
+    (dict(store_param_remainders="true"), "store_param_remainders='true': expected True or False"),
+    (dict(exp_avg_dtype="fp64"), "exp_avg_dtype='fp64': FusedAdam only supports fp32/fp16/bf16/fp8 exp_avg."),
+    (dict(exp_avg_sq_dtype="torch.int8"), "exp_avg_sq_dtype='torch.int8': FusedAdam only supports"),
+    (dict(master_weight_dtype="bf16"), "master_weight_dtype='bf16': FusedAdam only supports fp32/fp16 master"),
+    (dict(capturable=True, exp_avg_dtype="fp16"), "exp_avg_dtype='fp16/torch.float32': Capturable mode requires"),
+    (dict(state_dict_offload_chunk_bytes="64 MB"), "state_dict_offload_chunk_bytes='64 MB': expected null"),
+]
+
+
+def torch_adam_message(kw: dict) -> str | None:
+    """What torch.optim.Adam says about the same value (None: it accepts it or has no such option)."""
+    torch_kw = {k: v for k, v in kw.items() if k in ("lr", "betas", "eps", "weight_decay")}
+    if not torch_kw:
+        return None
+    try:
+        torch.optim.Adam(params(), **torch_kw)
+    except (ValueError, TypeError, IndexError) as exc:
+        return str(exc) if isinstance(exc, ValueError) and str(exc).startswith("Invalid") else None
+    return None
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("kw,message", BAD_HYPERPARAMETERS, ids=[str(b[0]) for b in BAD_HYPERPARAMETERS])
+def test_bad_option_is_refused_in_one_line_before_anything_else(cls, kw, message):
+    with pytest.raises(ValueError) as info:  # TE subclass: before the Transformer Engine check (no ImportError)
+        cls(params(), **kw)
+    text = str(info.value)
+    assert isinstance(info.value, OptionError) and "\n" not in text
+    assert message in text, text
+    theirs = torch_adam_message(kw)
+    if theirs is not None:  # torch.optim.Adam's own words, then what is allowed
+        assert text.startswith(theirs), (text, theirs)
+
+
+def test_torch_lets_these_through_and_we_do_not():
+    """Why the finiteness rule exists: torch.optim.Adam takes an infinite lr, eps and weight decay."""
+    for kw in (dict(lr=math.inf), dict(eps=math.inf), dict(weight_decay=math.inf)):
+        torch.optim.Adam(params(), **kw)
+        with pytest.raises(ValueError):
+            PortableFusedAdam(params(), **kw)
+
+
+def test_nan_lr_no_longer_trains_to_nan():
+    """Observation 10: lr=NaN was accepted and one step made every parameter NaN."""
+    ps = params()
+    with pytest.raises(ValueError, match="Invalid learning rate: nan"):
+        PortableFusedAdam(ps, lr=float("nan"))
+    assert all(torch.isfinite(p).all() for p in ps)
+
+
+def test_edge_values_torch_accepts_are_accepted():
+    ps = params()
+    opt = PortableFusedAdam(ps, lr=0.0, betas=[0.0, 0.0], eps=0.0, weight_decay=0)
+    g = opt.param_groups[0]
+    assert g["lr"] == 0.0 and g["betas"] == (0.0, 0.0) and g["eps"] == 0.0 and g["weight_decay"] == 0.0
+    one_element = PortableFusedAdam(params(), lr=torch.tensor(0.01), capturable=True)
+    assert float(one_element.param_groups[0]["lr"]) == pytest.approx(0.01)
+
+
+SPELLINGS = [
+    ("fp32", torch.float32),
+    ("float32", torch.float32),
+    ("torch.float32", torch.float32),
+    ("fp16", torch.float16),
+    ("half", torch.float16),
+    ("bf16", torch.bfloat16),
+    ("bfloat16", torch.bfloat16),
+    ("torch.bfloat16", torch.bfloat16),
+    ("BF16", torch.bfloat16),
+    ("fp8", torch.uint8),
+    ("float8_e4m3fn", torch.uint8),
+    ("torch.float8_e4m3fn", torch.uint8),
+    ("uint8", torch.uint8),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float8_e4m3fn, torch.uint8),
+    (torch.uint8, torch.uint8),
+]
+
+
+@pytest.mark.parametrize("spelling,dtype", SPELLINGS, ids=[str(s[0]) for s in SPELLINGS])
+def test_portable_takes_every_dtype_spelling(spelling, dtype):
+    opt = PortableFusedAdam(params(), exp_avg_dtype=spelling, exp_avg_sq_dtype=spelling)
+    assert opt.exp_avg_dtype == opt.exp_avg_sq_dtype == dtype
+    assert parse_dtype(spelling) == dtype
+
+
+def test_strings_and_list_betas_build_the_same_optimizer_as_torch_values():
+    """A YAML-shaped call (strings, a list) and the torch-typed call give the same optimizer and the same step."""
+    a_params, b_params = params(), params()
+    a = PortableFusedAdam(
+        a_params,
+        lr=1e-2,
+        betas=[0.8, 0.95],
+        master_weight_dtype="fp32",
+        exp_avg_dtype="bf16",
+        exp_avg_sq_dtype="torch.float16",
+        state_dict_cpu_offload=True,
+        state_dict_offload_chunk_bytes="1MiB",
+    )
+    b = PortableFusedAdam(
+        b_params,
+        lr=1e-2,
+        betas=(0.8, 0.95),
+        exp_avg_dtype=torch.bfloat16,
+        exp_avg_sq_dtype=torch.float16,
+        state_dict_cpu_offload=True,
+        state_dict_offload_chunk_bytes=1 << 20,
+    )
+    assert a.param_groups[0]["betas"] == b.param_groups[0]["betas"] == (0.8, 0.95)
+    assert a.state_dict_offload_chunk_bytes == b.state_dict_offload_chunk_bytes == 1 << 20
+    for ps in (a_params, b_params):
+        for p in ps:
+            p.grad = torch.ones_like(p)
+    a.step()
+    b.step()
+    assert all(torch.equal(x, y) for x, y in zip(a_params, b_params))
+
+
+@pytest.mark.parametrize(
+    "value,expected", [(None, None), (4096, 4096), ("64MiB", 64 << 20), ("1GiB", 1 << 30), (" 8 KiB ", 8 << 10)]
+)
+def test_parse_bytes(value, expected):
+    assert parse_bytes(value, "k") == expected
+
+
+@pytest.mark.parametrize("value", ["64 MB", "1.5GiB", True, 1.0, "-1"])
+def test_parse_bytes_refuses(value):
+    with pytest.raises(OptionError, match=r"^k="):
+        parse_bytes(value, "k")
+
+
+def test_option_error_is_what_torch_and_te_raise():
+    """ValueError as torch.optim.Adam raises, RuntimeError as TE's FusedAdam raises: old except clauses hold."""
+    with pytest.raises(ValueError):
+        PortableFusedAdam(params(), lr=-1.0)
+    with pytest.raises(RuntimeError):
+        PortableFusedAdam(params(), exp_avg_dtype=torch.float64)
+
+
+def test_remainders_without_fp32_master_warn():
+    with pytest.warns(UserWarning, match="store_param_remainders=True has no effect"):
+        opt = PortableFusedAdam(params(), store_param_remainders=True)
+    assert opt.store_param_remainders is False
+
+
+def test_te_subclass_and_twin_share_one_signature():
+    """Same parameter names, kinds and defaults: a YAML block built for one builds the other."""
+    te = inspect.signature(TEFusedAdam.__init__).parameters
+    portable = inspect.signature(PortableFusedAdam.__init__).parameters
+    assert [(p.name, p.kind, p.default) for p in te.values()] == [
+        (p.name, p.kind, p.default) for p in portable.values()
+    ]
+
+
+@pytest.mark.skipif(TE_AVAILABLE, reason="checks the CPU path: Transformer Engine is importable here")
+def test_te_subclass_checks_then_says_te_is_missing():
+    with pytest.raises(ImportError, match="Transformer Engine"):
+        TEFusedAdam(params(), exp_avg_dtype="bf16", state_dict_cpu_offload=True, state_dict_offload_chunk_bytes="64MiB")
+
+
+@pytest.mark.skipif(not TE_AVAILABLE, reason="Transformer Engine is not importable")
+def test_te_defaults_equal_ours():
+    from transformer_engine.pytorch.optimizers import FusedAdam as Upstream
+
+    theirs = inspect.signature(Upstream.__init__).parameters
+    ours = inspect.signature(TEFusedAdam.__init__).parameters
+    for name, p in theirs.items():
+        if p.default is not inspect.Parameter.empty:
+            assert ours[name].default == p.default, name
