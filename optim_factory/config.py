@@ -42,10 +42,15 @@ class ParamGroupsConfig:
     Attributes:
         no_decay: regular expressions (``re.search`` on the parameter's name); a match gets weight decay 0.
             The defaults catch biases, norms (``*norm*``, ``ln_*``) and embeddings.
+        no_decay_auto: weight decay 0 also for every parameter with fewer than 2 dimensions and for the
+            parameters of embedding and normalization modules (``nn.Embedding``, ``nn.LayerNorm``,
+            ``nn.RMSNorm``, ``nn.GroupNorm``, ``nn.BatchNorm*``, ``nn.InstanceNorm*``, TE's LayerNorm/RMSNorm);
+            the module rule needs the model as an ``nn.Module``.
         overrides: patterns with lr / weight-decay multipliers; a parameter may match at most one.
     """
 
     no_decay: list[str] = field(default_factory=lambda: list(DEFAULT_NO_DECAY))
+    no_decay_auto: bool = True
     overrides: list[GroupOverride] = field(default_factory=list)
 
 

@@ -11,7 +11,9 @@ import dataclasses
 import logging
 import math
 import re
+import sys
 import warnings
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from optim_factory.config import OPTIM_SCHEMAS, AdamWConfig, FusedAdamConfig
+from optim_factory.config import DEFAULT_NO_DECAY, OPTIM_SCHEMAS, AdamWConfig, FusedAdamConfig
 from optim_factory.optimizers.export import ExportOptions, local_tensor
 from optim_factory.optimizers.rules import OptionError, check_state_dtypes, parse_bytes, parse_dtype
 
@@ -165,20 +167,79 @@ def _named_trainable(model_or_params: Any) -> list[tuple[str, torch.nn.Parameter
     return trainable
 
 
-def build_param_groups(
-    cfg: FusedAdamConfig | AdamWConfig, named: list[tuple[str, torch.nn.Parameter]]
-) -> tuple[list[dict], list[GroupSummary]]:
-    """Split parameters into groups: weight decay off for ``no_decay`` matches, per-pattern multipliers.
+def _no_decay_module_types() -> list[tuple[type, str]]:
+    """Module types whose own parameters get no weight decay: embeddings and normalization layers.
 
-    Every trainable parameter lands in exactly one group (checked). An override pattern that matches nothing,
-    or two override patterns matching one parameter, raise; ``no_decay`` patterns matching nothing are
-    logged (the defaults cover names a model may not have).
+    TE's LayerNorm / RMSNorm count when Transformer Engine is already imported (a model that holds them has
+    imported it; this never imports TE itself). Norm classes of other libraries (e.g. Hugging Face's
+    ``LlamaRMSNorm``) are caught by the 1-D rule: their weights have one dimension.
+    """
+    nn = torch.nn
+    names = ["Embedding", "EmbeddingBag", "LayerNorm", "RMSNorm", "GroupNorm", "LocalResponseNorm"]
+    kinds = ("BatchNorm", "InstanceNorm", "LazyBatchNorm", "LazyInstanceNorm")
+    names += [f"{kind}{d}d" for kind in kinds for d in "123"] + ["SyncBatchNorm"]
+    types = [(getattr(nn, n), f"nn.{n}") for n in names if hasattr(nn, n)]  # nn.RMSNorm: torch >= 2.4
+    te = sys.modules.get("transformer_engine.pytorch")
+    types += [(getattr(te, n), f"te.{n}") for n in ("LayerNorm", "RMSNorm") if isinstance(getattr(te, n, None), type)]
+    return types
+
+
+def _no_decay_reasons(
+    cfg: FusedAdamConfig | AdamWConfig, named: list[tuple[str, torch.nn.Parameter]], module: torch.nn.Module | None
+) -> dict[str, str]:
+    """Parameter name -> why its weight decay is 0, first reason wins: module type, fewer than 2 dims, pattern.
+
+    A ``no_decay`` pattern that matches no parameter is logged as a warning, unless it is one of the schema's
+    default patterns (those cover names a model may not have, so they stay quiet).
     """
     pg = cfg.param_groups
-    no_decay = [re.compile(p) for p in pg.no_decay]
+    by_type: dict[int, str] = {}
+    if pg.no_decay_auto and module is not None:
+        types = _no_decay_module_types()
+        for m in module.modules():
+            label = next((lbl for cls, lbl in types if isinstance(m, cls)), None)
+            if label is not None:
+                for p in m.parameters(recurse=False):
+                    by_type.setdefault(id(p), label)
+    patterns = [(pattern, re.compile(pattern)) for pattern in pg.no_decay]
+    used = {pattern: False for pattern, _ in patterns}
+    reasons: dict[str, str] = {}
+    for name, param in named:
+        hits = [pattern for pattern, rx in patterns if rx.search(name)]
+        for pattern in hits:
+            used[pattern] = True
+        if id(param) in by_type:
+            reasons[name] = by_type[id(param)]
+        elif pg.no_decay_auto and param.ndim < 2:
+            reasons[name] = "1-D" if param.ndim == 1 else f"{param.ndim}-D"
+        elif hits:
+            reasons[name] = f"pattern {hits[0]!r}"
+    for i, pattern in enumerate(pg.no_decay):
+        if not used[pattern] and pattern not in DEFAULT_NO_DECAY:
+            log.warning("optim.param_groups.no_decay[%d]=%r matches no parameter", i, pattern)
+    return reasons
+
+
+def build_param_groups(
+    cfg: FusedAdamConfig | AdamWConfig,
+    named: list[tuple[str, torch.nn.Parameter]],
+    module: torch.nn.Module | None = None,
+) -> tuple[list[dict], list[GroupSummary]]:
+    """Split parameters into groups: weight decay off where a no-decay rule applies, per-pattern multipliers.
+
+    No weight decay (with ``param_groups.no_decay_auto``, the default): parameters of embedding and
+    normalization modules (see :func:`_no_decay_module_types`; needs ``module``, so it applies when
+    ``build_optimizer`` gets an ``nn.Module``) and every parameter with fewer than 2 dimensions; the
+    ``no_decay`` name patterns add to that. With (name, parameter) pairs only, the 1-D and name rules apply.
+
+    Every trainable parameter lands in exactly one group (checked). An override pattern that matches nothing,
+    or two override patterns matching one parameter, raise; a user-given ``no_decay`` pattern matching nothing
+    is logged as a warning. Each group's summary says why it exists (e.g. ``no decay: nn.Embedding (2), 1-D (9)``).
+    """
+    pg = cfg.param_groups
     overrides = [(re.compile(o.pattern), o) for o in pg.overrides]
-    used_no_decay = [False] * len(no_decay)
     used_override = [False] * len(overrides)
+    reasons = _no_decay_reasons(cfg, named, module)
     buckets: dict[tuple[int, bool], list[tuple[str, torch.nn.Parameter]]] = {}
     for name, param in named:
         hits = [i for i, (rx, _) in enumerate(overrides) if rx.search(name)]
@@ -187,26 +248,23 @@ def build_param_groups(
             raise _fail("param_groups.overrides", pats, f"patterns overlap on parameter {name!r}; make them disjoint")
         for i in hits:
             used_override[i] = True
-        decay_off = False
-        for i, rx in enumerate(no_decay):
-            if rx.search(name):
-                used_no_decay[i] = decay_off = True
-        buckets.setdefault((hits[0] if hits else -1, decay_off), []).append((name, param))
+        buckets.setdefault((hits[0] if hits else -1, name in reasons), []).append((name, param))
     for i, used in enumerate(used_override):
         if not used:
             raise _fail(
                 f"param_groups.overrides[{i}].pattern", overrides[i][1].pattern, "matches no trainable parameter"
             )
-    for i, used in enumerate(used_no_decay):
-        if not used:
-            log.info("optim.param_groups.no_decay[%d]=%r matches no parameter", i, pg.no_decay[i])
 
     groups, summaries = [], []
     for (override, decay_off), members in sorted(buckets.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         o = overrides[override][1] if override >= 0 else None
         lr = cfg.lr * (o.lr_mult if o else 1.0)
         wd = 0.0 if decay_off else cfg.weight_decay * (o.weight_decay_mult if o else 1.0)
-        label = (f"override {o.pattern!r}" if o else "default") + (", no decay" if decay_off else "")
+        label = f"override {o.pattern!r}" if o else "default"
+        if decay_off:
+            why = Counter(reasons[n] for n, _ in members)  # listed as the rules rank: type, dimensions, pattern
+            rank = sorted(why, key=lambda r: (r.startswith("pattern"), r.endswith("-D"), r))
+            label += ", no decay: " + ", ".join(f"{r} ({why[r]})" for r in rank)
         groups.append({"params": [p for _, p in members], "lr": lr, "weight_decay": wd})
         summaries.append(GroupSummary(label, [n for n, _ in members], sum(p.numel() for _, p in members), lr, wd))
     assert sum(len(g["params"]) for g in groups) == len(named) == len({id(p) for _, p in named})
@@ -285,7 +343,7 @@ def build_optimizer(cfg: Any, model: Any) -> torch.optim.Optimizer:
     """
     c = validate_optim_config(cfg)
     named = _named_trainable(model)
-    groups, summaries = build_param_groups(c, named)
+    groups, summaries = build_param_groups(c, named, model if isinstance(model, torch.nn.Module) else None)
     params = [p for _, p in named]
     if isinstance(c, AdamWConfig):
         opt = torch.optim.AdamW(

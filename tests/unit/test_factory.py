@@ -265,7 +265,8 @@ def test_overrides_multiply_lr_and_weight_decay():
 def test_custom_no_decay_and_unused_default_pattern_is_reported(caplog):
     with caplog.at_level(logging.INFO, logger="optim_factory.factory"):
         opt = build_optimizer(
-            {"param_groups": {"no_decay": ["bias$", "never_matches"]}, "weight_decay": 0.1}, tiny_model()
+            {"param_groups": {"no_decay": ["bias$", "never_matches"], "no_decay_auto": False}, "weight_decay": 0.1},
+            tiny_model(),
         )
     assert any("never_matches" in r.getMessage() and "matches no parameter" in r.getMessage() for r in caplog.records)
     assert sum(len(g["params"]) for g in opt.param_groups if g["weight_decay"] == 0) == 7  # the biases
