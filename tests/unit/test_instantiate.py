@@ -1,0 +1,141 @@
+"""Our optimizers from other frameworks' configs (issue 16, item 3): the snippets of docs/drop-in.md, run.
+
+Before: ``hydra.utils.instantiate({"_target_": "optim_factory.PortableFusedAdam", "exp_avg_dtype": "bf16"}, ...)``
+failed ("FusedAdam only supports fp32/fp16/bf16/fp8 exp_avg"), as did ``torch.bfloat16`` / ``bfloat16`` and
+``state_dict_offload_chunk_bytes: 64MiB``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+import optim_factory
+from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "drop-in.md"
+TARGETS = [
+    pytest.param("optim_factory.PortableFusedAdam", id="portable"),
+    pytest.param(
+        "optim_factory.FusedAdam",
+        id="te",
+        marks=pytest.mark.skipif(not TE_AVAILABLE, reason="Transformer Engine is not importable"),
+    ),
+]
+
+
+def snippet(name: str) -> str:
+    """The fenced block that follows ``<!-- drop-in:<name> -->`` in docs/drop-in.md."""
+    match = re.search(rf"<!-- drop-in:{name} -->\n```\w+\n(.*?)```", DOC.read_text(), re.S)
+    assert match, f"docs/drop-in.md has no block {name}"
+    return match.group(1)
+
+
+def model(device: str = "cpu") -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)).to(device=device, dtype=torch.bfloat16)
+
+
+def doc_yaml(target: str) -> str:
+    """The doc's YAML text with its ``_target_`` set to ``target``."""
+    text = snippet("automodel-yaml")
+    assert "_target_: optim_factory.FusedAdam " in text
+    return text.replace("_target_: optim_factory.FusedAdam ", f"_target_: {target} ")
+
+
+def doc_block(target: str):
+    """The doc's ``optimizer`` block as Hydra composes it (OmegaConf's YAML loader reads 1e-8 as a float)."""
+    return OmegaConf.create(doc_yaml(target)).optimizer
+
+
+def check_built(opt: torch.optim.Optimizer, target: str) -> None:
+    """The doc block's values, as the optimizer holds them (strings converted, nothing dropped)."""
+    assert type(opt).__name__ == target.rsplit(".", 1)[1]
+    g = opt.param_groups[0]
+    assert (float(g["lr"]), g["betas"], g["eps"], g["weight_decay"]) == (3e-4, (0.9, 0.95), 1e-8, 0.1)
+    assert opt.exp_avg_dtype == opt.exp_avg_sq_dtype == torch.bfloat16
+    assert opt.master_weights is True and opt.store_param_remainders is True
+    assert opt.state_dict_cpu_offload is True and opt.state_dict_offload_chunk_bytes == 64 << 20
+
+
+def step_once(opt: torch.optim.Optimizer, m: torch.nn.Module) -> None:
+    m(torch.ones(2, 8, dtype=torch.bfloat16, device=next(m.parameters()).device)).float().sum().backward()
+    opt.step()
+    sd = opt.state_dict()  # the CPU-offloaded export the block asked for
+    assert all(v.device.type == "cpu" for s in sd["state"].values() for v in s.values() if torch.is_tensor(v))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_doc_yaml_block_through_hydra_instantiate(target):
+    m = model("cuda" if target.endswith(".FusedAdam") else "cpu")
+    cfg = doc_block(target)  # betas arrive as a ListConfig, dtypes and sizes as strings
+    opt = instantiate(cfg, params=m.parameters())
+    check_built(opt, target)
+    step_once(opt, m)
+
+
+@pytest.mark.parametrize("spelling", ["bf16", "bfloat16", "torch.bfloat16", "BF16"])
+def test_issue_16_spellings(spelling):
+    cfg = {"_target_": "optim_factory.PortableFusedAdam", "exp_avg_dtype": spelling, "exp_avg_sq_dtype": "fp8"}
+    opt = instantiate(cfg, params=model().parameters())
+    assert opt.exp_avg_dtype == torch.bfloat16 and opt.exp_avg_sq_dtype == torch.uint8
+
+
+def test_bad_value_in_a_block_names_the_key():
+    cfg = {"_target_": "optim_factory.PortableFusedAdam", "exp_avg_dtype": "fp64"}
+    with pytest.raises(InstantiationException, match=r"exp_avg_dtype='fp64': FusedAdam only supports"):
+        instantiate(cfg, params=model().parameters())
+
+
+@pytest.mark.skipif(TE_AVAILABLE, reason="checks the message without Transformer Engine")
+def test_te_target_without_te_says_what_to_install():
+    with pytest.raises(InstantiationException, match="needs NVIDIA Transformer Engine"):
+        instantiate(doc_block("optim_factory.FusedAdam"), params=model().parameters())
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_doc_yaml_block_through_automodel_config_loader(target, tmp_path):
+    loader = pytest.importorskip(
+        "nemo_automodel.components.config.loader", reason="nemo_automodel is not installed (pip install --no-deps)"
+    )
+    path = tmp_path / "recipe.yaml"
+    path.write_text(doc_yaml(target))
+    cfg = loader.load_yaml_config(path)
+    m = model("cuda" if target.endswith(".FusedAdam") else "cpu")
+    opt = cfg.optimizer.instantiate(params=m.parameters())
+    check_built(opt, target)
+    step_once(opt, m)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "AdamW",
+        "PortableFusedAdam",
+        pytest.param(
+            "FusedAdam", marks=pytest.mark.skipif(not TE_AVAILABLE, reason="Transformer Engine is not importable")
+        ),
+    ],
+)
+def test_doc_torchtitan_builder(name):
+    namespace: dict = {}
+    exec(compile(snippet("torchtitan-builder"), str(DOC), "exec"), namespace)
+    device = "cuda" if name == "FusedAdam" else "cpu"
+    parts = [torch.nn.Linear(4, 4).to(device), torch.nn.Linear(4, 2).to(device)]
+    config = SimpleNamespace(
+        name=name, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, implementation="foreach"
+    )
+    optimizers = namespace["build_optimizers"](parts, config, {"exp_avg_dtype": "bf16", "master_weights": False})
+    assert len(optimizers) == 2
+    for opt, part in zip(optimizers, parts):
+        assert [p for g in opt.param_groups for p in g["params"]] == list(part.parameters())
+        assert opt.param_groups[0]["betas"] == (0.9, 0.95)
+        if name != "AdamW":
+            assert isinstance(opt, getattr(optim_factory, name)) and opt.exp_avg_dtype == torch.bfloat16
