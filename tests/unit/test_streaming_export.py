@@ -132,7 +132,7 @@ def test_unreleased_exports_are_never_overwritten_and_memory_stays_flat():
     [
         (dict(state_dict_offload_chunk_bytes=1 << 20), "needs state_dict_cpu_offload=True"),
         (dict(state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=8), "expected None"),
-        (dict(state_dict_cpu_offload=True, state_dict_offload_chunk_bytes="64MiB"), "expected None"),
+        (dict(state_dict_cpu_offload=True, state_dict_offload_chunk_bytes="64 MB"), "chunk_bytes='64 MB': expected"),
         (dict(state_dict_cpu_offload=True, state_dict_offload_reuse_buffers=True), "needs state_dict_offload_chunk"),
         (dict(state_dict_cpu_offload="yes"), "expected True or False"),
     ],
