@@ -317,16 +317,6 @@ def _fused_adam_kwargs(c: FusedAdamConfig) -> dict[str, Any]:
     )
 
 
-def _drop_empty_local_shards(groups: list[dict]) -> int:
-    """Remove parameters whose local shard is empty (uneven FSDP2): TE's scaling kernels cannot take them."""
-    dropped = 0
-    for g in groups:
-        kept = [p for p in g["params"] if local_tensor(p).numel() > 0]
-        dropped += len(g["params"]) - len(kept)
-        g["params"] = kept
-    return dropped
-
-
 def build_optimizer(cfg: Any, model: Any) -> torch.optim.Optimizer:
     """Build the optimizer that ``cfg`` describes for ``model``.
 
@@ -374,10 +364,6 @@ def build_optimizer(cfg: Any, model: Any) -> torch.optim.Optimizer:
             )
         if backend == "te":
             from optim_factory.optimizers.te_fused_adam import FusedAdam as cls
-
-            dropped = _drop_empty_local_shards(groups)
-            if dropped:
-                log.info("optimizer: %d parameter(s) with an empty local shard kept away from TE's kernels", dropped)
         else:
             from optim_factory.optimizers.portable import PortableFusedAdam as cls
         opt = cls(groups, **kwargs)

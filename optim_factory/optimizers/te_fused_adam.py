@@ -54,6 +54,21 @@ class FusedAdam(OffloadedStateDict, _TEFusedAdam):  # type: ignore[misc,valid-ty
     ``"64MiB"``, and checks every option as :class:`PortableFusedAdam` does (see
     :mod:`optim_factory.optimizers.rules`) before Transformer Engine is needed, so a Hydra ``_target_`` block
     that names this class builds it.
+
+    Empty local shards (a parameter with fewer rows than FSDP2 ranks, or a 0-element parameter) step, export,
+    load and continue in every state configuration. Read against TE 2.20.2's ``optimizers/fused_adam.py``:
+
+    * ``_apply_scale`` (overridden): TE's ``min_val, max_val = torch.aminmax(unscaled_state)`` raises on an
+      empty tensor. It is reached for FP16/FP8 states from ``step()``'s "Scaling" loop and from
+      ``set_scaled_state`` (``initialize_state``'s FP16 master, ``load_state_dict``, ``load_exported_state``).
+      An empty state has nothing to store: the override returns before TE's code, the state and its scale stay
+      as they are (as in :class:`PortableFusedAdam`). Non-empty states run TE's code unchanged.
+    * ``step()`` (not overridden): TE's ``multi_tensor_applier`` (``optimizers/multi_tensor_apply.py``,
+      ``keep_slot = [tensor.numel() > 0 ...]``) drops zero-element slots from every tensor list before a
+      kernel launch, as its ``multi_tensor_apply.cuh`` requires (``NVTE_CHECK(chunks_this_tensor > 0, ...)``).
+    * FP8 states (not overridden): ``_initialize_state``'s ``quantizer.make_empty(...)`` / ``quantize_`` and
+      ``get_unscaled_state``'s ``.float()`` take empty tensors (``Float8Quantizer::quantize`` and
+      ``_FromFloat8Func`` return early for ``numel() == 0``).
     """
 
     def __init__(
@@ -113,3 +128,13 @@ class FusedAdam(OffloadedStateDict, _TEFusedAdam):  # type: ignore[misc,valid-ty
 
     def _on_device_state_dict(self) -> dict[str, Any]:
         return _TEFusedAdam.state_dict(self)
+
+    def _apply_scale(self, state_name, unscaled_state, scaled_state, scale):
+        """TE's ``_apply_scale``, except that an empty state (an empty local shard) is left as it is.
+
+        Guards TE 2.20.2's ``torch.aminmax(unscaled_state)`` in ``_apply_scale``, which raises
+        ``aminmax(): cannot compute aminmax over an empty dimension`` (see the class docstring).
+        """
+        if unscaled_state.numel() == 0:
+            return
+        super()._apply_scale(state_name, unscaled_state, scaled_state, scale)
