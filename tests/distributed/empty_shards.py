@@ -24,7 +24,15 @@ from torch.distributed.fsdp import fully_shard
 
 from optim_factory import PortableFusedAdam, build_optimizer
 from optim_factory.optimizers.export import export_state
-from tests.helpers import LIFECYCLE_CONFIGS, assert_bitwise, deep_clone, grads_for, local, run_steps
+from tests.helpers import (
+    LIFECYCLE_CONFIGS,
+    assert_bitwise,
+    assert_state_dicts_bitwise,
+    deep_clone,
+    grads_for,
+    local,
+    run_steps,
+)
 
 # 2 ranks: weight 3/2 rows, bias 1/0 (empty on rank 1), row 1/0 (empty on rank 1), table 3/3
 SHAPES = {"weight": (5, 4), "bias": (1,), "row": (1, 3), "table": (6, 2)}
@@ -124,14 +132,29 @@ def split_reference(dtype, kw, backend, via, rows: dict[str, list[int]], steps: 
     return model, opt, pieces
 
 
-def lifecycle(rank: int, world: int, backend: str, tmp: str) -> None:
-    """Per configuration and way of building: 3 steps; export with ``state_dict()`` and with DCP's flattened
-    ``get_optimizer_state_dict``; DCP save; load each export into a fresh model and optimizer; both equal the
-    original bitwise and, after 2 more steps each, still do. Then the full (gathered, ``cpu_offload=True``)
-    optimizer state dict equals a one-rank run bitwise (not for int16 remainders on gloo, which cannot gather
-    int16)."""
+def assert_flat_matches_export(flat: dict, model, opt, export: dict, what: str) -> None:
+    """DCP's flattened optimizer state (``state.<fqn>.<name>``) equals the per-state ``export_state``, bitwise."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    order = [p for g in opt.param_groups for p in g["params"]]
+    expected = {
+        f"state.{name_of[id(order[i])]}.{name}": t for i, st in export["state"].items() for name, t in st.items()
+    }
+    assert {k for k in flat if k.startswith("state.")} == expected.keys(), f"{what}: flattened keys"
+    for key, t in expected.items():
+        assert_bitwise(flat[key], t, f"{what}: DCP {key}")
+
+
+def lifecycle(rank: int, world: int, backend: str, tmp: str, configs: str = "all") -> None:
+    """Per configuration (``configs``: ``all`` or names joined by commas) and way of building: 3 steps; export
+    with ``state_dict()`` and with DCP's flattened ``get_optimizer_state_dict``, which equals the per-state
+    ``export_state(opt, cpu_offload=True)``; DCP save; load each export into a fresh model and optimizer; both
+    equal the original bitwise (live states and per-state exports) and, after 2 more steps each, still do.
+    Then the full (gathered, ``cpu_offload=True``) optimizer state dict equals a one-rank run bitwise (not for
+    int16 remainders on gloo, which cannot gather int16)."""
     mesh = init_device_mesh("cpu" if backend == "portable" else "cuda", (world,))
-    for cfg, dtype, kw in LIFECYCLE_CONFIGS:
+    chosen = [c for c in LIFECYCLE_CONFIGS if configs == "all" or c[0] in configs.split(",")]
+    assert configs == "all" or len(chosen) == len(configs.split(",")), f"unknown configuration in {configs!r}"
+    for cfg, dtype, kw in chosen:
         for via in VIAS:
             what = f"{cfg} via {via}"
             model, opt = sharded(mesh, dtype, kw, backend, via)
@@ -146,8 +169,10 @@ def lifecycle(rank: int, world: int, backend: str, tmp: str) -> None:
                     assert local(s).shape == local(p).shape, f"{what}: {n}.{name} {local(s).shape}"
 
             sd = deep_clone(opt.state_dict())
+            per_state = export_state(opt, cpu_offload=True)
             path = f"{tmp}/{cfg}-{via}"
             osd = get_optimizer_state_dict(model, opt, options=FLAT)
+            assert_flat_matches_export(osd, model, opt, per_state, what)
             dcp.save({"model": get_model_state_dict(model), "optim": osd}, checkpoint_id=path)
             restored = {
                 "dcp": load_dcp(mesh, dtype, kw, backend, via, path),
@@ -155,6 +180,7 @@ def lifecycle(rank: int, world: int, backend: str, tmp: str) -> None:
             }
             for how, (m2, o2) in restored.items():
                 assert_same(model, opt, m2, o2, f"{what}: loaded from {how}")
+                assert_state_dicts_bitwise(per_state, export_state(o2, cpu_offload=True), f"{what}: {how} export")
             run_steps(opt, params, 3, 2)
             for how, (m2, o2) in restored.items():
                 run_steps(o2, list(m2.parameters()), 3, 2)

@@ -2,11 +2,14 @@
 
     torchrun --standalone --nproc_per_node=2 -m tests.distributed.run_worker <worker> <backend> <arg>...
 
-<backend>: portable | te. On CUDA the group is ``cpu:gloo,cuda:nccl`` and each rank uses cuda:LOCAL_RANK.
+<worker>: a function of workers.py, or ``<module>.<function>`` of another module of tests/distributed, which
+takes the backend as its first argument after rank and world. <backend>: portable | te. On CUDA the group is
+``cpu:gloo,cuda:nccl`` and each rank uses cuda:LOCAL_RANK.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -27,7 +30,12 @@ def main(argv: list[str]) -> None:
     else:
         dist.init_process_group("gloo")
     converted = [int(a) if a.isdigit() else a for a in args]
-    getattr(workers, name)(rank, world, *converted)
+    module_name, _, function = name.rpartition(".")
+    if module_name:
+        module = importlib.import_module(f"tests.distributed.{module_name}")
+        getattr(module, function)(rank, world, backend, *converted)
+    else:
+        getattr(workers, name)(rank, world, *converted)
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank}: {name} ok", flush=True)
