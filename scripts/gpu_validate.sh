@@ -16,7 +16,7 @@ $py -c "import torch, transformer_engine as te; print('torch', torch.__version__
 case "${1:-single}" in
   single)
     start=$(date +%s)
-    timeout 300 $py -m pytest -q -rs -p no:cacheprovider tests/gpu/test_te_fused_adam.py tests/gpu/test_streaming_cuda.py > "$out/pytest_single.log" 2>&1
+    timeout 300 $py -m pytest -q -rs -p no:cacheprovider tests/gpu/test_te_fused_adam.py tests/gpu/test_streaming_cuda.py tests/gpu/test_te_empty_shards.py > "$out/pytest_single.log" 2>&1
     echo "pytest single rc=$? in $(( $(date +%s) - start )) s"; tail -n 25 "$out/pytest_single.log"
     [ "${BENCH:-1}" = 0 ] && exit 0
     start=$(date +%s)
@@ -37,6 +37,6 @@ case "${1:-single}" in
       save_for_reshard te fp32-params-fp32-states /tmp/smoke > "$out/smoke_multi.log" 2>&1
     echo "smoke rc=$?"; grep -vE "Warning|warn" "$out/smoke_multi.log" | tail -n 25
     start=$(date +%s)
-    timeout 540 $py -m pytest -q -rs -p no:cacheprovider tests/gpu/test_te_distributed.py > "$out/pytest_multi.log" 2>&1
+    timeout 540 $py -m pytest -q -rs -p no:cacheprovider tests/gpu/test_te_distributed.py tests/gpu/test_te_empty_shards.py::test_fsdp2_one_element_bias_fp16_fp8_dcp_flatten_save_load_continue > "$out/pytest_multi.log" 2>&1
     echo "pytest multi rc=$? in $(( $(date +%s) - start )) s"; tail -n 60 "$out/pytest_multi.log" ;;
 esac
