@@ -189,7 +189,7 @@ def _deviation(a: torch.Tensor, b: torch.Tensor, dtype) -> tuple[float, float]:
 # Portable vs TE after 20 steps: max |a - b| / max |b| per tensor. The two differ by FP32 rounding (FMA
 # contraction in the kernel), which flips stored low-precision values by an ulp now and then, and a flipped
 # moment feeds the next steps. Limits are about 3x the largest deviation measured on an H200
-# (benchmarks/results/2026-11-29-h200.md): FP32 3.3e-7, FP16 4.9e-4, BF16 4.8e-3, FP8 1.4e-1.
+# (benchmarks/results/2026-11-29-h200/README.md): FP32 3.3e-7, FP16 4.9e-4, BF16 4.8e-3, FP8 1.4e-1.
 MAX_REL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.uint8: 0.3}
 
 
