@@ -1,9 +1,9 @@
 """Benchmark FusedAdam checkpoint export: GPU peak and time of state_dict() per mode, vs. the host link.
 
-    python scripts/bench_export.py                          # all cases, TE backend, prints a markdown table
-    python scripts/bench_export.py --cases 8x4M --dtypes bf16 --repeats 3 --out results.md --png peak.png
-    python scripts/bench_export.py --cases 64x4M --dtypes bf16 --modes chunked,chunked+reuse --fresh 10
-    python scripts/bench_export.py --backend portable --device cpu --cases 1x1M --repeats 1   # smoke test
+    python -m scripts.bench_export                          # all cases, TE backend, prints a markdown table
+    python -m scripts.bench_export --cases 8x4M --dtypes bf16 --repeats 3 --out results.md --png peak.png
+    python -m scripts.bench_export --cases 64x4M --dtypes bf16 --modes chunked,chunked+reuse --fresh 10
+    python -m scripts.bench_export --backend portable --device cpu --cases 1x1M --repeats 1   # smoke test
 
 Modes:
   default       TE's FusedAdam.state_dict(): every state converted to FP32 on the GPU, all kept until it returns
@@ -45,9 +45,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from optim_factory.optimizers.export import ExportOptions  # noqa: E402
-from recipes.checkpoint import state_bytes  # noqa: E402
+from optim_factory.optimizers.export import ExportOptions
+from recipes.checkpoint import state_bytes
+
+ROOT = Path(__file__).resolve().parent.parent  # the fresh processes run ``-m scripts.bench_export`` from here
 
 M = 1 << 20
 FP8 = torch.uint8
@@ -289,13 +290,13 @@ def fresh_process(case: str, dtype_name: str, backend: str, device: torch.device
 
 
 def run_fresh(case: str, dtype_name: str, args, mode: str, alloc_conf: str | None = None) -> dict:
-    cmd = [sys.executable, __file__, "--_fresh", mode, "--cases", case, "--dtypes", dtype_name]
+    cmd = [sys.executable, "-m", "scripts.bench_export", "--_fresh", mode, "--cases", case, "--dtypes", dtype_name]
     cmd += ["--fresh", str(args.fresh), "--backend", args.backend, "--device", args.device]
     cmd += ["--chunk-mib", str(args.chunk_mib)]
     env = dict(os.environ)
     if alloc_conf:
         env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("FRESH ")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"fresh-process run failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -341,7 +342,7 @@ def render(rows: list[dict], fresh: list[dict], bw: dict[str, float], env: list[
         "# FusedAdam export benchmark",
         "",
         *env,
-        f"- command: `python scripts/bench_export.py {' '.join(argv)}`",
+        f"- command: `python -m scripts.bench_export {' '.join(argv)}`",
         "",
     ]
     if bw:

@@ -22,13 +22,13 @@ case "${1:-single}" in
     start=$(date +%s)
     png=""; $py -c "import matplotlib" 2>/dev/null && png="--png $out/bench_peak.png"
     # every benchmark case: GPU peak and GB/s of the default, per-state and chunked exports (64 MiB chunks)
-    timeout ${BENCH_TIMEOUT:-300} $py scripts/bench_export.py --repeats ${REPEATS:-3} --dtypes ${DTYPES:-bf16,fp8} \
+    timeout ${BENCH_TIMEOUT:-300} $py -m scripts.bench_export --repeats ${REPEATS:-3} --dtypes ${DTYPES:-bf16,fp8} \
       --modes ${MODES:-default,default+cpu,offload,chunked,chunked+reuse} \
       --out "$out/bench.md" --jsonl "$out/bench.jsonl" $png > "$out/bench.log" 2>&1
     echo "bench rc=$? in $(( $(date +%s) - start )) s"; cat "$out/bench.md" 2>/dev/null || tail -n 30 "$out/bench.log" ;;
   stream)
     start=$(date +%s)
-    timeout 400 $py scripts/bench_export.py --cases 64x4M,1x1G --dtypes bf16 --repeats 5 --fresh 10 \
+    timeout 400 $py -m scripts.bench_export --cases 64x4M,1x1G --dtypes bf16 --repeats 5 --fresh 10 \
       --out "$out/bench_stream.md" --jsonl "$out/bench_stream.jsonl" > "$out/bench_stream.log" 2>&1
     echo "bench stream rc=$? in $(( $(date +%s) - start )) s"; cat "$out/bench_stream.md" 2>/dev/null || tail -n 30 "$out/bench_stream.log" ;;
   multi)

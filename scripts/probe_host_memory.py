@@ -1,7 +1,7 @@
 """What host memory costs on this machine: the numbers behind the streaming export's design choices.
 
-    python scripts/probe_host_memory.py [--gib 2]     # CUDA machine; prints a markdown table
-    python scripts/probe_host_memory.py --stall [--backend te]   # training steps during background pinning
+    python -m scripts.probe_host_memory [--gib 2]     # CUDA machine; prints a markdown table
+    python -m scripts.probe_host_memory --stall [--backend te]   # training steps during background pinning
 
 In one fresh process, for --gib GiB: first touch of fresh pageable memory (4 KiB pages vs transparent huge
 pages, torch's parallel fill), host memcpy into fresh and into reused memory, pinning by allocation
@@ -17,16 +17,13 @@ buffers of a released export are pinned in place (``cudaHostRegister``) on that 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_export import M, build, configure, sync  # noqa: E402
-
-from optim_factory.optimizers.export import host_empty  # noqa: E402
+from optim_factory.optimizers.export import host_empty
+from scripts.bench_export import M, build, configure, sync
 
 
 def timed(fn) -> float:
