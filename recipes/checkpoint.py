@@ -34,7 +34,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
@@ -64,6 +63,7 @@ log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MARKER = "COMPLETE.json"
+SAVE_PHASES = ("export", "write", "marker")  # the points of a save at which CheckpointManager.on_phase runs
 METADATA = ".metadata"
 FALLBACK_HINT = "checkpoint.fallback=true resumes from the newest checkpoint that verifies"
 
@@ -218,13 +218,15 @@ class CheckpointManager:
         )
         self.reports: list[ExportReport] = []
         self.verified: Path | None = None  # the newest checkpoint known good: last saved or loaded; never deleted
-        # Fault injection for scripts/fault_injection.py: RECIPE_FAULT_KILL_AT="<phase>:<step>" SIGKILLs this
-        # process at that point of that step's save (phases: export, write, marker). Unset in normal runs.
-        self._fault = os.environ.get("RECIPE_FAULT_KILL_AT")
 
-    def _fault_point(self, phase: str, step: int) -> None:
-        if self._fault == f"{phase}:{step}":
-            os.kill(os.getpid(), signal.SIGKILL)
+    def on_phase(self, phase: str, step: int, path: Path) -> None:
+        """Called at each point of ``SAVE_PHASES`` of the save of ``step`` into ``path``; does nothing here.
+
+        For subclasses that observe saves (``scripts/fault_injection.py`` kills the process there):
+        ``"export"``: the optimizer is exported, nothing of ``path`` is written; ``"write"``: ``dcp.save``
+        returned (sync) or ``dcp.async_save`` started writing, no completion marker yet; ``"marker"``: the save
+        finished (async: inside :meth:`wait`) and the completion marker is about to be written.
+        """
 
     # ------------------------------------------------------------------ discovery
     def _step_dirs(self) -> list[tuple[int, Path]]:
@@ -292,7 +294,7 @@ class CheckpointManager:
         self.wait()  # one save in flight at most; its buffers are never touched by the next export
         path = self.root / f"step_{step:08d}"
         msd, osd, export_s, peak = self._export(model, optimizer)
-        self._fault_point("export", step)
+        self.on_phase("export", step, path)
         try:
             self._check_finite(step, msd, osd)  # before anything on disk changes
         except CheckpointError:
@@ -328,7 +330,7 @@ class CheckpointManager:
             if not in_flight:  # written (sync) or failed: nothing reads the export buffers any more
                 _release(optimizer, osd)
         save_s = time.perf_counter() - t0
-        self._fault_point("write", step)
+        self.on_phase("write", step, path)
         report = ExportReport(
             step=step,
             path=str(path),
@@ -370,7 +372,7 @@ class CheckpointManager:
         return {name: record for part in gathered for name, record in part.items()}
 
     def _finalize(self, step: int, path: Path, report: ExportReport, files: dict | None) -> None:
-        self._fault_point("marker", step)
+        self.on_phase("marker", step, path)
         if self.rank == 0:
             on_disk = {p.name for p in path.iterdir() if p.name == METADATA or p.suffix == ".distcp"}
             unrecorded = sorted(on_disk - set(files or {}))

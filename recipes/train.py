@@ -36,6 +36,7 @@ from recipes.config import register_configs
 from recipes.data import DataError, build_data
 from recipes.distributed import LaunchError, init_distributed, pick_device, resolve_dist_env, shutdown
 from recipes.model import build_model
+from recipes.progress import ConsoleHandler, progress_bar
 
 log = logging.getLogger("recipes.train")
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -66,18 +67,6 @@ class MetricsWriter:
         self.write({"kind": "checkpoint", **asdict(report)})
 
 
-class _TqdmHandler(logging.StreamHandler):
-    """Console logging that does not tear the rank-0 progress bar."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        from tqdm import tqdm
-
-        try:
-            tqdm.write(self.format(record), file=sys.stderr)
-        except Exception:  # noqa: BLE001
-            self.handleError(record)
-
-
 def _setup_logging(rank: int, run_dir: str) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     root = logging.getLogger()
@@ -87,7 +76,7 @@ def _setup_logging(rank: int, run_dir: str) -> None:
             root.removeHandler(h)
             h.close()
     fmt = logging.Formatter(f"[%(asctime)s][rank{rank}][%(name)s][%(levelname)s] %(message)s", "%H:%M:%S")
-    console = _TqdmHandler()
+    console = ConsoleHandler()
     console.setFormatter(fmt)
     console._recipe = True
     root.addHandler(console)
@@ -176,26 +165,30 @@ def preflight(cfg: DictConfig):
     return env, device, data
 
 
-def train(cfg: DictConfig) -> dict[str, Any]:
-    """Run the training job that ``cfg`` describes; returns a summary (first/last loss, steps, reports)."""
+def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointManager) -> dict[str, Any]:
+    """Run the training job that ``cfg`` describes; returns a summary (first/last loss, steps, checkpoints).
+
+    ``manager_cls``: the checkpoint manager to use, a subclass of :class:`CheckpointManager` (e.g. one that
+    overrides its :meth:`~CheckpointManager.on_phase`, as ``scripts/fault_injection.py`` does).
+    """
     env, device, data = preflight(cfg)
     _setup_logging(env.rank, cfg.run_dir)
     if cfg.trainer.threads > 0:
         torch.set_num_threads(cfg.trainer.threads)
     mesh = init_distributed(env, device)
     try:
-        return _train(cfg, env, device, data, mesh)
+        return _train(cfg, env, device, data, mesh, manager_cls)
     finally:
         shutdown()
 
 
-def _train(cfg: DictConfig, env, device, data, mesh) -> dict[str, Any]:
+def _train(cfg: DictConfig, env, device, data, mesh, manager_cls: type[CheckpointManager]) -> dict[str, Any]:
     rank, world = env.rank, env.world_size
     metrics = MetricsWriter(cfg.run_dir, rank)
     model = shard_model(build_model(cfg.model, seed=cfg.trainer.seed, device=device), mesh)
     optimizer = build_optimizer(cfg.optim, model)
     base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
-    ckpt = CheckpointManager(
+    ckpt = manager_cls(
         cfg.checkpoint,
         rank=rank,
         device=device,
@@ -218,16 +211,7 @@ def _train(cfg: DictConfig, env, device, data, mesh) -> dict[str, Any]:
     if start >= end:
         log.info("nothing to do: checkpoint step %d >= %d", start, end)
 
-    from tqdm import tqdm
-
-    bar = tqdm(
-        total=end,
-        initial=start,
-        disable=rank != 0 or not cfg.trainer.progress,
-        desc="train",
-        dynamic_ncols=True,
-        file=sys.stderr,
-    )
+    bar = progress_bar(total=end, initial=start, enabled=rank == 0 and cfg.trainer.progress)
     first_loss = last_loss = None
     tokens_since, t_since = 0, time.perf_counter()
     stop, stopped_at = StopSignal(), None
@@ -300,7 +284,10 @@ def _train(cfg: DictConfig, env, device, data, mesh) -> dict[str, Any]:
         "end_step": stopped_at if stopped_at is not None else max(start, end),
         "first_loss": first_loss,
         "last_loss": last_loss,
-        "checkpoints": [r.path for r in ckpt.reports],
+        "saved_checkpoints": [r.path for r in ckpt.reports],  # by this launch, in order (keep_last may delete)
+        # complete checkpoints in checkpoint.dir at the end, after keep_last, oldest first: what a resume can use
+        # (rank 0 only: it writes the completion markers and applies keep_last, other ranks would race it)
+        "kept_checkpoints": [str(p) for _, p in ckpt.complete()] if rank == 0 else None,
         "stopped_at": stopped_at,
     }
     metrics.write({"kind": "summary", **summary})

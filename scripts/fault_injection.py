@@ -1,13 +1,14 @@
 """Fault injection: kill -9 the trainer at random moments and inside saves; every resume must be exact.
 
-    python scripts/fault_injection.py --trials 20 --modes sync,async --out docs/fault-injection.md   # full
-    python scripts/fault_injection.py --trials 3                                                   # CI size
-    python scripts/fault_injection.py --trials 4 --overrides "optim=fused_adam_lowmem model.dtype=bf16"  # streamed
+    python -m scripts.fault_injection --trials 20 --modes sync,async --out table.md   # full
+    python -m scripts.fault_injection --trials 3                                      # CI size
+    python -m scripts.fault_injection --trials 4 --overrides "optim=fused_adam_lowmem model.dtype=bf16"  # streamed
 
 Per mode (``checkpoint.async_save`` false/true) an uninterrupted reference run is made once. Each trial then
-launches ``recipes/train.py`` (20 steps, a checkpoint every 4 steps) and kills it with SIGKILL: even trials at a
-random moment, odd trials at a chosen point of a save (after the export, after DCP wrote or started writing,
-before the completion marker; ``RECIPE_FAULT_KILL_AT``). Then it relaunches until the run finishes. A trial fails
+launches the recipe (20 steps, a checkpoint every 4 steps) through ``scripts/fault_train.py`` and kills it with
+SIGKILL: even trials at a random moment, odd trials at a chosen point of a save (after the export, after DCP
+wrote or started writing, before the completion marker: ``--kill-at``). Then it relaunches until the run
+finishes. A trial fails
 if any launch resumed from a checkpoint that was not complete when it started, or if the final checkpoint
 (model, optimizer and trainer state) is not bitwise equal to the reference.
 """
@@ -29,13 +30,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from recipes.checkpoint import is_complete, read_checkpoint  # noqa: E402
+from recipes.checkpoint import SAVE_PHASES, is_complete, read_checkpoint
 
+ROOT = Path(__file__).resolve().parent.parent  # the trainer runs ``-m scripts.fault_train`` from here
 STEPS, EVERY = 20, 4
 OVERRIDES: list[str] = []  # extra recipe overrides for every launch (--overrides)
-PHASES = ("export", "write", "marker")
 RESUME = re.compile(r"resuming from checkpoint (\S+) at step")
 
 
@@ -53,10 +52,12 @@ class Trial:
     problem: str = ""
 
 
-def launch(run_dir: Path, mode: str, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+def launch(run_dir: Path, mode: str, kill_at: str | None = None) -> subprocess.Popen:
     cmd = [
         sys.executable,
-        "recipes/train.py",
+        "-m",
+        "scripts.fault_train",
+        *(["--kill-at", kill_at] if kill_at else []),
         "experiment=quick",
         "trainer.progress=false",
         "trainer.threads=1",
@@ -67,8 +68,7 @@ def launch(run_dir: Path, mode: str, env_extra: dict[str, str] | None = None) ->
         f"run_dir={run_dir}",
         *OVERRIDES,
     ]
-    env = {k: v for k, v in os.environ.items() if k != "RECIPE_FAULT_KILL_AT"}
-    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -89,18 +89,18 @@ def equal(a: dict, b: dict) -> str:
 def run_trial(mode: str, index: int, rng: random.Random, work: Path, reference: dict) -> Trial:
     run_dir = work / f"{mode}-{index:03d}"
     if index % 2:
-        phase, step = PHASES[(index // 2) % len(PHASES)], EVERY * rng.randint(1, STEPS // EVERY)
+        phase, step = SAVE_PHASES[(index // 2) % len(SAVE_PHASES)], EVERY * rng.randint(1, STEPS // EVERY)
         trial = Trial(mode, index, f"kill in save: {phase} of step {step}")
-        env = {"RECIPE_FAULT_KILL_AT": f"{phase}:{step}"}
+        kill_at = f"{phase}:{step}"
         delay = None
     else:
         delay = rng.uniform(0.3, 4.5)
         trial = Trial(mode, index, f"kill -9 after {delay:.2f} s")
-        env = None
+        kill_at = None
     for attempt in range(6):
         complete_before = {str(p) for p in (run_dir / "checkpoints").glob("step_*") if is_complete(p)}
         trial.incomplete_seen += sum(1 for p in (run_dir / "checkpoints").glob("step_*") if not is_complete(p))
-        proc = launch(run_dir, mode, env if attempt == 0 else None)
+        proc = launch(run_dir, mode, kill_at if attempt == 0 else None)
         trial.launches += 1
         if attempt == 0 and delay is not None:
             try:
@@ -115,7 +115,7 @@ def run_trial(mode: str, index: int, rng: random.Random, work: Path, reference: 
                 return trial
         if proc.returncode == -signal.SIGKILL:
             trial.killed = True
-            trial.killed_in_save = trial.killed_in_save or env is not None
+            trial.killed_in_save = trial.killed_in_save or kill_at is not None
             continue
         if proc.returncode != 0:
             trial.problem = f"launch {trial.launches} exited {proc.returncode}: {err.strip().splitlines()[-1:]}"
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
     lines = [
         f"Fault injection, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, torch {torch.__version__}: "
-        f"`python scripts/fault_injection.py --trials {args.trials} --modes {args.modes} --seed {args.seed}"
+        f"`python -m scripts.fault_injection --trials {args.trials} --modes {args.modes} --seed {args.seed}"
         f"{' --overrides ' + repr(args.overrides) if args.overrides else ''}` "
         f"({time.time() - t0:.0f} s)",
         "",

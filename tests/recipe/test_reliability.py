@@ -22,10 +22,10 @@ from tests.recipe.test_train import QUICK, ROOT, snapshot
 
 
 def test_fault_injection_reduced(tmp_path):
-    """3 trials per mode of scripts/fault_injection.py (the full run is documented in docs/)."""
+    """3 trials per mode of ``python -m scripts.fault_injection`` (the full run is in docs/reliability.md)."""
     out = tmp_path / "table.md"
     proc = subprocess.run(
-        [sys.executable, "scripts/fault_injection.py", "--trials", "3", "--out", str(out)],
+        [sys.executable, "-m", "scripts.fault_injection", "--trials", "3", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,

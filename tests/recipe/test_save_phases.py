@@ -1,0 +1,68 @@
+"""CheckpointManager.on_phase (the save points that scripts/fault_train.py kills at) and the run summary."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.checkpoint import MARKER, METADATA, SAVE_PHASES, CheckpointManager, is_complete
+from recipes.train import compose_config, train
+from tests.recipe.test_train import QUICK, ROOT
+
+
+class PhaseRecorder(CheckpointManager):
+    """Records, at every on_phase call, what of the checkpoint directory exists on disk."""
+
+    seen: list[tuple[str, int, bool, bool]] = []
+
+    def on_phase(self, phase: str, step: int, path: Path) -> None:
+        PhaseRecorder.seen.append((phase, step, (path / METADATA).exists(), (path / MARKER).exists()))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_on_phase_runs_at_each_save_point_in_order(tmp_path, async_save):
+    PhaseRecorder.seen = []
+    cfg = compose_config([*QUICK, f"run_dir={tmp_path}", f"checkpoint.async_save={async_save}"])
+    train(cfg, manager_cls=PhaseRecorder)
+    assert [(p, s) for p, s, _, _ in PhaseRecorder.seen] == [(p, s) for s in (10, 20) for p in SAVE_PHASES]
+    for phase, step, metadata, marker in PhaseRecorder.seen:
+        assert not marker, f"{phase} of step {step}: the completion marker is already written"
+        if phase == "export":
+            assert not metadata, f"export of step {step}: DCP already wrote"
+        if phase == "marker" or (phase == "write" and not async_save):
+            assert metadata, f"{phase} of step {step}: DCP has not finished writing"
+    assert all(is_complete(tmp_path / "checkpoints" / f"step_{s:08d}") for s in (10, 20))
+
+
+def fault_train(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "scripts.fault_train", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_fault_train_kills_inside_the_save_and_refuses_an_unreached_or_bad_point(tmp_path):
+    proc = fault_train(["--kill-at", "marker:10", *QUICK, f"run_dir={tmp_path / 'a'}"])
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    step10 = tmp_path / "a" / "checkpoints" / "step_00000010"
+    assert (step10 / METADATA).exists() and not (step10 / MARKER).exists()  # killed between DCP and the marker
+
+    proc = fault_train(["--kill-at", "write:7", *QUICK, f"run_dir={tmp_path / 'b'}"])
+    assert proc.returncode == 3 and "--kill-at=write:7 was never reached" in proc.stderr, proc.stderr[-2000:]
+
+    proc = fault_train(["--kill-at", "flush:10", *QUICK, f"run_dir={tmp_path / 'c'}"])
+    assert proc.returncode == 2 and "--kill-at='flush:10': must be PHASE:STEP" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "c").exists()
+
+
+def test_summary_lists_saved_and_kept_checkpoints(tmp_path):
+    cfg = compose_config([*QUICK, f"run_dir={tmp_path}", "checkpoint.every_steps=5", "checkpoint.keep_last=2"])
+    summary = train(cfg)
+    ck = tmp_path / "checkpoints"
+    assert summary["saved_checkpoints"] == [str(ck / f"step_{s:08d}") for s in (5, 10, 15, 20)]
+    assert summary["kept_checkpoints"] == [str(ck / f"step_{s:08d}") for s in (15, 20)]
+    assert sorted(p.name for p in ck.iterdir()) == ["step_00000015", "step_00000020"]
