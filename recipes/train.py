@@ -169,7 +169,7 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
     """Run the training job that ``cfg`` describes; returns a summary (first/last loss, steps, checkpoints).
 
     ``manager_cls``: the checkpoint manager to use, a subclass of :class:`CheckpointManager` (e.g. one that
-    overrides its :meth:`~CheckpointManager.on_phase`, as ``scripts/fault_injection.py`` does).
+    overrides its :meth:`~CheckpointManager.on_phase`, as ``scripts/fault_train.py`` does).
     """
     env, device, data = preflight(cfg)
     _setup_logging(env.rank, cfg.run_dir)
