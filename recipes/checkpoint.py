@@ -222,7 +222,7 @@ class CheckpointManager:
     def on_phase(self, phase: str, step: int, path: Path) -> None:
         """Called at each point of ``SAVE_PHASES`` of the save of ``step`` into ``path``; does nothing here.
 
-        For subclasses that observe saves (``scripts/fault_injection.py`` kills the process there):
+        For subclasses that observe saves (``scripts/fault_train.py`` kills the process there):
         ``"export"``: the optimizer is exported, nothing of ``path`` is written; ``"write"``: ``dcp.save``
         returned (sync) or ``dcp.async_save`` started writing, no completion marker yet; ``"marker"``: the save
         finished (async: inside :meth:`wait`) and the completion marker is about to be written.

@@ -25,6 +25,7 @@ def test_bench_export_runs_with_fresh_processes_on_cpu(tmp_path):
 
 
 def test_every_script_imports_as_a_module():
-    code = "import scripts.bench_export, scripts.probe_host_memory, scripts.fault_injection, scripts.fault_train"
+    code = "import scripts.bench_export, scripts.bench_keep_bf16, scripts.probe_host_memory, scripts.fault_injection, "
+    code += "scripts.fault_train"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
