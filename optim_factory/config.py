@@ -9,19 +9,70 @@ This is the only module of the library that imports Hydra.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import re
+import typing
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from omegaconf import MISSING
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 __all__ = [
+    "Choice",
+    "Backend",
+    "StateDtype",
     "GroupOverride",
     "ParamGroupsConfig",
     "FusedAdamConfig",
     "AdamWConfig",
     "OPTIM_SCHEMAS",
     "register_configs",
+    "schema_keys",
+    "omegaconf_error_line",
+    "unknown_key_line",
 ]
+
+class Choice(str, Enum):
+    """A config choice: member names are the YAML spellings (``exp_avg_dtype: bf16``), values equal the names.
+
+    A ``str`` subclass, so ``Backend.te == "te"`` and f-strings print the plain spelling. OmegaConf rejects any
+    other value when the config is composed (one line through ``recipes.config.config_error_line``).
+    """
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def spelled(cls) -> str:
+        """The allowed spellings, for messages: ``auto|te|portable``."""
+        return "|".join(m.value for m in cls)
+
+
+class Backend(Choice):
+    """Which FusedAdam: ``auto`` (TE when importable and the parameters are on CUDA), ``te`` or ``portable``."""
+
+    auto = "auto"
+    te = "te"
+    portable = "portable"
+
+
+class StateDtype(Choice):
+    """Dtype of an optimizer state (``fp8`` is E4M3, spelled ``torch.uint8`` in TE's arguments).
+
+    :func:`optim_factory.factory.parse_dtype` is the one place that maps these to ``torch.dtype``.
+    """
+
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+    fp8 = "fp8"
+
 
 DEFAULT_NO_DECAY = [r"(^|\.)bias$", r"norm", r"(^|\.)ln_?\w*\.", r"embed"]
 
@@ -56,35 +107,39 @@ class ParamGroupsConfig:
 
 @dataclass
 class FusedAdamConfig:
-    """Every option of TE's FusedAdam, the export options (``state_dict_cpu_offload``,
-    ``state_dict_offload_chunk_bytes``, ``state_dict_offload_reuse_buffers``) and the backend choice."""
+    """Every option of TE's FusedAdam, the export options and the backend choice.
 
-    name: str = "fused_adam"
-    backend: str = "auto"  # auto | te | portable
+    The defaults are the library's: exactly the constructor defaults of TE's ``FusedAdam`` and of
+    :class:`~optim_factory.PortableFusedAdam` (tested), so ``build_optimizer({})`` builds what
+    ``FusedAdam(params)`` would. A recipe's YAML (``conf/optim/fused_adam.yaml``) holds only what differs.
+    """
+
+    name: str = "fused_adam"  # the schema: fused_adam | adamw
+    backend: Backend = Backend.auto
     lr: float = 1e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     weight_decay: float = 0.0
-    amsgrad: bool = False
+    amsgrad: bool = False  # not supported by FusedAdam (refused)
     bias_correction: bool = True
-    adam_w_mode: bool = True
-    capturable: bool = False
-    master_weights: bool = False
-    master_weight_dtype: str = "fp32"  # fp32 | fp16
-    exp_avg_dtype: str = "fp32"  # fp32 | fp16 | bf16 | fp8 (or torch.<dtype> spellings)
-    exp_avg_sq_dtype: str = "fp32"
-    use_decoupled_grad: bool = False
-    store_param_remainders: bool = False
-    state_dict_cpu_offload: bool = False
-    state_dict_offload_chunk_bytes: Any = None  # null (one state at a time) | bytes | "64MiB"
-    state_dict_offload_reuse_buffers: bool = False
+    adam_w_mode: bool = True  # false: L2 regularisation instead of decoupled weight decay
+    capturable: bool = False  # lr/step as device tensors (CUDA graphs); needs fp32 master, fp32|bf16 moments
+    master_weights: bool = False  # master copy for FP16/BF16 parameters
+    master_weight_dtype: StateDtype = StateDtype.fp32  # fp32 | fp16
+    exp_avg_dtype: StateDtype = StateDtype.fp32  # fp32 | fp16 | bf16 | fp8
+    exp_avg_sq_dtype: StateDtype = StateDtype.fp32  # fp32 | fp16 | bf16 | fp8
+    use_decoupled_grad: bool = False  # read param.decoupled_grad instead of param.grad
+    store_param_remainders: bool = False  # BF16 params + FP32 master: keep only the master's low 16 bits (int16)
+    state_dict_cpu_offload: bool = False  # export to CPU during state_dict(), one FP32 state at a time
+    state_dict_offload_chunk_bytes: Any = None  # null (one state at a time) | bytes | "64MiB": stream in chunks
+    state_dict_offload_reuse_buffers: bool = False  # with chunks: reuse pinned host buffers across checkpoints
     state_dict_keep_bf16: bool = False  # export BF16 states as BF16 (half the bytes; TE's own class cannot load it)
     param_groups: ParamGroupsConfig = field(default_factory=ParamGroupsConfig)
 
 
 @dataclass
 class AdamWConfig:
-    """``torch.optim.AdamW``."""
+    """``torch.optim.AdamW``; the defaults are its constructor's (tested)."""
 
     name: str = "adamw"
     lr: float = 1e-3
@@ -106,3 +161,41 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     for name, schema in OPTIM_SCHEMAS.items():
         cs.store(group="optim", name=f"{name}_schema", node=schema)
+
+
+def schema_keys(schema: type, prefix: str = "") -> list[str]:
+    """Every dotted key of a schema dataclass, nested schemas included (``param_groups.no_decay``)."""
+    hints = typing.get_type_hints(schema)
+    keys = []
+    for f in dataclasses.fields(schema):
+        kind = hints[f.name]
+        keys.append(prefix + f.name)
+        if dataclasses.is_dataclass(kind):
+            keys += schema_keys(kind, f"{prefix}{f.name}.")
+    return keys
+
+
+def omegaconf_error_line(exc: OmegaConfBaseException, prefix: str = "", known: list[str] | None = None) -> str:
+    """One line for an OmegaConf error: the key, the value and what is allowed (the nearest key if unknown).
+
+    Args:
+        exc: raised while merging into or reading from a structured config.
+        prefix: put before the key (``"optim."`` when the node is a recipe's ``optim`` group).
+        known: the valid dotted keys (relative to the node, without ``prefix``), for a "did you mean".
+    """
+    key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
+    msg = (getattr(exc, "msg", None) or str(exc) or type(exc).__name__).splitlines()[0]
+    if isinstance(exc, (ConfigKeyError, ConfigAttributeError)):
+        return unknown_key_line(f"{prefix}{key}", [prefix + k for k in known or []])
+    if isinstance(exc, MissingMandatoryValue):
+        return f"{prefix}{key}: missing value (it has no default; set {prefix}{key}=...)"
+    enum = re.fullmatch(r"Invalid value '.*', expected one of \[(.*)\]", msg)
+    if enum:
+        msg = "expected one of " + "|".join(s.strip() for s in enum.group(1).split(","))
+    return f"{prefix}{key}={getattr(exc, 'value', None)!r}: {msg}"
+
+
+def unknown_key_line(key: str, known: list[str]) -> str:
+    """``optim.state_dict_cpu_ofload: not a config key; did you mean optim.state_dict_cpu_offload?``"""
+    near = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    return f"{key}: not a config key" + (f"; did you mean {near[0]}?" if near else "")

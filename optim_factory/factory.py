@@ -1,7 +1,8 @@
 """Config → optimizer: schema and cross-field validation, backend choice, dtype strings, parameter groups.
 
 ``build_optimizer(cfg, model)`` is the one entry point. ``validate_optim_config(cfg)`` runs every check that
-needs no model, so a recipe can call it before it builds anything heavy. Every bad value raises
+needs no model, so a recipe can call it before it builds anything heavy; it returns a :class:`ValidatedOptim`
+(read-only), which ``build_optimizer`` takes as it is, without validating again. Every bad value raises
 :class:`ConfigError` with one line: which key, which value, what is allowed.
 """
 
@@ -16,18 +17,28 @@ import warnings
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from enum import Enum
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from optim_factory.config import DEFAULT_NO_DECAY, OPTIM_SCHEMAS, AdamWConfig, FusedAdamConfig
+from optim_factory.config import (
+    DEFAULT_NO_DECAY,
+    OPTIM_SCHEMAS,
+    AdamWConfig,
+    FusedAdamConfig,
+    omegaconf_error_line,
+    schema_keys,
+)
 from optim_factory.optimizers.export import ExportOptions, local_tensor
 from optim_factory.optimizers.rules import OptionError, check_state_dtypes, parse_bytes, parse_dtype
 
 __all__ = [
     "ConfigError",
+    "ValidatedOptim",
     "build_optimizer",
     "validate_optim_config",
     "parse_dtype",
@@ -37,36 +48,64 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_BACKENDS = ("auto", "te", "portable")
-
 
 class ConfigError(ValueError):
     """A bad optimizer config value: one line naming the key, the value and what is allowed."""
 
 
 def _fail(key: str, value: Any, allowed: str) -> ConfigError:
+    if isinstance(value, Enum):  # a schema choice: its YAML spelling
+        value = value.value
     return ConfigError(f"optim.{key}={value!r}: {allowed}")
 
 
+@dataclass(frozen=True)
+class ValidatedOptim:
+    """The result of :func:`validate_optim_config`, accepted by :func:`build_optimizer` as it is.
+
+    Attributes:
+        config: the typed optimizer config (an OmegaConf node of :class:`FusedAdamConfig` or :class:`AdamWConfig`,
+            read-only: assigning to it raises), exactly as given: ``"64MiB"`` stays ``"64MiB"``.
+        kwargs: the optimizer constructor's keyword arguments derived from it (dtypes and byte sizes parsed),
+            a read-only mapping.
+    """
+
+    config: DictConfig
+    kwargs: Mapping[str, Any]
+
+    @property
+    def name(self) -> str:
+        """``fused_adam`` or ``adamw``."""
+        return self.config.name
+
+
 # ----------------------------------------------------------------------------------------------- validation
-def _to_schema(cfg: Any) -> FusedAdamConfig | AdamWConfig:
-    """Any of OmegaConf node / dataclass / mapping → the typed schema object (unknown keys, types checked)."""
+def _to_schema(cfg: Any) -> DictConfig:
+    """Any of OmegaConf node / dataclass / mapping → a new read-only node typed by its schema.
+
+    The input is read, never changed. Every key is checked against the schema, also keys a Hydra ``+key=value``
+    override added to a typed node; an unknown key's error names the nearest valid key.
+    """
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         cfg = OmegaConf.structured(cfg)
-    if isinstance(cfg, Mapping) and not isinstance(cfg, DictConfig):
-        cfg = OmegaConf.create(dict(cfg))
-    if not isinstance(cfg, DictConfig):
+    if isinstance(cfg, DictConfig):
+        try:
+            cfg = OmegaConf.to_container(cfg, resolve=True)  # a plain copy: extra keys are no longer let through
+        except OmegaConfBaseException as exc:
+            raise ConfigError(omegaconf_error_line(exc, "optim.")) from None
+    if not isinstance(cfg, Mapping):
         raise ConfigError(f"optim: expected a mapping, an OmegaConf node or a dataclass, got {type(cfg).__name__}")
     name = cfg.get("name", "fused_adam")
     if name not in OPTIM_SCHEMAS:
         raise _fail("name", name, f"expected one of {'|'.join(OPTIM_SCHEMAS)}")
+    schema = OPTIM_SCHEMAS[name]
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(OPTIM_SCHEMAS[name]), cfg)
-        return OmegaConf.to_object(merged)
+        node = OmegaConf.merge(OmegaConf.structured(schema), dict(cfg))
+        OmegaConf.to_object(node)  # raises on missing mandatory values (an override without its pattern)
     except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"optim.{key}: {first}") from None
+        raise ConfigError(omegaconf_error_line(exc, "optim.", schema_keys(schema))) from None
+    OmegaConf.set_readonly(node, True)
+    return node
 
 
 def _check_number(key: str, value: Any, *, positive: bool = False, lo: float | None = None) -> float:
@@ -89,10 +128,12 @@ def _check_patterns(key: str, patterns: Iterable[str]) -> None:
             raise _fail(f"{key}[{i}]", pattern, f"not a valid regular expression ({exc})") from None
 
 
-def validate_optim_config(cfg: Any) -> FusedAdamConfig | AdamWConfig:
-    """Check everything that needs no model; return the typed config. Raises :class:`ConfigError`.
+def validate_optim_config(cfg: Any) -> ValidatedOptim:
+    """Check everything that needs no model; return the typed, read-only config and the constructor arguments.
 
-    Warns (``UserWarning``) where an option silently has no effect (remainders without an FP32 master).
+    A pure function: ``cfg`` is not changed, and neither is the result afterwards. Call it once and hand the
+    result to :func:`build_optimizer`. Raises :class:`ConfigError`. Warns (``UserWarning``) where an option
+    silently has no effect (remainders without an FP32 master).
     """
     c = _to_schema(cfg)
     _check_number("lr", c.lr, positive=True)
@@ -109,11 +150,10 @@ def validate_optim_config(cfg: Any) -> FusedAdamConfig | AdamWConfig:
     for i, o in enumerate(c.param_groups.overrides):
         _check_number(f"param_groups.overrides[{i}].lr_mult", o.lr_mult, positive=True)
         _check_number(f"param_groups.overrides[{i}].weight_decay_mult", o.weight_decay_mult, lo=0.0)
-    if isinstance(c, AdamWConfig):
-        return c
+    if OmegaConf.get_type(c) is AdamWConfig:
+        kwargs = dict(lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay, amsgrad=c.amsgrad)
+        return ValidatedOptim(c, MappingProxyType({**kwargs, "foreach": c.foreach}))
 
-    if c.backend not in _BACKENDS:
-        raise _fail("backend", c.backend, f"expected one of {'|'.join(_BACKENDS)}")
     if c.amsgrad:
         raise _fail("amsgrad", c.amsgrad, "FusedAdam does not support AMSGrad; use optim=adamw for it")
     try:  # the optimizers' own dtype / capturable / master-weight rules (one source: optimizers/rules.py)
@@ -126,14 +166,13 @@ def validate_optim_config(cfg: Any) -> FusedAdamConfig | AdamWConfig:
             store_param_remainders=c.store_param_remainders,
         )
     except OptionError as exc:
-        raise ConfigError(f"optim.{exc.key}={exc.value!r}: {exc.allowed}") from None
+        raise _fail(exc.key, exc.value, exc.allowed) from None
     try:  # the optimizers' own rules for the export options, checked before anything is built
         chunk = parse_bytes(c.state_dict_offload_chunk_bytes, "state_dict_offload_chunk_bytes")
         ExportOptions(c.state_dict_cpu_offload, chunk, c.state_dict_offload_reuse_buffers)
     except ValueError as exc:
         raise ConfigError(f"optim.{exc}") from None
-    c.state_dict_offload_chunk_bytes = chunk  # bytes from here on ("64MiB" parsed once)
-    return c
+    return ValidatedOptim(c, MappingProxyType(_fused_adam_kwargs(c, chunk)))
 
 
 # --------------------------------------------------------------------------------------------- param groups
@@ -221,7 +260,7 @@ def _no_decay_reasons(
 
 
 def build_param_groups(
-    cfg: FusedAdamConfig | AdamWConfig,
+    cfg: ValidatedOptim | FusedAdamConfig | AdamWConfig,
     named: list[tuple[str, torch.nn.Parameter]],
     module: torch.nn.Module | None = None,
 ) -> tuple[list[dict], list[GroupSummary]]:
@@ -236,6 +275,8 @@ def build_param_groups(
     or two override patterns matching one parameter, raise; a user-given ``no_decay`` pattern matching nothing
     is logged as a warning. Each group's summary says why it exists (e.g. ``no decay: nn.Embedding (2), 1-D (9)``).
     """
+    if isinstance(cfg, ValidatedOptim):
+        cfg = cfg.config
     pg = cfg.param_groups
     overrides = [(re.compile(o.pattern), o) for o in pg.overrides]
     used_override = [False] * len(overrides)
@@ -294,7 +335,8 @@ def choose_backend(requested: str, params: list[torch.Tensor]) -> tuple[str, str
     return "portable", "auto: the parameters are not on CUDA"
 
 
-def _fused_adam_kwargs(c: FusedAdamConfig) -> dict[str, Any]:
+def _fused_adam_kwargs(c: DictConfig, chunk_bytes: int | None) -> dict[str, Any]:
+    """The FusedAdam constructor's arguments from a schema-typed config (dtypes parsed; chunk size in bytes)."""
     return dict(
         lr=c.lr,
         betas=tuple(c.betas),
@@ -311,7 +353,7 @@ def _fused_adam_kwargs(c: FusedAdamConfig) -> dict[str, Any]:
         use_decoupled_grad=c.use_decoupled_grad,
         store_param_remainders=c.store_param_remainders,
         state_dict_cpu_offload=c.state_dict_cpu_offload,
-        state_dict_offload_chunk_bytes=c.state_dict_offload_chunk_bytes,  # parsed by validate_optim_config
+        state_dict_offload_chunk_bytes=chunk_bytes,
         state_dict_offload_reuse_buffers=c.state_dict_offload_reuse_buffers,
         state_dict_keep_bf16=c.state_dict_keep_bf16,
     )
@@ -321,8 +363,9 @@ def build_optimizer(cfg: Any, model: Any) -> torch.optim.Optimizer:
     """Build the optimizer that ``cfg`` describes for ``model``.
 
     Args:
-        cfg: the ``optim`` config: an OmegaConf node, a dataclass (:class:`FusedAdamConfig`,
-            :class:`AdamWConfig`) or a plain dict; ``name`` picks ``fused_adam`` (default) or ``adamw``.
+        cfg: the ``optim`` config: a :class:`ValidatedOptim` (used as it is), or an OmegaConf node, a dataclass
+            (:class:`FusedAdamConfig`, :class:`AdamWConfig`) or a plain dict, validated here;
+            ``name`` picks ``fused_adam`` (default) or ``adamw``.
         model: an ``nn.Module`` or an iterable of ``(name, parameter)`` pairs.
 
     Returns:
@@ -331,24 +374,16 @@ def build_optimizer(cfg: Any, model: Any) -> torch.optim.Optimizer:
     Raises:
         ConfigError: one line naming the key, the value and what is allowed.
     """
-    c = validate_optim_config(cfg)
+    v = cfg if isinstance(cfg, ValidatedOptim) else validate_optim_config(cfg)
+    c = v.config
     named = _named_trainable(model)
     groups, summaries = build_param_groups(c, named, model if isinstance(model, torch.nn.Module) else None)
     params = [p for _, p in named]
-    if isinstance(c, AdamWConfig):
-        opt = torch.optim.AdamW(
-            groups,
-            lr=c.lr,
-            betas=tuple(c.betas),
-            eps=c.eps,
-            weight_decay=c.weight_decay,
-            amsgrad=c.amsgrad,
-            foreach=c.foreach,
-        )
+    if v.name == "adamw":
+        opt = torch.optim.AdamW(groups, **v.kwargs)
         log.info("optimizer: torch.optim.AdamW")
     else:
         backend, why = choose_backend(c.backend, params)
-        kwargs = _fused_adam_kwargs(c)
         on_gpu = any(local_tensor(p).device.type == "cuda" for p in params)
         if c.state_dict_cpu_offload and not on_gpu:
             warnings.warn(
@@ -366,7 +401,7 @@ def build_optimizer(cfg: Any, model: Any) -> torch.optim.Optimizer:
             from optim_factory.optimizers.te_fused_adam import FusedAdam as cls
         else:
             from optim_factory.optimizers.portable import PortableFusedAdam as cls
-        opt = cls(groups, **kwargs)
+        opt = cls(groups, **v.kwargs)
         log.info("optimizer: %s (%s)", cls.__name__, why)
     for i, s in enumerate(summaries):
         log.info(s.line(i))

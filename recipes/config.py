@@ -1,16 +1,49 @@
-"""Schemas of the recipe's config groups (model, data, checkpoint, trainer), registered in Hydra's ConfigStore.
+"""The recipe's config: schemas of its groups (model, data, checkpoint, trainer) registered in Hydra's ConfigStore,
+and the checks and messages around composing them.
 
-With them, an unknown key or a wrongly typed value fails when Hydra composes the config, before any work.
+The schemas hold every default; the YAML files under ``conf/`` hold only what differs (tested). With the schemas,
+an unknown key, a wrongly typed value or a choice outside its Enum fails when Hydra composes the config, before
+any work; :func:`config_error_line` turns any such error into the one line the recipe prints.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from optim_factory.config import OPTIM_SCHEMAS, Choice, omegaconf_error_line, schema_keys, unknown_key_line
 from optim_factory.config import register_configs as register_optim_configs
+from optim_factory.factory import ConfigError
+
+
+class ModelDtype(Choice):
+    """Parameter dtype (``bf16`` pairs with ``optim.master_weights=true``)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class DataKind(Choice):
+    """``addition``: the embedded synthetic task; ``tokens``: a flat uint16 token file (``data.path``)."""
+
+    addition = "addition"
+    tokens = "tokens"
+
+
+class Device(Choice):
+    """``auto``: CUDA when available, else CPU."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
 
 
 @dataclass
@@ -21,14 +54,14 @@ class ModelConfig:
     n_heads: int = 4
     d_ff: int = 256
     max_seq_len: int = 64
-    dtype: str = "fp32"  # fp32 | bf16 (parameter dtype; bf16 pairs with master weights)
+    dtype: ModelDtype = ModelDtype.fp32  # parameter dtype
     tie_embeddings: bool = False
 
 
 @dataclass
 class DataConfig:
-    kind: str = "addition"  # addition | tokens
-    seq_len: int = 12
+    kind: DataKind = DataKind.addition
+    seq_len: int = 24
     digits: int = 2  # addition: operands have this many digits
     path: str | None = None  # tokens: flat little-endian uint16 token file
     batch_size: int = 64  # per rank
@@ -38,11 +71,11 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     dir: str = "${run_dir}/checkpoints"
-    every_steps: int = 100
-    keep_last: int = 3  # 0: keep all
-    async_save: bool = False
-    flatten_optimizer_state_dict: bool = True
-    resume: str = "auto"  # auto | never | <path of a checkpoint directory>
+    every_steps: int = 250
+    keep_last: int = 3  # 0: keep all; deletes only older complete checkpoints
+    async_save: bool = False  # dcp.async_save; the previous save is awaited before the next and at exit
+    flatten_optimizer_state_dict: bool = True  # StateDictOptions(flatten_optimizer_state_dict=...)
+    resume: str = "auto"  # auto (newest complete checkpoint) | never | <path of a step_* directory>
     fallback: bool = False  # resume=auto: if the newest complete checkpoint fails to load, try older ones
     enabled: bool = True
 
@@ -51,23 +84,31 @@ class CheckpointConfig:
 class TrainerConfig:
     max_steps: int = 1000
     stop_at: int = 0  # >0: stop after this step (checkpointed) as an interrupted job would; schedule follows max_steps
-    warmup_steps: int = 20
+    warmup_steps: int = 30
     grad_clip: float = 1.0  # 0: off
     log_every: int = 25
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
+    device: Device = Device.auto
     progress: bool = True
     threads: int = 0  # torch intra-op threads on CPU; 0: torch's default
 
 
 @dataclass
 class TrainConfig:
-    run_dir: str = "runs/default"
-    optim: Any = None
+    run_dir: str = "runs/default"  # metrics.jsonl, train.log, checkpoints/ (the same run_dir again resumes)
+    optim: Any = None  # a schema of optim_factory.config.OPTIM_SCHEMAS, picked by the optim group
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+GROUP_SCHEMAS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "trainer": TrainerConfig,
+}
 
 
 def register_configs() -> None:
@@ -75,7 +116,102 @@ def register_configs() -> None:
     register_optim_configs()
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="data", name="data_schema", node=DataConfig)
-    cs.store(group="checkpoint", name="checkpoint_schema", node=CheckpointConfig)
-    cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
+    for group, schema in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=f"{group}_schema", node=schema)
+
+
+# ------------------------------------------------------------------------------------------ checks, messages
+def known_keys(optim_schema: type | None = None) -> list[str]:
+    """Every valid dotted key of the recipe's config (the optim keys of ``optim_schema``, or of every schema)."""
+    schemas = [optim_schema] if optim_schema else list(OPTIM_SCHEMAS.values())
+    optim = {k for s in schemas for k in schema_keys(s, "optim.")}
+    return schema_keys(TrainConfig) + sorted(optim)
+
+
+def _unknown_keys(node: Any, prefix: str) -> list[str]:
+    if isinstance(node, ListConfig):
+        return [k for i, item in enumerate(node) for k in _unknown_keys(item, f"{prefix}[{i}]")]
+    if not isinstance(node, DictConfig):
+        return []
+    schema = OmegaConf.get_type(node)
+    fields = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    found = []
+    for key in node.keys():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if fields is not None and key not in fields:
+            found.append(path)
+        else:
+            found += _unknown_keys(node[key], path)
+    return found
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Refuse a missing value (``???``) and any key not in the schemas, also keys added with Hydra's ``+``.
+
+    Raises:
+        ConfigError: one line naming the key (and the nearest valid key).
+    """
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"{missing[0]}: missing value (it has no default; set {missing[0]}=...)")
+    unknown = _unknown_keys(cfg, "")
+    if unknown:
+        optim_schema = OmegaConf.get_type(cfg.optim) if isinstance(cfg.get("optim"), DictConfig) else None
+        raise ConfigError(unknown_key_line(unknown[0], known_keys(optim_schema)))
+
+
+def check_run_dir(run_dir: str) -> None:
+    """``run_dir`` is a directory, or can be created as one, and is writable: checked without creating anything."""
+    path = Path(run_dir)
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        where = "" if existing == path else f" ({existing} is a file)"
+        raise ConfigError(f"run_dir={run_dir!r}: not a directory{where}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"run_dir={run_dir!r}: {existing} is not writable")
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def config_error_line(exc: BaseException, overrides: list[str] = ()) -> str:
+    """One line for an error Hydra or OmegaConf raised while composing the config from ``overrides``.
+
+    An unknown config-group option lists the available ones; an unknown key names the nearest valid key; a value
+    outside an Enum lists the allowed ones; an unparsable override is named.
+    """
+    if isinstance(exc, MissingConfigException) and exc.options is not None and exc.missing_cfg_file:
+        group, _, option = exc.missing_cfg_file.rpartition("/")
+        available = [o for o in exc.options if not o.endswith("_schema")]  # the schemas are not options to pick
+        return f"{group}={option}: no such option; available: {', '.join(available)}"
+    if isinstance(exc, OverrideParseException):
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parser = OverridesParser.create()
+        for override in overrides:
+            try:
+                parser.parse_override(override)
+            except HydraException:  # the parser raises OverrideParseException or, on a syntax error, HydraException
+                return f"{override}: not a valid override ({_first_line(exc)})"
+        return f"bad override: {_first_line(exc)}"
+    cause = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
+    if isinstance(cause, OmegaConfBaseException):
+        return omegaconf_error_line(cause, "", known_keys())
+    return _first_line(exc)
+
+
+def record_config(cfg: DictConfig, run_dir: str, argv: list[str]) -> Path:
+    """Write the resolved config of an accepted launch to ``<run_dir>/launches/<time>-<pid>.yaml``.
+
+    A new file per launch, written only after every check passed: a later launch, rejected or not, never
+    overwrites the record of an earlier one.
+    """
+    import time
+
+    folder = Path(run_dir) / "launches"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.yaml"
+    header = f"# python recipes/train.py {' '.join(argv)}\n"
+    path.write_text(header + OmegaConf.to_yaml(cfg))
+    return path

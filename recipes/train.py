@@ -5,7 +5,8 @@
     python recipes/train.py optim.state_dict_cpu_offload=true optim.exp_avg_dtype=bf16
 
 Config: ``conf/train.yaml`` (groups optim, model, data, checkpoint, trainer; presets in ``experiment/``).
-Every config value is checked before the process group, the model or a GPU allocation exists.
+Every config value is checked before the process group, the model or a GPU allocation exists, and before
+anything is written: a config error is one line on stderr and exit code 2, and leaves the disk as it was.
 """
 
 from __future__ import annotations
@@ -27,12 +28,20 @@ if __package__ in (None, ""):  # run as a script: make `recipes` and `optim_fact
 import hydra
 import torch
 import torch.distributed as dist
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.fsdp import fully_shard
 
-from optim_factory.factory import ConfigError, build_optimizer, validate_optim_config
+from optim_factory.factory import ConfigError, ValidatedOptim, build_optimizer, validate_optim_config
 from recipes.checkpoint import CheckpointError, CheckpointManager, ExportReport, check_checkpoint_config
-from recipes.config import register_configs
+from recipes.config import (
+    check_config,
+    check_run_dir,
+    config_error_line,
+    record_config,
+    register_configs,
+)
 from recipes.data import DataError, build_data
 from recipes.distributed import LaunchError, init_distributed, pick_device, resolve_dist_env, shutdown
 from recipes.model import build_model
@@ -152,8 +161,10 @@ def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
 
 
 def preflight(cfg: DictConfig):
-    """Every check that needs no heavy work: optimizer config, launcher, device, data, checkpoint dir."""
-    validate_optim_config(cfg.optim)
+    """Every check that needs no heavy work: keys, optimizer config, launcher, device, data, run and checkpoint
+    dirs. Nothing is written before the last check (the checkpoint dir's, which creates it)."""
+    check_config(cfg)
+    optim = validate_optim_config(cfg.optim)
     env = resolve_dist_env(os.environ)
     device = pick_device(cfg.trainer.device, env.local_rank)
     data = build_data(cfg.data, cfg.model.vocab_size)
@@ -161,8 +172,9 @@ def preflight(cfg: DictConfig):
         raise ConfigError(f"data.seq_len={cfg.data.seq_len}: must be <= model.max_seq_len={cfg.model.max_seq_len}")
     if cfg.trainer.max_steps < 1:
         raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps}: must be >= 1")
+    check_run_dir(cfg.run_dir)
     check_checkpoint_config(cfg.checkpoint, env.rank)
-    return env, device, data
+    return env, device, data, optim
 
 
 def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointManager) -> dict[str, Any]:
@@ -171,22 +183,26 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
     ``manager_cls``: the checkpoint manager to use, a subclass of :class:`CheckpointManager` (e.g. one that
     overrides its :meth:`~CheckpointManager.on_phase`, as ``scripts/fault_train.py`` does).
     """
-    env, device, data = preflight(cfg)
+    env, device, data, optim = preflight(cfg)
+    if env.rank == 0:
+        record_config(cfg, cfg.run_dir, sys.argv[1:])
     _setup_logging(env.rank, cfg.run_dir)
     if cfg.trainer.threads > 0:
         torch.set_num_threads(cfg.trainer.threads)
     mesh = init_distributed(env, device)
     try:
-        return _train(cfg, env, device, data, mesh, manager_cls)
+        return _train(cfg, env, device, data, mesh, optim, manager_cls)
     finally:
         shutdown()
 
 
-def _train(cfg: DictConfig, env, device, data, mesh, manager_cls: type[CheckpointManager]) -> dict[str, Any]:
+def _train(
+    cfg: DictConfig, env, device, data, mesh, optim: ValidatedOptim, manager_cls: type[CheckpointManager]
+) -> dict[str, Any]:
     rank, world = env.rank, env.world_size
     metrics = MetricsWriter(cfg.run_dir, rank)
     model = shard_model(build_model(cfg.model, seed=cfg.trainer.seed, device=device), mesh)
-    optimizer = build_optimizer(cfg.optim, model)
+    optimizer = build_optimizer(optim, model)
     base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
     ckpt = manager_cls(
         cfg.checkpoint,
@@ -296,23 +312,44 @@ def _train(cfg: DictConfig, env, device, data, mesh, manager_cls: type[Checkpoin
 
 
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
-    """Compose ``conf/train.yaml`` with overrides, as the command line would (for tests and notebooks)."""
+    """Compose ``conf/train.yaml`` with overrides, as the command line would (for tests and notebooks).
+
+    Raises:
+        ConfigError: Hydra's or OmegaConf's error, in the command line's one line.
+    """
     from hydra import compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=list(overrides or []))
-    OmegaConf.resolve(cfg)
+    overrides = list(overrides or [])
+    try:
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            cfg = compose(config_name="train", overrides=overrides)
+        OmegaConf.resolve(cfg)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(config_error_line(exc, overrides)) from None
     return cfg
 
 
+def _refuse(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+_TASK_STARTED = False  # set once Hydra has composed the config and calls the task: errors after it are not Hydra's
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
-def main(cfg: DictConfig) -> None:
-    OmegaConf.resolve(cfg)
+def _task(cfg: DictConfig) -> None:
+    """Hydra's task function: one job (one process of a run, or one point of a ``-m`` sweep)."""
+    global _TASK_STARTED
+    _TASK_STARTED = True
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as exc:  # e.g. an interpolation to a missing key
+        _refuse(config_error_line(exc))
     try:
         train(cfg)
     except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        _refuse(str(exc))
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # A torchrun worker whose job is done: skip interpreter teardown, where gloo's threads can abort the
         # process ("terminate called without an active exception") after a successful run.
@@ -320,6 +357,28 @@ def main(cfg: DictConfig) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def main() -> None:
+    """The command line, Hydra's (overrides, ``--cfg job``, ``-m`` with the launchers in ``conf/hydra/launcher``),
+    except that every config error Hydra finds while composing is one line on stderr with exit code 2.
+
+    ``HYDRA_FULL_ERROR=1`` makes Hydra raise its errors instead of printing them over several lines and exiting
+    with 1; an error raised once the task has started is the task's own and keeps its traceback.
+    """
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _task()
+    except (HydraException, OmegaConfBaseException) as exc:
+        if _TASK_STARTED:
+            raise
+        _refuse(config_error_line(exc, [a for a in sys.argv[1:] if not a.startswith("-")]))
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
 
 
 register_configs()

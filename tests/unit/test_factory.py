@@ -64,8 +64,8 @@ OPTION_OVERRIDES = [
     ("exp_avg_dtype=bf16", "exp_avg_dtype", torch.bfloat16),
     ("exp_avg_dtype=fp16", "exp_avg_dtype", torch.float16),
     ("exp_avg_dtype=fp8", "exp_avg_dtype", torch.uint8),
-    ("exp_avg_sq_dtype=torch.bfloat16", "exp_avg_sq_dtype", torch.bfloat16),
-    ("exp_avg_sq_dtype=float16", "exp_avg_sq_dtype", torch.float16),
+    ("exp_avg_sq_dtype=bf16", "exp_avg_sq_dtype", torch.bfloat16),
+    ("exp_avg_sq_dtype=fp16", "exp_avg_sq_dtype", torch.float16),
     ("exp_avg_sq_dtype=fp8", "exp_avg_sq_dtype", torch.uint8),
     ("master_weights=true", "master_weights", True),
     ("master_weight_dtype=fp16", "master_weight_dtype", torch.float16),
@@ -110,7 +110,7 @@ def test_remainders_betas_eps_weight_decay_lr_reach_the_optimizer(tmp_path):
 def test_cfg_as_dataclass_dict_and_named_parameters():
     model = tiny_model()
     a = build_optimizer(FusedAdamConfig(lr=0.02, exp_avg_dtype="bf16"), model)
-    b = build_optimizer({"lr": 0.02, "exp_avg_dtype": "torch.bfloat16"}, list(model.named_parameters()))
+    b = build_optimizer({"lr": 0.02, "exp_avg_dtype": "bf16"}, list(model.named_parameters()))
     c = build_optimizer(AdamWConfig(lr=0.02), model)
     assert a.exp_avg_dtype == b.exp_avg_dtype == torch.bfloat16
     assert isinstance(c, torch.optim.AdamW) and c.param_groups[0]["lr"] == 0.02
