@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recipes.config import ModelConfig
+from optim_factory.factory import parse_dtype
+from recipes.config import ModelConfig, ModelDtype
 
 
 class Block(nn.Module):
@@ -70,11 +71,10 @@ class DecoderLM(nn.Module):
 
 def build_model(cfg: ModelConfig, *, seed: int, device: torch.device) -> DecoderLM:
     """Deterministic initialisation from ``seed`` (on CPU, then moved), in ``model.dtype``."""
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    if cfg.dtype not in dtypes:
-        raise ValueError(f"model.dtype={cfg.dtype!r}: expected fp32|bf16")
+    if cfg.dtype not in ModelDtype.__members__:  # composed configs are checked by the schema already
+        raise ValueError(f"model.dtype={cfg.dtype!r}: expected {ModelDtype.spelled()}")
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     model = DecoderLM(cfg)
     torch.random.set_rng_state(gen_state)
-    return model.to(device=device, dtype=dtypes[cfg.dtype])
+    return model.to(device=device, dtype=parse_dtype(cfg.dtype))

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import inspect
 import logging
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
+from omegaconf.errors import ReadonlyConfigError
 
 from optim_factory import PortableFusedAdam
-from optim_factory.config import AdamWConfig, FusedAdamConfig, GroupOverride, ParamGroupsConfig
-from optim_factory.factory import ConfigError, build_optimizer, parse_dtype, validate_optim_config
-from recipes.config import ModelConfig
+from optim_factory.config import AdamWConfig, FusedAdamConfig, GroupOverride, ParamGroupsConfig, StateDtype
+from optim_factory.factory import ConfigError, ValidatedOptim, build_optimizer, parse_dtype, validate_optim_config
+from recipes.config import GROUP_SCHEMAS, ModelConfig, TrainConfig
 from recipes.model import DecoderLM
 from recipes.train import compose_config
 
@@ -210,21 +214,25 @@ def test_at_least_thirty_malformed_cases():
 
 
 @pytest.mark.parametrize(
-    "override",
+    "override,fragment",
     [
-        "optim.no_such_key=1",
-        "optim.lr=fast",
-        "optim.capturable=maybe",
-        "optim.param_groups.bogus=1",
-        "optim.betas=oops",
+        ("optim.no_such_key=1", "optim.no_such_key: not a config key"),
+        ("optim.lr=fast", "optim.lr='fast'"),
+        ("optim.capturable=maybe", "optim.capturable='maybe'"),
+        ("optim.param_groups.bogus=1", "optim.param_groups.bogus: not a config key"),
+        ("optim.betas=oops", "optim.betas='oops'"),
+        ("optim.exp_avg_dtype=fp64", "optim.exp_avg_dtype='fp64': expected one of fp32|fp16|bf16|fp8"),
+        ("optim.master_weight_dtype=float32", "optim.master_weight_dtype='float32': expected one of fp32|"),
+        ("optim.backend=cuda", "optim.backend='cuda': expected one of auto|te|portable"),
+        ("model.dtype=fp16", "model.dtype='fp16': expected one of fp32|bf16"),
+        ("trainer.device=tpu", "trainer.device='tpu': expected one of auto|cpu|cuda"),
+        ("data.kind=text", "data.kind='text': expected one of addition|tokens"),
     ],
 )
-def test_unknown_keys_and_wrong_types_fail_at_compose_time(override, tmp_path):
-    from hydra.errors import HydraException
-
-    with pytest.raises(HydraException) as info:
+def test_unknown_keys_wrong_types_and_choices_fail_at_compose_time(override, fragment, tmp_path):
+    with pytest.raises(ConfigError) as info:
         compose_config([override, f"run_dir={tmp_path}"])
-    assert override.split("=")[0] in str(info.value) or "optim" in str(info.value)
+    assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
 def test_parse_dtype_spellings():
@@ -284,3 +292,157 @@ def test_yaml_node_is_accepted_directly():
     node.pop("defaults")
     opt = build_optimizer(node, tiny_model())
     assert isinstance(opt, PortableFusedAdam) and opt.param_groups[0]["lr"] == node.lr
+
+
+# ---------------------------------------------------------------------------------------- one source of defaults
+def _schema_defaults(schema: type) -> dict:
+    return {f.name: getattr(schema(), f.name) for f in dataclasses.fields(schema)}
+
+
+def _assert_constructor_defaults_equal_schema(fn, schema: type) -> int:
+    params = inspect.signature(fn).parameters
+    schema_defaults = _schema_defaults(schema)
+    overlap = [k for k in schema_defaults if k in params and params[k].default is not inspect.Parameter.empty]
+    for key in overlap:
+        ours, theirs = schema_defaults[key], params[key].default
+        if isinstance(ours, StateDtype):
+            ours = parse_dtype(ours)  # dtypes compare after parsing
+        if isinstance(theirs, tuple):
+            ours = tuple(ours)
+        assert ours == theirs, f"{schema.__name__}.{key}={ours!r} but {fn.__qualname__} defaults to {theirs!r}"
+    return len(overlap)
+
+
+def test_schema_defaults_are_the_portable_constructors():
+    assert _assert_constructor_defaults_equal_schema(PortableFusedAdam.__init__, FusedAdamConfig) >= 17
+
+
+def test_adamw_schema_defaults_are_torch_adamws():
+    assert _assert_constructor_defaults_equal_schema(torch.optim.AdamW.__init__, AdamWConfig) == 6
+
+
+def test_schema_defaults_are_te_fused_adams():
+    te = pytest.importorskip("transformer_engine.pytorch.optimizers", reason="Transformer Engine not installed")
+    assert _assert_constructor_defaults_equal_schema(te.FusedAdam.__init__, FusedAdamConfig) >= 14
+
+
+def test_build_optimizer_on_an_empty_config_is_the_constructors_default():
+    model = tiny_model()
+    ours = build_optimizer({"param_groups": {"no_decay": []}}, model)
+    theirs = PortableFusedAdam(model.parameters())
+    assert ours.param_groups[0].keys() == theirs.param_groups[0].keys()
+    for key in theirs.param_groups[0]:
+        if key != "params":
+            assert ours.param_groups[0][key] == theirs.param_groups[0][key], key
+    assert ours.defaults == theirs.defaults
+
+
+# A discriminator names the schema a file is for, so that the file read on its own (OmegaConf.load, then
+# build_optimizer) builds the right thing; it may equal the schema's default.
+DISCRIMINATORS = {"optim": {"name"}, "data": {"kind"}}
+
+
+def _leaves(node, prefix: str = "") -> dict:
+    out = {}
+    for key, value in node.items():
+        if key == "defaults":
+            continue
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_leaves(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def _baseline(group: str, raw: dict):
+    """What a group file's keys would be without them: its schema's defaults and the files it builds on."""
+    schema = {"optim": None, **GROUP_SCHEMAS}[group]
+    if group == "optim":
+        from optim_factory.config import OPTIM_SCHEMAS
+
+        schema = OPTIM_SCHEMAS[raw.get("name", "fused_adam")]
+    base = OmegaConf.structured(schema)
+    for parent in raw.get("defaults", []):
+        if isinstance(parent, str) and parent != "_self_" and not parent.endswith("_schema"):
+            body = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{parent}.yaml"))
+            body.pop("defaults", None)
+            base = OmegaConf.merge(base, body)
+    return base
+
+
+def yaml_bodies():
+    for path in sorted(CONF.rglob("*.yaml")):
+        rel = path.relative_to(CONF)
+        if rel.parts[0] != "hydra":  # launcher files configure the submitit plugin's schema, not ours
+            yield pytest.param(rel, id=rel.as_posix())
+
+
+@pytest.mark.parametrize("rel", list(yaml_bodies()))
+def test_yaml_files_hold_only_what_differs_from_the_schema(rel):
+    raw = OmegaConf.to_container(OmegaConf.load(CONF / rel))
+    group = rel.parts[0] if len(rel.parts) > 1 else None
+    if group == "experiment":  # @package _global_: compared with the composed default config
+        base = compose_config([])
+    elif group is None:  # train.yaml: the root schema; Hydra's own settings are not ours
+        raw.pop("hydra", None)
+        base = OmegaConf.structured(TrainConfig)
+    else:
+        base = _baseline(group, raw)
+    leaves = _leaves(raw)
+    repeated = [
+        f"{key}={value!r}"
+        for key, value in leaves.items()
+        if key not in DISCRIMINATORS.get(group, ()) and OmegaConf.select(base, key) == value
+    ]
+    assert not repeated, f"{rel} repeats what it would be without these keys: {repeated}"
+    for key in leaves:  # and every key exists in the schema (a typo would otherwise be a silent no-op)
+        assert OmegaConf.select(base, key, default="<absent>") != "<absent>", f"{rel}: {key} is not a schema key"
+
+
+def test_recipe_yaml_sets_what_the_readme_documents():
+    cfg = compose_config([])
+    assert cfg.optim.lr == 3e-3 and list(cfg.optim.betas) == [0.9, 0.95] and cfg.optim.weight_decay == 0.1
+    assert cfg.checkpoint.every_steps == 250 and cfg.data.seq_len == 24 and cfg.trainer.warmup_steps == 30
+
+
+# ------------------------------------------------------------------------------------ validation: pure, once
+def test_validate_optim_config_is_pure_and_its_result_read_only():
+    cfg = {"state_dict_cpu_offload": True, "state_dict_offload_chunk_bytes": "64MiB", "exp_avg_dtype": "bf16"}
+    node = OmegaConf.create(copy.deepcopy(cfg))
+    before = copy.deepcopy(cfg)
+    a, b = validate_optim_config(cfg), validate_optim_config(node)
+    assert cfg == before and OmegaConf.to_container(node) == before
+    assert isinstance(a, ValidatedOptim) and dict(a.kwargs) == dict(b.kwargs)
+    assert a.config.state_dict_offload_chunk_bytes == "64MiB"  # as given; the bytes are in kwargs
+    assert a.kwargs["state_dict_offload_chunk_bytes"] == 64 << 20 and a.kwargs["exp_avg_dtype"] == torch.bfloat16
+    with pytest.raises(ReadonlyConfigError):
+        a.config.lr = 1.0
+    with pytest.raises(TypeError):
+        a.kwargs["lr"] = 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.config = None
+    again = validate_optim_config(a.config)  # the result is a valid input too, and validates to the same
+    assert dict(again.kwargs) == dict(a.kwargs)
+
+
+def test_build_optimizer_takes_a_validated_config_without_validating_again():
+    with pytest.warns(UserWarning, match="no effect without master_weights") as first:
+        v = validate_optim_config({"store_param_remainders": True})
+    assert len([w for w in first if "no effect without master_weights" in str(w.message)]) == 1
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt = build_optimizer(v, tiny_model())
+    assert not [w for w in seen if "no effect without master_weights" in str(w.message)]
+    assert isinstance(opt, PortableFusedAdam) and v.kwargs["store_param_remainders"] is True
+
+
+def test_unknown_key_added_to_a_typed_node_is_refused_with_the_nearest_key():
+    node = OmegaConf.structured(FusedAdamConfig)
+    with open_dict(node):  # what Hydra's +optim.state_dict_cpu_ofload=true does
+        node.state_dict_cpu_ofload = True
+    with pytest.raises(ConfigError) as info:
+        validate_optim_config(node)
+    assert str(info.value) == (
+        "optim.state_dict_cpu_ofload: not a config key; did you mean optim.state_dict_cpu_offload?"
+    )
