@@ -35,6 +35,7 @@ __all__ = [
     "unknown_key_line",
 ]
 
+
 class Choice(str, Enum):
     """A config choice: member names are the YAML spellings (``exp_avg_dtype: bf16``), values equal the names.
 

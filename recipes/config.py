@@ -151,9 +151,10 @@ def check_config(cfg: DictConfig) -> None:
     Raises:
         ConfigError: one line naming the key (and the nearest valid key).
     """
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise ConfigError(f"{missing[0]}: missing value (it has no default; set {missing[0]}=...)")
+    missing = OmegaConf.missing_keys(cfg)
+    if missing:  # the outermost first: checkpoint.dir (${run_dir}/checkpoints) is missing when run_dir is
+        key = min(missing, key=lambda k: (k.count("."), k))
+        raise ConfigError(f"{key}: missing value (it has no default; set {key}=...)")
     unknown = _unknown_keys(cfg, "")
     if unknown:
         optim_schema = OmegaConf.get_type(cfg.optim) if isinstance(cfg.get("optim"), DictConfig) else None
