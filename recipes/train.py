@@ -334,14 +334,9 @@ def _refuse(message: str) -> None:
     sys.exit(2)
 
 
-_TASK_STARTED = False  # set once Hydra has composed the config and calls the task: errors after it are not Hydra's
-
-
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def _task(cfg: DictConfig) -> None:
     """Hydra's task function: one job (one process of a run, or one point of a ``-m`` sweep)."""
-    global _TASK_STARTED
-    _TASK_STARTED = True
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:  # e.g. an interpolation to a missing key
@@ -350,6 +345,8 @@ def _task(cfg: DictConfig) -> None:
         train(cfg)
     except USER_ERRORS as exc:
         _refuse(str(exc))
+    except (HydraException, OmegaConfBaseException) as exc:  # a bug in the task, not a config error: main()
+        raise RuntimeError(f"{type(exc).__name__} in the training job") from exc  # must not report it as one
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # A torchrun worker whose job is done: skip interpreter teardown, where gloo's threads can abort the
         # process ("terminate called without an active exception") after a successful run.
@@ -364,15 +361,14 @@ def main() -> None:
     except that every config error Hydra finds while composing is one line on stderr with exit code 2.
 
     ``HYDRA_FULL_ERROR=1`` makes Hydra raise its errors instead of printing them over several lines and exiting
-    with 1; an error raised once the task has started is the task's own and keeps its traceback.
+    with 1. The task turns its own Hydra/OmegaConf errors into ``RuntimeError`` (with traceback), so what is
+    caught here comes from composing a config (also a sweep point's).
     """
     previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         _task()
     except (HydraException, OmegaConfBaseException) as exc:
-        if _TASK_STARTED:
-            raise
         _refuse(config_error_line(exc, [a for a in sys.argv[1:] if not a.startswith("-")]))
     finally:
         if previous is None:

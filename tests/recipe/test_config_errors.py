@@ -112,14 +112,14 @@ def test_a_rejected_run_changes_nothing_on_disk(tmp_path):
     run_dir = tmp_path / "run"
     ok = cli(*QUICK, "trainer.max_steps=2", "trainer.progress=false", f"run_dir={run_dir}")
     assert ok.returncode == 0, ok.stderr[-3000:]
-    (record,) = (run_dir / "launches").iterdir()  # the accepted launch's resolved config
-    assert OmegaConf.load(record).optim.exp_avg_dtype == "fp32" and OmegaConf.load(record).run_dir == str(run_dir)
     before = snapshot(run_dir)
-    assert not (run_dir / ".hydra").exists()
     # refused by Hydra's composition, and by the recipe's own checks (optimizer, data): nothing changes
     for bad in ["optim.exp_avg_dtype=fp64", "data.seq_len=100"]:
         refused(cli(*QUICK, "trainer.max_steps=2", f"run_dir={run_dir}", bad))
         assert snapshot(run_dir) == before, bad
+    (record,) = (run_dir / "launches").iterdir()  # the accepted launch's resolved config, kept
+    assert OmegaConf.load(record).optim.exp_avg_dtype == "fp32" and OmegaConf.load(record).run_dir == str(run_dir)
+    assert not (run_dir / ".hydra").exists()
     fresh = tmp_path / "fresh"
     refused(cli(*QUICK, f"run_dir={fresh}", "optim.lr=-1"))
     assert not fresh.exists() and not (ROOT / "train.log").exists()
