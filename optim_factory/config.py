@@ -198,5 +198,7 @@ def omegaconf_error_line(exc: OmegaConfBaseException, prefix: str = "", known: l
 
 def unknown_key_line(key: str, known: list[str]) -> str:
     """``optim.state_dict_cpu_ofload: not a config key; did you mean optim.state_dict_cpu_offload?``"""
-    near = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-    return f"{key}: not a config key" + (f"; did you mean {near[0]}?" if near else "")
+    parent, _, leaf = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}  # same node only
+    near = difflib.get_close_matches(leaf, list(siblings), n=1)
+    return f"{key}: not a config key" + (f"; did you mean {siblings[near[0]]}?" if near else "")
