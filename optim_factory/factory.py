@@ -30,6 +30,7 @@ from optim_factory.config import (
     OPTIM_SCHEMAS,
     AdamWConfig,
     FusedAdamConfig,
+    StateDtype,
     omegaconf_error_line,
     schema_keys,
 )
@@ -100,12 +101,27 @@ def _to_schema(cfg: Any) -> DictConfig:
         raise _fail("name", name, f"expected one of {'|'.join(OPTIM_SCHEMAS)}")
     schema = OPTIM_SCHEMAS[name]
     try:
-        node = OmegaConf.merge(OmegaConf.structured(schema), dict(cfg))
+        node = OmegaConf.merge(OmegaConf.structured(schema), _spell_dtypes(cfg))
         OmegaConf.to_object(node)  # raises on missing mandatory values (an override without its pattern)
     except OmegaConfBaseException as exc:
         raise ConfigError(omegaconf_error_line(exc, "optim.", schema_keys(schema))) from None
     OmegaConf.set_readonly(node, True)
     return node
+
+
+def _spell_dtypes(cfg: Mapping) -> dict:
+    """A copy with dtype options given as the constructors take them (``torch.bfloat16``, ``"torch.bfloat16"``,
+    ``"bfloat16"``) spelled as the schema's :class:`StateDtype`; other values stay, for the schema to refuse."""
+    spelling = {parse_dtype(m): m for m in StateDtype}
+    out = dict(cfg)
+    for key in ("master_weight_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        value = out.get(key)
+        if value is not None and not (isinstance(value, str) and value in StateDtype.__members__):
+            try:
+                out[key] = spelling.get(parse_dtype(value, key), value)
+            except OptionError:
+                pass
+    return out
 
 
 def _check_number(key: str, value: Any, *, positive: bool = False, lo: float | None = None) -> float:

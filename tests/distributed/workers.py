@@ -20,8 +20,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from optim_factory import build_optimizer
-from optim_factory.config import StateDtype
-from optim_factory.factory import parse_dtype
 from optim_factory.optimizers.export import ExportOptions, export_state
 from recipes.checkpoint import CheckpointManager, ExportBufferStager, state_bytes
 from recipes.config import CheckpointConfig
@@ -68,8 +66,7 @@ class ShardedModel(torch.nn.Module):
 def optim_config(cfg: str, offload: bool, **extra) -> dict:
     """The factory config of one of CONFIGS (dtypes as strings, as a YAML file would spell them)."""
     _, kw = CONFIGS[cfg]
-    spelled = {parse_dtype(m): m.value for m in StateDtype}
-    as_text = {k: (spelled[parse_dtype(v)] if isinstance(v, torch.dtype) else v) for k, v in kw.items()}
+    as_text = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in kw.items()}
     return {"backend": BACKEND["name"], **HP, "state_dict_cpu_offload": offload, **as_text, **extra}
 
 

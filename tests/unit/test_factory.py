@@ -115,7 +115,7 @@ def test_remainders_betas_eps_weight_decay_lr_reach_the_optimizer(tmp_path):
 def test_cfg_as_dataclass_dict_and_named_parameters():
     model = tiny_model()
     a = build_optimizer(FusedAdamConfig(lr=0.02, exp_avg_dtype="bf16"), model)
-    b = build_optimizer({"lr": 0.02, "exp_avg_dtype": "bf16"}, list(model.named_parameters()))
+    b = build_optimizer({"lr": 0.02, "exp_avg_dtype": "torch.bfloat16"}, list(model.named_parameters()))
     c = build_optimizer(AdamWConfig(lr=0.02), model)
     assert a.exp_avg_dtype == b.exp_avg_dtype == torch.bfloat16
     assert isinstance(c, torch.optim.AdamW) and c.param_groups[0]["lr"] == 0.02
@@ -234,6 +234,12 @@ def test_unknown_keys_wrong_types_and_choices_fail_at_compose_time(override, fra
     with pytest.raises(ConfigError) as info:
         compose_config([override, f"run_dir={tmp_path}"])
     assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_python_configs_take_dtypes_as_the_constructors_do():
+    for spelled in (torch.float16, "torch.float16", "float16", "half", "fp16"):
+        assert validate_optim_config({"exp_avg_dtype": spelled}).config.exp_avg_dtype == StateDtype.fp16
+    assert validate_optim_config({"exp_avg_sq_dtype": torch.float8_e4m3fn}).kwargs["exp_avg_sq_dtype"] == torch.uint8
 
 
 def test_parse_dtype_spellings():
