@@ -20,6 +20,8 @@ from typing import Any
 from omegaconf import MISSING
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
+from optim_factory.optimizers.export.options import Pinning
+
 __all__ = [
     "Choice",
     "Backend",
@@ -134,6 +136,7 @@ class FusedAdamConfig:
     state_dict_cpu_offload: bool = False  # export to CPU during state_dict(), one FP32 state at a time
     state_dict_offload_chunk_bytes: Any = None  # null (one state at a time) | bytes | "64MiB": stream in chunks
     state_dict_offload_reuse_buffers: bool = False  # with chunks: reuse pinned host buffers across checkpoints
+    state_dict_offload_pinning: Pinning = Pinning.register  # with reuse: register | alloc | none (CUDA states)
     state_dict_keep_bf16: bool = False  # export BF16 states as BF16 (half the bytes; TE's own class cannot load it)
     param_groups: ParamGroupsConfig = field(default_factory=ParamGroupsConfig)
 

@@ -34,7 +34,7 @@ from optim_factory.config import (
     omegaconf_error_line,
     schema_keys,
 )
-from optim_factory.optimizers.export import ExportOptions, local_tensor
+from optim_factory.optimizers.export import ExportOptions, Pinning, local_tensor
 from optim_factory.optimizers.rules import OptionError, check_state_dtypes, parse_bytes, parse_dtype
 
 __all__ = [
@@ -185,7 +185,13 @@ def validate_optim_config(cfg: Any) -> ValidatedOptim:
         raise _fail(exc.key, exc.value, exc.allowed) from None
     try:  # the optimizers' own rules for the export options, checked before anything is built
         chunk = parse_bytes(c.state_dict_offload_chunk_bytes, "state_dict_offload_chunk_bytes")
-        ExportOptions(c.state_dict_cpu_offload, chunk, c.state_dict_offload_reuse_buffers)
+        ExportOptions(
+            c.state_dict_cpu_offload,
+            chunk,
+            c.state_dict_offload_reuse_buffers,
+            Pinning(c.state_dict_offload_pinning),
+            c.state_dict_keep_bf16,
+        )
     except ValueError as exc:
         raise ConfigError(f"optim.{exc}") from None
     return ValidatedOptim(c, MappingProxyType(_fused_adam_kwargs(c, chunk)))
@@ -371,6 +377,7 @@ def _fused_adam_kwargs(c: DictConfig, chunk_bytes: int | None) -> dict[str, Any]
         state_dict_cpu_offload=c.state_dict_cpu_offload,
         state_dict_offload_chunk_bytes=chunk_bytes,
         state_dict_offload_reuse_buffers=c.state_dict_offload_reuse_buffers,
+        state_dict_offload_pinning=Pinning(c.state_dict_offload_pinning),
         state_dict_keep_bf16=c.state_dict_keep_bf16,
     )
 
