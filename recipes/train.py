@@ -28,7 +28,9 @@ if __package__ in (None, ""):  # run as a script: make `recipes` and `optim_fact
 import hydra
 import torch
 import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.fsdp import fully_shard
@@ -347,9 +349,10 @@ def _task(cfg: DictConfig) -> None:
         _refuse(str(exc))
     except (HydraException, OmegaConfBaseException) as exc:  # a bug in the task, not a config error: main()
         raise RuntimeError(f"{type(exc).__name__} in the training job") from exc  # must not report it as one
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        # A torchrun worker whose job is done: skip interpreter teardown, where gloo's threads can abort the
-        # process ("terminate called without an active exception") after a successful run.
+    if "TORCHELASTIC_RUN_ID" in os.environ or HydraConfig.get().mode == RunMode.RUN:
+        # A torchrun worker, or a plain run, whose job is done: skip interpreter teardown, where gloo's threads can
+        # abort the process ("terminate called without an active exception", exit -6) after a successful run.
+        # Not in a -m sweep: the launcher (basic: this process; submitit: its job) still has work after a job.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
