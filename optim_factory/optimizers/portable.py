@@ -29,6 +29,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
+from optim_factory.optimizers.kernel_math import adam_update, bias_corrections
 from optim_factory.optimizers.export import (
     ExportOptions,
     OffloadedStateDict,
@@ -376,29 +377,22 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
 
         beta1, beta2 = group["betas"]
         b1, b2 = _f32(beta1), _f32(beta2)
-        one_minus_b1, one_minus_b2 = _f32(1.0 - b1), _f32(1.0 - b2)
         step = group["step"]
         if not group["bias_correction"]:
             bc1 = bc2 = 1.0
         elif isinstance(step, torch.Tensor):
-            step_f = step.to(device=g.device, dtype=torch.float32)
-            bc1 = 1 - torch.pow(torch.tensor(b1, device=g.device), step_f)
-            bc2 = 1 - torch.pow(torch.tensor(b2, device=g.device), step_f)
+            bc1, bc2 = bias_corrections(b1, b2, step.reshape(()), g.device)
         else:
             bc1, bc2 = _f32(1.0 - b1**step), _f32(1.0 - b2**step)
         lr = group["lr"]
         lr = lr.to(device=g.device, dtype=torch.float32) if isinstance(lr, torch.Tensor) else _f32(lr)
         decay, eps = _f32(group["weight_decay"]), _f32(group["eps"])
-
-        if self.adam_w_mode == 0 and decay != 0.0:
-            g = g + decay * r_p
-        m.mul_(b1).add_(g * one_minus_b1)
-        v.mul_(b2).add_(g * one_minus_b2 * g)
-        denom = (v / bc2).sqrt_().add_(eps)
-        update = (m / bc1).div_(denom)
-        if self.adam_w_mode == 1 and decay != 0.0:
-            update.add_(decay * r_p)
-        new_p = r_p - lr * update
+        new_p, m_new, v_new = adam_update(
+            g, r_p, m, v, beta1=b1, beta2=b2, bc1=bc1, bc2=bc2, eps=eps, lr=lr, decay=decay,
+            adam_w_mode=self.adam_w_mode == 1,
+        )
+        m.copy_(m_new)
+        v.copy_(v_new)
 
         if use_master and remainder:
             split_bf16_remainder(new_p, local_p, local_tensor(self.state[p]["master_param"]))

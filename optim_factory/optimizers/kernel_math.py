@@ -1,0 +1,101 @@
+"""The FP32 arithmetic of Transformer Engine's Adam kernels, in PyTorch (CPU and CUDA alike).
+
+TE 2.20.2's ``multi_tensor/adam.cu`` is built with fast math (its sm_90 SASS in the ``transformer-engine-cu12``
+wheel, see docs/te-bf16-moments.md): every FP32 operation flushes subnormals to zero (``.FTZ``), the
+multiply-adds are fused (``FFMA``), ``x / bias_correction`` and ``m_hat / denom`` are multiplications by a
+reciprocal (``MUFU.RCP``), and ``sqrtf`` is the hardware approximation (``MUFU.SQRT``). This module performs
+the same operations in the same order with the same roundings, except that the two hardware approximations
+are replaced by their correctly rounded values (each within one FP32 ulp of the hardware's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["adam_update", "bias_corrections"]
+
+_TINY = 2.0**-126  # smallest normal FP32
+
+
+def ftz(x: torch.Tensor) -> torch.Tensor:
+    """Flush FP32 subnormals to a zero of the same sign (what ``.FTZ`` does to inputs and results)."""
+    return torch.where(x.abs() < _TINY, x * 0.0, x)
+
+
+def fma(a, b, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` rounded once to FP32 (``FFMA.FTZ``); ``a``, ``b`` FP32 tensors or FP32-exact floats.
+
+    The product of two FP32 values is exact in float64; the sum is made exact by rounding it to odd
+    (TwoSum gives its error), so the final rounding to FP32 is the single round-to-nearest-even of the
+    exact result.
+    """
+    a = ftz(a) if isinstance(a, torch.Tensor) else a
+    b = ftz(b) if isinstance(b, torch.Tensor) else b
+    c = ftz(c)
+    prod = (a.double() if isinstance(a, torch.Tensor) else a) * (b.double() if isinstance(b, torch.Tensor) else b)
+    prod = torch.as_tensor(prod, dtype=torch.float64, device=c.device)
+    c64 = c.double()
+    s = prod + c64
+    bb = s - prod
+    err = (prod - (s - bb)) + (c64 - bb)
+    even = (s.view(torch.int64) & 1) == 0
+    odd = torch.nextafter(s, torch.where(err > 0, torch.inf, -torch.inf).to(s.dtype))
+    s = torch.where((err != 0) & even & torch.isfinite(s), odd, s)
+    return ftz(s.float())
+
+
+def mul(a, b) -> torch.Tensor:
+    return ftz(ftz(a) * b) if isinstance(a, torch.Tensor) else ftz(a * ftz(b))
+
+
+def add(a: torch.Tensor, b) -> torch.Tensor:
+    return ftz(ftz(a) + b)
+
+
+def rcp(x: torch.Tensor) -> torch.Tensor:
+    """``MUFU.RCP`` (``rcp.approx.ftz.f32``), here the correctly rounded reciprocal."""
+    return ftz(torch.reciprocal(ftz(x)))
+
+
+def bias_corrections(beta1: float, beta2: float, step, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``1 - beta**step`` in float64 from the FP32 betas, rounded to FP32, as host and capturable kernels do.
+
+    The host code calls ``std::pow(float, int)`` (double); the capturable kernels' ``pow`` also runs in
+    double (``DADD``/``CALL`` in their SASS) before ``F2F.F32.F64``. ``step`` is an int or an int tensor.
+    """
+    step = torch.as_tensor(step, device=device).to(torch.float64)
+    b = torch.tensor([beta1, beta2], dtype=torch.float32, device=device).double()
+    out = (1.0 - torch.pow(b.reshape(2, *([1] * step.dim())), step)).float()
+    return out[0], out[1]
+
+
+def adam_update(g, p, m, v, *, beta1, beta2, bc1, bc2, eps, lr, decay, adam_w_mode: bool):
+    """One element-wise Adam step in FP32 as the kernel computes it; returns new ``(p, m, v)``.
+
+    ``beta1``, ``beta2``, ``eps``, ``decay`` are FP32-exact floats; ``bc1``, ``bc2`` and ``lr`` FP32 floats or
+    tensors. Operation by operation (kernel's ``AdamFunctor``/``AdamFunctorMaster``/``...ParamRemainder``/
+    ``AdamCapturable...``, identical bodies):
+    L2: ``g = fma(decay, p, g)``; ``m = fma(beta1, m, (1-beta1)*g)``; ``v = fma(beta2, v, ((1-beta2)*g)*g)``;
+    ``denom = sqrt(v * rcp(bc2)) + eps``; ``u = (m * rcp(bc1)) * rcp(denom)``; AdamW: ``u = fma(decay, p, u)``;
+    ``p = fma(-u, lr, p)``.
+    """
+    one_minus_b1 = 1.0 - beta1  # FADD.FTZ 1 - beta: exact for beta in [0.5, 1]; rounded like the kernel else
+    one_minus_b2 = 1.0 - beta2
+    one_minus_b1 = float(torch.tensor(one_minus_b1, dtype=torch.float32))
+    one_minus_b2 = float(torch.tensor(one_minus_b2, dtype=torch.float32))
+    if not adam_w_mode:
+        g = fma(p, decay, g)
+    m = fma(m, beta1, mul(g, one_minus_b1))
+    v = fma(v, beta2, mul(mul(g, one_minus_b2), g))
+    if not isinstance(bc1, torch.Tensor):
+        bc1 = torch.tensor(bc1, dtype=torch.float32, device=g.device)
+        bc2 = torch.tensor(bc2, dtype=torch.float32, device=g.device)
+    v_hat = mul(v, rcp(bc2))
+    denom = add(ftz(torch.sqrt(v_hat)), eps)
+    update = mul(mul(m, rcp(bc1)), rcp(denom))
+    if adam_w_mode:
+        update = fma(p, decay, update)
+    if isinstance(lr, torch.Tensor):
+        lr = lr.to(device=g.device, dtype=torch.float32).reshape(())
+    p = fma(-update, lr, p)
+    return p, m, v
