@@ -29,7 +29,6 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from optim_factory.optimizers.kernel_math import adam_update, bias_corrections
 from optim_factory.optimizers.export import (
     ExportOptions,
     OffloadedStateDict,
@@ -39,6 +38,7 @@ from optim_factory.optimizers.export import (
     split_bf16_remainder,
     wrap_like,
 )
+from optim_factory.optimizers.kernel_math import adam_update, bias_corrections
 from optim_factory.optimizers.rules import check_adam_options, parse_bytes
 
 __all__ = ["PortableFusedAdam", "FP8_STORAGE_DTYPE"]
@@ -388,7 +388,17 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
         lr = lr.to(device=g.device, dtype=torch.float32) if isinstance(lr, torch.Tensor) else _f32(lr)
         decay, eps = _f32(group["weight_decay"]), _f32(group["eps"])
         new_p, m_new, v_new = adam_update(
-            g, r_p, m, v, beta1=b1, beta2=b2, bc1=bc1, bc2=bc2, eps=eps, lr=lr, decay=decay,
+            g,
+            r_p,
+            m,
+            v,
+            beta1=b1,
+            beta2=b2,
+            bc1=bc1,
+            bc2=bc2,
+            eps=eps,
+            lr=lr,
+            decay=decay,
             adam_w_mode=self.adam_w_mode == 1,
         )
         m.copy_(m_new)
