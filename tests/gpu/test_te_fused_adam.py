@@ -231,11 +231,12 @@ def test_portable_on_cuda_matches_te(name, dtype, kw, record):
         assert max(e for _, e in v) <= 0, (k, rel)
 
 
-@pytest.mark.parametrize(
-    "name,dtype,kw",
-    [c[:3] for c in LIFECYCLE_CONFIGS if not c[2].get("capturable")][:8],
-    ids=[c[0] for c in LIFECYCLE_CONFIGS if not c[2].get("capturable")][:8],
-)
+# Every non-capturable configuration: FP32/FP16/BF16/FP8 moments, FP32/FP16 masters, int16 remainders, FP16
+# parameters, L2 mode (capturable states are the FP32/BF16 ones of these, with tensor lr/step).
+INTERCHANGE = [c[:3] for c in LIFECYCLE_CONFIGS if not c[2].get("capturable")]
+
+
+@pytest.mark.parametrize("name,dtype,kw", INTERCHANGE, ids=[c[0] for c in INTERCHANGE])
 def test_checkpoints_interchange_between_te_and_portable(name, dtype, kw):
     FusedAdam = te_cls()
     for src_cls, dst_cls in ((FusedAdam, PortableFusedAdam), (PortableFusedAdam, FusedAdam)):
