@@ -110,7 +110,7 @@ def test_zero_element_parameters_step_export_load_continue_like_te_without_them(
         )
 
 
-# FP16 and FP8 states (moments and master), and int16 remainders (gathered on NCCL; gloo cannot)
+# FP16 and FP8 states (moments and master), and int16 remainders (sharded only: no backend gathers int16)
 TWO_GPU_CONFIGS = [
     "fp16-moments",
     "fp8-moments",

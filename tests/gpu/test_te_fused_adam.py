@@ -289,7 +289,7 @@ def test_factory_builds_te_subclass_launching_te_kernels():
         "exp_avg_dtype": "bf16",
         "exp_avg_sq_dtype": "bf16",
         "state_dict_cpu_offload": True,
-        "param_groups": {"no_decay": []},
+        "param_groups": {"no_decay": [], "no_decay_auto": False},  # one group, as TE's own below
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
