@@ -71,6 +71,8 @@ FALLBACK_HINT = "checkpoint.fallback=true resumes from the newest checkpoint tha
 class CheckpointError(RuntimeError):
     """A checkpoint problem, in one line naming the checkpoint (or key) and what is wrong."""
 
+    older_may_load = True  # with checkpoint.fallback, an older checkpoint is tried (not for a refused config)
+
 
 @dataclass
 class ExportReport:
@@ -218,6 +220,7 @@ class CheckpointManager:
         )
         self.reports: list[ExportReport] = []
         self.verified: Path | None = None  # the newest checkpoint known good: last saved or loaded; never deleted
+        self.resume_changes: list = []  # recipes.resume.Change: how the run's config differs from the loaded one's
 
     def on_phase(self, phase: str, step: int, path: Path) -> None:
         """Called at each point of ``SAVE_PHASES`` of the save of ``step`` into ``path``; does nothing here.
@@ -263,7 +266,7 @@ class CheckpointManager:
             try:
                 return path, self.load(path, model, optimizer, trainer_state)
             except CheckpointError as exc:
-                if not (self.cfg.fallback and i + 1 < len(candidates)):
+                if not exc.older_may_load or not (self.cfg.fallback and i + 1 < len(candidates)):
                     raise
                 log.warning("%s; checkpoint.fallback=true: trying the older %s", exc, candidates[i + 1])
         return None
@@ -440,14 +443,20 @@ class CheckpointManager:
     def load(self, path: Path, model, optimizer, trainer_state: dict[str, Any]) -> dict[str, Any]:
         """Load ``path`` into model, optimizer and a copy of ``trainer_state``; return the loaded trainer state.
 
-        The checkpoint is verified first (:meth:`verify`). DCP then reads into host copies of the state dicts;
+        A config change that ``recipes.resume.RESUME_RULES`` refuses raises first (one line); the checkpoint is
+        then verified (:meth:`verify`). DCP reads into host copies of the state dicts;
         only a complete read is set into the live model and optimizer, so a damaged or mismatched checkpoint
         leaves them untouched.
         """
+        from recipes import resume  # builds on this module (CheckpointError, read_manifest)
+
+        changes = resume.check_config(path, self.run_config)  # a refused change: one line, nothing read yet
         self.verify(path)
         msd, osd = get_state_dict(model, optimizer, options=self.options)
         state = _host_copy({"model": msd, "optim": osd, "trainer": dict(trainer_state)})
         del msd, osd
+        resume.align_template(state, path)  # saved dtypes, so that DCP never casts (the optimizer converts)
+        hyperparameters = resume.capture_hyperparameters(optimizer)
         try:
             dcp.load(state, checkpoint_id=str(path))
         except _DCP_ERRORS as exc:  # DCP's errors are long: name the checkpoint and the first rank's error
@@ -455,6 +464,10 @@ class CheckpointManager:
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=self.options
         )
+        resume.restore_hyperparameters(optimizer, hyperparameters)  # the config's, not the checkpoint's
+        if self.rank == 0:
+            resume.log_changes(changes)
+        self.resume_changes = changes
         self.verified = Path(path)
         return state["trainer"]
 

@@ -48,6 +48,7 @@ from recipes.data import DataError, build_data
 from recipes.distributed import LaunchError, init_distributed, pick_device, resolve_dist_env, shutdown
 from recipes.model import build_model
 from recipes.progress import ConsoleHandler, progress_bar
+from recipes.resume import nothing_to_do
 
 log = logging.getLogger("recipes.train")
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -224,10 +225,12 @@ def _train(
         start, resumed_from = int(state["step"]), str(path)
         torch.set_rng_state(state["rng_state"])
         log.info("resuming from checkpoint %s at step %d (saved by %d rank(s))", path, start, state["world_size"])
+        for change in ckpt.resume_changes:  # logged by the manager; recorded here
+            metrics.write(change.record())
     max_steps = cfg.trainer.max_steps
     end = min(max_steps, cfg.trainer.stop_at) if cfg.trainer.stop_at > 0 else max_steps
     if start >= end:
-        log.info("nothing to do: checkpoint step %d >= %d", start, end)
+        (log.warning if ckpt.resume_changes else log.info)(nothing_to_do(start, end, resumed_from, ckpt.resume_changes))
 
     bar = progress_bar(total=end, initial=start, enabled=rank == 0 and cfg.trainer.progress)
     first_loss = last_loss = None

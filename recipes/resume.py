@@ -1,0 +1,260 @@
+"""What a resume does with a config that differs from the checkpoint's (docs/reliability.md, "Resume").
+
+:data:`RESUME_RULES` is the one table: every config key that differs between the run and the checkpoint it
+resumes (the resolved config is in the checkpoint's manifest) is
+
+* ``config``: the config wins (hyperparameters; param groups are built from the config by parameter name and
+  keep the config's values after the load), logged ``resume: optim.weight_decay 0.1 -> 0.0 (from the config)``;
+* ``converted``: the state layout changes; the saved states are converted exactly as the optimizer's
+  ``load_state_dict`` converts them, logged ``(converted)``;
+* ``refused``: one :class:`ResumeRefused` line naming the key and both values, before anything is read into the
+  model or optimizer;
+* ``ignored``: operational keys (progress, threads, logging, device, checkpoint options, run_dir), not logged.
+
+Keys of no row follow the config and are logged like ``config`` rows (e.g. ``trainer.max_steps``, ``data.*``).
+
+The checkpoint manager calls :func:`check_config` before a load, :func:`align_template` on the state dict DCP
+loads into (so that DCP never casts a saved tensor to another dtype on its own: it would truncate an FP32
+master into int16 remainders), and :func:`capture_hyperparameters` / :func:`restore_hyperparameters` around
+``set_state_dict`` (DCP's flattened optimizer state restores each group's values from the checkpoint's value
+for the group's first parameter).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+
+from optim_factory.optimizers.export import local_tensor, wrap_host_local
+from recipes.checkpoint import CheckpointError, read_manifest
+
+log = logging.getLogger(__name__)
+
+CONFIG, CONVERTED, REFUSED, IGNORED = "config", "converted", "refused", "ignored"
+FOLLOWS = CONFIG  # keys of no row: the run's config applies (logged)
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str  # fnmatch pattern over the dotted config key
+    action: str  # CONFIG | CONVERTED | REFUSED | IGNORED
+    why: str
+    test: str  # the test in tests/recipe/test_resume.py that proves the row
+
+
+T_REFUSED, T_HYPER, T_GROUPS, T_LAYOUT = (
+    "test_refused_changes",
+    "test_hyperparameters_follow_the_config",
+    "test_no_decay_patterns_change_across_a_resume",
+    "test_layout_converts",
+)
+
+# The first matching row applies. docs/reliability.md renders this table (tests check that it does).
+RESUME_RULES: tuple[Rule, ...] = (
+    Rule("optim.name", REFUSED, "the optimizer type (its state) cannot change", T_REFUSED),
+    Rule("optim.capturable", REFUSED, "lr and step change representation", T_REFUSED),
+    *(
+        Rule(f"model.{k}", REFUSED, "the model's architecture or shapes change", T_REFUSED)
+        for k in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len", "tie_embeddings", "dtype")
+    ),
+    *(
+        Rule(f"optim.{k}", CONFIG, "hyperparameter: the config's value is used", T_HYPER)
+        for k in ("lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode")
+    ),
+    Rule(
+        "optim.param_groups.*",
+        CONFIG,
+        "groups are built from the config by parameter name; moments are matched by name",
+        T_GROUPS,
+    ),
+    *(
+        Rule(f"optim.{k}", CONVERTED, "state dtype: converted on load", T_LAYOUT)
+        for k in ("exp_avg_dtype", "exp_avg_sq_dtype")
+    ),
+    Rule("optim.master_weights", CONVERTED, "on: the master starts as the parameter; off: dropped", T_LAYOUT),
+    Rule("optim.master_weight_dtype", CONVERTED, "the master is converted on load", T_LAYOUT),
+    Rule("optim.store_param_remainders", CONVERTED, "FP32 master <-> int16 remainders, exactly", T_LAYOUT),
+    Rule("optim.state_dict_*", CONVERTED, "export options: how checkpoints are written", T_LAYOUT),
+    *(
+        Rule(k, IGNORED, "operational", "")
+        for k in ("run_dir", "checkpoint.*", *(f"trainer.{t}" for t in ("progress", "threads", "log_every", "device")))
+    ),
+)
+
+
+class ResumeRefused(CheckpointError):
+    """The run's config cannot resume this checkpoint (never retried with an older checkpoint)."""
+
+    older_may_load = False
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str
+    checkpoint: Any
+    config: Any
+    action: str
+
+    def line(self) -> str:
+        how = "(converted)" if self.action == CONVERTED else "(from the config)"
+        return f"resume: {self.key} {_show(self.checkpoint)} -> {_show(self.config)} {how}"
+
+    def record(self) -> dict[str, Any]:
+        """The metrics.jsonl record of this change."""
+        return {
+            "kind": "resume",
+            "key": self.key,
+            "checkpoint": self.checkpoint,
+            "config": self.config,
+            "action": self.action,
+        }
+
+
+def _show(value: Any) -> str:
+    return "absent" if value is _ABSENT else str(value)
+
+
+_ABSENT = "<absent>"
+
+
+def rule_for(key: str) -> Rule | None:
+    return next((r for r in RESUME_RULES if fnmatch.fnmatchcase(key, r.pattern)), None)
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    flat: dict[str, Any] = {}
+    for k, v in tree.items():
+        flat.update(_flatten(v, f"{prefix}{k}."))
+    return flat
+
+
+def compare(saved: dict[str, Any], run: dict[str, Any]) -> list[Change]:
+    """Every non-ignored key whose value differs between the checkpoint's config and the run's, in key order."""
+    a, b = _flatten(saved), _flatten(run)
+    changes = []
+    for key in sorted(set(a) | set(b)):
+        old, new = a.get(key, _ABSENT), b.get(key, _ABSENT)
+        if old == new:
+            continue
+        rule = rule_for(key)
+        action = rule.action if rule else FOLLOWS
+        if action != IGNORED:
+            changes.append(Change(key, old, new, action))
+    return changes
+
+
+def check_config(path: Path, run_config: dict[str, Any] | None) -> list[Change]:
+    """Compare ``run_config`` with the config in checkpoint ``path``'s manifest: raise one :class:`ResumeRefused`
+    line for a refused change, else return the changes (not yet logged). Reads only the manifest."""
+    if run_config is None:
+        return []
+    saved = read_manifest(path).get("config")
+    if not isinstance(saved, dict):
+        log.warning(
+            "checkpoint %s has no config in its manifest (written before it was recorded): resuming "
+            "without comparing its config with this run's",
+            path,
+        )
+        return []
+    changes = compare(saved, run_config)
+    refused = [c for c in changes if c.action == REFUSED]
+    if refused:
+        first = refused[0]
+        more = f" (also: {', '.join(c.key for c in refused[1:])})" if len(refused) > 1 else ""
+        raise ResumeRefused(
+            f"checkpoint {path} cannot be resumed with this config: {first.key} is {_show(first.checkpoint)} in "
+            f"the checkpoint and {_show(first.config)} in the config ({rule_for(first.key).why}){more}; use a new "
+            "run_dir to train with it"
+        )
+    return changes
+
+
+def align_template(state: dict[str, Any], path: Path) -> None:
+    """Make the (host) state dict DCP loads ``path`` into match what the checkpoint holds, in place.
+
+    A tensor saved with another dtype gets an empty template of the *saved* dtype, so DCP reads it unchanged and
+    the optimizer's ``load_state_dict`` converts it (int16 remainders <-> FP32 master, BF16 <-> FP32 ...): DCP
+    itself would ``copy_`` it into the template's dtype (an FP32 master into int16: truncated garbage). A
+    ``master_param`` the checkpoint lacks (master weights turned on) is dropped: the optimizer starts the master
+    from the loaded parameter. Any other missing tensor is one :class:`ResumeRefused` line.
+    """
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+    def walk(tree: dict, prefix: str) -> None:
+        for k in list(tree):
+            key, value = f"{prefix}{k}", tree[k]
+            if isinstance(value, dict):
+                walk(value, f"{key}.")
+                continue
+            if not isinstance(value, torch.Tensor):
+                continue
+            meta = saved.get(key)
+            if meta is None:
+                if key.startswith("optim.") and key.endswith(".master_param"):
+                    del tree[k]
+                    continue
+                raise ResumeRefused(
+                    f"checkpoint {path} cannot be resumed with this config: it holds no {key}; use a new run_dir "
+                    "to train with it"
+                )
+            dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+            if dtype is not None and dtype != value.dtype:
+                local = torch.empty(local_tensor(value).shape, dtype=dtype)
+                tree[k] = wrap_host_local(local, value) if isinstance(value, DTensor) else local
+
+    walk(state, "")
+
+
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
+
+
+def capture_hyperparameters(optimizer: torch.optim.Optimizer) -> list[tuple[list, dict[str, Any]]]:
+    """Each group's parameters and hyperparameters as the config built them (before a load replaces them)."""
+    return [
+        (
+            list(g["params"]),
+            {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k in HYPERPARAMETERS},
+        )
+        for g in optimizer.param_groups
+    ]
+
+
+def restore_hyperparameters(optimizer: torch.optim.Optimizer, captured: list[tuple[list, dict[str, Any]]]) -> None:
+    """Put the config's hyperparameters back into each group (after a load); the groups keep their parameters."""
+    if len(captured) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"the load changed the optimizer's groups ({len(captured)} -> {len(optimizer.param_groups)})"
+        )
+    for group, (params, values) in zip(optimizer.param_groups, captured):
+        if [id(p) for p in group["params"]] != [id(p) for p in params]:
+            raise CheckpointError("the load changed the parameters of an optimizer group")
+        for k, v in values.items():
+            if isinstance(v, torch.Tensor) and isinstance(group.get(k), torch.Tensor):
+                group[k].copy_(v)
+            else:
+                group[k] = v
+
+
+def log_changes(changes: list[Change]) -> None:
+    for c in changes:
+        log.info(c.line())
+
+
+def nothing_to_do(step: int, end: int, path: str | None, changes: list[Change]) -> str:
+    """The line for a run that has nothing left to train: plain, or naming what differs from the checkpoint."""
+    if not changes:
+        return f"nothing to do: checkpoint step {step} >= {end}"
+    diff = ", ".join(f"{c.key} {_show(c.checkpoint)} -> {_show(c.config)}" for c in changes)
+    return (
+        f"run finished at step {step}: nothing trained; the config differs from checkpoint {Path(path).name}'s: "
+        f"{diff}; use a new run_dir to train with it"
+    )
