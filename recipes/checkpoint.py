@@ -455,12 +455,13 @@ class CheckpointManager:
         msd, osd = get_state_dict(model, optimizer, options=self.options)
         state = _host_copy({"model": msd, "optim": osd, "trainer": dict(trainer_state)})
         del msd, osd
-        resume.align_template(state, path)  # saved dtypes, so that DCP never casts (the optimizer converts)
+        masters = resume.align_template(state, path)  # saved dtypes: DCP never casts, the optimizer does
         hyperparameters = resume.capture_hyperparameters(optimizer)
         try:
             dcp.load(state, checkpoint_id=str(path))
         except _DCP_ERRORS as exc:  # DCP's errors are long: name the checkpoint and the first rank's error
             raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {one_line(exc)}") from exc
+        resume.finish_masters(state, masters)  # from the loaded parameters
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=self.options
         )

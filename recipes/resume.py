@@ -15,9 +15,9 @@ Keys of no row follow the config and are logged like ``config`` rows (e.g. ``tra
 
 The checkpoint manager calls :func:`check_config` before a load, :func:`align_template` on the state dict DCP
 loads into (so that DCP never casts a saved tensor to another dtype on its own: it would truncate an FP32
-master into int16 remainders), and :func:`capture_hyperparameters` / :func:`restore_hyperparameters` around
-``set_state_dict`` (DCP's flattened optimizer state restores each group's values from the checkpoint's value
-for the group's first parameter).
+master into int16 remainders), :func:`finish_masters` after DCP's read, and :func:`capture_hyperparameters` /
+:func:`restore_hyperparameters` around ``set_state_dict`` (DCP's flattened optimizer state restores each
+group's values from the checkpoint's value for the group's first parameter).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from optim_factory.optimizers.export import local_tensor, wrap_host_local
+from optim_factory.optimizers.export import join_bf16_remainder, local_tensor, wrap_host_local
 from recipes.checkpoint import CheckpointError, read_manifest
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,11 @@ RESUME_RULES: tuple[Rule, ...] = (
     Rule("optim.state_dict_*", CONVERTED, "export options: how checkpoints are written", T_LAYOUT),
     *(
         Rule(k, IGNORED, "operational", "")
-        for k in ("run_dir", "checkpoint.*", *(f"trainer.{t}" for t in ("progress", "threads", "log_every", "device")))
+        for k in (
+            "run_dir",
+            "checkpoint.*",
+            *(f"trainer.{t}" for t in ("progress", "threads", "log_every", "device", "stop_at")),
+        )
     ),
 )
 
@@ -178,16 +182,33 @@ def check_config(path: Path, run_config: dict[str, Any] | None) -> list[Change]:
     return changes
 
 
-def align_template(state: dict[str, Any], path: Path) -> None:
+@dataclass(frozen=True)
+class MasterFixup:
+    """A master whose saved form the optimizer cannot convert on its own (it sees the parameter before DCP's
+    ``set_state_dict`` loads the model): ``missing`` (master weights turned on) or ``join`` (int16 remainders
+    saved, a full master wanted)."""
+
+    tree: dict  # the template dict that holds it
+    key: str
+    fqn: str  # the parameter's name: its key in the model state dict
+    kind: str  # "missing" | "join"
+
+
+_STATE, _MASTER = "optim.state.", ".master_param"
+
+
+def align_template(state: dict[str, Any], path: Path) -> list[MasterFixup]:
     """Make the (host) state dict DCP loads ``path`` into match what the checkpoint holds, in place.
 
     A tensor saved with another dtype gets an empty template of the *saved* dtype, so DCP reads it unchanged and
-    the optimizer's ``load_state_dict`` converts it (int16 remainders <-> FP32 master, BF16 <-> FP32 ...): DCP
-    itself would ``copy_`` it into the template's dtype (an FP32 master into int16: truncated garbage). A
-    ``master_param`` the checkpoint lacks (master weights turned on) is dropped: the optimizer starts the master
-    from the loaded parameter. Any other missing tensor is one :class:`ResumeRefused` line.
+    the optimizer's ``load_state_dict`` converts it (FP32 master -> int16 remainders, BF16 <-> FP32 moments ...):
+    DCP itself would ``copy_`` it into the template's dtype (an FP32 master into int16: truncated garbage). A
+    ``master_param`` the checkpoint lacks (master weights turned on) is taken out of what DCP reads. Both, and
+    saved int16 remainders where a full master is wanted, are returned for :func:`finish_masters`. Any other
+    tensor the checkpoint lacks is one :class:`ResumeRefused` line.
     """
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    fixups: list[MasterFixup] = []
 
     def walk(tree: dict, prefix: str) -> None:
         for k in list(tree):
@@ -197,21 +218,41 @@ def align_template(state: dict[str, Any], path: Path) -> None:
                 continue
             if not isinstance(value, torch.Tensor):
                 continue
+            is_master = key.startswith(_STATE) and key.endswith(_MASTER)
+            fqn = key[len(_STATE) : -len(_MASTER)] if is_master else ""
             meta = saved.get(key)
             if meta is None:
-                if key.startswith("optim.") and key.endswith(".master_param"):
-                    del tree[k]
-                    continue
-                raise ResumeRefused(
-                    f"checkpoint {path} cannot be resumed with this config: it holds no {key}; use a new run_dir "
-                    "to train with it"
-                )
+                if not is_master:
+                    raise ResumeRefused(
+                        f"checkpoint {path} cannot be resumed with this config: it holds no {key}; use a new "
+                        "run_dir to train with it"
+                    )
+                fixups.append(MasterFixup(tree, k, fqn, "missing"))
+                del tree[k]
+                continue
             dtype = getattr(getattr(meta, "properties", None), "dtype", None)
             if dtype is not None and dtype != value.dtype:
+                if is_master and dtype == torch.int16:
+                    fixups.append(MasterFixup(tree, k, fqn, "join"))
                 local = torch.empty(local_tensor(value).shape, dtype=dtype)
                 tree[k] = wrap_host_local(local, value) if isinstance(value, DTensor) else local
 
     walk(state, "")
+    return fixups
+
+
+def finish_masters(state: dict[str, Any], fixups: list[MasterFixup]) -> None:
+    """After DCP's read: each master of ``fixups`` as the full FP32 master, from the *loaded* parameter (exact):
+    a missing master is the parameter widened; int16 remainders are joined with it. The optimizer's load then
+    converts it as it converts any saved FP32 master (to int16 remainders, an FP16 master ...)."""
+    for f in fixups:
+        param = state["model"][f.fqn]
+        local = local_tensor(param)
+        if f.kind == "join":
+            value = join_bf16_remainder(local, local_tensor(f.tree[f.key]))
+        else:
+            value = local.float()
+        f.tree[f.key] = wrap_host_local(value, param) if isinstance(param, DTensor) else value
 
 
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "bias_correction")

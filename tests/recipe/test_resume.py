@@ -1,0 +1,311 @@
+"""Resume is explicit (issue 15, item 3; observations 4 and 6): every config change across a resume takes effect
+(hyperparameters), converts exactly (state layout) or is refused in one line (recipes/resume.py's table).
+
+The layout tests compare the loaded optimizer states with the checkpoint's values (read back with
+``read_checkpoint``), converted as the new config stores them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from optim_factory import build_optimizer
+from optim_factory.optimizers.export import join_bf16_remainder, local_tensor
+from recipes.checkpoint import CheckpointError, CheckpointManager, read_checkpoint
+from recipes.distributed import DistEnv, init_distributed, shutdown
+from recipes.model import build_model
+from recipes.resume import CONVERTED, IGNORED, RESUME_RULES, ResumeRefused, rule_for
+from recipes.train import compose_config, shard_model, train
+from tests.recipe.test_train import QUICK, ROOT, metrics, snapshot
+
+STEP10 = "step_00000010"
+
+
+def _save(run_dir: Path, *overrides: str) -> dict:
+    """Train 10 steps with ``overrides`` (one checkpoint, step 10); return its contents."""
+    train(compose_config([*QUICK, f"run_dir={run_dir}", "trainer.stop_at=10", *overrides]))
+    return read_checkpoint(run_dir / "checkpoints" / STEP10, run_dir)
+
+
+@pytest.fixture
+def resume_live():
+    """``resume_live(run_dir, *overrides)``: the recipe's model + optimizer for the config, resumed from
+    ``run_dir`` by a manager that knows the run's config (as ``train`` builds them); one gloo process."""
+
+    def build(run_dir: Path, *overrides: str):
+        cfg = compose_config([*QUICK, f"run_dir={run_dir}", *overrides])
+        mesh = init_distributed(DistEnv(0, 1, 0, "127.0.0.1", 0, "single"), torch.device("cpu"))
+        model = shard_model(build_model(cfg.model, seed=cfg.trainer.seed, device=torch.device("cpu")), mesh)
+        opt = build_optimizer(cfg.optim, model)
+        ckpt = CheckpointManager(
+            cfg.checkpoint, rank=0, device=torch.device("cpu"), run_config=OmegaConf.to_container(cfg, resolve=True)
+        )
+        template = {"step": 0, "data_position": 0, "world_size": 0, "rng_state": torch.get_rng_state()}
+        path, state = ckpt.resume(model, opt, template)
+        assert path.name == STEP10 and state["step"] == 10
+        return cfg, model, opt, ckpt
+
+    yield build
+    shutdown()
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters())
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------- converts
+BF16 = ["model.dtype=bf16"]
+MASTER = [*BF16, "optim.master_weights=true"]
+REMAINDERS = [*MASTER, "optim.store_param_remainders=true"]
+
+
+def _moment_expected(saved: torch.Tensor, dtype: str) -> torch.Tensor:
+    return saved.float().to(torch.bfloat16).float() if dtype == "bf16" else saved.float()
+
+
+# (saved overrides, resumed overrides, the changed keys, moments dtype after resume, master check)
+# master check: "saved" (the saved FP32 master), "join" (the saved remainders joined with the saved parameter),
+# "param" (the saved parameter, widened: master turned on), "none" (master turned off), "fp16" (the saved master
+# in an FP16 master with a fresh scale), None (FP32 parameters: no master)
+LAYOUT = [
+    ([], ["optim.exp_avg_dtype=bf16", "optim.exp_avg_sq_dtype=bf16"], ["exp_avg_dtype", "exp_avg_sq_dtype"], "bf16",
+     None),
+    (["optim.exp_avg_dtype=bf16", "optim.exp_avg_sq_dtype=bf16"], [], ["exp_avg_dtype", "exp_avg_sq_dtype"], "fp32",
+     None),
+    (["optim.exp_avg_dtype=bf16", "optim.exp_avg_sq_dtype=bf16", "optim.state_dict_keep_bf16=true"], [],
+     ["exp_avg_dtype", "exp_avg_sq_dtype", "state_dict_keep_bf16"], "fp32", None),
+    ([], ["optim.exp_avg_dtype=fp16", "optim.exp_avg_sq_dtype=fp8"], ["exp_avg_dtype", "exp_avg_sq_dtype"], "scaled",
+     None),
+    (["optim.state_dict_cpu_offload=true"], [], ["state_dict_cpu_offload"], "fp32", None),
+    (MASTER, REMAINDERS, ["store_param_remainders"], "fp32", "saved"),
+    (REMAINDERS, MASTER, ["store_param_remainders"], "fp32", "join"),
+    (BF16, MASTER, ["master_weights"], "fp32", "param"),
+    (BF16, REMAINDERS, ["master_weights", "store_param_remainders"], "fp32", "param"),
+    (MASTER, BF16, ["master_weights"], "fp32", "none"),
+    (MASTER, [*MASTER, "optim.master_weight_dtype=fp16"], ["master_weight_dtype"], "fp32", "fp16"),
+]
+
+# Measured (this CPU, torch 2.13): FP16 moments with a fresh per-tensor scale, max relative error against the
+# FP32 value 4.9e-4 (FP16's 2**-11 rounding); FP8 (E4M3) 6.2e-2 (2**-4). Bounds: twice that, relative to each
+# tensor's largest magnitude.
+SCALED_RTOL = {"exp_avg": 1e-3, "exp_avg_sq": 0.125, "master_param": 1e-3}
+
+
+def _close(loaded: torch.Tensor, expected: torch.Tensor, name: str) -> bool:
+    scale = expected.abs().max().clamp_min(1e-30)
+    return bool(((loaded - expected).abs().max() / scale) <= SCALED_RTOL[name])
+
+
+@pytest.mark.parametrize("saved_cfg,resumed_cfg,keys,moments,master", LAYOUT, ids=[
+    f"{'+'.join(a) or 'default'}->{'+'.join(b) or 'default'}" for a, b, *_ in LAYOUT])
+def test_layout_converts(saved_cfg, resumed_cfg, keys, moments, master, tmp_path, resume_live):
+    saved = _save(tmp_path, *saved_cfg)
+    cfg, model, opt, ckpt = resume_live(tmp_path, *resumed_cfg)
+    assert {c.key: c.action for c in ckpt.resume_changes} == {f"optim.{k}": CONVERTED for k in keys}
+    for fqn, p in _params(model).items():
+        live = local_tensor(p).detach()
+        assert _same(live, saved[f"model.{fqn}"]), f"{fqn}: parameter differs from the checkpoint's"
+        st = opt.state[p]
+        for name in ("exp_avg", "exp_avg_sq"):
+            loaded, ref = opt.get_unscaled_state(p, name), saved[f"optim.state.{fqn}.{name}"]
+            if moments == "scaled":
+                assert _close(loaded, ref.float(), name), f"{fqn}.{name}"
+            else:
+                assert _same(loaded, _moment_expected(ref, moments)), f"{fqn}.{name}: not the checkpoint's value"
+        key = f"optim.state.{fqn}.master_param"
+        if master is None or p.dtype == torch.float32:
+            assert "master_param" not in st or master in (None, "none")
+            continue
+        if master == "none":
+            assert "master_param" not in st, f"{fqn}: master kept after master_weights=false"
+            continue
+        got = st["master_param"]
+        full = join_bf16_remainder(live, local_tensor(got)) if got.dtype == torch.int16 else None
+        if master == "saved":
+            assert got.dtype == torch.int16 and _same(full, saved[key]), f"{fqn}: remainders do not rejoin the master"
+        elif master == "join":
+            assert _same(local_tensor(got), join_bf16_remainder(saved[f"model.{fqn}"], saved[key])), fqn
+        elif master == "param":
+            assert key not in saved
+            value = full if full is not None else local_tensor(got)
+            assert _same(value, saved[f"model.{fqn}"].float()), f"{fqn}: master is not the saved parameter"
+        else:  # fp16
+            assert _close(opt.get_unscaled_state(p, "master_param"), saved[key], "master_param"), fqn
+
+
+def test_lowmem_after_the_default_run_starts_masters_from_the_parameters(tmp_path, resume_live):
+    """Observation 3's second half: the README's order (default job, then the low-memory preset) loads."""
+    saved = _save(tmp_path, *BF16)
+    _, model, opt, ckpt = resume_live(tmp_path, *BF16, "optim=fused_adam_lowmem")
+    assert "optim.master_weights" in {c.key for c in ckpt.resume_changes}
+    for fqn, p in _params(model).items():
+        rem = local_tensor(opt.state[p]["master_param"])
+        assert _same(join_bf16_remainder(local_tensor(p).detach(), rem), saved[f"model.{fqn}"].float())
+
+
+# ---------------------------------------------------------------------------------------------------- refused
+REFUSED = [
+    (["optim=adamw"], "optim.name", "fused_adam", "adamw"),
+    (["optim.capturable=true"], "optim.capturable", "False", "True"),
+    (["model.d_model=32", "model.d_ff=64"], "model.d_ff", "256", "64"),
+    (["model.dtype=bf16"], "model.dtype", "fp32", "bf16"),
+    (["model.tie_embeddings=true"], "model.tie_embeddings", "False", "True"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,old,new", REFUSED, ids=[r[1] for r in REFUSED])
+def test_refused_changes(overrides, key, old, new, tmp_path):
+    _save(tmp_path)
+    before = snapshot(tmp_path / "checkpoints")
+    with pytest.raises(ResumeRefused) as info:
+        train(compose_config([*QUICK, f"run_dir={tmp_path}", "checkpoint.fallback=true", *overrides]))
+    text = str(info.value)
+    assert "\n" not in text and f"{key} is {old} in the checkpoint and {new} in the config" in text, text
+    assert "use a new run_dir" in text and STEP10 in text
+    assert snapshot(tmp_path / "checkpoints") == before
+
+
+def test_a_refusal_reads_nothing_into_the_model_and_never_falls_back(tmp_path):
+    train(compose_config([*QUICK, f"run_dir={tmp_path}"]))  # checkpoints at steps 10 and 20
+    cfg = compose_config([*QUICK, f"run_dir={tmp_path}", "checkpoint.fallback=true", "optim.capturable=true"])
+    mesh = init_distributed(DistEnv(0, 1, 0, "127.0.0.1", 0, "single"), torch.device("cpu"))
+    try:
+        model = shard_model(build_model(cfg.model, seed=cfg.trainer.seed, device=torch.device("cpu")), mesh)
+        opt = build_optimizer(cfg.optim, model)
+        before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        ckpt = CheckpointManager(cfg.checkpoint, rank=0, device=torch.device("cpu"),
+                                 run_config=OmegaConf.to_container(cfg, resolve=True))
+        with pytest.raises(ResumeRefused, match="step_00000020 cannot be resumed"):
+            ckpt.resume(model, opt, {"step": 0})
+        assert all(torch.equal(before[n], p.full_tensor()) for n, p in model.named_parameters())
+        assert not opt.state and ckpt.verified is None
+    finally:
+        shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------- config wins
+HYPER = ["optim.weight_decay=0.05", "optim.betas=[0.5,0.6]", "optim.eps=1e-3", "optim.bias_correction=false",
+         "optim.lr=1e-3", "+optim.param_groups.overrides=[{pattern: lm_head, lr_mult: 0.5, weight_decay_mult: 2.0}]"]
+
+
+def _by_name(model, opt) -> dict[str, dict]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups for p in g["params"]}
+
+
+def test_hyperparameters_follow_the_config(tmp_path, resume_live):
+    """Observation 6: resumed with other hyperparameters, every group has the config's (DCP restores the
+    checkpoint's); the moments are the checkpoint's."""
+    saved = _save(tmp_path)
+    cfg, model, opt, ckpt = resume_live(tmp_path, *HYPER)
+    fresh = build_optimizer(cfg.optim, [(n, torch.nn.Parameter(p.detach().clone())) for n, p in
+                                        model.named_parameters()])
+    want = {n: {k: g[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction")}
+            for n, g in zip([n for n, _ in model.named_parameters()], [None] * 0)} or None
+    del want
+    names = [n for n, _ in model.named_parameters()]
+    fresh_groups = {}
+    for g in fresh.param_groups:
+        for p in g["params"]:
+            fresh_groups[id(p)] = g
+    fresh_params = [p for g in fresh.param_groups for p in g["params"]]
+    assert len(fresh_params) == len(names)
+    got = _by_name(model, opt)
+    assert got["lm_head.weight"]["weight_decay"] == pytest.approx(0.1) and got["lm_head.weight"]["lr"] == 5e-4
+    assert got["blocks.0.qkv.weight"]["weight_decay"] == pytest.approx(0.05)
+    for name, g in got.items():
+        assert tuple(g["betas"]) == (0.5, 0.6) and g["eps"] == 1e-3 and g["bias_correction"] is False, name
+        assert g["step"] == 10, name  # the step count is the checkpoint's
+        for s in ("exp_avg", "exp_avg_sq"):
+            assert _same(opt.get_unscaled_state(_params(model)[name], s), saved[f"optim.state.{name}.{s}"]), name
+    changed = {c.key: (c.checkpoint, c.config, c.action) for c in ckpt.resume_changes}
+    assert changed["optim.weight_decay"] == (0.1, 0.05, "config")
+    assert changed["optim.betas"] == ([0.9, 0.95], [0.5, 0.6], "config")
+    assert changed["optim.eps"] == (1e-8, 1e-3, "config")
+
+
+def test_hyperparameter_changes_are_logged_and_recorded(tmp_path, caplog):
+    _save(tmp_path)
+    with caplog.at_level(logging.INFO, logger="recipes.resume"):
+        train(compose_config([*QUICK, f"run_dir={tmp_path}", "optim.weight_decay=0", "trainer.max_steps=12"]))
+    lines = [r.getMessage() for r in caplog.records if r.name == "recipes.resume"]
+    assert "resume: optim.weight_decay 0.1 -> 0.0 (from the config)" in lines, lines
+    assert "resume: trainer.max_steps 20 -> 12 (from the config)" in lines, lines
+    recs = [r for r in metrics(tmp_path) if r["kind"] == "resume"]
+    assert {"kind": "resume", "key": "optim.weight_decay", "checkpoint": 0.1, "config": 0.0, "action": "config"} in recs
+
+
+NO_DECAY_OFF = ["optim.param_groups.no_decay=[]", "optim.param_groups.no_decay_auto=false"]
+
+
+@pytest.mark.parametrize("saved_cfg,resumed_cfg", [([], NO_DECAY_OFF), (NO_DECAY_OFF, [])], ids=["off", "on"])
+def test_no_decay_patterns_change_across_a_resume(saved_cfg, resumed_cfg, tmp_path, resume_live):
+    """Groups come from the config by parameter name: each parameter's weight decay follows the config's rule
+    (not the checkpoint's value for its group's first parameter), its moments are the checkpoint's for its name."""
+    saved = _save(tmp_path, *saved_cfg)
+    cfg, model, opt, _ = resume_live(tmp_path, *resumed_cfg)
+    rule = _by_name(model, build_optimizer(cfg.optim, model))  # the config's groups (a fresh, unloaded optimizer)
+    got = _by_name(model, opt)
+    decay = {n: saved[f"optim.param_groups.{n}.weight_decay"] for n in got}
+    assert any(decay[n] != rule[n]["weight_decay"] for n in got), "the test needs a parameter whose decay changes"
+    for name, p in _params(model).items():
+        assert got[name]["weight_decay"] == rule[name]["weight_decay"], name
+        for s in ("exp_avg", "exp_avg_sq"):
+            assert _same(opt.get_unscaled_state(p, s), saved[f"optim.state.{name}.{s}"]), f"{name}.{s}"
+
+
+# ---------------------------------------------------------------------------------------------------- finished run
+def test_a_finished_run_started_with_another_optimizer_config_says_so(tmp_path, caplog):
+    """Observation 4: the README's next command after the quick start resumes a finished run."""
+    train(compose_config([*QUICK, f"run_dir={tmp_path}"]))
+    with caplog.at_level(logging.INFO, logger="recipes.train"):
+        summary = train(compose_config([*QUICK, f"run_dir={tmp_path}", "optim.exp_avg_dtype=bf16"]))
+    assert summary["start_step"] == 20 and summary["first_loss"] is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "recipes.train"]
+    assert (
+        "run finished at step 20: nothing trained; the config differs from checkpoint step_00000020's: "
+        "optim.exp_avg_dtype fp32 -> bf16; use a new run_dir to train with it"
+    ) in lines, lines
+    assert not any(line.startswith("nothing to do") for line in lines)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="recipes.train"):
+        train(compose_config([*QUICK, f"run_dir={tmp_path}", "trainer.progress=false"]))
+    assert "nothing to do: checkpoint step 20 >= 20" in [r.getMessage() for r in caplog.records]
+
+
+# ---------------------------------------------------------------------------------------------------- the table
+def test_the_docs_render_the_table():
+    """docs/reliability.md's resume table has one row per rule (pattern, action, test) and no other."""
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    section = text[text.index("## Resume") :]
+    rows = re.findall(r"^\| `([^`]+)` \| (\w+) \| .* \| (`\w*`|) \|$", section, re.M)
+    table = [(r.pattern, r.action, f"`{r.test}`" if r.test else "") for r in RESUME_RULES]
+    assert rows == table
+    assert all(rule_for(r.pattern) is r for r in RESUME_RULES if "*" not in r.pattern)
+    assert {r.action for r in RESUME_RULES} == {"config", "converted", "refused", IGNORED}
+    tests = {name for name in globals() if name.startswith("test_")}
+    assert {r.test for r in RESUME_RULES if r.test} <= tests
+
+
+def test_checkpoint_without_a_config_resumes_with_a_warning(tmp_path, resume_live, caplog):
+    _save(tmp_path)
+    marker = tmp_path / "checkpoints" / STEP10 / "COMPLETE.json"
+    manifest = json.loads(marker.read_text())
+    del manifest["config"]
+    marker.write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="recipes.resume"):
+        _, _, _, ckpt = resume_live(tmp_path, "optim.eps=1e-3")
+    assert ckpt.resume_changes == []
+    assert any("has no config in its manifest" in r.getMessage() for r in caplog.records)
+    assert issubclass(ResumeRefused, CheckpointError)
