@@ -49,6 +49,7 @@ class Rule:
     test: str  # the test in tests/recipe/test_resume.py that proves the row
 
 
+T_HYPER_LOG = "tests/recipe/test_resume.py::test_hyperparameter_changes_are_logged_and_recorded"
 T_REFUSED, T_HYPER, T_GROUPS, T_LAYOUT = (
     "test_refused_changes",
     "test_hyperparameters_follow_the_config",
@@ -170,7 +171,7 @@ def check_config(path: Path, run_config: dict[str, Any] | None) -> list[Change]:
         )
         return []
     changes = compare(saved, run_config)
-    refused = [c for c in changes if c.action == REFUSED]
+    refused = sorted((c for c in changes if c.action == REFUSED), key=lambda c: RESUME_RULES.index(rule_for(c.key)))
     if refused:
         first = refused[0]
         more = f" (also: {', '.join(c.key for c in refused[1:])})" if len(refused) > 1 else ""
@@ -299,3 +300,14 @@ def nothing_to_do(step: int, end: int, path: str | None, changes: list[Change]) 
         f"run finished at step {step}: nothing trained; the config differs from checkpoint {Path(path).name}'s: "
         f"{diff}; use a new run_dir to train with it"
     )
+
+
+def markdown_table() -> str:
+    """:data:`RESUME_RULES` as the Markdown table docs/reliability.md shows (a test keeps them equal)."""
+    what = {CONFIG: "the config wins", CONVERTED: "converted", REFUSED: "refused", IGNORED: "ignored (operational)"}
+    rows = ["| key | on resume | why | test |", "|---|---|---|---|"]
+    for r in RESUME_RULES:
+        test = f"`tests/recipe/test_resume.py::{r.test}`" if r.test else ""
+        rows.append(f"| `{r.pattern}` | {what[r.action]} | {r.why} | {test} |")
+    rows.append(f"| any other key (`trainer.*`, `data.*`, ...) | the config wins | logged | `{T_HYPER_LOG}` |")
+    return "\n".join(rows)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,16 @@ from optim_factory.optimizers.export import join_bf16_remainder, local_tensor
 from recipes.checkpoint import CheckpointError, CheckpointManager, read_checkpoint
 from recipes.distributed import DistEnv, init_distributed, shutdown
 from recipes.model import build_model
-from recipes.resume import CONVERTED, IGNORED, RESUME_RULES, ResumeRefused, rule_for
+from recipes.resume import (
+    CONVERTED,
+    HYPERPARAMETERS,
+    IGNORED,
+    RESUME_RULES,
+    T_HYPER_LOG,
+    ResumeRefused,
+    markdown_table,
+    rule_for,
+)
 from recipes.train import compose_config, shard_model, train
 from tests.recipe.test_train import QUICK, ROOT, metrics, snapshot
 
@@ -79,14 +87,34 @@ def _moment_expected(saved: torch.Tensor, dtype: str) -> torch.Tensor:
 # "param" (the saved parameter, widened: master turned on), "none" (master turned off), "fp16" (the saved master
 # in an FP16 master with a fresh scale), None (FP32 parameters: no master)
 LAYOUT = [
-    ([], ["optim.exp_avg_dtype=bf16", "optim.exp_avg_sq_dtype=bf16"], ["exp_avg_dtype", "exp_avg_sq_dtype"], "bf16",
-     None),
-    (["optim.exp_avg_dtype=bf16", "optim.exp_avg_sq_dtype=bf16"], [], ["exp_avg_dtype", "exp_avg_sq_dtype"], "fp32",
-     None),
-    (["optim.exp_avg_dtype=bf16", "optim.exp_avg_sq_dtype=bf16", "optim.state_dict_keep_bf16=true"], [],
-     ["exp_avg_dtype", "exp_avg_sq_dtype", "state_dict_keep_bf16"], "fp32", None),
-    ([], ["optim.exp_avg_dtype=fp16", "optim.exp_avg_sq_dtype=fp8"], ["exp_avg_dtype", "exp_avg_sq_dtype"], "scaled",
-     None),
+    (
+        [],
+        ["optim.exp_avg_dtype=bf16", "optim.exp_avg_sq_dtype=bf16"],
+        ["exp_avg_dtype", "exp_avg_sq_dtype"],
+        "bf16",
+        None,
+    ),
+    (
+        ["optim.exp_avg_dtype=bf16", "optim.exp_avg_sq_dtype=bf16"],
+        [],
+        ["exp_avg_dtype", "exp_avg_sq_dtype"],
+        "fp32",
+        None,
+    ),
+    (
+        ["optim.exp_avg_dtype=bf16", "optim.exp_avg_sq_dtype=bf16", "optim.state_dict_keep_bf16=true"],
+        [],
+        ["exp_avg_dtype", "exp_avg_sq_dtype", "state_dict_keep_bf16"],
+        "fp32",
+        None,
+    ),
+    (
+        [],
+        ["optim.exp_avg_dtype=fp16", "optim.exp_avg_sq_dtype=fp8"],
+        ["exp_avg_dtype", "exp_avg_sq_dtype"],
+        "scaled",
+        None,
+    ),
     (["optim.state_dict_cpu_offload=true"], [], ["state_dict_cpu_offload"], "fp32", None),
     (MASTER, REMAINDERS, ["store_param_remainders"], "fp32", "saved"),
     (REMAINDERS, MASTER, ["store_param_remainders"], "fp32", "join"),
@@ -107,8 +135,11 @@ def _close(loaded: torch.Tensor, expected: torch.Tensor, name: str) -> bool:
     return bool(((loaded - expected).abs().max() / scale) <= SCALED_RTOL[name])
 
 
-@pytest.mark.parametrize("saved_cfg,resumed_cfg,keys,moments,master", LAYOUT, ids=[
-    f"{'+'.join(a) or 'default'}->{'+'.join(b) or 'default'}" for a, b, *_ in LAYOUT])
+@pytest.mark.parametrize(
+    "saved_cfg,resumed_cfg,keys,moments,master",
+    LAYOUT,
+    ids=[f"{'+'.join(a) or 'default'}->{'+'.join(b) or 'default'}" for a, b, *_ in LAYOUT],
+)
 def test_layout_converts(saved_cfg, resumed_cfg, keys, moments, master, tmp_path, resume_live):
     saved = _save(tmp_path, *saved_cfg)
     cfg, model, opt, ckpt = resume_live(tmp_path, *resumed_cfg)
@@ -158,7 +189,7 @@ def test_lowmem_after_the_default_run_starts_masters_from_the_parameters(tmp_pat
 REFUSED = [
     (["optim=adamw"], "optim.name", "fused_adam", "adamw"),
     (["optim.capturable=true"], "optim.capturable", "False", "True"),
-    (["model.d_model=32", "model.d_ff=64"], "model.d_ff", "256", "64"),
+    (["model.d_model=32", "model.d_ff=64"], "model.d_model", "64", "32"),
     (["model.dtype=bf16"], "model.dtype", "fp32", "bf16"),
     (["model.tie_embeddings=true"], "model.tie_embeddings", "False", "True"),
 ]
@@ -184,8 +215,9 @@ def test_a_refusal_reads_nothing_into_the_model_and_never_falls_back(tmp_path):
         model = shard_model(build_model(cfg.model, seed=cfg.trainer.seed, device=torch.device("cpu")), mesh)
         opt = build_optimizer(cfg.optim, model)
         before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
-        ckpt = CheckpointManager(cfg.checkpoint, rank=0, device=torch.device("cpu"),
-                                 run_config=OmegaConf.to_container(cfg, resolve=True))
+        ckpt = CheckpointManager(
+            cfg.checkpoint, rank=0, device=torch.device("cpu"), run_config=OmegaConf.to_container(cfg, resolve=True)
+        )
         with pytest.raises(ResumeRefused, match="step_00000020 cannot be resumed"):
             ckpt.resume(model, opt, {"step": 0})
         assert all(torch.equal(before[n], p.full_tensor()) for n, p in model.named_parameters())
@@ -195,8 +227,14 @@ def test_a_refusal_reads_nothing_into_the_model_and_never_falls_back(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- config wins
-HYPER = ["optim.weight_decay=0.05", "optim.betas=[0.5,0.6]", "optim.eps=1e-3", "optim.bias_correction=false",
-         "optim.lr=1e-3", "+optim.param_groups.overrides=[{pattern: lm_head, lr_mult: 0.5, weight_decay_mult: 2.0}]"]
+HYPER = [
+    "optim.weight_decay=0.05",
+    "optim.betas=[0.5,0.6]",
+    "optim.eps=1e-3",
+    "optim.bias_correction=false",
+    "optim.lr=1e-3",
+    "optim.param_groups.overrides=[{pattern: lm_head, lr_mult: 0.5, weight_decay_mult: 2.0}]",
+]
 
 
 def _by_name(model, opt) -> dict[str, dict]:
@@ -209,22 +247,12 @@ def test_hyperparameters_follow_the_config(tmp_path, resume_live):
     checkpoint's); the moments are the checkpoint's."""
     saved = _save(tmp_path)
     cfg, model, opt, ckpt = resume_live(tmp_path, *HYPER)
-    fresh = build_optimizer(cfg.optim, [(n, torch.nn.Parameter(p.detach().clone())) for n, p in
-                                        model.named_parameters()])
-    want = {n: {k: g[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction")}
-            for n, g in zip([n for n, _ in model.named_parameters()], [None] * 0)} or None
-    del want
-    names = [n for n, _ in model.named_parameters()]
-    fresh_groups = {}
-    for g in fresh.param_groups:
-        for p in g["params"]:
-            fresh_groups[id(p)] = g
-    fresh_params = [p for g in fresh.param_groups for p in g["params"]]
-    assert len(fresh_params) == len(names)
+    rule = _by_name(model, build_optimizer(cfg.optim, model))  # the config's groups (fresh, nothing loaded)
     got = _by_name(model, opt)
     assert got["lm_head.weight"]["weight_decay"] == pytest.approx(0.1) and got["lm_head.weight"]["lr"] == 5e-4
     assert got["blocks.0.qkv.weight"]["weight_decay"] == pytest.approx(0.05)
     for name, g in got.items():
+        assert {k: g[k] for k in HYPERPARAMETERS} == {k: rule[name][k] for k in HYPERPARAMETERS}, name
         assert tuple(g["betas"]) == (0.5, 0.6) and g["eps"] == 1e-3 and g["bias_correction"] is False, name
         assert g["step"] == 10, name  # the step count is the checkpoint's
         for s in ("exp_avg", "exp_avg_sq"):
@@ -286,16 +314,13 @@ def test_a_finished_run_started_with_another_optimizer_config_says_so(tmp_path, 
 
 # ---------------------------------------------------------------------------------------------------- the table
 def test_the_docs_render_the_table():
-    """docs/reliability.md's resume table has one row per rule (pattern, action, test) and no other."""
+    """docs/reliability.md's resume table is RESUME_RULES rendered; every row names a test of this file."""
     text = (ROOT / "docs" / "reliability.md").read_text()
-    section = text[text.index("## Resume") :]
-    rows = re.findall(r"^\| `([^`]+)` \| (\w+) \| .* \| (`\w*`|) \|$", section, re.M)
-    table = [(r.pattern, r.action, f"`{r.test}`" if r.test else "") for r in RESUME_RULES]
-    assert rows == table
+    assert markdown_table() in text[text.index("## Resume") :]
     assert all(rule_for(r.pattern) is r for r in RESUME_RULES if "*" not in r.pattern)
-    assert {r.action for r in RESUME_RULES} == {"config", "converted", "refused", IGNORED}
     tests = {name for name in globals() if name.startswith("test_")}
-    assert {r.test for r in RESUME_RULES if r.test} <= tests
+    assert {r.test for r in RESUME_RULES if r.action != IGNORED} <= tests
+    assert T_HYPER_LOG.split("::")[1] in tests
 
 
 def test_checkpoint_without_a_config_resumes_with_a_warning(tmp_path, resume_live, caplog):
