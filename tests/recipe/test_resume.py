@@ -124,10 +124,10 @@ LAYOUT = [
     (MASTER, [*MASTER, "optim.master_weight_dtype=fp16"], ["master_weight_dtype"], "fp32", "fp16"),
 ]
 
-# Measured (this CPU, torch 2.13): FP16 moments with a fresh per-tensor scale, max relative error against the
-# FP32 value 4.9e-4 (FP16's 2**-11 rounding); FP8 (E4M3) 6.2e-2 (2**-4). Bounds: twice that, relative to each
-# tensor's largest magnitude.
-SCALED_RTOL = {"exp_avg": 1e-3, "exp_avg_sq": 0.125, "master_param": 1e-3}
+# Measured (this CPU, torch 2.13, the quick job's step-10 states), max |loaded - saved| over each tensor's largest
+# magnitude: FP16 moments 2.44e-4, FP8 (E4M3) second moments 3.57e-2, FP16 master 2.44e-4 (fresh per-tensor
+# scales). Bounds: twice the measurement.
+SCALED_RTOL = {"exp_avg": 5e-4, "exp_avg_sq": 7.5e-2, "master_param": 5e-4}
 
 
 def _close(loaded: torch.Tensor, expected: torch.Tensor, name: str) -> bool:
