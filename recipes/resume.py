@@ -206,7 +206,7 @@ def align_template(state: dict[str, Any], path: Path) -> list[MasterFixup]:
     DCP itself would ``copy_`` it into the template's dtype (an FP32 master into int16: truncated garbage). A
     ``master_param`` the checkpoint lacks (master weights turned on) is taken out of what DCP reads. Both, and
     saved int16 remainders where a full master is wanted, are returned for :func:`finish_masters`. Any other
-    tensor the checkpoint lacks is one :class:`ResumeRefused` line.
+    tensor the checkpoint lacks is one ``CheckpointError`` line naming the key.
     """
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     fixups: list[MasterFixup] = []
@@ -224,9 +224,9 @@ def align_template(state: dict[str, Any], path: Path) -> list[MasterFixup]:
             meta = saved.get(key)
             if meta is None:
                 if not is_master:
-                    raise ResumeRefused(
-                        f"checkpoint {path} cannot be resumed with this config: it holds no {key}; use a new "
-                        "run_dir to train with it"
+                    raise CheckpointError(  # DCP's own wording, in one line, before it reads anything
+                        f"checkpoint {path} cannot be loaded into this run: Missing key in checkpoint state_dict: "
+                        f"{key}"
                     )
                 fixups.append(MasterFixup(tree, k, fqn, "missing"))
                 del tree[k]
