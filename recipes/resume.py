@@ -25,6 +25,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -134,8 +135,9 @@ def rule_for(key: str) -> Rule | None:
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys; Enum choices as their values (as the manifest's JSON stores them)."""
     if not isinstance(tree, dict):
-        return {prefix[:-1]: tree}
+        return {prefix[:-1]: tree.value if isinstance(tree, Enum) else tree}
     flat: dict[str, Any] = {}
     for k, v in tree.items():
         flat.update(_flatten(v, f"{prefix}{k}."))
@@ -225,8 +227,7 @@ def align_template(state: dict[str, Any], path: Path) -> list[MasterFixup]:
             if meta is None:
                 if not is_master:
                     raise CheckpointError(  # DCP's own wording, in one line, before it reads anything
-                        f"checkpoint {path} cannot be loaded into this run: Missing key in checkpoint state_dict: "
-                        f"{key}"
+                        f"checkpoint {path} cannot be loaded into this run: Missing key in checkpoint state_dict: {key}"
                     )
                 fixups.append(MasterFixup(tree, k, fqn, "missing"))
                 del tree[k]
