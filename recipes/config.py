@@ -64,8 +64,10 @@ class DataConfig:
     seq_len: int = 24
     digits: int = 2  # addition: operands have this many digits
     path: str | None = None  # tokens: flat little-endian uint16 token file
-    batch_size: int = 64  # per rank
+    global_batch_size: int = 64  # sequences per optimizer step over all ranks (each rank takes an equal share)
     seed: int = 1234
+    eval_size: int = 256  # held-out examples per evaluation (addition: problems never trained on; tokens: windows)
+    holdout_fraction: float = 0.0  # tokens: the file's last fraction, never trained on, evaluated (0: none)
 
 
 @dataclass
@@ -87,6 +89,7 @@ class TrainerConfig:
     warmup_steps: int = 30
     grad_clip: float = 1.0  # 0: off
     log_every: int = 25
+    eval_every: int = 250  # evaluate the held-out data every N steps and at the end; 0: never
     seed: int = 0
     device: Device = Device.auto
     progress: bool = True

@@ -46,6 +46,7 @@ from recipes.config import (
 )
 from recipes.data import DataError, build_data
 from recipes.distributed import LaunchError, init_distributed, pick_device, resolve_dist_env, shutdown
+from recipes.evaluate import check_eval_config, evaluate
 from recipes.model import build_model
 from recipes.progress import ConsoleHandler, progress_bar
 from recipes.resume import nothing_to_do
@@ -155,6 +156,20 @@ def _set_lr(optimizer: torch.optim.Optimizer, base_lrs: list[float], factor: flo
     return base_lrs[0] * factor
 
 
+def _eval_text(ev: dict[str, Any]) -> str:
+    held = "held-out sums" if "accuracy" in ev else "held-out windows"
+    acc = f"accuracy {ev['accuracy']:.3f} " if "accuracy" in ev else ""
+    loss = "answer loss" if "accuracy" in ev else "loss"
+    return f"step {ev['step']}: {acc}{loss} {ev['eval_loss']:.4f} ({ev['eval_examples']} {held}, {ev['eval_s']:.2f} s)"
+
+
+def _eval_postfix(ev: dict[str, Any]) -> dict[str, str]:
+    out = {"eval_loss": f"{ev['eval_loss']:.3f}"}
+    if "accuracy" in ev:
+        out["acc"] = f"{ev['accuracy']:.3f}"
+    return out
+
+
 def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
     """FSDP2: shard every block, then the root (also for one rank)."""
     for block in model.blocks:
@@ -170,7 +185,8 @@ def preflight(cfg: DictConfig):
     optim = validate_optim_config(cfg.optim)
     env = resolve_dist_env(os.environ)
     device = pick_device(cfg.trainer.device, env.local_rank)
-    data = build_data(cfg.data, cfg.model.vocab_size)
+    data = build_data(cfg.data, cfg.model.vocab_size, env.world_size)
+    check_eval_config(cfg.trainer, data)
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len}: must be <= model.max_seq_len={cfg.model.max_seq_len}")
     if cfg.trainer.max_steps < 1:
@@ -233,7 +249,8 @@ def _train(
         (log.warning if ckpt.resume_changes else log.info)(nothing_to_do(start, end, resumed_from, ckpt.resume_changes))
 
     bar = progress_bar(total=end, initial=start, enabled=rank == 0 and cfg.trainer.progress)
-    first_loss = last_loss = None
+    first_loss = last_loss = last_eval = None
+    postfix: dict[str, str] = {}
     tokens_since, t_since = 0, time.perf_counter()
     stop, stopped_at = StopSignal(), None
     model.train()
@@ -267,8 +284,16 @@ def _train(
                 tps = tokens_since / elapsed if elapsed > 0 else 0.0
                 metrics.write({"kind": "train", "step": done, "loss": last_loss, "lr": lr, "tokens_per_s": tps})
                 log.info("step %d/%d loss %.4f lr %.3g tokens/s %.0f", done, max_steps, last_loss, lr, tps)
-                bar.set_postfix(loss=f"{last_loss:.3f}")
+                postfix["loss"] = f"{last_loss:.3f}"
+                bar.set_postfix(**postfix)
                 tokens_since, t_since = 0, time.perf_counter()
+            if cfg.trainer.eval_every > 0 and (done % cfg.trainer.eval_every == 0 or done == end):
+                last_eval = {"step": done, **evaluate(model, data, rank, world, device)}
+                metrics.write({"kind": "eval", **last_eval})
+                log.info("eval %s", _eval_text(last_eval))
+                postfix.update(_eval_postfix(last_eval))
+                bar.set_postfix(**postfix)
+                t_since += last_eval["eval_s"]  # tokens/s counts training time only
             bar.update(1)
             stopping, diverged = stop.should_stop(world, nonfinite)
             if diverged:
@@ -305,6 +330,7 @@ def _train(
         "end_step": stopped_at if stopped_at is not None else max(start, end),
         "first_loss": first_loss,
         "last_loss": last_loss,
+        "eval": last_eval,
         "saved_checkpoints": [r.path for r in ckpt.reports],  # by this launch, in order (keep_last may delete)
         # complete checkpoints in checkpoint.dir at the end, after keep_last, oldest first: what a resume can use
         # (rank 0 only: it writes the completion markers and applies keep_last, other ranks would race it)

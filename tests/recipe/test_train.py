@@ -218,6 +218,7 @@ def test_token_file_trains(tmp_path):
                 "data=tokens",
                 f"data.path={path}",
                 "data.seq_len=32",
+                "data.eval_size=8",
                 "trainer.max_steps=5",
                 "checkpoint.every_steps=5",
             ]
