@@ -84,7 +84,7 @@ class CheckpointConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 1000
+    max_steps: int = 2000
     stop_at: int = 0  # >0: stop after this step (checkpointed) as an interrupted job would; schedule follows max_steps
     warmup_steps: int = 30
     grad_clip: float = 1.0  # 0: off
