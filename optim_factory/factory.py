@@ -12,12 +12,9 @@ import dataclasses
 import logging
 import math
 import re
-import sys
 import warnings
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from enum import Enum
 from types import MappingProxyType
 from typing import Any
 
@@ -26,16 +23,16 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from optim_factory.config import (
-    DEFAULT_NO_DECAY,
     OPTIM_SCHEMAS,
     AdamWConfig,
-    FusedAdamConfig,
     StateDtype,
     omegaconf_error_line,
     schema_keys,
 )
+from optim_factory.errors import ConfigError, config_error
 from optim_factory.optimizers.export import ExportOptions, Pinning, local_tensor
 from optim_factory.optimizers.rules import OptionError, check_state_dtypes, parse_bytes, parse_dtype
+from optim_factory.param_groups import build_param_groups, named_trainable
 
 __all__ = [
     "ConfigError",
@@ -48,16 +45,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A bad optimizer config value: one line naming the key, the value and what is allowed."""
-
-
-def _fail(key: str, value: Any, allowed: str) -> ConfigError:
-    if isinstance(value, Enum):  # a schema choice: its YAML spelling
-        value = value.value
-    return ConfigError(f"optim.{key}={value!r}: {allowed}")
 
 
 @dataclass(frozen=True)
@@ -98,7 +85,7 @@ def _to_schema(cfg: Any) -> DictConfig:
         raise ConfigError(f"optim: expected a mapping, an OmegaConf node or a dataclass, got {type(cfg).__name__}")
     name = cfg.get("name", "fused_adam")
     if name not in OPTIM_SCHEMAS:
-        raise _fail("name", name, f"expected one of {'|'.join(OPTIM_SCHEMAS)}")
+        raise config_error("name", name, f"expected one of {'|'.join(OPTIM_SCHEMAS)}")
     schema = OPTIM_SCHEMAS[name]
     try:
         node = OmegaConf.merge(OmegaConf.structured(schema), _spell_dtypes(cfg))
@@ -126,22 +113,22 @@ def _spell_dtypes(cfg: Mapping) -> dict:
 
 def _check_number(key: str, value: Any, *, positive: bool = False, lo: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _fail(key, value, "expected a finite number")
+        raise config_error(key, value, "expected a finite number")
     if positive and value <= 0:
-        raise _fail(key, value, "must be > 0")
+        raise config_error(key, value, "must be > 0")
     if lo is not None and value < lo:
-        raise _fail(key, value, f"must be >= {lo}")
+        raise config_error(key, value, f"must be >= {lo}")
     return float(value)
 
 
 def _check_patterns(key: str, patterns: Iterable[str]) -> None:
     for i, pattern in enumerate(patterns):
         if not isinstance(pattern, str) or not pattern:
-            raise _fail(f"{key}[{i}]", pattern, "expected a non-empty regular expression")
+            raise config_error(f"{key}[{i}]", pattern, "expected a non-empty regular expression")
         try:
             re.compile(pattern)
         except re.error as exc:
-            raise _fail(f"{key}[{i}]", pattern, f"not a valid regular expression ({exc})") from None
+            raise config_error(f"{key}[{i}]", pattern, f"not a valid regular expression ({exc})") from None
 
 
 def validate_optim_config(cfg: Any) -> ValidatedOptim:
@@ -154,11 +141,11 @@ def validate_optim_config(cfg: Any) -> ValidatedOptim:
     c = _to_schema(cfg)
     _check_number("lr", c.lr, positive=True)
     if len(c.betas) != 2:
-        raise _fail("betas", list(c.betas), "expected two numbers [beta1, beta2], each in [0, 1)")
+        raise config_error("betas", list(c.betas), "expected two numbers [beta1, beta2], each in [0, 1)")
     for i, beta in enumerate(c.betas):
         _check_number(f"betas[{i}]", beta)
         if not 0.0 <= beta < 1.0:
-            raise _fail(f"betas[{i}]", beta, "must be in [0, 1)")
+            raise config_error(f"betas[{i}]", beta, "must be in [0, 1)")
     _check_number("eps", c.eps, lo=0.0)
     _check_number("weight_decay", c.weight_decay, lo=0.0)
     _check_patterns("param_groups.no_decay", c.param_groups.no_decay)
@@ -171,7 +158,7 @@ def validate_optim_config(cfg: Any) -> ValidatedOptim:
         return ValidatedOptim(c, MappingProxyType({**kwargs, "foreach": c.foreach}))
 
     if c.amsgrad:
-        raise _fail("amsgrad", c.amsgrad, "FusedAdam does not support AMSGrad; use optim=adamw for it")
+        raise config_error("amsgrad", c.amsgrad, "FusedAdam does not support AMSGrad; use optim=adamw for it")
     try:  # the optimizers' own dtype / capturable / master-weight rules (one source: optimizers/rules.py)
         check_state_dtypes(
             master_weights=c.master_weights,
@@ -182,7 +169,7 @@ def validate_optim_config(cfg: Any) -> ValidatedOptim:
             store_param_remainders=c.store_param_remainders,
         )
     except OptionError as exc:
-        raise _fail(exc.key, exc.value, exc.allowed) from None
+        raise config_error(exc.key, exc.value, exc.allowed) from None
     try:  # the optimizers' own rules for the export options, checked before anything is built
         chunk = parse_bytes(c.state_dict_offload_chunk_bytes, "state_dict_offload_chunk_bytes")
         ExportOptions(
@@ -197,143 +184,6 @@ def validate_optim_config(cfg: Any) -> ValidatedOptim:
     return ValidatedOptim(c, MappingProxyType(_fused_adam_kwargs(c, chunk)))
 
 
-# --------------------------------------------------------------------------------------------- param groups
-@dataclass
-class GroupSummary:
-    """One optimizer group as logged: its members and hyperparameters."""
-
-    label: str
-    names: list[str]
-    numel: int
-    lr: float
-    weight_decay: float
-
-    def line(self, index: int) -> str:
-        return (
-            f"param group {index} [{self.label}]: {len(self.names)} tensors, {self.numel:,} elements, "
-            f"lr={self.lr:g}, weight_decay={self.weight_decay:g}"
-        )
-
-
-def _named_trainable(model_or_params: Any) -> list[tuple[str, torch.nn.Parameter]]:
-    if isinstance(model_or_params, torch.nn.Module):
-        named = list(model_or_params.named_parameters())
-    else:
-        named = list(model_or_params)
-        if named and not (isinstance(named[0], tuple) and len(named[0]) == 2):
-            raise ConfigError("build_optimizer: pass an nn.Module or an iterable of (name, parameter) pairs")
-    trainable = [(n, p) for n, p in named if p.requires_grad]
-    if not trainable:
-        raise ConfigError("build_optimizer: the model has no trainable parameters")
-    return trainable
-
-
-def _no_decay_module_types() -> list[tuple[type, str]]:
-    """Module types whose own parameters get no weight decay: embeddings and normalization layers.
-
-    TE's LayerNorm / RMSNorm count when Transformer Engine is already imported (a model that holds them has
-    imported it; this never imports TE itself). Norm classes of other libraries (e.g. Hugging Face's
-    ``LlamaRMSNorm``) are caught by the 1-D rule: their weights have one dimension.
-    """
-    nn = torch.nn
-    names = ["Embedding", "EmbeddingBag", "LayerNorm", "RMSNorm", "GroupNorm", "LocalResponseNorm"]
-    kinds = ("BatchNorm", "InstanceNorm", "LazyBatchNorm", "LazyInstanceNorm")
-    names += [f"{kind}{d}d" for kind in kinds for d in "123"] + ["SyncBatchNorm"]
-    types = [(getattr(nn, n), f"nn.{n}") for n in names if hasattr(nn, n)]  # nn.RMSNorm: torch >= 2.4
-    te = sys.modules.get("transformer_engine.pytorch")
-    types += [(getattr(te, n), f"te.{n}") for n in ("LayerNorm", "RMSNorm") if isinstance(getattr(te, n, None), type)]
-    return types
-
-
-def _no_decay_reasons(
-    cfg: FusedAdamConfig | AdamWConfig, named: list[tuple[str, torch.nn.Parameter]], module: torch.nn.Module | None
-) -> dict[str, str]:
-    """Parameter name -> why its weight decay is 0, first reason wins: module type, fewer than 2 dims, pattern.
-
-    A ``no_decay`` pattern that matches no parameter is logged as a warning, unless it is one of the schema's
-    default patterns (those cover names a model may not have, so they stay quiet).
-    """
-    pg = cfg.param_groups
-    by_type: dict[int, str] = {}
-    if pg.no_decay_auto and module is not None:
-        types = _no_decay_module_types()
-        for m in module.modules():
-            label = next((lbl for cls, lbl in types if isinstance(m, cls)), None)
-            if label is not None:
-                for p in m.parameters(recurse=False):
-                    by_type.setdefault(id(p), label)
-    patterns = [(pattern, re.compile(pattern)) for pattern in pg.no_decay]
-    used = {pattern: False for pattern, _ in patterns}
-    reasons: dict[str, str] = {}
-    for name, param in named:
-        hits = [pattern for pattern, rx in patterns if rx.search(name)]
-        for pattern in hits:
-            used[pattern] = True
-        if id(param) in by_type:
-            reasons[name] = by_type[id(param)]
-        elif pg.no_decay_auto and param.ndim < 2:
-            reasons[name] = "1-D" if param.ndim == 1 else f"{param.ndim}-D"
-        elif hits:
-            reasons[name] = f"pattern {hits[0]!r}"
-    for i, pattern in enumerate(pg.no_decay):
-        if not used[pattern] and pattern not in DEFAULT_NO_DECAY:
-            log.warning("optim.param_groups.no_decay[%d]=%r matches no parameter", i, pattern)
-    return reasons
-
-
-def build_param_groups(
-    cfg: ValidatedOptim | FusedAdamConfig | AdamWConfig,
-    named: list[tuple[str, torch.nn.Parameter]],
-    module: torch.nn.Module | None = None,
-) -> tuple[list[dict], list[GroupSummary]]:
-    """Split parameters into groups: weight decay off where a no-decay rule applies, per-pattern multipliers.
-
-    No weight decay (with ``param_groups.no_decay_auto``, the default): parameters of embedding and
-    normalization modules (see :func:`_no_decay_module_types`; needs ``module``, so it applies when
-    ``build_optimizer`` gets an ``nn.Module``) and every parameter with fewer than 2 dimensions; the
-    ``no_decay`` name patterns add to that. With (name, parameter) pairs only, the 1-D and name rules apply.
-
-    Every trainable parameter lands in exactly one group (checked). An override pattern that matches nothing,
-    or two override patterns matching one parameter, raise; a user-given ``no_decay`` pattern matching nothing
-    is logged as a warning. Each group's summary says why it exists (e.g. ``no decay: nn.Embedding (2), 1-D (9)``).
-    """
-    if isinstance(cfg, ValidatedOptim):
-        cfg = cfg.config
-    pg = cfg.param_groups
-    overrides = [(re.compile(o.pattern), o) for o in pg.overrides]
-    used_override = [False] * len(overrides)
-    reasons = _no_decay_reasons(cfg, named, module)
-    buckets: dict[tuple[int, bool], list[tuple[str, torch.nn.Parameter]]] = {}
-    for name, param in named:
-        hits = [i for i, (rx, _) in enumerate(overrides) if rx.search(name)]
-        if len(hits) > 1:
-            pats = ", ".join(repr(overrides[i][1].pattern) for i in hits)
-            raise _fail("param_groups.overrides", pats, f"patterns overlap on parameter {name!r}; make them disjoint")
-        for i in hits:
-            used_override[i] = True
-        buckets.setdefault((hits[0] if hits else -1, name in reasons), []).append((name, param))
-    for i, used in enumerate(used_override):
-        if not used:
-            raise _fail(
-                f"param_groups.overrides[{i}].pattern", overrides[i][1].pattern, "matches no trainable parameter"
-            )
-
-    groups, summaries = [], []
-    for (override, decay_off), members in sorted(buckets.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        o = overrides[override][1] if override >= 0 else None
-        lr = cfg.lr * (o.lr_mult if o else 1.0)
-        wd = 0.0 if decay_off else cfg.weight_decay * (o.weight_decay_mult if o else 1.0)
-        label = f"override {o.pattern!r}" if o else "default"
-        if decay_off:
-            why = Counter(reasons[n] for n, _ in members)  # listed as the rules rank: type, dimensions, pattern
-            rank = sorted(why, key=lambda r: (r.startswith("pattern"), r.endswith("-D"), r))
-            label += ", no decay: " + ", ".join(f"{r} ({why[r]})" for r in rank)
-        groups.append({"params": [p for _, p in members], "lr": lr, "weight_decay": wd})
-        summaries.append(GroupSummary(label, [n for n, _ in members], sum(p.numel() for _, p in members), lr, wd))
-    assert sum(len(g["params"]) for g in groups) == len(named) == len({id(p) for _, p in named})
-    return groups, summaries
-
-
 # ------------------------------------------------------------------------------------------------- backends
 def choose_backend(requested: str, params: list[torch.Tensor]) -> tuple[str, str]:
     """``auto|te|portable`` → (``te`` or ``portable``, the reason). ``te`` without TE raises."""
@@ -344,11 +194,12 @@ def choose_backend(requested: str, params: list[torch.Tensor]) -> tuple[str, str
         return "portable", "backend=portable requested"
     if requested == "te":
         if not TE_AVAILABLE:
-            raise _fail(
+            raise config_error(
                 "backend", "te", f"Transformer Engine is not importable ({te_import_error()}); {TE_INSTALL_HINT}"
             )
         if not on_cuda:
-            raise _fail("backend", "te", "TE's FusedAdam needs CUDA parameters; use backend=portable or auto on CPU")
+            needs = "TE's FusedAdam needs CUDA parameters; use backend=portable or auto on CPU"
+            raise config_error("backend", "te", needs)
         return "te", "backend=te requested"
     if TE_AVAILABLE and on_cuda:
         return "te", "auto: Transformer Engine is importable and the parameters are on CUDA"
@@ -399,7 +250,7 @@ def build_optimizer(cfg: Any, model: Any) -> torch.optim.Optimizer:
     """
     v = cfg if isinstance(cfg, ValidatedOptim) else validate_optim_config(cfg)
     c = v.config
-    named = _named_trainable(model)
+    named = named_trainable(model)
     groups, summaries = build_param_groups(c, named, model if isinstance(model, torch.nn.Module) else None)
     params = [p for _, p in named]
     if v.name == "adamw":

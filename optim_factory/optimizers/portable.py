@@ -30,7 +30,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from optim_factory.optimizers.export import (
-    ExportOptions,
     OffloadedStateDict,
     Pinning,
     join_bf16_remainder,
@@ -39,7 +38,7 @@ from optim_factory.optimizers.export import (
     wrap_like,
 )
 from optim_factory.optimizers.kernel_math import adam_update, bias_corrections
-from optim_factory.optimizers.rules import check_adam_options, parse_bytes
+from optim_factory.optimizers.rules import check_constructor
 
 __all__ = ["PortableFusedAdam", "FP8_STORAGE_DTYPE"]
 
@@ -112,31 +111,8 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
         state_dict_keep_bf16: bool = False,
     ):
         # TE's checks (same messages) and torch.optim.Adam's, from the one rule module; dtype and size strings.
-        o = check_adam_options(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            bias_correction=bias_correction,
-            adam_w_mode=adam_w_mode,
-            capturable=capturable,
-            master_weights=master_weights,
-            master_weight_dtype=master_weight_dtype,
-            exp_avg_dtype=exp_avg_dtype,
-            exp_avg_sq_dtype=exp_avg_sq_dtype,
-            use_decoupled_grad=use_decoupled_grad,
-            store_param_remainders=store_param_remainders,
-        )
-        self._init_export(
-            ExportOptions.from_kwargs(
-                state_dict_cpu_offload,
-                parse_bytes(state_dict_offload_chunk_bytes, "state_dict_offload_chunk_bytes"),
-                state_dict_offload_reuse_buffers,
-                state_dict_offload_pinning,
-                state_dict_keep_bf16,
-            )
-        )
+        o, export_options = check_constructor(locals())
+        self._init_export(export_options)
         lr, betas, eps, weight_decay = o.lr, o.betas, o.eps, o.weight_decay
         master_weight_dtype, exp_avg_dtype = o.master_weight_dtype, o.exp_avg_dtype
         exp_avg_sq_dtype = o.exp_avg_sq_dtype

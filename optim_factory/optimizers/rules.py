@@ -24,6 +24,7 @@ keeps catching it.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import warnings
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from optim_factory.optimizers.export.options import ExportOptions
 
 __all__ = [
     "OptionError",
@@ -312,3 +315,21 @@ def check_adam_options(
         exp_avg_sq_dtype=dtypes.exp_avg_sq_dtype,
         **flags,
     )
+
+
+_ADAM_ARGUMENTS = tuple(inspect.signature(check_adam_options).parameters)
+
+
+def check_constructor(arguments: dict[str, Any]) -> tuple[AdamOptions, ExportOptions]:
+    """Both FusedAdam constructors' checks, from their arguments (``locals()`` of ``__init__``, whose names are
+    TE 2.20's plus the export options): the Adam options (:func:`check_adam_options`) and the frozen
+    :class:`ExportOptions` (a ``"64MiB"`` chunk size parsed). Raises :class:`OptionError` or ``ValueError``."""
+    adam = check_adam_options(**{name: arguments[name] for name in _ADAM_ARGUMENTS})
+    export = ExportOptions.from_kwargs(
+        arguments["state_dict_cpu_offload"],
+        parse_bytes(arguments["state_dict_offload_chunk_bytes"], "state_dict_offload_chunk_bytes"),
+        arguments["state_dict_offload_reuse_buffers"],
+        arguments["state_dict_offload_pinning"],
+        arguments["state_dict_keep_bf16"],
+    )
+    return adam, export

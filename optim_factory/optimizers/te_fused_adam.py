@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from optim_factory.optimizers.export import ExportOptions, OffloadedStateDict, Pinning
-from optim_factory.optimizers.rules import check_adam_options, parse_bytes
+from optim_factory.optimizers.export import OffloadedStateDict, Pinning
+from optim_factory.optimizers.rules import check_constructor
 
 __all__ = ["FusedAdam", "TE_AVAILABLE", "te_import_error"]
 
@@ -98,29 +98,7 @@ class FusedAdam(OffloadedStateDict, _TEFusedAdam):  # type: ignore[misc,valid-ty
     ):
         # TE 2.20's signature (the portable twin's too). Checked and converted before TE is needed: a bad
         # value gets its one-line reason on a machine without TE as well; TE then receives torch dtypes.
-        options = check_adam_options(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            bias_correction=bias_correction,
-            adam_w_mode=adam_w_mode,
-            capturable=capturable,
-            master_weights=master_weights,
-            master_weight_dtype=master_weight_dtype,
-            exp_avg_dtype=exp_avg_dtype,
-            exp_avg_sq_dtype=exp_avg_sq_dtype,
-            use_decoupled_grad=use_decoupled_grad,
-            store_param_remainders=store_param_remainders,
-        )
-        export_options = ExportOptions.from_kwargs(
-            state_dict_cpu_offload,
-            parse_bytes(state_dict_offload_chunk_bytes, "state_dict_offload_chunk_bytes"),
-            state_dict_offload_reuse_buffers,
-            state_dict_offload_pinning,
-            state_dict_keep_bf16,
-        )
+        options, export_options = check_constructor(locals())
         if not TE_AVAILABLE:
             raise ImportError(f"{TE_INSTALL_HINT} (import failed: {te_import_error()})")
         self._init_export(export_options)
