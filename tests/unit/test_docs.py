@@ -1,0 +1,105 @@
+"""The documentation stays true to the code: docs/recipe.md's option table is the schema's, README's test
+command is CI's, and every relative link in README.md and docs/ names a file that exists."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import typing
+from enum import Enum
+from pathlib import Path
+
+import yaml
+
+from optim_factory.config import DEFAULT_NO_DECAY, AdamWConfig, FusedAdamConfig, schema_keys
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Defaults a table cell describes in words instead of spelling: (the schema's value, the cell's words).
+DESCRIBED = {"param_groups.no_decay": (DEFAULT_NO_DECAY, "biases, `*norm*`, `ln_*`, `*embed*`")}
+
+
+def _option_rows() -> dict[str, str]:
+    """docs/recipe.md's option table: key -> its default cell (a row naming two keys gives both)."""
+    text = (ROOT / "docs" / "recipe.md").read_text()
+    start = text.index("| key | default")
+    rows = {}
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        for key in re.findall(r"`([\w.]+)`", cells[0]):
+            rows[key] = cells[1]
+    return rows
+
+
+def _leaf_keys(schema: type) -> dict[str, typing.Any]:
+    """Dotted keys of a schema whose value is not itself a schema, with their defaults."""
+    out = {}
+    for key in schema_keys(schema):
+        node: typing.Any = schema()
+        for part in key.split("."):
+            node = getattr(node, part)
+        if not dataclasses.is_dataclass(node):
+            out[key] = node
+    return out
+
+
+def _yaml_value(cell: str) -> typing.Any:
+    """The first backticked value of a cell, read as YAML 1.2 reads it (``1e-3`` is a float)."""
+    literal = re.match(r"`([^`]*)`", cell).group(1)
+    if literal.startswith("["):
+        return json.loads(literal)
+    try:
+        return float(literal)
+    except ValueError:
+        return {"true": True, "false": False, "null": None}.get(literal, literal)
+
+
+def _plain(value: typing.Any) -> typing.Any:
+    return value.value if isinstance(value, Enum) else value
+
+
+def test_option_table_is_the_schemas():
+    rows = _option_rows()
+    fused, adamw = _leaf_keys(FusedAdamConfig), _leaf_keys(AdamWConfig)
+    expected = fused | {k: v for k, v in adamw.items() if k not in fused}
+    assert sorted(rows) == sorted(expected), "docs/recipe.md's option table and the schemas name different keys"
+    for key, cell in rows.items():
+        if key in DESCRIBED:
+            value, words = DESCRIBED[key]
+            assert expected[key] == value and cell == words, f"{key}: update the described default"
+            continue
+        assert _yaml_value(cell) == _plain(expected[key]), f"{key}: docs say {cell}, the schema {expected[key]!r}"
+
+
+def test_option_table_names_what_the_recipes_yaml_sets():
+    """A cell's ``(value)`` is conf/optim/fused_adam.yaml's where it differs; no other key is set there."""
+    rows = _option_rows()
+    recipe = yaml.safe_load((ROOT / "conf" / "optim" / "fused_adam.yaml").read_text())
+    set_keys = {k for k in recipe if k not in ("defaults", "name")}
+    documented = {k for k, cell in rows.items() if re.search(r"\(`", cell)}
+    assert documented == set_keys
+    for key in set_keys:
+        assert _yaml_value(re.search(r"\((`[^`]*`)", rows[key]).group(1)) == recipe[key], key
+
+
+def test_readme_test_command_is_cis():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    command = ci[ci.index("# README test command:") + 1]
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Quick start.*?```bash\n(.*?)```", readme, re.S).group(1).splitlines()
+    assert block[1] == command
+    assert block[0].endswith("python recipes/train.py")
+
+
+def test_relative_links_resolve():
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for path in files:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", path.read_text()):
+            if "://" not in target and not (path.parent / target).exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+    assert not broken
+    assert len(files) >= 9
