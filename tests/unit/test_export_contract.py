@@ -1,4 +1,4 @@
-"""The export contract (DESIGN.md) on PortableFusedAdam, CPU: lifecycle over the option matrix."""
+"""The export contract (docs/export.md) on PortableFusedAdam, CPU: lifecycle over the option matrix."""
 
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ def test_no_bias_correction_and_capturable_match_plain():
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
 
 
-# Documented tolerances (README): max relative error of the parameters after 20 steps against float64,
+# Documented tolerances (docs/testing.md): max relative error of the parameters after 20 steps against float64,
 # relative to the parameter's largest magnitude.
 LOW_PRECISION = [
     ("bf16 moments", torch.float32, dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16), 5e-4),
