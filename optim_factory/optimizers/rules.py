@@ -1,10 +1,10 @@
 """The constructor rules of FusedAdam, written once: spellings, hyperparameters, state dtypes.
 
 Both optimizers (:class:`optim_factory.PortableFusedAdam` and the TE subclass :class:`optim_factory.FusedAdam`)
-run :func:`check_adam_options` first thing in ``__init__``; the factory's ``validate_optim_config`` runs
-:func:`check_state_dtypes` (the part that needs no model) and turns its :class:`OptionError` into its one-line
-``ConfigError``. So a value is refused with the same reason whether it comes from a recipe config, a Hydra
-``_target_`` block or a direct call.
+run :func:`check_constructor` (the Adam options and the export options) first thing in ``__init__``; the
+factory's ``validate_optim_config`` runs :func:`check_state_dtypes` (the part that needs no model) and turns its
+:class:`OptionError` into its one-line ``ConfigError``. So a value is refused with the same reason whether it
+comes from a recipe config, a Hydra ``_target_`` block or a direct call.
 
 What the constructors accept, beyond TE's own argument types, so that a plain YAML block builds them:
 
