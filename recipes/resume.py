@@ -33,7 +33,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from optim_factory.optimizers.export import join_bf16_remainder, local_tensor, wrap_host_local
+from optim_factory.optimizers.export import join_bf16_remainder, local_tensor, split_bf16_remainder, wrap_host_local
 from recipes.checkpoint import CheckpointError, read_manifest
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ class MasterFixup:
     tree: dict  # the template dict that holds it
     key: str
     fqn: str  # the parameter's name: its key in the model state dict
-    kind: str  # "missing" | "join"
+    kind: str  # "missing" | "join" | "split"
 
 
 _STATE, _MASTER = "optim.state.", ".master_param"
@@ -236,6 +236,8 @@ def align_template(state: dict[str, Any], path: Path) -> list[MasterFixup]:
             if dtype is not None and dtype != value.dtype:
                 if is_master and dtype == torch.int16:
                     fixups.append(MasterFixup(tree, k, fqn, "join"))
+                elif is_master and value.dtype == torch.int16:  # an FP32 master saved, int16 remainders wanted
+                    fixups.append(MasterFixup(tree, k, fqn, "split"))
                 local = torch.empty(local_tensor(value).shape, dtype=dtype)
                 tree[k] = wrap_host_local(local, value) if isinstance(value, DTensor) else local
 
@@ -246,10 +248,19 @@ def align_template(state: dict[str, Any], path: Path) -> list[MasterFixup]:
 def finish_masters(state: dict[str, Any], fixups: list[MasterFixup]) -> None:
     """After DCP's read: each master of ``fixups`` as the full FP32 master, from the *loaded* parameter (exact):
     a missing master is the parameter widened; int16 remainders are joined with it. The optimizer's load then
-    converts it as it converts any saved FP32 master (to int16 remainders, an FP16 master ...)."""
+    converts it as it converts any saved FP32 master (to an FP16 master ...). ``split``: a saved FP32 master where
+    int16 remainders are wanted becomes the parameter (the master rounded as the remainder kernels round, which
+    differs from a plain BF16 rounding at ties) and the remainders, so that the two rejoin the saved master
+    exactly (the model is loaded after the optimizer, so the parameter is set here, in what the model loads)."""
     for f in fixups:
         param = state["model"][f.fqn]
         local = local_tensor(param)
+        if f.kind == "split":
+            master = local_tensor(f.tree[f.key]).float()
+            remainders = torch.empty(master.shape, dtype=torch.int16)
+            split_bf16_remainder(master, local, remainders)  # writes the rounded parameter into the model's tree
+            f.tree[f.key] = wrap_host_local(remainders, param) if isinstance(param, DTensor) else remainders
+            continue
         if f.kind == "join":
             value = join_bf16_remainder(local, local_tensor(f.tree[f.key]))
         else:

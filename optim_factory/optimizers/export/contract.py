@@ -251,10 +251,13 @@ def load_exported_state(optimizer: Any, state_dict: dict[str, Any]) -> None:
             local = local_tensor(value)
             master_of_bf16 = name == "master_param" and param.dtype == torch.bfloat16
             if master_of_bf16 and optimizer.store_param_remainders and local.dtype != torch.int16:
-                # an FP32 master saved without remainders: keep its low 16 bits (the parameter holds the rest)
+                # an FP32 master saved without remainders: keep its low 16 bits; the parameter holds the rest, rounded
+                # as the remainder kernels round (a plain BF16 rounding differs at ties), so it is set too
                 remainder = torch.empty(local.shape, dtype=torch.int16, device=local.device)
                 rounded = torch.empty(local.shape, dtype=torch.bfloat16, device=local.device)
                 split_bf16_remainder(local.float(), rounded, remainder)
+                with torch.no_grad():
+                    local_tensor(param).copy_(rounded)
                 local = remainder
             elif master_of_bf16 and local.dtype == torch.int16 and not optimizer.store_param_remainders:
                 # int16 remainders saved, an FP32 (or FP16) master wanted: rebuild the exact FP32 master
