@@ -62,6 +62,12 @@ T_REFUSED, T_HYPER, T_GROUPS, T_LAYOUT = (
 RESUME_RULES: tuple[Rule, ...] = (
     Rule("optim.name", REFUSED, "the optimizer type (its state) cannot change", T_REFUSED),
     Rule("optim.capturable", REFUSED, "lr and step change representation", T_REFUSED),
+    Rule(
+        "checkpoint.flatten_optimizer_state_dict",
+        REFUSED,
+        "the optimizer state's key layout in the checkpoint changes",
+        T_REFUSED,
+    ),
     *(
         Rule(f"model.{k}", REFUSED, "the model's architecture or shapes change", T_REFUSED)
         for k in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len", "tie_embeddings", "dtype")

@@ -80,24 +80,27 @@ class MetricsWriter:
         self.write({"kind": "checkpoint", **asdict(report)})
 
 
+_HANDLERS: set[logging.Handler] = set()  # the handlers this module added to the root logger
+
+
 def _setup_logging(rank: int, run_dir: str) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     root = logging.getLogger()
     root.setLevel(level)
     for h in list(root.handlers):
-        if getattr(h, "_recipe", False):  # ours from an earlier run in this process; leave others' handlers
+        if h in _HANDLERS:  # ours from an earlier run in this process; leave others' handlers
             root.removeHandler(h)
             h.close()
     fmt = logging.Formatter(f"[%(asctime)s][rank{rank}][%(name)s][%(levelname)s] %(message)s", "%H:%M:%S")
     console = ConsoleHandler()
     console.setFormatter(fmt)
-    console._recipe = True
+    _HANDLERS.add(console)
     root.addHandler(console)
     if rank == 0:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         fh = logging.FileHandler(Path(run_dir) / "train.log")
         fh.setFormatter(fmt)
-        fh._recipe = True
+        _HANDLERS.add(fh)
         root.addHandler(fh)
 
 
@@ -178,6 +181,18 @@ def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
     return model
 
 
+def check_model_and_trainer(model: DictConfig, trainer: DictConfig) -> None:
+    """The model's and the trainer's numbers, before anything is built (one ConfigError line each)."""
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+        if model[key] < 1:
+            raise ConfigError(f"model.{key}={model[key]}: must be >= 1")
+    if model.d_model % model.n_heads:
+        raise ConfigError(f"model.d_model={model.d_model}: must be divisible by model.n_heads={model.n_heads}")
+    for key, low in (("max_steps", 1), ("log_every", 1), ("warmup_steps", 0), ("threads", 0), ("grad_clip", 0)):
+        if not trainer[key] >= low:  # also refuses NaN
+            raise ConfigError(f"trainer.{key}={trainer[key]}: must be >= {low}")
+
+
 def preflight(cfg: DictConfig):
     """Every check that needs no heavy work: keys, optimizer config, launcher, device, data, run and checkpoint
     dirs. Nothing is written before the last check (the checkpoint dir's, which creates it)."""
@@ -189,8 +204,7 @@ def preflight(cfg: DictConfig):
     check_eval_config(cfg.trainer, data)
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len}: must be <= model.max_seq_len={cfg.model.max_seq_len}")
-    if cfg.trainer.max_steps < 1:
-        raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps}: must be >= 1")
+    check_model_and_trainer(cfg.model, cfg.trainer)
     check_run_dir(cfg.run_dir)
     check_checkpoint_config(cfg.checkpoint, env.rank)
     return env, device, data, optim

@@ -4,7 +4,8 @@ Same constructor (plus ``state_dict_cpu_offload``), validation errors, state nam
 scaling rules, ``get_unscaled_state`` / ``set_scaled_state`` / ``initialize_state`` and update rule as TE
 2.20's ``transformer_engine.pytorch.optimizers.FusedAdam`` (whose CUDA kernels live in
 ``transformer_engine/common/multi_tensor/adam.cu``). It runs on CPU and CUDA, with plain tensors and with
-DTensor parameters (FSDP2), and its checkpoints interchange with TE's: the exported format is FP32.
+DTensor parameters (FSDP2), and its checkpoints interchange with TE's: the exported format is FP32
+(BF16 states stay BF16 with ``state_dict_keep_bf16``, which TE's own class cannot load).
 
 Storage, per state name (``exp_avg``, ``exp_avg_sq``, ``master_param``):
 

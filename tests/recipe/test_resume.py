@@ -199,6 +199,7 @@ REFUSED = [
     (["model.d_model=32", "model.d_ff=64"], "model.d_model", "64", "32"),
     (["model.dtype=bf16"], "model.dtype", "fp32", "bf16"),
     (["model.tie_embeddings=true"], "model.tie_embeddings", "False", "True"),
+    (["checkpoint.flatten_optimizer_state_dict=false"], "checkpoint.flatten_optimizer_state_dict", "True", "False"),
 ]
 
 
