@@ -4,16 +4,22 @@ TE 2.20.2's ``multi_tensor/adam.cu`` is built with fast math (its sm_90 SASS in 
 wheel, see docs/te-bf16-moments.md): every FP32 operation flushes subnormals to zero (``.FTZ``), the
 multiply-adds are fused (``FFMA``), ``x / bias_correction`` and ``m_hat / denom`` are multiplications by a
 reciprocal (``MUFU.RCP``), and ``sqrtf`` is the hardware approximation (``MUFU.SQRT``). This module performs
-the same operations in the same order with the same roundings, except that the two hardware approximations
-are replaced by their correctly rounded values (each within one FP32 ulp of the hardware's) and subnormals
-are kept (flushing them costs several passes per operation; they only occur below 1.2e-38).
+the same operations in the same order with the same roundings. The two hardware approximations: on CUDA, where
+Triton is importable, the same PTX instructions (``rcp.approx.ftz.f32``, ``sqrt.approx.ftz.f32``, which ptxas
+turns into those ``MUFU`` instructions) run in a small Triton kernel, so the result is the hardware's; elsewhere
+(CPU; CUDA without Triton) they are replaced by the correctly rounded values, each within one FP32 ulp of the
+hardware's. Subnormals are kept (flushing them costs several passes per operation; they only occur below
+1.2e-38).
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 
-__all__ = ["adam_update", "bias_corrections"]
+__all__ = ["adam_update", "bias_corrections", "hardware_approximations"]
 
 
 def fma(a, b, c: torch.Tensor) -> torch.Tensor:
@@ -38,9 +44,72 @@ def fma(a, b, c: torch.Tensor) -> torch.Tensor:
     return s.float()
 
 
+@functools.cache
+def _triton_kernel():
+    """The Triton kernel that applies ``rcp.approx.ftz.f32`` or ``sqrt.approx.ftz.f32`` element-wise (the PTX that
+    nvcc emits for TE's fast-math divisions and ``sqrtf``); ``None`` without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def approx(x_ptr, y_ptr, n, SQRT: tl.constexpr, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        x = tl.load(x_ptr + offsets, mask=mask, other=1.0)
+        if SQRT:
+            y = tl.inline_asm_elementwise(
+                "sqrt.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+            )
+        else:
+            y = tl.inline_asm_elementwise(
+                "rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+            )
+        tl.store(y_ptr + offsets, y, mask=mask)
+
+    return approx
+
+
+def hardware_approximations(device: torch.device | str) -> bool:
+    """Whether :func:`rcp` and :func:`sqrt` compute the GPU's approximations on ``device`` (CUDA with Triton)."""
+    return torch.device(device).type == "cuda" and _triton_kernel() is not None
+
+
+@functools.cache
+def _warn_no_triton() -> None:
+    warnings.warn(
+        "PortableFusedAdam on CUDA without Triton: reciprocals and square roots are correctly rounded instead of "
+        "the GPU's approximations that TE's kernel uses (within one FP32 ulp; results may differ from TE's "
+        "FusedAdam by that). Install triton to compute them as TE does.",
+        stacklevel=4,
+    )
+
+
+def _approx(x: torch.Tensor, sqrt: bool) -> torch.Tensor:
+    if x.device.type == "cuda":
+        kernel = _triton_kernel()
+        if kernel is not None:
+            src = x.detach().to(torch.float32).contiguous()
+            out = torch.empty_like(src)
+            n = src.numel()
+            if n:
+                block = 1024
+                kernel[(-(-n // block),)](src, out, n, SQRT=sqrt, BLOCK=block)
+            return out
+        _warn_no_triton()
+    return torch.sqrt(x) if sqrt else torch.reciprocal(x)
+
+
 def rcp(x: torch.Tensor) -> torch.Tensor:
-    """``MUFU.RCP`` (``rcp.approx.ftz.f32``), here the correctly rounded reciprocal."""
-    return torch.reciprocal(x)
+    """``MUFU.RCP`` (``rcp.approx.ftz.f32``): the hardware's on CUDA with Triton, else correctly rounded."""
+    return _approx(x, sqrt=False)
+
+
+def sqrt(x: torch.Tensor) -> torch.Tensor:
+    """``MUFU.SQRT`` (``sqrt.approx.ftz.f32``): the hardware's on CUDA with Triton, else correctly rounded."""
+    return _approx(x, sqrt=True)
 
 
 def bias_corrections(beta1: float, beta2: float, step, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +145,7 @@ def adam_update(g, p, m, v, *, beta1, beta2, bc1, bc2, eps, lr, decay, adam_w_mo
     if not isinstance(bc1, torch.Tensor):
         bc1 = torch.tensor(bc1, dtype=torch.float32, device=g.device)
         bc2 = torch.tensor(bc2, dtype=torch.float32, device=g.device)
-    denom = torch.sqrt(v * rcp(bc2)) + eps
+    denom = sqrt(v * rcp(bc2)) + eps
     update = (m * rcp(bc1)) * rcp(denom)
     if adam_w_mode:
         update = fma(p, decay, update)

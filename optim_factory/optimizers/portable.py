@@ -47,6 +47,7 @@ FP8_STORAGE_DTYPE = torch.float8_e4m3fn
 _FP8_MAX = 448.0
 _FP16_RANGE = torch.finfo(torch.float16).max / 2.0
 _STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
+_UPDATE_SLICE = 1 << 20  # elements per kernel-arithmetic call (see ``_update_param``)
 
 
 def _f32(x: float) -> float:
@@ -364,22 +365,20 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
         lr = group["lr"]
         lr = lr.to(device=g.device, dtype=torch.float32) if isinstance(lr, torch.Tensor) else _f32(lr)
         decay, eps = _f32(group["weight_decay"]), _f32(group["eps"])
-        new_p, m_new, v_new = adam_update(
-            g,
-            r_p,
-            m,
-            v,
-            beta1=b1,
-            beta2=b2,
-            bc1=bc1,
-            bc2=bc2,
-            eps=eps,
-            lr=lr,
-            decay=decay,
-            adam_w_mode=self.adam_w_mode == 1,
-        )
-        m.copy_(m_new)
-        v.copy_(v_new)
+        hyper = dict(beta1=b1, beta2=b2, bc1=bc1, bc2=bc2, eps=eps, lr=lr, decay=decay)
+        # Element-wise, so ``r_p``, ``m``, ``v`` (FP32 copies, or the live FP32 tensors) are updated in place, a
+        # slice at a time: each slice's result is computed before it is written. Slices bound the float64
+        # temporaries of the kernel arithmetic (about ten 8-byte values per element) to ``_UPDATE_SLICE``.
+        tensors = (g, r_p, m, v)
+        flat = all(t.is_contiguous() for t in tensors)
+        n = r_p.numel()
+        step_size = _UPDATE_SLICE if flat else max(n, 1)
+        for start in range(0, n, step_size):
+            parts = [t.view(-1)[start : start + step_size] if flat else t for t in tensors]
+            new = adam_update(*parts, **hyper, adam_w_mode=self.adam_w_mode == 1)
+            for dst, value in zip(parts[1:], new):
+                dst.copy_(value)
+        new_p = r_p
 
         if use_master and remainder:
             split_bf16_remainder(new_p, local_p, local_tensor(self.state[p]["master_param"]))

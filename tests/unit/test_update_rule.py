@@ -351,3 +351,47 @@ def test_kernel_fma_rounds_once():
     c = torch.tensor([2**-60], dtype=torch.float32)
     assert kernel_math.fma(a, a, c).item() == 1 + 2**-11 + 2**-23
     assert ((a.double() * a.double() + c.double()).float()).item() == 1 + 2**-11  # the double-rounded value
+
+
+SLICED_CONFIGS = {
+    "fp32": (torch.float32, {}),
+    "l2": (torch.float32, dict(adam_w_mode=False)),
+    "bf16-master-bf16-moments": (
+        torch.bfloat16,
+        dict(master_weights=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
+    ),
+    "bf16-remainders": (torch.bfloat16, dict(master_weights=True, store_param_remainders=True)),
+    "fp16-fp8-moments": (torch.float32, dict(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=FP8)),
+}
+
+
+@pytest.mark.parametrize("name", list(SLICED_CONFIGS))
+def test_update_in_slices_equals_one_call(name, monkeypatch):
+    """The update runs a slice at a time (bounded float64 temporaries): slices of 64 elements (a 1000-element
+    parameter in 16 uneven slices, plus a 33-element one) give bitwise the result of one call over everything."""
+    from optim_factory.optimizers import portable
+
+    dtype, kw = SLICED_CONFIGS[name]
+    results = []
+    for size in (64, 1 << 30):
+        monkeypatch.setattr(portable, "_UPDATE_SLICE", size)
+        params = make_params(dtype, shapes=[(40, 25), (33,)])
+        opt = run_portable(params, 5, **HP, **kw)
+        results.append((params, opt.state_dict()))
+    (pa, sa), (pb, sb) = results
+    for a, b in zip(pa, pb):
+        assert torch.equal(a, b)
+    for k, st in sb["state"].items():
+        for state_name, v in st.items():
+            assert torch.equal(sa["state"][k][state_name], v), (k, state_name)
+
+
+def test_kernel_rcp_and_sqrt_are_correctly_rounded_off_cuda():
+    """Off CUDA (or without Triton) the hardware approximations are replaced by the correctly rounded values;
+    on CUDA with Triton, tests/gpu/test_kernel_math_cuda.py checks the approximations themselves."""
+    from optim_factory.optimizers import kernel_math
+
+    x = torch.rand(1000, dtype=torch.float32) * 100 + 1e-3
+    assert not kernel_math.hardware_approximations("cpu")
+    assert torch.equal(kernel_math.rcp(x), torch.reciprocal(x))
+    assert torch.equal(kernel_math.sqrt(x), torch.sqrt(x))
