@@ -31,7 +31,13 @@ from optim_factory.config import (
 )
 from optim_factory.errors import ConfigError, config_error
 from optim_factory.optimizers.export import ExportOptions, Pinning, local_tensor
-from optim_factory.optimizers.rules import OptionError, check_state_dtypes, parse_bytes, parse_dtype
+from optim_factory.optimizers.rules import (
+    OptionError,
+    check_hyperparameters,
+    check_state_dtypes,
+    parse_bytes,
+    parse_dtype,
+)
 from optim_factory.param_groups import build_param_groups, named_trainable
 
 __all__ = [
@@ -139,15 +145,12 @@ def validate_optim_config(cfg: Any) -> ValidatedOptim:
     silently has no effect (remainders without an FP32 master).
     """
     c = _to_schema(cfg)
-    _check_number("lr", c.lr, positive=True)
-    if len(c.betas) != 2:
-        raise config_error("betas", list(c.betas), "expected two numbers [beta1, beta2], each in [0, 1)")
-    for i, beta in enumerate(c.betas):
-        _check_number(f"betas[{i}]", beta)
-        if not 0.0 <= beta < 1.0:
-            raise config_error(f"betas[{i}]", beta, "must be in [0, 1)")
-    _check_number("eps", c.eps, lo=0.0)
-    _check_number("weight_decay", c.weight_decay, lo=0.0)
+    if isinstance(c.lr, float) and c.lr <= 0:  # the one rule a config adds: torch accepts lr=0, which trains nothing
+        raise config_error("lr", c.lr, "must be > 0")
+    try:  # the constructors' own hyperparameter rules (one source: optimizers/rules.py)
+        check_hyperparameters(c.lr, list(c.betas), c.eps, c.weight_decay)
+    except OptionError as exc:
+        raise config_error(exc.key, exc.value, exc.allowed) from None
     _check_patterns("param_groups.no_decay", c.param_groups.no_decay)
     _check_patterns("param_groups.overrides.pattern", [o.pattern for o in c.param_groups.overrides])
     for i, o in enumerate(c.param_groups.overrides):
