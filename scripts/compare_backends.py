@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from optim_factory import PortableFusedAdam
+from optim_factory.optimizers import kernel_math
 from optim_factory.optimizers.export import join_bf16_remainder
 
 FP8 = torch.uint8  # TE's spelling of FP8 E4M3 moments
@@ -205,6 +206,13 @@ def main(argv=None) -> int:
                 results.append(r)
                 print(json.dumps(r), flush=True)
     table = markdown(results, args.max_rel, args.bitwise)
+    approx = kernel_math.hardware_approximations(args.device)
+    table = (
+        f"PortableFusedAdam's reciprocal and square root on {args.device}: "
+        + ("the GPU's approximations (Triton)" if approx else "correctly rounded")
+        + f"; {args.steps} steps; reference: {args.against}\n\n"
+        + table
+    )
     print(table)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
