@@ -87,6 +87,16 @@ class ExportReport:
     save_s: float
     async_save: bool
     flatten: bool
+    # Known once the save is complete (async: when it is awaited); None until then, and if it failed.
+    # blocking_s: how long the training loop was held by this checkpoint (docs/recipe.md, "Export report").
+    blocking_s: float | None = None
+    # written_bytes: the bytes of the files DCP wrote for it (all ranks' .distcp files and .metadata, as recorded
+    # by the checksumming writer); rank 0 gathers them, other ranks report None.
+    written_bytes: int | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """The fields of the end-of-run summary's ``checkpoints`` list."""
+        return {"step": self.step, "blocking_s": self.blocking_s, "written_bytes": self.written_bytes}
 
 
 _DCP_ERRORS = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
@@ -211,7 +221,7 @@ class CheckpointManager:
         self.device = device
         self.on_report = on_report
         self.options = StateDictOptions(flatten_optimizer_state_dict=cfg.flatten_optimizer_state_dict)
-        self._pending: tuple[Future, int, Path, ExportReport, Any, dict, ChecksumFileSystemWriter] | None = None
+        self._pending: tuple[Future, int, Path, ExportReport, Any, dict, ChecksumFileSystemWriter, float] | None = None
         # An async save plans and finishes on DCP's background thread with collectives of its own; on the
         # default group they would interleave with training's (gloo: a collective-mismatch abort; NCCL: a
         # hang), so they get a gloo group of their own (created here, on every rank, in the same order).
@@ -295,6 +305,7 @@ class CheckpointManager:
     def save(self, step: int, model, optimizer, trainer_state: dict[str, Any]) -> ExportReport:
         """Export and save a checkpoint for ``step`` (async if configured). Returns the export report."""
         self.wait()  # one save in flight at most; its buffers are never touched by the next export
+        held_since = time.perf_counter()  # this checkpoint holds the loop from here (the wait above: the previous)
         path = self.root / f"step_{step:08d}"
         msd, osd, export_s, peak = self._export(model, optimizer)
         self.on_phase("export", step, path)
@@ -347,9 +358,10 @@ class CheckpointManager:
         )
         self.reports.append(report)
         if self.cfg.async_save:
-            self._pending = (future, step, path, report, optimizer, osd, writer)
+            held_s = time.perf_counter() - held_since  # the save call's share; wait() adds its own
+            self._pending = (future, step, path, report, optimizer, osd, writer, held_s)
         else:
-            self._finalize(step, path, report, self._gather_checksums(writer))
+            self._finalize(step, path, report, self._gather_checksums(writer), held_since)
         return report
 
     def _check_finite(self, step: int, msd: dict, osd: dict) -> None:
@@ -374,17 +386,24 @@ class CheckpointManager:
             return None
         return {name: record for part in gathered for name, record in part.items()}
 
-    def _finalize(self, step: int, path: Path, report: ExportReport, files: dict | None) -> None:
+    def _finalize(
+        self, step: int, path: Path, report: ExportReport, files: dict | None, held_since: float, held_s: float = 0.0
+    ) -> None:
+        """Mark the finished save of ``step`` complete, apply keep_last, and report it. The loop is held by this
+        checkpoint ``held_s`` seconds before ``held_since`` (an async save's call) and from ``held_since`` on."""
         self.on_phase("marker", step, path)
         if self.rank == 0:
             on_disk = {p.name for p in path.iterdir() if p.name == METADATA or p.suffix == ".distcp"}
             unrecorded = sorted(on_disk - set(files or {}))
             if unrecorded:  # a torch that writes around ChecksumFileSystem: fail loudly, never unverifiable
                 raise CheckpointError(f"saving {path} failed: no checksum was recorded for {', '.join(unrecorded)}")
+            report.written_bytes = sum(int(r["size"]) for r in files.values())
+            record = asdict(report)
+            del record["blocking_s"]  # not known yet: it ends after the marker and keep_last (metrics.jsonl has it)
             manifest = {
                 "step": step,
                 "time": time.time(),
-                **asdict(report),
+                **record,
                 "checksum": ALGORITHM,
                 "files": files,
                 "config": self.run_config,
@@ -396,9 +415,12 @@ class CheckpointManager:
         self.verified = path
         if self.rank == 0:
             self._retain()
+        report.blocking_s = held_s + (time.perf_counter() - held_since)
         peak = "n/a (CPU)" if report.gpu_peak_mib is None else f"{report.gpu_peak_mib:.1f} MiB"
+        written = "" if report.written_bytes is None else f", wrote {report.written_bytes / 1e6:.2f} MB"
         log.info(
-            "checkpoint step %d: optimizer export %.3f s, %.2f MB, %.3f GB/s, GPU peak %s; save %.3f s%s -> %s",
+            "checkpoint step %d: optimizer export %.3f s, %.2f MB, %.3f GB/s, GPU peak %s; save %.3f s%s; "
+            "blocked training %.3f s%s -> %s",
             step,
             report.export_s,
             report.export_bytes / 1e6,
@@ -406,6 +428,8 @@ class CheckpointManager:
             peak,
             report.save_s,
             " (async staging)" if report.async_save else "",
+            report.blocking_s,
+            written,
             path,
         )
         if self.on_report is not None:
@@ -415,7 +439,8 @@ class CheckpointManager:
         """Wait for an in-flight async save; mark it complete. A failed save raises here, never silently."""
         if self._pending is None:
             return
-        future, step, path, report, optimizer, osd, writer = self._pending
+        waited_since = time.perf_counter()
+        future, step, path, report, optimizer, osd, writer, held_s = self._pending
         self._pending = None
         try:
             future.result()
@@ -423,7 +448,7 @@ class CheckpointManager:
             raise CheckpointError(f"async save of {path} failed: {one_line(exc)}") from exc
         finally:
             _release(optimizer, osd)  # the save is over: the next export may reuse them
-        self._finalize(step, path, report, self._gather_checksums(writer))
+        self._finalize(step, path, report, self._gather_checksums(writer), waited_since, held_s)
 
     def _retain(self) -> None:
         if self.cfg.keep_last <= 0:

@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +173,88 @@ def _eval_postfix(ev: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+@dataclass
+class StepResult:
+    """What one training step leaves for the rest of the loop (all on the step's device; nothing synchronised)."""
+
+    loss: torch.Tensor  # this rank's loss
+    nonfinite: torch.Tensor  # this rank's loss or the global gradient norm is NaN/inf (bool scalar)
+    lr: float
+    tokens: int  # tokens of the global batch
+
+
+@dataclass
+class TrainStep:
+    """One optimizer step of the recipe, callable on its own: the training loop and
+    ``scripts/bench_recipe_overhead.py`` both run it. Learning-rate schedule, the step's batch, forward, backward,
+    gradient clipping (``grad_clip`` > 0), the non-finite check (no sync), ``optimizer.step()`` and ``zero_grad``;
+    with ``prepare_at`` set, ``optimizer.prepare_state_dict()`` after that step (reused export buffers)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    data: Any
+    device: torch.device
+    rank: int
+    world: int
+    base_lrs: list[float]
+    warmup_steps: int
+    max_steps: int
+    grad_clip: float
+    prepare_at: int | None = None
+
+    def __call__(self, step: int) -> StepResult:
+        lr = _set_lr(self.optimizer, self.base_lrs, lr_factor(step, self.warmup_steps, self.max_steps))
+        inputs, targets = self.data.batch(step, self.rank, self.world)
+        loss = self.model(inputs.to(self.device), targets.to(self.device))
+        loss.backward()
+        nonfinite = ~torch.isfinite(loss.detach())  # this rank's loss; no sync here
+        if self.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            norm = norm.to_local() if hasattr(norm, "to_local") else norm  # replicated: the global norm
+            nonfinite = nonfinite | ~torch.isfinite(norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if step == self.prepare_at and hasattr(self.optimizer, "prepare_state_dict"):
+            # reused export buffers: allocate, touch and pin them in the background now, so that even the
+            # first checkpoint streams at the host link's bandwidth (no-op unless the option is on)
+            self.optimizer.prepare_state_dict()
+        return StepResult(loss, nonfinite, lr, inputs.numel() * self.world)
+
+
+class StepLog:
+    """The loop's per-step bookkeeping: at the first step, every ``log_every`` steps and the last, the loss
+    averaged over ranks (one all-reduce), tokens/s since the last log line, a metrics line, a log line and the
+    progress bar's postfix."""
+
+    def __init__(self, metrics: MetricsWriter, bar, *, world: int, start: int, end: int, max_steps: int, every: int):
+        self.metrics, self.bar, self.world = metrics, bar, world
+        self.start, self.end, self.max_steps, self.every = start, end, max_steps, every
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+        self.postfix: dict[str, str] = {}
+        self.tokens_since, self.t_since = 0, time.perf_counter()
+
+    def __call__(self, done: int, result: StepResult) -> None:
+        self.tokens_since += result.tokens
+        if not (done == self.start + 1 or done % self.every == 0 or done == self.end):
+            return
+        value = result.loss.detach().float()
+        if self.world > 1:
+            dist.all_reduce(value)  # SUM: gloo has no AVG
+            value = value / self.world
+        self.last_loss = float(value)
+        self.first_loss = self.last_loss if self.first_loss is None else self.first_loss
+        elapsed = time.perf_counter() - self.t_since
+        tps = self.tokens_since / elapsed if elapsed > 0 else 0.0
+        self.metrics.write(
+            {"kind": "train", "step": done, "loss": self.last_loss, "lr": result.lr, "tokens_per_s": tps}
+        )
+        log.info("step %d/%d loss %.4f lr %.3g tokens/s %.0f", done, self.max_steps, self.last_loss, result.lr, tps)
+        self.postfix["loss"] = f"{self.last_loss:.3f}"
+        self.bar.set_postfix(**self.postfix)
+        self.tokens_since, self.t_since = 0, time.perf_counter()
+
+
 def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
     """FSDP2: shard every block, then the root (also for one rank)."""
     for block in model.blocks:
@@ -263,53 +345,39 @@ def _train(
         (log.warning if ckpt.resume_changes else log.info)(nothing_to_do(start, end, resumed_from, ckpt.resume_changes))
 
     bar = progress_bar(total=end, initial=start, enabled=rank == 0 and cfg.trainer.progress)
-    first_loss = last_loss = last_eval = None
-    postfix: dict[str, str] = {}
-    tokens_since, t_since = 0, time.perf_counter()
+    train_step = TrainStep(
+        model,
+        optimizer,
+        data,
+        device,
+        rank,
+        world,
+        base_lrs,
+        warmup_steps=cfg.trainer.warmup_steps,
+        max_steps=max_steps,
+        grad_clip=cfg.trainer.grad_clip,
+        prepare_at=start if cfg.checkpoint.enabled else None,
+    )
+    step_log = StepLog(
+        metrics, bar, world=world, start=start, end=end, max_steps=max_steps, every=cfg.trainer.log_every
+    )
+    last_eval = None
     stop, stopped_at = StopSignal(), None
     model.train()
     try:
         for step in range(start, end):
-            lr = _set_lr(optimizer, base_lrs, lr_factor(step, cfg.trainer.warmup_steps, max_steps))
-            inputs, targets = data.batch(step, rank, world)
-            loss = model(inputs.to(device), targets.to(device))
-            loss.backward()
-            nonfinite = ~torch.isfinite(loss.detach())  # this rank's loss; no sync here
-            if cfg.trainer.grad_clip > 0:
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
-                norm = norm.to_local() if hasattr(norm, "to_local") else norm  # replicated: the global norm
-                nonfinite = nonfinite | ~torch.isfinite(norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if step == start and cfg.checkpoint.enabled and hasattr(optimizer, "prepare_state_dict"):
-                # reused export buffers: allocate, touch and pin them in the background now, so that even the
-                # first checkpoint streams at the host link's bandwidth (no-op unless the option is on)
-                optimizer.prepare_state_dict()
-            tokens_since += inputs.numel() * world
+            result = train_step(step)
             done = step + 1
-            if done == start + 1 or done % cfg.trainer.log_every == 0 or done == end:
-                value = loss.detach().float()
-                if world > 1:
-                    dist.all_reduce(value)  # SUM: gloo has no AVG
-                    value = value / world
-                last_loss = float(value)
-                first_loss = last_loss if first_loss is None else first_loss
-                elapsed = time.perf_counter() - t_since
-                tps = tokens_since / elapsed if elapsed > 0 else 0.0
-                metrics.write({"kind": "train", "step": done, "loss": last_loss, "lr": lr, "tokens_per_s": tps})
-                log.info("step %d/%d loss %.4f lr %.3g tokens/s %.0f", done, max_steps, last_loss, lr, tps)
-                postfix["loss"] = f"{last_loss:.3f}"
-                bar.set_postfix(**postfix)
-                tokens_since, t_since = 0, time.perf_counter()
+            step_log(done, result)
             if cfg.trainer.eval_every > 0 and (done % cfg.trainer.eval_every == 0 or done == end):
                 last_eval = {"step": done, **evaluate(model, data, rank, world, device)}
                 metrics.write({"kind": "eval", **last_eval})
                 log.info("eval %s", _eval_text(last_eval))
-                postfix.update(_eval_postfix(last_eval))
-                bar.set_postfix(**postfix)
-                t_since += last_eval["eval_s"]  # tokens/s counts training time only
+                step_log.postfix.update(_eval_postfix(last_eval))
+                bar.set_postfix(**step_log.postfix)
+                step_log.t_since += last_eval["eval_s"]  # tokens/s counts training time only
             bar.update(1)
-            stopping, diverged = stop.should_stop(world, nonfinite)
+            stopping, diverged = stop.should_stop(world, result.nonfinite)
             if diverged:
                 ckpt.close()  # an async save of an earlier (finite) step finishes and is marked complete
                 raise TrainingDiverged(
@@ -342,10 +410,12 @@ def _train(
         "start_step": start,
         "resumed_from": resumed_from,
         "end_step": stopped_at if stopped_at is not None else max(start, end),
-        "first_loss": first_loss,
-        "last_loss": last_loss,
+        "first_loss": step_log.first_loss,
+        "last_loss": step_log.last_loss,
         "eval": last_eval,
         "saved_checkpoints": [r.path for r in ckpt.reports],  # by this launch, in order (keep_last may delete)
+        # per checkpoint of this launch: how long it held the loop and the bytes written (rank 0), as logged
+        "checkpoints": [r.summary() for r in ckpt.reports],
         # complete checkpoints in checkpoint.dir at the end, after keep_last, oldest first: what a resume can use
         # (rank 0 only: it writes the completion markers and applies keep_last, other ranks would race it)
         "kept_checkpoints": [str(p) for _, p in ckpt.complete()] if rank == 0 else None,

@@ -1,0 +1,84 @@
+"""The per-checkpoint report's blocking time and written bytes, from a real recipe run on CPU (sync and async)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from recipes.checkpoint import MARKER, CheckpointManager, read_manifest
+from recipes.train import compose_config, train
+from tests.recipe.test_train import QUICK, metrics
+
+MARKER_DELAY_S = 0.3  # slept at the "marker" phase: inside the part of a save that holds the loop after the call
+
+
+class TimedManager(CheckpointManager):
+    """Times every save() and wait() call from outside the manager, and sleeps at the "marker" phase (async: in the
+    wait() of the next save or of close(), after the save call returned)."""
+
+    calls: list[tuple[str, float, float]] = []  # (save|wait, start, end)
+
+    def save(self, step, model, optimizer, trainer_state):
+        t0 = time.perf_counter()
+        try:
+            return super().save(step, model, optimizer, trainer_state)
+        finally:
+            TimedManager.calls.append(("save", t0, time.perf_counter()))
+
+    def wait(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            super().wait()
+        finally:
+            TimedManager.calls.append(("wait", t0, time.perf_counter()))
+
+    def on_phase(self, phase: str, step: int, path: Path) -> None:
+        if phase == "marker":
+            time.sleep(MARKER_DELAY_S)
+
+
+def held_bounds(calls: list[tuple[str, float, float]], async_save: bool) -> list[float]:
+    """Per save, in order: the longest the loop can have been held by it, as timed from outside the manager.
+    Sync: the save call. Async: the save call less the wait for the previous save inside it, plus the first
+    wait() after the call (in the next save, or in close())."""
+    saves = [(t0, t1) for kind, t0, t1 in calls if kind == "save"]
+    waits = [(t0, t1) for kind, t0, t1 in calls if kind == "wait"]
+    bounds = []
+    for a, b in saves:
+        if not async_save:
+            bounds.append(b - a)
+            continue
+        nested = sum(t1 - t0 for t0, t1 in waits if a <= t0 and t1 <= b)
+        after = min((w for w in waits if w[0] >= b), key=lambda w: w[0])
+        bounds.append(b - a - nested + after[1] - after[0])
+    return bounds
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_report_has_blocking_time_and_written_bytes(tmp_path, async_save):
+    TimedManager.calls = []
+    cfg = compose_config([*QUICK, f"run_dir={tmp_path}", f"checkpoint.async_save={async_save}"])
+    summary = train(cfg, manager_cls=TimedManager)
+    reports = [r for r in metrics(tmp_path) if r["kind"] == "checkpoint"]
+    assert [r["step"] for r in reports] == [10, 20]
+    log_text = (tmp_path / "train.log").read_text()
+    for r, bound in zip(reports, held_bounds(TimedManager.calls, async_save)):
+        step_dir = Path(r["path"])
+        on_disk = sum(p.stat().st_size for p in step_dir.iterdir() if p.name != MARKER)
+        assert r["written_bytes"] == on_disk > 0, (r, on_disk)
+        manifest = read_manifest(step_dir)
+        assert manifest["written_bytes"] == on_disk and "blocking_s" not in manifest
+        # it holds the export, the save call and the marker phase (slept), and at most what was timed outside
+        assert MARKER_DELAY_S + r["export_s"] + r["save_s"] < r["blocking_s"] <= bound, (r, bound)
+        line = f"checkpoint step {r['step']}: "
+        assert f"blocked training {r['blocking_s']:.3f} s, wrote {r['written_bytes'] / 1e6:.2f} MB" in next(
+            text for text in log_text.splitlines() if line in text
+        )
+    assert summary["checkpoints"] == [
+        {"step": r["step"], "blocking_s": r["blocking_s"], "written_bytes": r["written_bytes"]} for r in reports
+    ]
+    recorded = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert recorded["kind"] == "summary" and recorded["checkpoints"] == summary["checkpoints"]
