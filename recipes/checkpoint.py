@@ -18,7 +18,8 @@ and DCP's collectives for it run on a gloo group of their own, so that they neve
 
 The optimizer is exported with ``get_optimizer_state_dict`` (``flatten_optimizer_state_dict`` configurable); the
 export is timed and, on CUDA, its GPU peak above the pre-export level is measured. The report (seconds, bytes,
-GB/s, peak) is logged and appended to the run's metrics file.
+GB/s, peak), completed with the time the checkpoint held the training loop and the bytes written once the save
+is complete (docs/recipe.md, "Export report"), is logged and appended to the run's metrics file.
 
 With ``optim.state_dict_offload_reuse_buffers`` the optimizer exports into pooled host buffers. They are handed
 to DCP as they are (an async save stages copies of everything else, as DCP's default does, but not of them),

@@ -154,8 +154,11 @@ def test_torchrun_two_ranks_and_resharding_both_ways(tmp_path):
     back = run_cli([*QUICK, f"run_dir={two}", "trainer.max_steps=30"], torchrun=2)
     assert back.returncode == 0, back.stderr[-4000:]
     assert "saved by 1 rank(s)" in back.stderr
-    steps = [r["step"] for r in metrics(two) if r["kind"] == "checkpoint"]
-    assert steps == [10, 20, 30]
+    reports = [r for r in metrics(two) if r["kind"] == "checkpoint"]
+    assert [r["step"] for r in reports] == [10, 20, 30]
+    for r in reports:  # the bytes of every rank's files (rank 0 reports them)
+        files = [p for p in Path(r["path"]).iterdir() if p.name != "COMPLETE.json"]
+        assert r["written_bytes"] == sum(p.stat().st_size for p in files), r
 
 
 # ------------------------------------------------------------------------------------------------ bad input
