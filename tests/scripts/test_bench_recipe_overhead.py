@@ -1,0 +1,44 @@
+"""scripts/bench_recipe_overhead.py end to end on CPU: two gloo ranks under torchrun, the tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from scripts.bench_recipe_overhead import LOOPS
+from tests.scripts.test_scripts_as_modules import ENV, ROOT
+
+
+@pytest.mark.slow
+def test_bench_recipe_overhead_two_ranks_on_cpu(tmp_path):
+    args = ["--device", "cpu", "--warmup", "1", "--steps", "2", "--repeats", "2", "--probe", "20"]
+    args += ["--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["-m", "scripts.bench_recipe_overhead", *args, "trainer.log_every=3"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "bench_recipe_overhead.jsonl").read_text().splitlines()]
+    meta = records[0]
+    assert meta["kind"] == "meta" and meta["hardware"].startswith("2 CPU process(es)")
+    assert meta["command"].startswith("torchrun --nproc_per_node=2 -m scripts.bench_recipe_overhead --device cpu")
+    assert meta["log_every"] == 3 and "trainer.log_every=3" in meta["overrides"]
+    blocks = [r for r in records if r["kind"] == "block"]
+    # every loop once per repetition, in an order rotated per repetition
+    assert [b["loop"] for b in blocks] == [LOOPS[(i + rep) % 4] for rep in range(2) for i in range(4)]
+    assert all(b["step_s"] > 0 for b in blocks)
+    loops = {r["loop"]: r for r in records if r["kind"] == "loop"}
+    assert list(loops) == list(LOOPS)
+    for name, rec in loops.items():
+        times = sorted(b["step_s"] for b in blocks if b["loop"] == name)
+        assert rec["median_step_s"] == pytest.approx(sum(times) / 2) and rec["min_step_s"] == times[0]
+        assert rec["ratio_to_bare"] == pytest.approx(rec["median_step_s"] / loops["bare"]["median_step_s"])
+    probes = [r for r in records if r["kind"] == "probe"]
+    assert [p["what"] for p in probes] == ["all-reduce", "all-reduce + device flag"]
+    assert all(p["call_s"] > 0 and p["calls"] == 20 for p in probes)
+    table = (tmp_path / "bench_recipe_overhead.md").read_text()
+    for name in LOOPS:
+        assert sum(line.startswith(f"| {name} |") for line in table.splitlines()) == 1, table
+    assert "| all-reduce + device flag |" in table
