@@ -17,10 +17,12 @@ One model (built, sharded with FSDP2 and given its optimizer by the recipe's own
   norm, one more all-reduce, and its non-finite check).
 
 Checkpoints and evaluation are off (they are not per-step work). After ``--warmup`` steps of each loop, each
-repetition runs a block of ``--steps`` steps of each loop, in an order rotated per repetition; a block is timed
-between device synchronisations after a barrier, and its time is the slowest rank's. The step time of a loop is
-the median over its blocks of (block time / steps). Then the stop check alone is timed ``--probe`` times: the
-all-reduce (no flag) and the all-reduce with the device flag (the flag computed beforehand, the device idle).
+repetition runs a block of ``--steps`` steps of each loop (default 25, the recipe's ``trainer.log_every``: the
+recipe loops count their own steps, so each of their blocks holds one log step), in an order rotated per
+repetition. A block is timed between device synchronisations after a barrier, and its time is the slowest
+rank's. The step time of a loop is the median over its blocks of (block time / steps). Then the stop check
+alone is timed ``--probe`` times: the all-reduce (no flag) and the all-reduce with the device flag (the flag
+computed beforehand, the device idle).
 
 Writes ``bench_recipe_overhead.jsonl`` (one line per block, per loop, per probe, and the run's metadata) and
 ``bench_recipe_overhead.md`` to ``--out`` (rank 0). Extra positional arguments are recipe overrides
@@ -96,6 +98,7 @@ class Loops:
     def __init__(self, cfg, env, device, data, model, optimizer, run_dir: str):
         self.env, self.device, self.data, self.model, self.optimizer = env, device, data, model, optimizer
         self.step = 0
+        self.recipe_steps = 0  # the recipe loops' own count: StepLog logs every log_every of them
         self.stop = StopSignal()
         base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         common = dict(warmup_steps=cfg.trainer.warmup_steps, max_steps=cfg.trainer.max_steps)
@@ -128,7 +131,8 @@ class Loops:
 
     def recipe(self, name: str) -> None:
         result = self.recipe_step[name](self.step)
-        self.step_log(self.step + 1, result)
+        self.recipe_steps += 1
+        self.step_log(self.recipe_steps, result)
         self.bar.update(1)
         self.stop.should_stop(self.env.world_size, result.nonfinite)
 
@@ -191,8 +195,10 @@ def main() -> None:
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--preset", choices=["auto", "gpu", "cpu"], default="auto", help="auto: gpu on CUDA, else cpu")
     ap.add_argument("--warmup", type=int, default=10, help="steps of each loop before timing")
-    ap.add_argument("--steps", type=int, default=20, help="steps per timed block")
-    ap.add_argument("--repeats", type=int, default=8, help="timed blocks of each loop")
+    ap.add_argument(
+        "--steps", type=int, default=25, help="steps per timed block (the recipe's log_every: one log each)"
+    )
+    ap.add_argument("--repeats", type=int, default=10, help="timed blocks of each loop")
     ap.add_argument("--probe", type=int, default=2000, help="calls of the stop check timed alone")
     ap.add_argument("overrides", nargs="*", help="recipe overrides, after the preset's (e.g. model.n_layers=6)")
     args = ap.parse_args()
