@@ -297,9 +297,12 @@ class CheckpointManager:
         self.wait()  # one save in flight at most; its buffers are never touched by the next export
         path = self.root / f"step_{step:08d}"
         msd, osd, export_s, peak = self._export(model, optimizer)
-        self.on_phase("export", step, path)
+        t0 = time.perf_counter()
+        export_error = _export_failure(optimizer)  # a background export is finished from here on
+        export_s += time.perf_counter() - t0
         try:
-            self._check_finite(step, msd, osd)  # before anything on disk changes
+            self.on_phase("export", step, path)
+            self._check_finite(step, msd, osd, export_error)  # before anything on disk changes
         except CheckpointError:
             _release(optimizer, osd)
             raise
@@ -352,11 +355,20 @@ class CheckpointManager:
             self._finalize(step, path, report, self._gather_checksums(writer))
         return report
 
-    def _check_finite(self, step: int, msd: dict, osd: dict) -> None:
-        """Refuse to save a state holding NaN or inf (all ranks agree: one all-reduce)."""
-        bad = torch.tensor([0 if all_finite(local_tensors({"model": msd, "optim": osd})) else 1])
+    def _check_finite(self, step: int, msd: dict, osd: dict, export_error: str | None = None) -> None:
+        """Refuse to save a state holding NaN or inf, or whose background export failed on any rank (all ranks
+        agree: one all-reduce)."""
+        if export_error is not None:
+            bad = torch.tensor([2])
+        else:
+            bad = torch.tensor([0 if all_finite(local_tensors({"model": msd, "optim": osd})) else 1])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item() == 2:
+            raise CheckpointError(
+                f"not saving step {step}: the optimizer's background export failed "
+                f"({export_error or 'on another rank'}); the newest good checkpoint is {self.verified or 'none'}"
+            )
         if bad.item():
             raise CheckpointError(
                 f"not saving step {step}: the model or optimizer state holds non-finite values (NaN/inf); "
@@ -523,6 +535,10 @@ class ExportBufferStager(AsyncStager):
         self.optimizer = optimizer
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Host copies for DCP, once a background export has filled its tensors (DCP gets finished tensors
+        only; a failed export raises here and nothing is written)."""
+        if isinstance(self.optimizer, OffloadedStateDict):
+            self.optimizer.wait_state_dict()
         leased = self.optimizer.is_leased_export_buffer if isinstance(self.optimizer, OffloadedStateDict) else None
         return _host_copy(state_dict, keep=leased)
 
@@ -531,6 +547,16 @@ class ExportBufferStager(AsyncStager):
 
     def close(self) -> None:
         """Nothing to free."""
+
+
+def _export_failure(optimizer: Any) -> str | None:
+    """Wait for a background export (``state_dict_offload_background``); its failure in one line, or None."""
+    if isinstance(optimizer, OffloadedStateDict):
+        try:
+            optimizer.wait_state_dict()
+        except Exception as exc:  # noqa: BLE001  (any failure of the export thread: nothing of it is saved)
+            return one_line(exc)
+    return None
 
 
 def _release(optimizer: Any, osd: Any) -> None:
