@@ -151,7 +151,8 @@ CHUNKED = {"cpu": (64, SHAPES), "cuda": (1 << 20, [(4096, 1024), (1001, 3), (819
 def chunked_export(rank: int, world: int, tmp: str) -> None:
     """Chunked (fresh and reused buffers) == per-state export, bitwise: ``state_dict()`` and DCP's flattened
     ``get_optimizer_state_dict``; on CUDA the DCP export stays within 2 chunks of GPU memory; an async DCP
-    save of a reused-buffer export loads back bitwise."""
+    save of a reused-buffer export loads back bitwise, also when the export is filled in the background
+    (``state_dict_offload_background``: DCP's async save starts while it runs, the stager waits for it)."""
     device = mesh_device()
     chunk, shapes = CHUNKED[device]
     mesh = init_device_mesh(device, (world,))
@@ -163,11 +164,12 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
         reference = export_state(opt, cpu_offload=True, keep_bf16=keep)  # per state
         opt.configure_export(ExportOptions(cpu_offload=True, keep_bf16=keep))
         ref_flat = get_optimizer_state_dict(model, opt, options=flat)
-        for reuse in (False, True):
-            opt.configure_export(ExportOptions(True, chunk, reuse, keep_bf16=keep))
+        for reuse, background in ((False, False), (True, False), (True, True)):
+            opt.configure_export(ExportOptions(True, chunk, reuse, keep_bf16=keep, background=background))
             for round_ in range(2):
-                what = f"{cfg} reuse={reuse} round {round_}"
+                what = f"{cfg} reuse={reuse} background={background} round {round_}"
                 sd = opt.state_dict()
+                opt.wait_state_dict()  # a background export's values are read below
                 for k, st in reference["state"].items():
                     for name, v in st.items():
                         _assert_same_dtensor(sd["state"][k][name], v, f"{what} state_dict {k}.{name}")
@@ -178,6 +180,11 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
                     torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
                 got = get_optimizer_state_dict(model, opt, options=flat)
+                path = f"{tmp}/chunked-{cfg}-{background}"
+                if reuse and round_ == 1:  # background: DCP stages the export while it is filled (the stager waits)
+                    state = {"model": get_model_state_dict(model), "optim": got}
+                    dcp.async_save(state, checkpoint_id=path, async_stager=ExportBufferStager(opt)).result()
+                opt.wait_state_dict()
                 seconds = time.perf_counter() - t0
                 assert got.keys() == ref_flat.keys(), what
                 for key, v in ref_flat.items():
@@ -207,9 +214,6 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
                     )
                     assert peak <= 2 * chunk + (1 << 20), f"{what}: DCP export peak {peak} > 2 x {chunk} + 1 MiB"
                 if reuse and round_ == 1:
-                    path = f"{tmp}/chunked-{cfg}"
-                    state = {"model": get_model_state_dict(model), "optim": got}
-                    dcp.async_save(state, checkpoint_id=path, async_stager=ExportBufferStager(opt)).result()
                     opt.release_state_dict(got)
                     model2, opt2 = load_fresh(
                         mesh, cfg, path, flat, shapes=shapes, state_dict_offload_chunk_bytes=chunk
