@@ -181,11 +181,13 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
                 t0 = time.perf_counter()
                 got = get_optimizer_state_dict(model, opt, options=flat)
                 path = f"{tmp}/chunked-{cfg}-{background}"
-                if reuse and round_ == 1:  # background: DCP stages the export while it is filled (the stager waits)
-                    state = {"model": get_model_state_dict(model), "optim": got}
-                    dcp.async_save(state, checkpoint_id=path, async_stager=ExportBufferStager(opt)).result()
+                save = reuse and round_ == 1
+                if save and background:  # DCP stages the export while it is being filled: the stager waits
+                    _async_save(model, opt, got, path)
                 opt.wait_state_dict()
-                seconds = time.perf_counter() - t0
+                seconds = time.perf_counter() - t0  # with background and save: the save's time included
+                if save and not background:
+                    _async_save(model, opt, got, path)
                 assert got.keys() == ref_flat.keys(), what
                 for key, v in ref_flat.items():
                     if isinstance(v, torch.Tensor):
@@ -202,6 +204,8 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
                                 rank=rank,
                                 cfg=cfg,
                                 reuse=reuse,
+                                background=background,
+                                includes_save=save and background,
                                 round=round_,
                                 chunk_bytes=chunk,
                                 peak_bytes=peak,
@@ -213,7 +217,7 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
                         flush=True,
                     )
                     assert peak <= 2 * chunk + (1 << 20), f"{what}: DCP export peak {peak} > 2 x {chunk} + 1 MiB"
-                if reuse and round_ == 1:
+                if save:
                     opt.release_state_dict(got)
                     model2, opt2 = load_fresh(
                         mesh, cfg, path, flat, shapes=shapes, state_dict_offload_chunk_bytes=chunk
@@ -221,6 +225,11 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
                     assert_same_model_and_state(model, opt, model2, opt2, f"{cfg} chunked async save, loaded")
                 else:
                     opt.release_state_dict(got)
+
+
+def _async_save(model, opt, osd, path: str) -> None:
+    state = {"model": get_model_state_dict(model), "optim": osd}
+    dcp.async_save(state, checkpoint_id=path, async_stager=ExportBufferStager(opt)).result()
 
 
 def _assert_same_dtensor(a, b, what: str) -> None:
