@@ -17,7 +17,9 @@ last saved or loaded). With ``async_save`` the previous save is awaited before t
 and DCP's collectives for it run on a gloo group of their own, so that they never interleave with training's.
 
 The optimizer is exported with ``get_optimizer_state_dict`` (``flatten_optimizer_state_dict`` configurable); the
-export is timed and, on CUDA, its GPU peak above the pre-export level is measured. The report (seconds, bytes,
+export is timed and, on CUDA, its GPU peak above the pre-export level is measured; a background export
+(``optim.state_dict_offload_background``) is waited for within that time, and its failure on any rank refuses
+the save on every rank before anything is written. The report (seconds, bytes,
 GB/s, peak) is logged and appended to the run's metrics file.
 
 With ``optim.state_dict_offload_reuse_buffers`` the optimizer exports into pooled host buffers. They are handed
@@ -277,7 +279,10 @@ class CheckpointManager:
     # ------------------------------------------------------------------ save
     def _export(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-    ) -> tuple[dict, dict, float, float | None]:
+    ) -> tuple[dict, dict, float, float | None, str | None]:
+        """Export model and optimizer: (model sd, optimizer sd, export seconds, GPU peak MiB, the failure of a
+        background export in one line or None). A background export is waited for here, so its time and GPU
+        peak are counted and the state dicts are final."""
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             torch.cuda.synchronize(self.device)
@@ -285,21 +290,19 @@ class CheckpointManager:
             base = torch.cuda.memory_allocated(self.device)
         t0 = time.perf_counter()
         osd = get_optimizer_state_dict(model, optimizer, options=self.options)
+        export_error = _export_failure(optimizer)
         if on_cuda:
             torch.cuda.synchronize(self.device)
         export_s = time.perf_counter() - t0
         peak = (torch.cuda.max_memory_allocated(self.device) - base) / 2**20 if on_cuda else None
         msd = get_model_state_dict(model, options=self.options)
-        return msd, osd, export_s, peak
+        return msd, osd, export_s, peak, export_error
 
     def save(self, step: int, model, optimizer, trainer_state: dict[str, Any]) -> ExportReport:
         """Export and save a checkpoint for ``step`` (async if configured). Returns the export report."""
         self.wait()  # one save in flight at most; its buffers are never touched by the next export
         path = self.root / f"step_{step:08d}"
-        msd, osd, export_s, peak = self._export(model, optimizer)
-        t0 = time.perf_counter()
-        export_error = _export_failure(optimizer)  # a background export is finished from here on
-        export_s += time.perf_counter() - t0
+        msd, osd, export_s, peak, export_error = self._export(model, optimizer)
         try:
             self.on_phase("export", step, path)
             self._check_finite(step, msd, osd, export_error)  # before anything on disk changes
