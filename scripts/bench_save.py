@@ -24,13 +24,15 @@ Modes (one optimizer; ``configure_export`` switches the export between them):
 * ``d-ours-keep-bf16``: ``c-ours`` with ``state_dict_keep_bf16``.
 * ``e-te-sync`` / ``e-ours-sync``: synchronous ``dcp.save`` of (a)'s export, and the recipe's synchronous save.
 
-Per checkpoint: ``block_s`` (from the save call until training may resume: the save call plus any wait for
-staging or for the export before the next ``step()``), GPU peak above the step boundary during that time,
-the next step's GPU peak beyond a plain step's, RSS and pinned host bytes (torch's pinned host allocator plus
+Per checkpoint: ``block_s`` (from the save call until training may resume: the save call plus any wait for staging
+or for the export before the next ``step()``), the GPU peak of the save call above the step boundary, the next
+step's GPU peak beyond a plain step's (what a save keeps on the GPU into the next step: (a)'s export until its
+staging is done, the overlapping export's chunks), RSS and pinned host bytes (torch's pinned host allocator plus
 our pool's registered buffers), bytes on disk, ``complete_s`` (save call until the save was confirmed complete,
 after the 3 following steps: an upper bound) and the 3 following step times against the median of the 3 before.
 Each mode gets one warm-up checkpoint (DCP's stager allocates its pinned memory, our pool its buffers), then
-``--repeats`` measured ones (medians in the table). Checkpoints go to ``--scratch`` and are deleted after each mode.
+``--repeats`` measured ones (medians in the table). Checkpoints go to ``--scratch`` and are deleted after each
+mode.
 """
 
 from __future__ import annotations
@@ -262,6 +264,7 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
         t0 = time.perf_counter()
         info = mode.save(step, path)
         save_call_s = time.perf_counter() - t0
+        peak_save = gpu_peak_mib(device, base)  # the allocator's counts: no device sync needed
         # the loop resumes: forward and backward of the next step, then the wait (if any) before step()
         first_s, hook_s = trainer.step(before_step=mode.hook)
         peak_step = gpu_peak_mib(device, base)
@@ -279,7 +282,7 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
                 block_s=save_call_s + hook_s,
                 save_call_s=save_call_s,
                 wait_before_step_s=hook_s,
-                gpu_peak_at_save_mib=peak_step if name != "c-ours-overlap" else None,
+                gpu_peak_at_save_mib=peak_save,
                 gpu_peak_step_excess_mib=None if peak_step is None else max(0.0, peak_step - plain_peak),
                 rss_delta_bytes=rss_bytes() - rss_a,
                 rss_held_bytes=rss_bytes() - rss0,
@@ -379,7 +382,9 @@ def goals(summary: dict, meta: dict) -> list[tuple[bool, str]]:
             continue
         ok = s["block_s"] <= a["block_s"] and s["block_s"] <= step
         out.append((ok, f"{name} blocks {s['block_s']:.3f} s <= (a) {a['block_s']:.3f} s and <= one step {step:.3f} s"))
-        peak = s.get("gpu_peak_at_save_mib") if name != "c-ours-overlap" else s.get("gpu_peak_step_excess_mib")
+        peak = s.get("gpu_peak_at_save_mib")
+        if peak is not None:  # what stays allocated into the next step counts too (the overlap's export, say)
+            peak = max(peak, s.get("gpu_peak_step_excess_mib") or 0.0)
         if peak is not None and a.get("gpu_peak_at_save_mib") is not None:
             limit = 2 * meta["chunk"] / 2**20 + 1
             out.append(

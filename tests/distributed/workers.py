@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,9 +22,9 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from optim_factory import build_optimizer
 from optim_factory.optimizers.export import ExportOptions, export_state
-from recipes.checkpoint import CheckpointManager, ExportBufferStager, state_bytes
+from recipes.checkpoint import CheckpointError, CheckpointManager, ExportBufferStager, state_bytes
 from recipes.config import CheckpointConfig
-from tests.helpers import FP8, LIFECYCLE_CONFIGS, assert_bitwise, run_steps
+from tests.helpers import FP8, LIFECYCLE_CONFIGS, assert_bitwise, local, run_steps
 
 # uneven Shard(0) on 2 ranks: 3/2 rows, 1/0 rows (an empty local shard), 3/3, 4/3
 SHAPES = [(5, 4), (1, 3), (6,), (7, 2)]
@@ -322,3 +323,47 @@ def async_save_while_training(rank: int, world: int, tmp: str) -> None:
         mesh, cfg, f"{tmp}/ck/step_00000003", StateDictOptions(flatten_optimizer_state_dict=True), shapes=shapes
     )
     assert_same_model_and_state(model, opt, model2, opt2, "async saves during training, loaded")
+
+
+def background_export_failure(rank: int, world: int, tmp: str) -> None:
+    """``state_dict_offload_background``: a background export that fails on one rank refuses the recipe's save on
+    every rank (one line each, no hang, nothing written); once the cause is gone the next save completes."""
+    mesh = init_device_mesh(mesh_device(), (world,))
+    cfg = "bf16-params-bf16-moments-fp32-master"
+    model, opt = build(
+        mesh,
+        cfg,
+        state_dict_offload_chunk_bytes=64,
+        state_dict_offload_background=True,
+        state_dict_offload_reuse_buffers=True,
+    )
+    params = optimized_params(model, opt)
+    ckpt = CheckpointManager(
+        CheckpointConfig(dir=f"{tmp}/ck", every_steps=1, keep_last=0, async_save=True),
+        rank=rank,
+        device=torch.device(mesh_device()),
+    )
+    run_steps(opt, params, 1, 1)
+    ckpt.save(1, model, opt, {"step": 1})
+    ckpt.wait()
+    broken = None
+    if rank == 0:  # a state whose storage is gone: the background thread fails reading it (no mock)
+        broken = next(st["exp_avg"] for st in opt.state.values() if local(st["exp_avg"]).numel() > 0)
+        nbytes = local(broken).untyped_storage().nbytes()
+        local(broken).untyped_storage().resize_(0)
+    try:
+        ckpt.save(2, model, opt, {"step": 2})
+    except CheckpointError as exc:
+        where = "storage" if rank == 0 else "on another rank"
+        assert "not saving step 2: the optimizer's background export failed" in str(exc) and where in str(exc), exc
+        assert "\n" not in str(exc)
+    else:
+        raise AssertionError(f"rank {rank}: a failed background export was saved")
+    dist.barrier()
+    assert not (Path(tmp) / "ck" / "step_00000002").exists()
+    if broken is not None:
+        local(broken).untyped_storage().resize_(nbytes)
+    ckpt.save(3, model, opt, {"step": 3})
+    ckpt.close()
+    dist.barrier()
+    assert [s for s, _ in ckpt.complete()] == [1, 3]
