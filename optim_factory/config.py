@@ -138,6 +138,7 @@ class FusedAdamConfig:
     state_dict_offload_reuse_buffers: bool = False  # with chunks: reuse pinned host buffers across checkpoints
     state_dict_offload_pinning: Pinning = Pinning.register  # with reuse: register | alloc | none (CUDA states)
     state_dict_keep_bf16: bool = False  # export BF16 states as BF16 (half the bytes; TE's own class cannot load it)
+    state_dict_offload_background: bool = False  # with chunks: fill the export in the background; step() waits
     param_groups: ParamGroupsConfig = field(default_factory=ParamGroupsConfig)
 
 

@@ -181,6 +181,7 @@ def validate_optim_config(cfg: Any) -> ValidatedOptim:
             c.state_dict_offload_reuse_buffers,
             Pinning(c.state_dict_offload_pinning),
             c.state_dict_keep_bf16,
+            c.state_dict_offload_background,
         )
     except ValueError as exc:
         raise ConfigError(f"optim.{exc}") from None
@@ -233,6 +234,7 @@ def _fused_adam_kwargs(c: DictConfig, chunk_bytes: int | None) -> dict[str, Any]
         state_dict_offload_reuse_buffers=c.state_dict_offload_reuse_buffers,
         state_dict_offload_pinning=Pinning(c.state_dict_offload_pinning),
         state_dict_keep_bf16=c.state_dict_keep_bf16,
+        state_dict_offload_background=c.state_dict_offload_background,
     )
 
 

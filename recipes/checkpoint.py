@@ -17,9 +17,11 @@ last saved or loaded). With ``async_save`` the previous save is awaited before t
 and DCP's collectives for it run on a gloo group of their own, so that they never interleave with training's.
 
 The optimizer is exported with ``get_optimizer_state_dict`` (``flatten_optimizer_state_dict`` configurable); the
-export is timed and, on CUDA, its GPU peak above the pre-export level is measured. The report (seconds, bytes,
-GB/s, peak), completed with the time the checkpoint held the training loop and the bytes written once the save
-is complete (docs/recipe.md, "Export report"), is logged and appended to the run's metrics file.
+export is timed and, on CUDA, its GPU peak above the pre-export level is measured; a background export
+(``optim.state_dict_offload_background``) is waited for within that time, and its failure on any rank refuses
+the save on every rank before anything is written. The report (seconds, bytes, GB/s, peak), completed with the
+time the checkpoint held the training loop and the bytes written once the save is complete (docs/recipe.md,
+"Export report"), is logged and appended to the run's metrics file.
 
 With ``optim.state_dict_offload_reuse_buffers`` the optimizer exports into pooled host buffers. They are handed
 to DCP as they are (an async save stages copies of everything else, as DCP's default does, but not of them),
@@ -288,7 +290,10 @@ class CheckpointManager:
     # ------------------------------------------------------------------ save
     def _export(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-    ) -> tuple[dict, dict, float, float | None]:
+    ) -> tuple[dict, dict, float, float | None, str | None]:
+        """Export model and optimizer: (model sd, optimizer sd, export seconds, GPU peak MiB, the failure of a
+        background export in one line or None). A background export is waited for here, so its time and GPU
+        peak are counted and the state dicts are final."""
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             torch.cuda.synchronize(self.device)
@@ -296,22 +301,23 @@ class CheckpointManager:
             base = torch.cuda.memory_allocated(self.device)
         t0 = time.perf_counter()
         osd = get_optimizer_state_dict(model, optimizer, options=self.options)
+        export_error = _export_failure(optimizer)
         if on_cuda:
             torch.cuda.synchronize(self.device)
         export_s = time.perf_counter() - t0
         peak = (torch.cuda.max_memory_allocated(self.device) - base) / 2**20 if on_cuda else None
         msd = get_model_state_dict(model, options=self.options)
-        return msd, osd, export_s, peak
+        return msd, osd, export_s, peak, export_error
 
     def save(self, step: int, model, optimizer, trainer_state: dict[str, Any]) -> ExportReport:
         """Export and save a checkpoint for ``step`` (async if configured). Returns the export report."""
         self.wait()  # one save in flight at most; its buffers are never touched by the next export
         held_since = time.perf_counter()  # this checkpoint holds the loop from here (the wait above: the previous)
         path = self.root / f"step_{step:08d}"
-        msd, osd, export_s, peak = self._export(model, optimizer)
-        self.on_phase("export", step, path)
+        msd, osd, export_s, peak, export_error = self._export(model, optimizer)
         try:
-            self._check_finite(step, msd, osd)  # before anything on disk changes
+            self.on_phase("export", step, path)
+            self._check_finite(step, msd, osd, export_error)  # before anything on disk changes
         except CheckpointError:
             _release(optimizer, osd)
             raise
@@ -365,11 +371,20 @@ class CheckpointManager:
             self._finalize(step, path, report, self._gather_checksums(writer), held_since)
         return report
 
-    def _check_finite(self, step: int, msd: dict, osd: dict) -> None:
-        """Refuse to save a state holding NaN or inf (all ranks agree: one all-reduce)."""
-        bad = torch.tensor([0 if all_finite(local_tensors({"model": msd, "optim": osd})) else 1])
+    def _check_finite(self, step: int, msd: dict, osd: dict, export_error: str | None = None) -> None:
+        """Refuse to save a state holding NaN or inf, or whose background export failed on any rank (all ranks
+        agree: one all-reduce)."""
+        if export_error is not None:
+            bad = torch.tensor([2])
+        else:
+            bad = torch.tensor([0 if all_finite(local_tensors({"model": msd, "optim": osd})) else 1])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item() == 2:
+            raise CheckpointError(
+                f"not saving step {step}: the optimizer's background export failed "
+                f"({export_error or 'on another rank'}); the newest good checkpoint is {self.verified or 'none'}"
+            )
         if bad.item():
             raise CheckpointError(
                 f"not saving step {step}: the model or optimizer state holds non-finite values (NaN/inf); "
@@ -549,6 +564,10 @@ class ExportBufferStager(AsyncStager):
         self.optimizer = optimizer
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Host copies for DCP, once a background export has filled its tensors (DCP gets finished tensors
+        only; a failed export raises here and nothing is written)."""
+        if isinstance(self.optimizer, OffloadedStateDict):
+            self.optimizer.wait_state_dict()
         leased = self.optimizer.is_leased_export_buffer if isinstance(self.optimizer, OffloadedStateDict) else None
         return _host_copy(state_dict, keep=leased)
 
@@ -557,6 +576,16 @@ class ExportBufferStager(AsyncStager):
 
     def close(self) -> None:
         """Nothing to free."""
+
+
+def _export_failure(optimizer: Any) -> str | None:
+    """Wait for a background export (``state_dict_offload_background``); its failure in one line, or None."""
+    if isinstance(optimizer, OffloadedStateDict):
+        try:
+            optimizer.wait_state_dict()
+        except Exception as exc:  # noqa: BLE001  (any failure of the export thread: nothing of it is saved)
+            return one_line(exc)
+    return None
 
 
 def _release(optimizer: Any, osd: Any) -> None:

@@ -85,6 +85,7 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
             ``none`` (see :class:`~optim_factory.optimizers.export.Pinning`).
         state_dict_keep_bf16: export BF16 states as BF16 instead of FP32 (half the bytes; TE's own class cannot
             load such an export, both classes of this package can).
+        state_dict_offload_background: with chunks, fill the export on a background thread (``step()`` waits).
     """
 
     def __init__(
@@ -111,6 +112,7 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
         state_dict_offload_reuse_buffers: bool = False,
         state_dict_offload_pinning: Pinning | str = Pinning.register,
         state_dict_keep_bf16: bool = False,
+        state_dict_offload_background: bool = False,
     ):
         # TE's checks (same messages) and torch.optim.Adam's, from the one rule module; dtype and size strings.
         o, export_options = check_constructor(locals())
@@ -274,6 +276,7 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
         """Perform one optimisation step (``grad_scaler`` is used in capturable mode, as in TE)."""
+        self.wait_state_dict()  # a background export reads the states this step changes
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -331,5 +331,6 @@ def check_constructor(arguments: dict[str, Any]) -> tuple[AdamOptions, ExportOpt
         arguments["state_dict_offload_reuse_buffers"],
         arguments["state_dict_offload_pinning"],
         arguments["state_dict_keep_bf16"],
+        arguments["state_dict_offload_background"],
     )
     return adam, export

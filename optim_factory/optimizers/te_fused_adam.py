@@ -46,7 +46,8 @@ class FusedAdam(OffloadedStateDict, _TEFusedAdam):  # type: ignore[misc,valid-ty
     FP32 state at a time, so the GPU never holds more than the largest single FP32 state.
     ``state_dict_offload_chunk_bytes`` streams that export in chunks (the GPU holds at most two), overlapping
     conversion with the device-to-host copies; ``state_dict_offload_reuse_buffers`` exports into pooled
-    host buffers that ``release_state_dict()`` gives back, pinned as ``state_dict_offload_pinning`` says
+    host buffers that ``release_state_dict()`` gives back, pinned as ``state_dict_offload_pinning`` says;
+    ``state_dict_offload_background`` fills a chunked export on a background thread, which ``step()`` waits for
     (see :mod:`optim_factory.optimizers.export`).
     Everything else, including the CUDA kernels of ``step()``, is TE's.
 
@@ -95,6 +96,7 @@ class FusedAdam(OffloadedStateDict, _TEFusedAdam):  # type: ignore[misc,valid-ty
         state_dict_offload_reuse_buffers: bool = False,
         state_dict_offload_pinning: Pinning | str = Pinning.register,
         state_dict_keep_bf16: bool = False,
+        state_dict_offload_background: bool = False,
     ):
         # TE 2.20's signature (the portable twin's too). Checked and converted before TE is needed: a bad
         # value gets its one-line reason on a machine without TE as well; TE then receives torch dtypes.
@@ -103,6 +105,11 @@ class FusedAdam(OffloadedStateDict, _TEFusedAdam):  # type: ignore[misc,valid-ty
             raise ImportError(f"{TE_INSTALL_HINT} (import failed: {te_import_error()})")
         self._init_export(export_options)
         super().__init__(params, **options.te_kwargs(), set_grad_none=set_grad_none)
+
+    def step(self, *args, **kwargs):
+        """TE's ``step()``, after a background export (``state_dict_offload_background``) has finished."""
+        self.wait_state_dict()
+        return super().step(*args, **kwargs)
 
     def _on_device_state_dict(self) -> dict[str, Any]:
         return _TEFusedAdam.state_dict(self)

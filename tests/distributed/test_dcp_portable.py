@@ -37,3 +37,7 @@ def test_chunked_export_matches_per_state_on_dtensor_shards_and_through_dcp(tmp_
 
 def test_async_saves_while_training_collectives_run_complete_and_load(tmp_path):
     spawn(workers.async_save_while_training, 2, str(tmp_path))
+
+
+def test_a_background_export_failing_on_one_rank_refuses_the_save_on_every_rank(tmp_path):
+    spawn(workers.background_export_failure, 2, str(tmp_path))

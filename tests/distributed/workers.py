@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,9 +22,9 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from optim_factory import build_optimizer
 from optim_factory.optimizers.export import ExportOptions, export_state
-from recipes.checkpoint import CheckpointManager, ExportBufferStager, state_bytes
+from recipes.checkpoint import CheckpointError, CheckpointManager, ExportBufferStager, state_bytes
 from recipes.config import CheckpointConfig
-from tests.helpers import FP8, LIFECYCLE_CONFIGS, assert_bitwise, run_steps
+from tests.helpers import FP8, LIFECYCLE_CONFIGS, assert_bitwise, local, run_steps
 
 # uneven Shard(0) on 2 ranks: 3/2 rows, 1/0 rows (an empty local shard), 3/3, 4/3
 SHAPES = [(5, 4), (1, 3), (6,), (7, 2)]
@@ -151,7 +152,8 @@ CHUNKED = {"cpu": (64, SHAPES), "cuda": (1 << 20, [(4096, 1024), (1001, 3), (819
 def chunked_export(rank: int, world: int, tmp: str) -> None:
     """Chunked (fresh and reused buffers) == per-state export, bitwise: ``state_dict()`` and DCP's flattened
     ``get_optimizer_state_dict``; on CUDA the DCP export stays within 2 chunks of GPU memory; an async DCP
-    save of a reused-buffer export loads back bitwise."""
+    save of a reused-buffer export loads back bitwise, also when the export is filled in the background
+    (``state_dict_offload_background``: DCP's async save starts while it runs, the stager waits for it)."""
     device = mesh_device()
     chunk, shapes = CHUNKED[device]
     mesh = init_device_mesh(device, (world,))
@@ -163,11 +165,12 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
         reference = export_state(opt, cpu_offload=True, keep_bf16=keep)  # per state
         opt.configure_export(ExportOptions(cpu_offload=True, keep_bf16=keep))
         ref_flat = get_optimizer_state_dict(model, opt, options=flat)
-        for reuse in (False, True):
-            opt.configure_export(ExportOptions(True, chunk, reuse, keep_bf16=keep))
+        for reuse, background in ((False, False), (True, False), (True, True)):
+            opt.configure_export(ExportOptions(True, chunk, reuse, keep_bf16=keep, background=background))
             for round_ in range(2):
-                what = f"{cfg} reuse={reuse} round {round_}"
+                what = f"{cfg} reuse={reuse} background={background} round {round_}"
                 sd = opt.state_dict()
+                opt.wait_state_dict()  # a background export's values are read below
                 for k, st in reference["state"].items():
                     for name, v in st.items():
                         _assert_same_dtensor(sd["state"][k][name], v, f"{what} state_dict {k}.{name}")
@@ -178,7 +181,14 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
                     torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
                 got = get_optimizer_state_dict(model, opt, options=flat)
-                seconds = time.perf_counter() - t0
+                path = f"{tmp}/chunked-{cfg}-{background}"
+                save = reuse and round_ == 1
+                if save and background:  # DCP stages the export while it is being filled: the stager waits
+                    _async_save(model, opt, got, path)
+                opt.wait_state_dict()
+                seconds = time.perf_counter() - t0  # with background and save: the save's time included
+                if save and not background:
+                    _async_save(model, opt, got, path)
                 assert got.keys() == ref_flat.keys(), what
                 for key, v in ref_flat.items():
                     if isinstance(v, torch.Tensor):
@@ -195,6 +205,8 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
                                 rank=rank,
                                 cfg=cfg,
                                 reuse=reuse,
+                                background=background,
+                                includes_save=save and background,
                                 round=round_,
                                 chunk_bytes=chunk,
                                 peak_bytes=peak,
@@ -206,10 +218,7 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
                         flush=True,
                     )
                     assert peak <= 2 * chunk + (1 << 20), f"{what}: DCP export peak {peak} > 2 x {chunk} + 1 MiB"
-                if reuse and round_ == 1:
-                    path = f"{tmp}/chunked-{cfg}"
-                    state = {"model": get_model_state_dict(model), "optim": got}
-                    dcp.async_save(state, checkpoint_id=path, async_stager=ExportBufferStager(opt)).result()
+                if save:
                     opt.release_state_dict(got)
                     model2, opt2 = load_fresh(
                         mesh, cfg, path, flat, shapes=shapes, state_dict_offload_chunk_bytes=chunk
@@ -217,6 +226,11 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
                     assert_same_model_and_state(model, opt, model2, opt2, f"{cfg} chunked async save, loaded")
                 else:
                     opt.release_state_dict(got)
+
+
+def _async_save(model, opt, osd, path: str) -> None:
+    state = {"model": get_model_state_dict(model), "optim": osd}
+    dcp.async_save(state, checkpoint_id=path, async_stager=ExportBufferStager(opt)).result()
 
 
 def _assert_same_dtensor(a, b, what: str) -> None:
@@ -309,3 +323,47 @@ def async_save_while_training(rank: int, world: int, tmp: str) -> None:
         mesh, cfg, f"{tmp}/ck/step_00000003", StateDictOptions(flatten_optimizer_state_dict=True), shapes=shapes
     )
     assert_same_model_and_state(model, opt, model2, opt2, "async saves during training, loaded")
+
+
+def background_export_failure(rank: int, world: int, tmp: str) -> None:
+    """``state_dict_offload_background``: a background export that fails on one rank refuses the recipe's save on
+    every rank (one line each, no hang, nothing written); once the cause is gone the next save completes."""
+    mesh = init_device_mesh(mesh_device(), (world,))
+    cfg = "bf16-params-bf16-moments-fp32-master"
+    model, opt = build(
+        mesh,
+        cfg,
+        state_dict_offload_chunk_bytes=64,
+        state_dict_offload_background=True,
+        state_dict_offload_reuse_buffers=True,
+    )
+    params = optimized_params(model, opt)
+    ckpt = CheckpointManager(
+        CheckpointConfig(dir=f"{tmp}/ck", every_steps=1, keep_last=0, async_save=True),
+        rank=rank,
+        device=torch.device(mesh_device()),
+    )
+    run_steps(opt, params, 1, 1)
+    ckpt.save(1, model, opt, {"step": 1})
+    ckpt.wait()
+    broken = None
+    if rank == 0:  # a state whose storage is gone: the background thread fails reading it (no mock)
+        broken = next(st["exp_avg"] for st in opt.state.values() if local(st["exp_avg"]).numel() > 0)
+        nbytes = local(broken).untyped_storage().nbytes()
+        local(broken).untyped_storage().resize_(0)
+    try:
+        ckpt.save(2, model, opt, {"step": 2})
+    except CheckpointError as exc:
+        where = "storage" if rank == 0 else "on another rank"
+        assert "not saving step 2: the optimizer's background export failed" in str(exc) and where in str(exc), exc
+        assert "\n" not in str(exc)
+    else:
+        raise AssertionError(f"rank {rank}: a failed background export was saved")
+    dist.barrier()
+    assert not (Path(tmp) / "ck" / "step_00000002").exists()
+    if broken is not None:
+        local(broken).untyped_storage().resize_(nbytes)
+    ckpt.save(3, model, opt, {"step": 3})
+    ckpt.close()
+    dist.barrier()
+    assert [s for s, _ in ckpt.complete()] == [1, 3]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from optim_factory import PortableFusedAdam
-from optim_factory.optimizers.export import Pinning, export_state
-from tests.gpu.test_te_fused_adam import measure
+from optim_factory.optimizers.export import ExportOptions, Pinning, export_state
+from tests.gpu.test_te_fused_adam import measure, te_cls
 from tests.helpers import FP8, assert_state_dicts_bitwise, local, make_params, run_steps
 
 pytestmark = pytest.mark.cuda_only
@@ -86,3 +86,42 @@ def test_prepared_buffers_are_pinned_before_the_first_export():
     sd = opt.state_dict()
     assert all(local(v).is_pinned() for st in sd["state"].values() for v in st.values())
     assert_state_dicts_bitwise(sd, export_state(opt, cpu_offload=True), "first export into prepared buffers")
+
+
+@pytest.mark.parametrize("backend", ["portable", "te"])
+def test_cuda_background_export_overlaps_kernels_and_step_waits(backend, record):
+    """The background export converts on a side stream while the caller's stream runs other kernels; ``step()``
+    (TE's, too) waits for it; the result equals the synchronous export, and the GPU holds at most two chunks more
+    than the same kernels and step without an export."""
+    cls = PortableFusedAdam if backend == "portable" else te_cls()
+    params = make_params(torch.bfloat16, shapes=[(4096, 1024)] * 4, device="cuda")
+    kw = dict(master_weights=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    opt = cls(params, lr=1e-2, **kw, state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=CHUNK)
+    opt.configure_export(ExportOptions(True, CHUNK, True, background=True))  # reused buffers, in the background
+    x = torch.randn(4096, 4096, device="cuda")
+
+    def forward_backward_step(step: int) -> None:  # kernels on the caller's stream, then step()
+        y = x
+        for _ in range(20):
+            y = torch.tanh(y @ x) * 0.01
+        run_steps(opt, params, step, 1)
+
+    def peak_of(fn) -> int:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    run_steps(opt, params, 0, 2)
+    without = peak_of(lambda: forward_backward_step(2))
+    for round_ in range(2):
+        reference = export_state(opt, cpu_offload=True)
+        sd: dict = {}
+        peak = peak_of(lambda sd=sd, r=round_: (sd.update(opt.state_dict()), forward_backward_step(3 + r)))
+        assert not opt.state_dict_pending  # step() waited for it
+        record(test="cuda_background", backend=backend, round=round_, peak_bytes=peak - without, chunk_bytes=CHUNK)
+        assert peak <= without + 2 * CHUNK + (1 << 20), (peak, without)
+        assert_state_dicts_bitwise(sd, reference, f"{backend} background export round {round_}")
+        opt.release_state_dict(sd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,8 +25,24 @@ def test_bench_export_runs_with_fresh_processes_on_cpu(tmp_path):
     assert len(fresh) == 1, text  # the row of the fresh process (started as -m scripts.bench_export)
 
 
+def test_bench_save_runs_every_mode_on_cpu(tmp_path):
+    args = ["--device", "cpu", "--width", "64", "--layers", "2", "--tokens", "16", "--repeats", "1"]
+    cmd = [sys.executable, "-m", "scripts.bench_save", *args, "--out", str(tmp_path), "--scratch", str(tmp_path / "s")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from scripts.bench_save import MODES
+
+    lines = (tmp_path / "bench_save.jsonl").read_text().splitlines()
+    rows = [json.loads(ln) for ln in lines[1:]]
+    assert [(r["mode"], r["repeat"]) for r in rows] == [(m, i) for m in MODES for i in (-1, 0)]
+    assert all(r["disk_bytes"] > 0 and r["block_s"] > 0 for r in rows)  # every checkpoint was written
+    table = (tmp_path / "bench_save.md").read_text()
+    assert all(f"| {m} |" in table for m in MODES) and "## Goals" in table
+    assert not list((tmp_path / "s" / "bench_save").iterdir())  # each mode's checkpoints deleted
+
+
 def test_every_script_imports_as_a_module():
     code = "import scripts.bench_export, scripts.bench_keep_bf16, scripts.probe_host_memory, scripts.fault_injection, "
-    code += "scripts.fault_train"
+    code += "scripts.fault_train, scripts.bench_save, scripts.plot_bench_save"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -20,6 +20,7 @@ CONSTRUCTOR_NAMES = {
     "state_dict_offload_reuse_buffers": "reuse_buffers",
     "state_dict_offload_pinning": "pinning",
     "state_dict_keep_bf16": "keep_bf16",
+    "state_dict_offload_background": "background",
 }
 
 
@@ -42,6 +43,8 @@ def test_constructor_options_are_keyword_only_with_the_options_defaults(cls):
         (dict(cpu_offload=True, reuse_buffers=True), "needs state_dict_offload_chunk_bytes"),
         (dict(cpu_offload=True, chunk_bytes=64, reuse_buffers=True, pinning="pinned"), "expected one of register"),
         (dict(cpu_offload=True, chunk_bytes=64, pinning="alloc"), "needs state_dict_offload_reuse_buffers=True"),
+        (dict(cpu_offload=True, chunk_bytes=64, background=1), "state_dict_offload_background=1: expected True"),
+        (dict(cpu_offload=True, background=True), "background=True: needs state_dict_offload_chunk_bytes"),
     ],
 )
 def test_impossible_options_are_one_line(kwargs, needle):

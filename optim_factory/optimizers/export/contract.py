@@ -94,6 +94,7 @@ def export_state(
     reuse_buffers: bool = False,
     keep_bf16: bool = False,
     exporter: StateExporter | None = None,
+    background: bool = False,
 ) -> dict[str, Any]:
     """Build the state dict of a FusedAdam-like optimizer (see the module docstring for the contract).
 
@@ -106,13 +107,15 @@ def export_state(
         keep_bf16: export BF16 states as they are stored (BF16) instead of converting them to FP32.
         exporter: the optimizer's own :class:`StateExporter` (needed with ``reuse_buffers``; a temporary one is
             used for a chunked export without it).
+        background: with ``chunk_bytes``, return once the host tensors are allocated; ``exporter`` fills them on
+            its background thread (``exporter.wait()`` waits and re-raises its failure).
 
     Returns:
         ``{"state": {index: {name: tensor}}, "param_groups": [...]}`` like ``torch.optim.Optimizer``.
     """
-    options = ExportOptions(cpu_offload, chunk_bytes, reuse_buffers, keep_bf16=keep_bf16)
-    if reuse_buffers and exporter is None:
-        raise ValueError("reuse_buffers=True: needs the optimizer's own exporter (it owns the buffer pool)")
+    options = ExportOptions(cpu_offload, chunk_bytes, reuse_buffers, keep_bf16=keep_bf16, background=background)
+    if (reuse_buffers or background) and exporter is None:
+        raise ValueError("reuse_buffers or background: needs the optimizer's own exporter (it owns the buffer pool)")
     if chunk_bytes is not None and exporter is None:
         exporter = StateExporter(options)
     state_dict = torch.optim.Optimizer.state_dict(optimizer)
@@ -137,7 +140,9 @@ def export_state(
             else:
                 exported[name] = _export_one(optimizer, param, name, live, cpu_offload, keep_bf16)
         state_dict["state"][key] = exported
-    if streamed:
+    if streamed and background:
+        exporter.stream_background(streamed, chunk_bytes)
+    elif streamed:
         exporter.stream(streamed, chunk_bytes)
     if cpu_offload:
         state_dict["param_groups"] = [

@@ -17,7 +17,8 @@ __all__ = ["OffloadedStateDict"]
 
 
 class OffloadedStateDict:
-    """``state_dict`` / ``load_state_dict`` / ``release_state_dict`` / ``prepare_state_dict`` of both backends.
+    """``state_dict`` / ``wait_state_dict`` / ``load_state_dict`` / ``release_state_dict`` /
+    ``prepare_state_dict`` of both backends.
 
     The optimizer calls :meth:`_init_export` in its ``__init__`` with its keyword-only export options; it then
     owns one frozen :class:`ExportOptions` (:attr:`export_options`) and one :class:`StateExporter` (with the pool
@@ -42,6 +43,7 @@ class OffloadedStateDict:
         """Export with other options from now on (benchmarks, tests); the buffer pool is kept."""
         if not isinstance(options, ExportOptions):
             raise TypeError(f"configure_export: expected ExportOptions, got {type(options).__name__}")
+        self._exporter.join()  # a pending export keeps its failure for wait_state_dict()
         self._export_options = self._exporter.options = options
 
     @property
@@ -65,6 +67,10 @@ class OffloadedStateDict:
         return self._export_options.keep_bf16
 
     @property
+    def state_dict_offload_background(self) -> bool:
+        return self._export_options.background
+
+    @property
     def state_exporter(self) -> StateExporter:
         """The optimizer's exporter and its buffer pool (``state_exporter.pool``: pinning waits, byte counts)."""
         return self._exporter
@@ -75,7 +81,13 @@ class OffloadedStateDict:
         return export_state(self, cpu_offload=False)
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state dict, exported as the options say (see :func:`export_state`)."""
+        """The optimizer's state dict, exported as the options say (see :func:`export_state`).
+
+        With ``state_dict_offload_background`` it returns once the host tensors are allocated, before they hold
+        their values: call :meth:`wait_state_dict` before reading them (``step()`` and ``load_state_dict()``
+        wait too). A pending export is waited for first (its failure raises here).
+        """
+        self.wait_state_dict()
         o = self._export_options
         if not (o.cpu_offload or o.keep_bf16):
             return self._on_device_state_dict()
@@ -86,10 +98,25 @@ class OffloadedStateDict:
             reuse_buffers=o.reuse_buffers,
             keep_bf16=o.keep_bf16,
             exporter=self._exporter,
+            background=o.background,
         )
 
+    def wait_state_dict(self) -> None:
+        """Block until a background export (``state_dict_offload_background``) has filled its host tensors; re-raise
+        its failure. The failure is raised once, by the first of this, ``step()``, ``load_state_dict()`` or
+        ``state_dict()`` to wait: a dictionary whose export failed holds garbage and must not be saved. Returns at
+        once when nothing is pending."""
+        self._exporter.wait()
+
+    @property
+    def state_dict_pending(self) -> bool:
+        """Whether a background export has not been waited for yet (it may have finished already)."""
+        return self._exporter.pending
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load CPU or GPU, plain or DTensor states, one state at a time (see :func:`load_exported_state`)."""
+        """Load CPU or GPU, plain or DTensor states, one state at a time (see :func:`load_exported_state`).
+        A pending background export is waited for first (its failure raises here, nothing is loaded)."""
+        self.wait_state_dict()
         load_exported_state(self, state_dict)
 
     def release_state_dict(self, state_dict: Any) -> int:
@@ -98,7 +125,9 @@ class OffloadedStateDict:
         Any nesting works (the optimizer's own ``state_dict()`` or DCP's flattened one). Call it only when nothing
         reads those tensors any more (after the checkpoint that holds them is written): the next ``state_dict()``
         overwrites them. Other tensors are ignored; without a call the buffers are freed with the dictionary.
+        A pending background export is waited for first (its failure stays for :meth:`wait_state_dict`).
         """
+        self._exporter.join()
         return self._exporter.pool.release(state_dict)
 
     def is_leased_export_buffer(self, tensor: torch.Tensor) -> bool:
@@ -112,5 +141,6 @@ class OffloadedStateDict:
         the link's bandwidth. Returns the background job's future (``None`` when buffers are not reused)."""
         if not (self._export_options.cpu_offload and self._export_options.reuse_buffers):
             return None
+        self._exporter.join()
         packed = torch.optim.Optimizer.state_dict(self)
         return self._exporter.prepare(self, param_index_map(self, packed["param_groups"]))

@@ -2,7 +2,7 @@
 
 ``ExportOptions`` is built once from the optimizer's keyword-only constructor arguments (``state_dict_cpu_offload``,
 ``state_dict_offload_chunk_bytes``, ``state_dict_offload_reuse_buffers``, ``state_dict_offload_pinning``,
-``state_dict_keep_bf16``); an
+``state_dict_keep_bf16``, ``state_dict_offload_background``); an
 impossible combination raises one ``ValueError`` line naming the option. The factory validates configs with the
 same class, so these rules exist once. See docs/design.md, "Export options".
 """
@@ -49,6 +49,9 @@ class ExportOptions:
         pinning: with ``reuse_buffers``, how pooled buffers of CUDA states get pinned (:class:`Pinning`).
         keep_bf16: export BF16 states as BF16 (no conversion, half the bytes) instead of FP32; in every mode.
             TE's own class cannot load such an export; both classes of this package can.
+        background: with ``chunk_bytes``, ``state_dict()`` returns at once with the host tensors allocated and a
+            background thread fills them (side streams on CUDA); ``step()``, ``load_state_dict()`` and the next
+            ``state_dict()`` wait for it, ``wait_state_dict()`` waits and re-raises its failure.
     """
 
     cpu_offload: bool = False
@@ -56,6 +59,7 @@ class ExportOptions:
     reuse_buffers: bool = False
     pinning: Pinning = Pinning.register
     keep_bf16: bool = False
+    background: bool = False
 
     def __post_init__(self) -> None:
         _require_bool("state_dict_cpu_offload", self.cpu_offload)
@@ -73,6 +77,12 @@ class ExportOptions:
                 )
         _require_bool("state_dict_offload_reuse_buffers", self.reuse_buffers)
         _require_bool("state_dict_keep_bf16", self.keep_bf16)
+        _require_bool("state_dict_offload_background", self.background)
+        if self.background and chunk is None:
+            raise ValueError(
+                "state_dict_offload_background=True: needs state_dict_offload_chunk_bytes "
+                "(the background export is a mode of the chunked export)"
+            )
         if self.reuse_buffers and chunk is None:
             raise ValueError(
                 "state_dict_offload_reuse_buffers=True: needs state_dict_offload_chunk_bytes "
@@ -98,6 +108,7 @@ class ExportOptions:
         state_dict_offload_reuse_buffers: Any,
         state_dict_offload_pinning: Any,
         state_dict_keep_bf16: Any,
+        state_dict_offload_background: Any = False,
     ) -> ExportOptions:
         """Build from the constructors' keyword names (the names users and configs spell)."""
         return cls(
@@ -106,4 +117,5 @@ class ExportOptions:
             state_dict_offload_reuse_buffers,
             state_dict_offload_pinning,
             state_dict_keep_bf16,
+            state_dict_offload_background,
         )

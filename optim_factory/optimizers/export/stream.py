@@ -5,7 +5,7 @@ accelerator and copies them to host memory. See docs/design.md, "Streaming".
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +144,9 @@ class StateExporter:
     one of two pinned staging buffers, which the host empties while the device fills the other. On CPU the
     same steps run synchronously.
 
+    :meth:`stream_background` runs the same pipeline on a background thread, with the conversions on a side
+    stream that first waits for the caller's stream; at most one such export is pending (:meth:`wait`).
+
     Each FusedAdam of this package creates one in ``__init__`` and owns it (with its :attr:`pool`); an optimizer
     without one (TE's own class, in tests) can be given a temporary one.
     """
@@ -153,6 +156,9 @@ class StateExporter:
         self.pool = HostBufferPool()
         self._staging: list[torch.Tensor] = []
         self._copy_streams: dict[torch.device, Any] = {}
+        self._convert_streams: dict[torch.device, Any] = {}
+        self._thread: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
 
     def _streamable(
         self, optimizer: Any, param: torch.Tensor, name: str, keep_bf16: bool
@@ -209,6 +215,48 @@ class StateExporter:
             by_device.setdefault(item.source.device, []).append(item)
         for device, group in by_device.items():
             self._stream_device(device, plan_chunks(group, chunk_bytes))
+
+    def stream_background(self, items: list[StreamItem], chunk_bytes: int) -> Future:
+        """Fill every item's destination on the background thread; return at once. On CUDA the conversions
+        run on a side stream that waits for the caller's current stream (the states are final there), so they
+        overlap the caller's next kernels. Waits for a pending export first (one at a time)."""
+        self.wait()
+        ready = {}
+        for item in items:
+            device = item.source.device
+            if device.type == "cuda" and device not in ready:
+                ready[device] = torch.cuda.current_stream(device).record_event()
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-stream")
+        self._pending = self._thread.submit(self._stream_after, items, chunk_bytes, ready)
+        return self._pending
+
+    def _stream_after(self, items: list[StreamItem], chunk_bytes: int, ready: dict[torch.device, Any]) -> None:
+        with contextlib.ExitStack() as stack:
+            for device, event in ready.items():
+                convert = self._convert_streams.get(device)
+                if convert is None:
+                    convert = self._convert_streams[device] = torch.cuda.Stream(device)
+                convert.wait_event(event)
+                stack.enter_context(torch.cuda.stream(convert))  # this thread's current stream on ``device``
+            self.stream(items, chunk_bytes)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a background export has not been waited for (it may have finished)."""
+        return self._pending is not None
+
+    def wait(self) -> None:
+        """Block until the pending background export (if any) has finished; re-raise its failure (once: the
+        export is no longer pending afterwards)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def join(self) -> None:
+        """Block until the pending background export has finished, without raising or clearing its failure."""
+        if self._pending is not None:
+            self._pending.exception()
 
     def _stream_device(self, device: torch.device, chunks: list[list[Piece]]) -> None:
         cuda = device.type == "cuda"

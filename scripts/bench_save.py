@@ -1,0 +1,479 @@
+"""The whole save path side by side, in one run (issue 17, item 3): how long the training loop waits per checkpoint.
+
+    torchrun --nproc_per_node=2 -m scripts.bench_save --out DIR --scratch /local/scratch     # 2 GPUs (TE if importable)
+    torchrun --nproc_per_node=2 -m scripts.bench_save --out DIR --width 256 --layers 2 --tokens 64   # CPU, gloo
+
+An FSDP2 model (``--layers`` Linear+GELU blocks of ``--width``; BF16 parameters) with FusedAdam (TE's if
+importable on CUDA, else PortableFusedAdam): FP32 master, BF16 moments. The default size gives each of 2 ranks
+2.2 GB of FP32-equivalent optimizer state (3 states x 4 B x 184M local parameters). Training uses one fixed batch.
+
+Modes (one optimizer; ``configure_export`` switches the export between them):
+
+* ``a-te-async-pinned``: TE's export (offload off) via ``get_optimizer_state_dict`` + ``dcp.async_save`` with
+  DCP's ``DefaultStager(StagingOptions(use_pinned_memory, use_async_staging, use_non_blocking_copy))``, the stager
+  kept across saves, and staging awaited before the next ``optimizer.step()``: torchtitan's
+  ``async_with_pinned_mem`` (its ``maybe_wait_for_staging``). Thread executor and no shared memory here
+  (torchtitan's process executor is what shared memory is for); on CPU no pinning and blocking copies.
+* ``b-te-cpu-offload``: (a) with ``StateDictOptions(cpu_offload=True)``.
+* ``c-ours``: chunked + reused buffers, saved by ``recipes.checkpoint.CheckpointManager`` (async, its
+  ``ExportBufferStager``): the recipe's path, finite check and checksums included.
+* ``c-ours-overlap``: the background export (``state_dict_offload_background``) overlapping the next forward and
+  backward: exported at the step boundary, saved with ``dcp.async_save`` + ``ExportBufferStager`` after the
+  backward and before ``step()`` (the stager waits for the export and copies the model, unchanged until
+  ``step()``). The library's API, not the recipe (whose finite check reads the export at once): no finite check.
+* ``d-ours-keep-bf16``: ``c-ours`` with ``state_dict_keep_bf16``.
+* ``e-te-sync`` / ``e-ours-sync``: synchronous ``dcp.save`` of (a)'s export, and the recipe's synchronous save.
+
+Per checkpoint: ``block_s`` (from the save call until training may resume: the save call plus any wait for staging
+or for the export before the next ``step()``), the GPU peak of the save call above the step boundary, the next
+step's GPU peak beyond a plain step's (what a save keeps on the GPU into the next step: (a)'s export until its
+staging is done, the overlapping export's chunks), RSS and pinned host bytes (torch's pinned host allocator plus
+our pool's registered buffers), bytes on disk, ``complete_s`` (save call until the save was confirmed complete,
+after the 3 following steps: an upper bound) and the 3 following step times against the median of the 3 before.
+Each mode gets one warm-up checkpoint (DCP's stager allocates its pinned memory, our pool its buffers), then
+``--repeats`` measured ones (medians in the table). Checkpoints go to ``--scratch`` and are deleted after each
+mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from optim_factory.optimizers.export import ExportOptions
+from optim_factory.optimizers.rules import parse_bytes
+from recipes.checkpoint import CheckpointManager, ExportBufferStager, state_bytes
+from recipes.config import CheckpointConfig
+from recipes.distributed import init_distributed, pick_device, resolve_dist_env, shutdown
+from scripts.bench_export import environment, sync
+
+MODES = (
+    "a-te-async-pinned",
+    "b-te-cpu-offload",
+    "c-ours",
+    "c-ours-overlap",
+    "d-ours-keep-bf16",
+    "e-te-sync",
+    "e-ours-sync",
+)
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # as the recipe and torchtitan save optimizers
+
+
+def build(width: int, layers: int, device: torch.device, mesh):
+    from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE
+
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(width, width, bias=False), torch.nn.GELU()) for _ in range(layers)]
+    model = torch.nn.Sequential(*blocks).to(device=device, dtype=torch.bfloat16)
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if TE_AVAILABLE and device.type == "cuda":
+        from optim_factory import FusedAdam as cls
+    else:
+        from optim_factory import PortableFusedAdam as cls
+    opt = cls(model.parameters(), lr=1e-5, master_weights=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    return model, opt, cls.__name__
+
+
+class Trainer:
+    """Fixed-batch training steps, each timed to its end on the device (with a hook between backward and step)."""
+
+    def __init__(self, model, opt, tokens: int, width: int, device: torch.device):
+        self.model, self.opt, self.device = model, opt, device
+        self.batch = torch.randn(tokens, width, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
+
+    def step(self, before_step=None) -> tuple[float, float]:
+        """One step; returns (seconds, seconds spent in ``before_step``)."""
+        t0 = time.perf_counter()
+        loss = self.model(self.batch).float().pow(2).mean()
+        loss.backward()
+        hook_s = 0.0
+        if before_step is not None:
+            h0 = time.perf_counter()
+            before_step()
+            hook_s = time.perf_counter() - h0
+        self.opt.step()
+        self.opt.zero_grad()
+        sync(self.device)
+        return time.perf_counter() - t0, hook_s
+
+
+def proc_status(key: str) -> int | None:
+    """A ``/proc/self/status`` size in bytes (``VmRSS``, ``VmPin``), or None where there is none."""
+    status = Path("/proc/self/status")
+    for line in status.read_text().splitlines() if status.exists() else []:
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def rss_bytes() -> int:
+    return proc_status("VmRSS") or 0
+
+
+def pinned_bytes(opt, device: torch.device) -> int | None:
+    """Pinned host bytes that can be counted: torch's pinned host allocator plus our pool's registered buffers.
+    DCP's stager pins with ``cudaHostRegister`` (not counted here; see ``vm_pin_bytes``)."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.host_memory_stats()
+    return int(stats.get("allocated_bytes.all.current", stats.get("allocated_bytes.current", 0))) + (
+        opt.state_exporter.pool.registered_bytes()
+    )
+
+
+def disk_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def gpu_base(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def gpu_peak_mib(device: torch.device, base: int) -> float | None:
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
+
+
+class Mode:
+    """One save mode: ``save(step, path)`` at a step boundary, ``hook`` (before the next ``step()``) and ``finish``
+    (waits until the checkpoint is complete). Each returns what it measured."""
+
+    def __init__(self, name: str, ctx: dict):
+        self.name, self.ctx = name, ctx
+        opt, chunk = ctx["opt"], ctx["chunk"]
+        self.manager = None
+        self.stager = None
+        self.pending = None  # what finish() waits for
+        self.deferred = None  # c-ours-overlap: the save that runs before the next step()
+        if name.startswith(("a-", "b-", "e-te")):
+            opt.configure_export(ExportOptions())  # TE's own state_dict()
+            if name != "e-te-sync":
+                cuda = ctx["device"].type == "cuda"
+                self.stager = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=cuda,
+                        use_shared_memory=False,
+                        use_async_staging=True,
+                        use_non_blocking_copy=cuda,
+                    )
+                )
+        else:
+            keep = name.startswith("d-")
+            opt.configure_export(ExportOptions(True, chunk, True, keep_bf16=keep, background=name.endswith("overlap")))
+            if name in ("c-ours", "d-ours-keep-bf16", "e-ours-sync"):
+                cfg = CheckpointConfig(
+                    dir=str(ctx["root"]), every_steps=1, keep_last=0, async_save=name != "e-ours-sync"
+                )
+                self.manager = CheckpointManager(cfg, rank=ctx["rank"], device=ctx["device"])
+            opt.prepare_state_dict().result()
+        self.options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=name.startswith("b-"))
+
+    def save(self, step: int, path: Path) -> dict:
+        model, opt, group = self.ctx["model"], self.ctx["opt"], self.ctx["group"]
+        if self.manager is not None:
+            report = self.manager.save(step, model, opt, {"step": step})
+            self.pending = ("manager", None)
+            return {"optim_bytes": report.export_bytes}
+        osd = get_optimizer_state_dict(model, opt, options=self.options)
+        msd = get_model_state_dict(model, options=FLAT)
+        state = {"model": msd, "optim": osd, "trainer": {"step": step}}
+        nbytes = state_bytes(osd)
+        if self.name == "e-te-sync":
+            dcp.save(state, checkpoint_id=str(path), process_group=group)
+            self.pending = None
+        elif self.name == "c-ours-overlap":
+            self.deferred = (state, path, osd)  # saved in hook(), after the next backward
+        else:
+            response = dcp.async_save(state, checkpoint_id=str(path), async_stager=self.stager, process_group=group)
+            self.pending = ("dcp", response)
+        return {"optim_bytes": nbytes}
+
+    def hook(self) -> None:
+        """Before the next ``step()``: what the loop must wait for there."""
+        if self.name == "c-ours-overlap" and self.deferred is not None:
+            state, path, osd = self.deferred
+            self.deferred = None
+            stager = ExportBufferStager(self.ctx["opt"])  # waits for the export, copies the (unchanged) model
+            future = dcp.async_save(
+                state, checkpoint_id=str(path), async_stager=stager, process_group=self.ctx["group"]
+            )
+            self.pending = ("future", (future, osd))
+        elif self.pending is not None and self.pending[0] == "dcp":
+            self.pending[1].staging_completion.result()  # torchtitan's maybe_wait_for_staging()
+
+    def finish(self) -> None:
+        if self.pending is None:
+            return
+        kind, what = self.pending
+        self.pending = None
+        if kind == "manager":
+            self.manager.wait()
+        elif kind == "dcp":
+            what.upload_completion.result()
+        else:
+            future, osd = what
+            future.result()
+            self.ctx["opt"].release_state_dict(osd)
+        self.ctx["opt"].state_exporter.pool.wait_pinning()
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+
+
+def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[dict], int]:
+    trainer, device, rank = ctx["trainer"], ctx["device"], ctx["rank"]
+    root = ctx["scratch"] / name
+    ctx["root"] = root
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    mode = Mode(name, ctx)
+    rss0, pinned0 = rss_bytes(), pinned_bytes(ctx["opt"], device)
+    rows = []
+    for repeat in range(-1, repeats):  # -1: the warm-up checkpoint
+        before = [trainer.step()[0] for _ in range(3)]
+        step += 3
+        if device.type == "cuda":  # a plain step's peak above its start, for the step after the save
+            base = gpu_base(device)
+            trainer.step()
+            step += 1
+            plain_peak = gpu_peak_mib(device, base)
+        path = root / f"step_{step:08d}"
+        rss_a, pinned_a = rss_bytes(), pinned_bytes(ctx["opt"], device)
+        base = gpu_base(device)
+        t0 = time.perf_counter()
+        info = mode.save(step, path)
+        save_call_s = time.perf_counter() - t0
+        peak_save = gpu_peak_mib(device, base)  # the allocator's counts: no device sync needed
+        # the loop resumes: forward and backward of the next step, then the wait (if any) before step()
+        first_s, hook_s = trainer.step(before_step=mode.hook)
+        peak_step = gpu_peak_mib(device, base)
+        after = [first_s - hook_s] + [trainer.step()[0] for _ in range(2)]
+        step += 3
+        mode.finish()
+        complete_s = time.perf_counter() - t0
+        dist.barrier()
+        rows.append(
+            dict(
+                mode=name,
+                repeat=repeat,
+                warmup=repeat < 0,
+                rank=rank,
+                block_s=save_call_s + hook_s,
+                save_call_s=save_call_s,
+                wait_before_step_s=hook_s,
+                gpu_peak_at_save_mib=peak_save,
+                gpu_peak_step_excess_mib=None if peak_step is None else max(0.0, peak_step - plain_peak),
+                rss_delta_bytes=rss_bytes() - rss_a,
+                rss_held_bytes=rss_bytes() - rss0,
+                pinned_delta_bytes=None if pinned_a is None else pinned_bytes(ctx["opt"], device) - pinned_a,
+                pinned_held_bytes=None if pinned0 is None else pinned_bytes(ctx["opt"], device) - pinned0,
+                vm_pin_bytes=proc_status("VmPin"),
+                disk_bytes=disk_bytes(path) if rank == 0 else None,
+                complete_s=complete_s,
+                step_before_s=statistics.median(before),
+                steps_after_s=after,
+                interference=max(after) / statistics.median(before),
+                **info,
+            )
+        )
+    mode.close()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return rows, step
+
+
+def median(rows: list[dict], key: str):
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(rows: list[dict]) -> dict[str, dict]:
+    """Per mode: medians of the measured (not warm-up) checkpoints; block and peaks: the slowest rank's."""
+    out = {}
+    for name in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == name and not r["warmup"]]
+        by_repeat: dict[int, list[dict]] = {}
+        for r in mine:
+            by_repeat.setdefault(r["repeat"], []).append(r)
+        worst = [
+            {
+                k: max((r[k] for r in rs if r.get(k) is not None), default=None)
+                for k in rs[0]
+                if k not in ("repeat", "rank") and isinstance(rs[0][k], (int, float)) and not isinstance(rs[0][k], bool)
+            }
+            for rs in by_repeat.values()
+        ]
+        out[name] = {k: median(worst, k) for k in worst[0]} if worst else {}
+    return out
+
+
+COLUMNS = (  # summary key, table label, divisor, digits
+    ("block_s", "block (s)", 1, 3),
+    ("save_call_s", "save call (s)", 1, 3),
+    ("wait_before_step_s", "wait before step (s)", 1, 3),
+    ("gpu_peak_at_save_mib", "GPU peak at save (MiB)", 1, 0),
+    ("gpu_peak_step_excess_mib", "next step's GPU excess (MiB)", 1, 0),
+    ("rss_delta_bytes", "RSS delta (MB)", 1e6, 0),
+    ("rss_held_bytes", "RSS held by the mode (MB)", 1e6, 0),
+    ("pinned_held_bytes", "pinned held, counted (MB)", 1e6, 0),
+    ("disk_bytes", "on disk (MB)", 1e6, 1),
+    ("optim_bytes", "optimizer export per rank (MB)", 1e6, 1),
+    ("complete_s", "complete (s)", 1, 2),
+    ("step_before_s", "step before (s)", 1, 3),
+    ("interference", "worst of 3 after / before", 1, 2),
+)
+
+
+def render(summary: dict, meta: dict) -> str:
+    def fmt(v, scale=1.0, digits=3):
+        return "n/a" if v is None else f"{v / scale:.{digits}f}"
+
+    lines = [
+        "# Save path side by side (scripts/bench_save.py)",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        *meta["environment"],
+        f"- model: {meta['layers']} x Linear({meta['width']}, {meta['width']}) + GELU, FSDP2 over {meta['world']} "
+        f"rank(s), {meta['optimizer']}, BF16 params, FP32 master, BF16 moments; {meta['fp32_state_gb']:.2f} GB of "
+        f"FP32-equivalent optimizer state per rank; chunk {meta['chunk'] >> 20} MiB; {meta['repeats']} measured "
+        "checkpoints per mode after one warm-up (medians; per checkpoint the slowest rank)",
+        "",
+        "| mode | " + " | ".join(label for _, label, _, _ in COLUMNS) + " |",
+        "|---|" + "---:|" * len(COLUMNS),
+    ]
+    for name, s in summary.items():
+        cells = [fmt(s.get(key), scale, digits) for key, _, scale, digits in COLUMNS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "## Goals (issue 17, item 3)", ""] + [
+        f"- [{'x' if ok else ' '}] {text}" for ok, text in goals(summary, meta)
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def goals(summary: dict, meta: dict) -> list[tuple[bool, str]]:
+    a, step = summary.get("a-te-async-pinned", {}), summary.get("a-te-async-pinned", {}).get("step_before_s")
+    out = []
+    for name in ("c-ours", "d-ours-keep-bf16", "c-ours-overlap"):
+        s = summary.get(name)
+        if not s or not a:
+            continue
+        ok = s["block_s"] <= a["block_s"] and s["block_s"] <= step
+        out.append((ok, f"{name} blocks {s['block_s']:.3f} s <= (a) {a['block_s']:.3f} s and <= one step {step:.3f} s"))
+        peak = s.get("gpu_peak_at_save_mib")
+        if peak is not None:  # what stays allocated into the next step counts too (the overlap's export, say)
+            peak = max(peak, s.get("gpu_peak_step_excess_mib") or 0.0)
+        if peak is not None and a.get("gpu_peak_at_save_mib") is not None:
+            limit = 2 * meta["chunk"] / 2**20 + 1
+            out.append(
+                (
+                    peak <= limit,
+                    f"{name} GPU peak {peak:.0f} MiB <= 2 chunks + 1 MiB ({limit:.0f}); "
+                    f"(a): {a['gpu_peak_at_save_mib']:.0f} MiB",
+                )
+            )
+    c, d = summary.get("c-ours"), summary.get("d-ours-keep-bf16")
+    if c and d and c.get("disk_bytes"):
+        ratio = d["disk_bytes"] / c["disk_bytes"]
+        out.append((ratio <= 0.7, f"(d) writes {ratio:.3f} x the bytes of (c) on disk (model included; goal <= 0.7)"))
+        opt_ratio = d["optim_bytes"] / c["optim_bytes"]
+        out.append((opt_ratio <= 0.7, f"(d) exports {opt_ratio:.3f} x the optimizer bytes of (c) (goal <= 0.7)"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--scratch", default=None, help="local directory for the checkpoints (default: a temp dir)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--width", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=22)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--chunk", default="64MiB")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--modes", default=",".join(MODES))
+    args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or args.repeats < 1:
+        raise SystemExit(
+            f"--modes={args.modes!r} / --repeats={args.repeats}: modes from {','.join(MODES)}, repeats >= 1"
+        )
+    env = resolve_dist_env(os.environ)
+    device = pick_device(args.device, env.local_rank)
+    mesh = init_distributed(env, device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    scratch = Path(args.scratch or tempfile.gettempdir()) / "bench_save"
+    model, opt, opt_name = build(args.width, args.layers, device, mesh)
+    trainer = Trainer(model, opt, args.tokens, args.width, device)
+    for _ in range(3):
+        trainer.step()
+    local = sum(p.to_local().numel() for p in model.parameters())
+    ctx = dict(
+        model=model,
+        opt=opt,
+        device=device,
+        rank=rank,
+        trainer=trainer,
+        scratch=scratch,
+        chunk=parse_bytes(args.chunk, "--chunk"),
+        group=dist.new_group(backend="gloo"),
+    )
+    rows, step = [], 3
+    for name in modes:
+        mode_rows, step = measure_mode(name, ctx, args.repeats, step)
+        rows += mode_rows
+        if rank == 0:
+            print(name, json.dumps(summarize(mode_rows)[name]), flush=True)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rows)
+    if rank == 0:
+        rows = [r for part in gathered for r in part]
+        meta = dict(
+            command="torchrun --nproc_per_node=N -m scripts.bench_save "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+            environment=environment(device, "te" if opt_name == "FusedAdam" else "portable"),
+            width=args.width,
+            layers=args.layers,
+            world=world,
+            optimizer=opt_name,
+            chunk=ctx["chunk"],
+            repeats=args.repeats,
+            fp32_state_gb=local * 12 / 1e9,
+        )
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "bench_save.jsonl", "w") as f:
+            f.write(json.dumps({"meta": meta}) + "\n")
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        (out / "bench_save.md").write_text(render(summarize(rows), meta))
+        print((out / "bench_save.md").read_text(), flush=True)
+    dist.barrier()
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""``state_dict_offload_background``: ``state_dict()`` returns with the host tensors allocated and a background thread
+fills them; ``step()``, ``load_state_dict()`` and ``wait_state_dict()`` wait for it; a failed export raises there
+and is never saved (issue 17, item 3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from optim_factory import PortableFusedAdam
+from optim_factory.optimizers.export import export_state
+from recipes.checkpoint import CheckpointError, CheckpointManager, ExportBufferStager, read_checkpoint
+from recipes.config import CheckpointConfig
+from tests.helpers import (
+    LIFECYCLE_CONFIGS,
+    LiveSnapshot,
+    assert_bitwise,
+    assert_state_dicts_bitwise,
+    make_params,
+    run_steps,
+)
+
+HP = dict(lr=1e-2, weight_decay=0.1)
+BACKGROUND = dict(state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=64, state_dict_offload_background=True)
+# A state large enough that the background export is still running when the test's next call comes: 2M elements
+# in 4 KiB chunks are ~2000 chunks per state (tens of ms on this machine). Nothing below depends on timing: the
+# assertions hold whether or not the export had finished, but without the waits they fail while it runs.
+BIG = [(2048, 1024)]
+SLOW = dict(state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=4096, state_dict_offload_background=True)
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "reuse"])
+@pytest.mark.parametrize("keep_bf16", [False, True], ids=["fp32", "keep-bf16"])
+@pytest.mark.parametrize("name,dtype,kw", [c[:3] for c in LIFECYCLE_CONFIGS], ids=[c[0] for c in LIFECYCLE_CONFIGS])
+def test_background_export_is_bitwise_the_synchronous_export(name, dtype, kw, reuse, keep_bf16):
+    params = make_params(dtype)
+    opt = PortableFusedAdam(
+        params, **HP, **kw, **BACKGROUND, state_dict_offload_reuse_buffers=reuse, state_dict_keep_bf16=keep_bf16
+    )
+    run_steps(opt, params, 0, 3)
+    before = LiveSnapshot.take(opt)
+    for round_ in range(2):
+        sd = opt.state_dict()
+        assert opt.state_dict_pending
+        opt.wait_state_dict()
+        assert not opt.state_dict_pending
+        reference = export_state(opt, cpu_offload=True, keep_bf16=keep_bf16)  # per state, synchronous
+        assert_state_dicts_bitwise(sd, reference, f"{name} reuse={reuse} keep_bf16={keep_bf16} round {round_}")
+        opt.release_state_dict(sd)
+    LiveSnapshot.take(opt).assert_same(before)
+
+
+def _slow_optimizer(**extra):
+    params = make_params(torch.float32, shapes=BIG)
+    opt = PortableFusedAdam(params, **HP, exp_avg_dtype=torch.bfloat16, **SLOW, **extra)
+    run_steps(opt, params, 0, 2)
+    return params, opt
+
+
+def test_step_waits_for_an_in_flight_export():
+    params, opt = _slow_optimizer()
+    reference = export_state(opt, cpu_offload=True)  # the states at this step boundary
+    sd = opt.state_dict()  # returns at once; the background thread fills sd
+    assert opt.state_dict_pending
+    run_steps(opt, params, 2, 1)  # step() changes every state: it must wait for the export first
+    assert not opt.state_dict_pending, "step() ran without waiting for the background export"
+    assert_state_dicts_bitwise(sd, reference, "export overlapped by step()")
+
+
+def test_load_state_dict_and_the_next_export_wait_too():
+    params, opt = _slow_optimizer()
+    reference = export_state(opt, cpu_offload=True)
+    sd = opt.state_dict()
+    opt.load_state_dict(reference)  # overwrites every state in place: must wait for the export first
+    assert not opt.state_dict_pending
+    assert_state_dicts_bitwise(sd, reference, "export overlapped by load_state_dict()")
+    first = opt.state_dict()
+    second = opt.state_dict()  # waits for the first one (one export in flight at most)
+    opt.wait_state_dict()
+    assert_state_dicts_bitwise(first, reference, "first of two exports")
+    assert_state_dicts_bitwise(second, reference, "second of two exports")
+
+
+def _break_a_state(opt) -> tuple[torch.Tensor, int]:
+    """Shrink one state's storage to nothing: the background export fails reading it (a real failure, no mock)."""
+    state = next(iter(opt.state.values()))["exp_avg"]
+    nbytes = state.untyped_storage().nbytes()
+    state.untyped_storage().resize_(0)
+    return state, nbytes
+
+
+def test_a_failed_background_export_raises_once_on_wait_or_step():
+    params, opt = _slow_optimizer()
+    state, nbytes = _break_a_state(opt)
+    opt.state_dict()  # returns: the failure happens on the background thread
+    with pytest.raises(RuntimeError, match="storage"):
+        opt.wait_state_dict()
+    opt.wait_state_dict()  # raised once; nothing pending any more
+    opt.state_dict()
+    with pytest.raises(RuntimeError, match="storage"):
+        run_steps(opt, params, 2, 1)  # step() raises before it changes anything
+    state.untyped_storage().resize_(nbytes)
+    run_steps(opt, params, 2, 1)  # the optimizer goes on once the cause is gone
+
+
+def test_a_failed_background_export_is_not_saved(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    opt = PortableFusedAdam(model.parameters(), exp_avg_dtype=torch.bfloat16, **BACKGROUND)
+    run_steps(opt, list(model.parameters()), 0, 1)
+    cfg = CheckpointConfig(dir=str(tmp_path / "ck"), every_steps=1, async_save=True)
+    manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
+    manager.save(1, model, opt, {"step": 1})
+    _break_a_state(opt)
+    with pytest.raises(CheckpointError, match="not saving step 2: the optimizer's background export failed"):
+        manager.save(2, model, opt, {"step": 2})
+    manager.close()
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["step_00000001"]
+
+
+def test_dcp_async_save_through_the_stager_gets_finished_tensors(tmp_path):
+    params, opt = _slow_optimizer(state_dict_offload_reuse_buffers=True)
+    reference = export_state(opt, cpu_offload=True)
+    sd = opt.state_dict()  # still being filled when DCP's async save stages it
+    dcp.async_save({"optim": sd}, checkpoint_id=str(tmp_path / "ck"), async_stager=ExportBufferStager(opt)).result()
+    opt.release_state_dict(sd)
+    written = read_checkpoint(tmp_path / "ck", tmp_path)
+    for k, st in reference["state"].items():
+        for name, v in st.items():
+            assert_bitwise(written[f"optim.state.{k}.{name}"], v, f"written {k}.{name}")
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_recipe_saves_with_background_export_round_trip_flattened(tmp_path, async_save):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    kw = dict(exp_avg_dtype=torch.bfloat16, **BACKGROUND, state_dict_offload_reuse_buffers=True)
+    opt = PortableFusedAdam(model.parameters(), **kw)
+    params = list(model.parameters())
+    cfg = CheckpointConfig(
+        dir=str(tmp_path / "ck"), every_steps=1, async_save=async_save, flatten_optimizer_state_dict=True
+    )
+    manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
+    expected = {}
+    for step in (1, 2):
+        run_steps(opt, params, step, 1)
+        expected[step] = export_state(opt, cpu_offload=True)
+        manager.save(step, model, opt, {"step": step})
+    manager.close()
+    names = {id(p): n for n, p in model.named_parameters()}
+    for step, sd in expected.items():
+        written = read_checkpoint(tmp_path / "ck" / f"step_{step:08d}", tmp_path)
+        for k, st in sd["state"].items():
+            fqn = names[id(params[k])]
+            for name, v in st.items():
+                assert_bitwise(written[f"optim.state.{fqn}.{name}"], v, f"step {step} {fqn}.{name}")
+    # and it loads back: a fresh model and optimizer resume from the newest checkpoint, bitwise
+    model2 = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    opt2 = PortableFusedAdam(model2.parameters(), **kw)
+    run_steps(opt2, list(model2.parameters()), 0, 1)
+    loader = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
+    loader.load(tmp_path / "ck" / "step_00000002", model2, opt2, {"step": 0})
+    assert_state_dicts_bitwise(export_state(opt2, cpu_offload=True), expected[2], "loaded")
