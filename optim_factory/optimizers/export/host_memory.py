@@ -4,7 +4,7 @@ export buffers with its background pinning thread. See docs/design.md, "Host mem
 
 from __future__ import annotations
 
-import ctypes
+import mmap
 import sys
 import warnings
 import weakref
@@ -18,28 +18,43 @@ from torch.distributed.tensor import DTensor
 
 from optim_factory.optimizers.export.options import Pinning
 
-__all__ = ["host_empty", "HostBufferPool", "Slot"]
+__all__ = ["host_empty", "register_host", "unregister_host", "HostBufferPool", "Slot"]
 
-_PAGE = 4096
-_MADV_HUGEPAGE = 14  # Linux
-_HUGE = 2 << 20
-try:
-    _LIBC: Any = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-    _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-except (OSError, AttributeError):  # pragma: no cover - no libc symbol table
-    _LIBC = None
+_HUGE = 2 << 20  # a transparent huge page; tensors at least this large get their own mapping
+_MAPPED = sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """A fresh pageable host tensor whose pages Linux is asked to back with transparent huge pages before they
-    are first touched (one page fault per 2 MiB instead of per 4 KiB). Unsupported systems get a plain one."""
-    t = torch.empty(shape, dtype=dtype)
+    """A fresh pageable host tensor. On Linux, one of at least 2 MiB gets its own anonymous private mapping,
+    aligned to 2 MiB and advised ``MADV_HUGEPAGE`` before it is first touched (one page fault per 2 MiB instead
+    of per 4 KiB where transparent huge pages are ``always`` or ``madvise``); it is unmapped when the tensor is
+    freed, so its memory goes back to the system at once (glibc would keep freed blocks below its mmap threshold,
+    which grows to 32 MiB, in the heap). Smaller tensors, and other systems, get a plain ``torch.empty``."""
+    t = torch.empty(0, dtype=dtype)
+    nbytes = torch.Size(shape).numel() * t.element_size()
+    if not _MAPPED or nbytes < _HUGE:
+        return torch.empty(shape, dtype=dtype)
+    # the mapping is 2 MiB larger so that the tensor can start on a 2 MiB boundary; untouched pages cost no memory
+    mapping = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+    offset = -base % _HUGE
+    mapping.madvise(mmap.MADV_HUGEPAGE, offset, -(-nbytes // _HUGE) * _HUGE)  # no-op where THP is "never"
+    # the tensor's storage is exactly its bytes and holds the only reference to the mapping: freeing it unmaps
+    return torch.frombuffer(mapping, dtype=dtype, count=nbytes // t.element_size(), offset=offset).view(shape)
+
+
+def register_host(t: torch.Tensor) -> bool:
+    """Pin the memory of host tensor ``t`` in place (``cudaHostRegister``); ``False`` if CUDA refused."""
     nbytes = t.numel() * t.element_size()
-    if _LIBC is not None and nbytes >= _HUGE:
-        start = -(-t.data_ptr() // _PAGE) * _PAGE
-        end = (t.data_ptr() + nbytes) // _PAGE * _PAGE
-        _LIBC.madvise(start, end - start, _MADV_HUGEPAGE)  # EINVAL where THP is off: harmless
-    return t
+    return nbytes > 0 and int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)) == 0
+
+
+def unregister_host(ptr: int) -> None:
+    """Undo :func:`register_host` for the memory starting at ``ptr`` (nothing once CUDA has shut down)."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001  (CUDA already shut down)
+        pass
 
 
 @dataclass(frozen=True)
@@ -135,9 +150,9 @@ class HostBufferPool:
 
     def _register(self, buf: torch.Tensor) -> None:
         """Pin ``buf`` in place (background thread); it is unpinned when the tensor is freed."""
-        ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
-        if nbytes == 0 or int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) != 0:
+        if not register_host(buf):
             return  # stays pageable: exports keep filling it through the staging buffers
+        ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
         self._registered[0] += nbytes
         weakref.finalize(buf, _unregister, ptr, nbytes, self._registered).atexit = False
         self._buffers[id(buf)].registered = True
@@ -192,8 +207,5 @@ class HostBufferPool:
 
 
 def _unregister(ptr: int, nbytes: int, counter: list[int]) -> None:
-    try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-        counter[0] -= nbytes
-    except Exception:  # noqa: BLE001  (CUDA already shut down)
-        pass
+    unregister_host(ptr)
+    counter[0] -= nbytes

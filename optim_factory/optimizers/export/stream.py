@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from optim_factory.optimizers.export.host_memory import HostBufferPool, Slot, host_empty
 from optim_factory.optimizers.export.options import ExportOptions, Pinning
+from optim_factory.optimizers.export.staging import Stager, unstage_threads
 from optim_factory.optimizers.export.tensors import local_tensor, wrap_host_local
 
 __all__ = ["StreamItem", "Piece", "plan_chunks", "StateExporter"]
@@ -124,15 +125,6 @@ def _convert(piece: Piece, out: torch.Tensor) -> None:
         out.mul_(piece.item.scale)
 
 
-def _unstage(done: Any, chunk: list[Piece], staging: torch.Tensor) -> None:
-    """Copy one chunk's staged pieces from its staging buffer into their (pageable) host destinations."""
-    if done is not None:
-        done.synchronize()
-    for piece in chunk:
-        if piece.item.staged:
-            piece.dst().copy_(piece.view(staging))
-
-
 class StateExporter:
     """Streams converted optimizer states into host tensors (the ``chunk_bytes`` mode of the export).
 
@@ -140,9 +132,10 @@ class StateExporter:
     buffers on the current stream; a side stream copies every piece (converted, or straight from FP32/int16
     states) to the host. The current stream waits for the copy of chunk ``i - 2`` before it overwrites that
     chunk's buffer, so chunk ``i + 1`` is converted while chunk ``i`` is being copied. Pinned destinations
-    (pool buffers) are copied into directly; pageable ones (fresh, or pool buffers not pinned yet) through
-    one of two pinned staging buffers, which the host empties while the device fills the other. On CPU the
-    same steps run synchronously.
+    (pool buffers) are copied into directly; pageable ones (fresh, or pool buffers not pinned yet) through a
+    :class:`~optim_factory.optimizers.export.staging.Stager`: a ring of staging buffers pinned for this export
+    only, emptied by :func:`~optim_factory.optimizers.export.staging.unstage_threads` host threads while the
+    device fills the next one. On CPU the same steps run, the device copies synchronously.
 
     :meth:`stream_background` runs the same pipeline on a background thread, with the conversions on a side
     stream that first waits for the caller's stream; at most one such export is pending (:meth:`wait`).
@@ -154,7 +147,6 @@ class StateExporter:
     def __init__(self, options: ExportOptions) -> None:
         self.options = options
         self.pool = HostBufferPool()
-        self._staging: list[torch.Tensor] = []
         self._copy_streams: dict[torch.device, Any] = {}
         self._convert_streams: dict[torch.device, Any] = {}
         self._thread: ThreadPoolExecutor | None = None
@@ -266,34 +258,29 @@ class StateExporter:
             copy.wait_stream(compute)  # the states are final (the last step's kernels have run)
         need = max((_chunk_bytes(c) for c in chunks if any(p.item.converts for p in c)), default=0)
         buffers = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)] if need else []
-        staged = [any(p.item.staged for p in c) for c in chunks]
-        need_staging = max((_chunk_bytes(c) for c, st in zip(chunks, staged) if st), default=0)
-        staging = self._staging_buffers(need_staging, pin=cuda) if need_staging else []
-        freed: list[Any] = [None, None]  # copy-stream events after which buffers[i] / staging[i] may be reused
-        pending: tuple[Any, list[Piece], torch.Tensor] | None = None
-        for i, chunk in enumerate(chunks):
-            slot = i % 2
-            converts = [p for p in chunk if p.item.converts]
-            if converts:
-                if freed[slot] is not None:
-                    compute.wait_event(freed[slot])
-                for piece in converts:
-                    _convert(piece, piece.view(buffers[slot]))
-                if cuda:
-                    copy.wait_stream(compute)
-            with torch.cuda.stream(copy) if cuda else contextlib.nullcontext():
-                for piece in chunk:
-                    src = piece.view(buffers[slot]) if piece.item.converts else piece.source()
-                    target = piece.view(staging[slot]) if piece.item.staged else piece.dst()
-                    target.copy_(src, non_blocking=cuda)
-                freed[slot] = copy.record_event() if cuda else None
-            if pending is not None:
-                _unstage(*pending)
-                pending = None
-            if staged[i]:
-                pending = (freed[slot], chunk, staging[slot])
-        if pending is not None:
-            _unstage(*pending)
+        staged_bytes = sum((p.stop - p.start) * p.item.dst.element_size() for c in chunks for p in c if p.item.staged)
+        freed: list[Any] = [None, None]  # copy-stream events after which buffers[i] may be reused
+        with Stager(staged_bytes, copy, unstage_threads()) if staged_bytes else contextlib.nullcontext() as stager:
+            for i, chunk in enumerate(chunks):
+                slot = i % 2
+                converts = [p for p in chunk if p.item.converts]
+                if converts:
+                    if freed[slot] is not None:
+                        compute.wait_event(freed[slot])
+                    for piece in converts:
+                        _convert(piece, piece.view(buffers[slot]))
+                    if cuda:
+                        copy.wait_stream(compute)
+                with torch.cuda.stream(copy) if cuda else contextlib.nullcontext():
+                    for piece in chunk:
+                        src = piece.view(buffers[slot]) if piece.item.converts else piece.source()
+                        if piece.item.staged:
+                            stager.put(src, piece.dst())
+                        else:
+                            piece.dst().copy_(src, non_blocking=cuda)
+                    freed[slot] = copy.record_event() if cuda else None
+            if stager is not None:
+                stager.flush()  # every staged destination holds its bytes
         if cuda:
             copy.synchronize()  # every host tensor is final; the device buffers can go back to the allocator
 
@@ -302,9 +289,3 @@ class StateExporter:
         if stream is None:
             stream = self._copy_streams[device] = torch.cuda.Stream(device)
         return stream
-
-    def _staging_buffers(self, nbytes: int, pin: bool) -> list[torch.Tensor]:
-        """Two staging buffers (pinned for CUDA) of at least ``nbytes``, kept for the next export."""
-        if not self._staging or self._staging[0].numel() < nbytes or self._staging[0].is_pinned() != pin:
-            self._staging = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        return self._staging

@@ -1,0 +1,158 @@
+"""The host side of the streamed export's pageable destinations: a ring of staging buffers (pinned for CUDA,
+for this export only) that the device copies into, emptied into the destinations by a pool of host threads.
+See docs/design.md, "Streaming" and "Host memory".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from optim_factory.optimizers.export.host_memory import host_empty, register_host, unregister_host
+
+__all__ = ["STAGING_SLOTS", "SLOT_BYTES", "MIN_SLICE_BYTES", "MAX_UNSTAGE_THREADS", "unstage_threads", "Stager"]
+
+STAGING_SLOTS = 4  # staging buffers in the ring
+SLOT_BYTES = 8 << 20  # bytes of one staging buffer (less when the export stages less)
+MIN_SLICE_BYTES = 1 << 20  # a thread copies at least this many bytes of a slot (fewer threads for less)
+MAX_UNSTAGE_THREADS = 8
+_ALIGN = 64  # byte offset alignment of the segments in a slot
+
+
+def unstage_threads(cpus: int | None = None, local_ranks: int | None = None) -> int:
+    """Host threads that empty the staging buffers: ``min(8, cpus // local_ranks)``, at least 1, where ``cpus``
+    is the number of CPUs this process may run on (its affinity) and ``local_ranks`` the processes of the job
+    on this host (``LOCAL_WORLD_SIZE``, set by torchrun; 1 without it)."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if local_ranks is None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, min(MAX_UNSTAGE_THREADS, cpus // max(1, local_ranks)))
+
+
+def split_bytes(jobs: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
+    """Cut ``(dst address, src address, nbytes)`` copies into at most ``parts`` lists of about equal bytes, each
+    of at least :data:`MIN_SLICE_BYTES` (except a lone one); every byte is in exactly one list, in order."""
+    total = sum(n for _, _, n in jobs)
+    parts = max(1, min(parts, total // MIN_SLICE_BYTES))
+    share = -(-total // parts)
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = share
+    for dst, src, n in jobs:
+        done = 0
+        while done < n:
+            if room == 0:
+                out.append([])
+                room = share
+            take = min(room, n - done)
+            out[-1].append((dst + done, src + done, take))
+            done += take
+            room -= take
+    return [part for part in out if part]
+
+
+def _copy(event: Any, part: list[tuple[int, int, int]]) -> None:
+    """Worker: wait until the device has filled the slot, then copy its bytes (ctypes releases the GIL)."""
+    if event is not None:
+        event.synchronize()
+    for dst, src, n in part:
+        ctypes.memmove(dst, src, n)
+
+
+class Stager:
+    """Copies device (or, on CPU, host) bytes into pageable host destinations through a ring of staging buffers.
+
+    :meth:`put` enqueues the copy of a source into the current staging buffer on ``stream`` (the caller's side
+    stream; ``None`` on CPU: synchronous), cutting it across buffers where it does not fit. A full buffer is
+    *sealed*: an event is recorded after its copies and its bytes are split into slices that the thread pool
+    copies into the destinations once the event has completed. Before a buffer is filled again, the caller
+    waits until its slices are done. The staging memory is allocated for one export (pinned in place with
+    ``cudaHostRegister`` for CUDA) and, with the threads, released by :meth:`close`, so nothing stays allocated
+    between exports. Used as a context manager.
+    """
+
+    def __init__(self, total_bytes: int, stream: Any, threads: int) -> None:
+        slot = min(SLOT_BYTES, -(-total_bytes // _ALIGN) * _ALIGN)
+        slots = min(STAGING_SLOTS, max(1, -(-total_bytes // slot)))
+        self._stream = stream
+        self._threads = threads
+        self._memory = host_empty(torch.Size([slot * slots]), torch.uint8)
+        self._pinned = stream is not None and register_host(self._memory)
+        if stream is not None and not self._pinned:
+            warnings.warn("cudaHostRegister refused the staging buffers: this export copies pageable", stacklevel=3)
+        self._slots = list(self._memory.split(slot))
+        self._jobs: list[list[tuple[int, int, int]]] = [[] for _ in self._slots]
+        self._busy: list[list[Future]] = [[] for _ in self._slots]
+        self._current, self._used = 0, 0
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __enter__(self) -> Stager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def put(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy contiguous ``src`` into contiguous host ``dst`` (same dtype and size) through the staging ring."""
+        src_bytes, dst_bytes = src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
+        done, n = 0, src_bytes.numel()
+        while done < n:
+            slot = self._slots[self._current]
+            if self._used >= slot.numel():
+                self._seal()
+                continue
+            if not self._jobs[self._current] and self._busy[self._current]:
+                self._wait(self._current)  # its previous contents must be in their destinations
+            take = min(slot.numel() - self._used, n - done)
+            staging = slot[self._used : self._used + take]
+            staging.copy_(src_bytes[done : done + take], non_blocking=self._stream is not None)
+            self._jobs[self._current].append((dst_bytes[done:].data_ptr(), staging.data_ptr(), take))
+            self._used = -(-(self._used + take) // _ALIGN) * _ALIGN
+            done += take
+
+    def flush(self) -> None:
+        """Seal the current buffer and wait until every destination holds its bytes."""
+        if self._jobs[self._current]:
+            self._seal()
+        for i in range(len(self._slots)):
+            self._wait(i)
+
+    def close(self) -> None:
+        """Wait for every copy (also after an error), then unpin and free the staging memory and the threads."""
+        try:
+            if self._stream is not None:
+                self._stream.synchronize()  # no device copy may still write into the staging memory
+            for i in range(len(self._slots)):
+                self._wait(i, raise_errors=False)
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+            if self._pinned:
+                unregister_host(self._memory.data_ptr())
+                self._pinned = False
+            self._slots, self._memory = [], torch.empty(0, dtype=torch.uint8)
+
+    def _seal(self) -> None:
+        i = self._current
+        event = None
+        if self._stream is not None:
+            event = torch.cuda.Event(blocking=True)  # waiting threads sleep instead of spinning
+            event.record(self._stream)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="export-unstage")
+        self._busy[i] = [self._pool.submit(_copy, event, part) for part in split_bytes(self._jobs[i], self._threads)]
+        self._jobs[i] = []
+        self._current, self._used = (i + 1) % len(self._slots), 0
+
+    def _wait(self, i: int, raise_errors: bool = True) -> None:
+        busy, self._busy[i] = self._busy[i], []
+        for future in busy:
+            error = future.exception()
+            if error is not None and raise_errors:
+                raise error
