@@ -99,6 +99,10 @@ class Stager:
 
     def put(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy contiguous ``src`` into contiguous host ``dst`` (same dtype and size) through the staging ring."""
+        if dst.device.type != "cpu" or not (src.is_contiguous() and dst.is_contiguous()) or src.dtype != dst.dtype:
+            raise ValueError("Stager.put copies a contiguous tensor into a contiguous host tensor of its dtype")
+        if src.numel() != dst.numel():
+            raise ValueError(f"Stager.put: {src.numel()} source elements for {dst.numel()} destination elements")
         src_bytes, dst_bytes = src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
         done, n = 0, src_bytes.numel()
         while done < n:
