@@ -33,8 +33,8 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import sys
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
