@@ -10,7 +10,8 @@ Modes:
   default+cpu   the same, then every tensor copied to CPU (what DCP's StateDictOptions(cpu_offload=True) does)
   offload       state_dict_cpu_offload=True: one state converted, copied to CPU and dropped at a time
   chunked       + state_dict_offload_chunk_bytes (--chunk-mib): streamed in chunks into fresh pageable memory
-                through two pinned staging buffers, conversion overlapped with the copies on a side stream
+                through a per-export pinned staging ring emptied by host threads, conversion overlapped with
+                the copies on a side stream
   chunked+reuse + state_dict_offload_reuse_buffers: into pooled buffers, released after each export (as the
                 recipe's CheckpointManager does once the checkpoint is written); new buffers are pageable (huge
                 pages, through the staging buffers) and pinned in place in the background once released
@@ -23,7 +24,7 @@ the device-to-host copy bandwidth is measured into pinned memory, fresh pageable
 memory (1 GiB, median of 5), and each export's GB/s is reported against the pinned figure.
 
 ``--fresh N`` also runs, for each chunked mode, a fresh process per case that times its very first export
-(pinned staging or pool buffers allocated, pages first touched) and then N - 1 more (released each time), and
+(staging or pool buffers allocated, pages first touched) and then N - 1 more (released each time), and
 reports the first, the last, and the process's RSS and pinned host bytes after the 2nd and the Nth export; with
 chunked+reuse, one more whose buffers ``prepare_state_dict()`` readied before the first export (timed apart).
 """
