@@ -76,12 +76,18 @@ def test_split_bytes_covers_every_byte_once_in_bounded_parts():
     assert split_bytes([(0, 0, 100)], 8) == [[(0, 0, 100)]]  # less than a slice: one part
 
 
-def test_unstage_threads_rule():
+def test_unstage_threads_rule(monkeypatch):
     assert unstage_threads(cpus=16, local_ranks=1) == 8
     assert unstage_threads(cpus=32, local_ranks=2) == 8
     assert unstage_threads(cpus=16, local_ranks=4) == 4
     assert unstage_threads(cpus=2, local_ranks=8) == 1
     assert unstage_threads(cpus=5, local_ranks=2) == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert unstage_threads(cpus=16) == 4
+    for bad in ("0", "two", ""):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
+        with pytest.raises(ValueError, match=f"LOCAL_WORLD_SIZE='{bad}': expected a positive integer"):
+            unstage_threads(cpus=16)
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -31,8 +31,11 @@ def unstage_threads(cpus: int | None = None, local_ranks: int | None = None) -> 
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if local_ranks is None:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(1, min(MAX_UNSTAGE_THREADS, cpus // max(1, local_ranks)))
+        raw = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        if not raw.strip().isdigit() or int(raw) < 1:
+            raise ValueError(f"LOCAL_WORLD_SIZE={raw!r}: expected a positive integer (torchrun sets it)")
+        local_ranks = int(raw)
+    return max(1, min(MAX_UNSTAGE_THREADS, cpus // local_ranks))
 
 
 def split_bytes(jobs: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
