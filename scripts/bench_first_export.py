@@ -162,6 +162,7 @@ def worker(rank: int, ranks: int, mode: str, args: dict, barrier, queue) -> None
         del sd
         gc.collect()
         rss_freed = rss()
+        opt.state_exporter.pool.wait_pinning()  # reuse: released buffers get pinned; not during the sweep
         barrier.wait()
         sweep = thread_sweep(min(LINK_BYTES, int(args["gib"] * (1 << 30))))
         queue.put(
