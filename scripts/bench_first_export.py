@@ -15,8 +15,9 @@ each timed part). Each process:
    memory, labelled so);
 3. times its first export, ``state_dict()`` with 64 MiB chunks and either reuse off (``chunked``: fresh host
    memory, pinned staging for this export only) or reuse on without ``prepare_state_dict()`` (``chunked+reuse``:
-   the pool's new pageable buffers), GB/s of the exported bytes and % of its own link; the process's RSS before,
-   after the export and after freeing it (reuse: after ``release_state_dict``, the pool keeps the buffers);
+   the pool's new pageable buffers), GB/s of the exported bytes and % of its own link; the process's anonymous
+   RSS (``RssAnon``; ``VmRSS`` too in the JSON) before, after the export and after freeing it (reuse: after
+   ``release_state_dict``, the pool keeps the buffers);
 4. times host copies into fresh memory with 1, 2, 4, 8 and 16 threads (the rule behind the unstaging threads).
 
 With ``--ranks 2`` the processes mimic torchrun: ``LOCAL_WORLD_SIZE=2`` and ``OMP_NUM_THREADS=1``. Writes
@@ -53,12 +54,17 @@ LINK_BYTES = 512 * M
 THREAD_SWEEP = (1, 2, 4, 8, 16)
 
 
-def rss() -> int:
+def rss() -> dict[str, float]:
+    """This process's resident memory in MiB: ``VmRSS`` and its anonymous part ``RssAnon`` (what the export
+    allocates; file-backed pages such as the mapped libraries can be reclaimed at any time under memory
+    pressure, which moves ``VmRSS`` without the export doing anything)."""
+    out = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            key = line.split(":")[0]
+            if key in ("VmRSS", "RssAnon"):
+                out[key] = int(line.split()[1]) / 1024
+    return out
 
 
 def sync(device: torch.device) -> None:
@@ -178,10 +184,11 @@ def worker(rank: int, ranks: int, mode: str, args: dict, barrier, queue) -> None
                 link=link_name,
                 link_gbps=link_gbps,
                 pct_of_link=100 * nbytes / seconds / 1e9 / link_gbps,
-                rss_before_mib=rss_before / M,
-                rss_export_mib=rss_export / M,
-                rss_freed_mib=rss_freed / M,
-                rss_freed_above_before_mib=(rss_freed - rss_before) / M,
+                vmrss_mib=dict(before=rss_before["VmRSS"], export=rss_export["VmRSS"], freed=rss_freed["VmRSS"]),
+                rss_before_mib=rss_before["RssAnon"],
+                rss_export_mib=rss_export["RssAnon"],
+                rss_freed_mib=rss_freed["RssAnon"],
+                rss_freed_above_before_mib=rss_freed["RssAnon"] - rss_before["RssAnon"],
                 unstage_threads=unstage_threads(),
                 intraop_threads=torch.get_num_threads(),
                 fresh_copy_gbps_by_threads=sweep,
@@ -246,7 +253,7 @@ def environment(args: dict) -> list[str]:
 def render(rows: list[dict], env: list[str], command: str) -> str:
     out = ["# First export without a pinned pool (fresh processes)", "", f"`{command}`", "", *env, ""]
     out += [
-        "| ranks | rank | mode | backend | exported GB | s | GB/s | link (GB/s) | % of link | RSS before (MiB) "
+        "| ranks | rank | mode | backend | exported GB | s | GB/s | link (GB/s) | % of link | anon RSS before (MiB) "
         "| after export | after freeing (above before) | unstage threads |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -1,0 +1,45 @@
+"""scripts/bench_first_export.py end to end on CPU: fresh spawned processes, 1 then 2 concurrent ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.scripts.test_scripts_as_modules import ENV, ROOT
+
+
+@pytest.mark.slow
+def test_bench_first_export_runs_on_cpu(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "scripts.bench_first_export",
+        "--device",
+        "cpu",
+        "--gib",
+        "0.04",
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "first_export.jsonl").read_text().splitlines()]
+    assert [(r["ranks"], r["rank"], r["mode"]) for r in rows] == [
+        (1, 0, "chunked"),
+        (1, 0, "chunked+reuse"),
+        (2, 0, "chunked"),
+        (2, 1, "chunked"),
+        (2, 0, "chunked+reuse"),
+        (2, 1, "chunked+reuse"),
+    ]
+    for r in rows:
+        assert r["bytes"] == 4 * 2**20 * 12 and r["gbps"] > 0 and r["link"].startswith("host memcpy")
+        assert r["unstage_threads"] >= 1 and sorted(r["fresh_copy_gbps_by_threads"]) == ["1", "16", "2", "4", "8"]
+        assert r["rss_export_mib"] - r["rss_before_mib"] >= 40  # the 48 MiB export shows while it is alive
+        if r["mode"] == "chunked":  # no pool: back to the baseline once freed (same 4 MiB as the unit test)
+            assert r["rss_freed_above_before_mib"] < 4, r
+    table = (tmp_path / "first_export.md").read_text()
+    assert table.count("| chunked |") == 6 and "python -m scripts.bench_first_export --device cpu" in table
