@@ -2,6 +2,8 @@
 # GPU validation on a machine with CUDA and Transformer Engine, from the repository root.
 #   bash scripts/gpu_validate.sh single   # one-GPU tests + export benchmark over every case (BENCH=0: tests only)
 #   bash scripts/gpu_validate.sh twin     # PortableFusedAdam vs TE: the compare_backends table (--bitwise)
+#   bash scripts/gpu_validate.sh first    # first export without a pinned pool: 1 GPU, then 2 concurrent ranks
+#   bash scripts/gpu_validate.sh save     # 2 GPUs: bench_save (the save path side by side), bench_recipe_overhead
 #   bash scripts/gpu_validate.sh multi    # 2-GPU tests (torchrun) incl. the recipe
 #   bash scripts/gpu_validate.sh stream   # streaming export acceptance: 2 GiB of BF16 states and one 1.07e9-element
 #                                         # state, every mode, fresh processes (first export, host memory over 10)
@@ -36,6 +38,20 @@ case "${1:-single}" in
     start=$(date +%s)
     timeout 300 $py -m scripts.compare_backends --out "$out/compare_backends" --bitwise > "$out/compare_backends.log" 2>&1
     echo "compare_backends rc=$? in $(( $(date +%s) - start )) s"; cat "$out/compare_backends/compare.md" 2>/dev/null || tail -n 30 "$out/compare_backends.log" ;;
+  first)
+    start=$(date +%s)
+    timeout 400 $py -m scripts.bench_first_export --out "$out/first_export" > "$out/first_export.log" 2>&1
+    echo "bench_first_export rc=$? in $(( $(date +%s) - start )) s"; cat "$out/first_export/first_export.md" 2>/dev/null || tail -n 30 "$out/first_export.log" ;;
+  save)
+    start=$(date +%s)
+    mkdir -p "${SCRATCH:-/tmp/bench-save}"
+    timeout 420 $py -m torch.distributed.run --standalone --nproc_per_node=2 -m scripts.bench_save --out "$out/bench_save" \
+      --scratch "${SCRATCH:-/tmp/bench-save}" > "$out/bench_save.log" 2>&1
+    echo "bench_save rc=$? in $(( $(date +%s) - start )) s"; cat "$out/bench_save/bench_save.md" 2>/dev/null || tail -n 40 "$out/bench_save.log"
+    start=$(date +%s)
+    timeout 300 $py -m torch.distributed.run --standalone --nproc_per_node=2 -m scripts.bench_recipe_overhead \
+      --out "$out/recipe_overhead" > "$out/recipe_overhead.log" 2>&1
+    echo "bench_recipe_overhead rc=$? in $(( $(date +%s) - start )) s"; cat "$out/recipe_overhead/bench_recipe_overhead.md" 2>/dev/null || tail -n 40 "$out/recipe_overhead.log" ;;
   multi)
     mkdir -p /tmp/smoke
     timeout 120 $py -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.distributed.run_worker \
