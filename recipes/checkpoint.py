@@ -37,9 +37,10 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,7 @@ MARKER = "COMPLETE.json"
 SAVE_PHASES = ("export", "write", "marker")  # the points of a save at which CheckpointManager.on_phase runs
 METADATA = ".metadata"
 FALLBACK_HINT = "checkpoint.fallback=true resumes from the newest checkpoint that verifies"
+FINITE, NON_FINITE, EXPORT_FAILED = 0, 1, 2  # a save's verdict on its state, agreed by all ranks (the worst wins)
 
 
 class CheckpointError(RuntimeError):
@@ -100,6 +102,23 @@ class ExportReport:
     def summary(self) -> dict[str, Any]:
         """The fields of the end-of-run summary's ``checkpoints`` list."""
         return {"step": self.step, "blocking_s": self.blocking_s, "written_bytes": self.written_bytes}
+
+
+@dataclass
+class _InFlight:
+    """An async save between its :meth:`CheckpointManager.save` call and its :meth:`CheckpointManager.wait`."""
+
+    future: Future  # DCP's upload
+    step: int
+    path: Path
+    report: ExportReport
+    optimizer: Any
+    osd: dict
+    writer: ChecksumFileSystemWriter
+    held_s: float  # how long this checkpoint has held the loop so far
+    stager: ExportBufferStager | None = None  # a deferred export (it finishes the staging in the background)
+    export_t0: float = 0.0  # when the deferred export started (its export_s ends when it is filled)
+    export_waited: bool = field(default=False)
 
 
 _DCP_ERRORS = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
@@ -224,7 +243,7 @@ class CheckpointManager:
         self.device = device
         self.on_report = on_report
         self.options = StateDictOptions(flatten_optimizer_state_dict=cfg.flatten_optimizer_state_dict)
-        self._pending: tuple[Future, int, Path, ExportReport, Any, dict, ChecksumFileSystemWriter, float] | None = None
+        self._pending: _InFlight | None = None
         # An async save plans and finishes on DCP's background thread with collectives of its own; on the
         # default group they would interleave with training's (gloo: a collective-mismatch abort; NCCL: a
         # hang), so they get a gloo group of their own (created here, on every rank, in the same order).
@@ -288,12 +307,26 @@ class CheckpointManager:
         return self.cfg.enabled and (step % self.cfg.every_steps == 0 or step == max_steps)
 
     # ------------------------------------------------------------------ save
+    def _defers(self, optimizer: Any) -> bool:
+        """Whether the save of the export just started may return before the export is filled: an async save of
+        a background export into pooled buffers (``optim.state_dict_offload_background`` with
+        ``state_dict_offload_reuse_buffers``). The stager then passes those buffers through uncopied, so nothing
+        reads them before the export has filled them; without reuse the export's fresh host tensors would be
+        copied at staging, so the save waits for the export as a synchronous one does."""
+        return (
+            self.cfg.async_save
+            and isinstance(optimizer, OffloadedStateDict)
+            and optimizer.state_dict_pending
+            and optimizer.state_dict_offload_reuse_buffers
+        )
+
     def _export(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-    ) -> tuple[dict, dict, float, float | None, str | None]:
+    ) -> tuple[dict, dict, float, float | None, str | None, bool]:
         """Export model and optimizer: (model sd, optimizer sd, export seconds, GPU peak MiB, the failure of a
-        background export in one line or None). A background export is waited for here, so its time and GPU
-        peak are counted and the state dicts are final."""
+        background export in one line or None, deferred). A background export is waited for here, so its time
+        and GPU peak are counted and the state dicts are final, unless the save defers it (:meth:`_defers`):
+        then the seconds and the peak are those of the export call, which returns before the export is filled."""
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             torch.cuda.synchronize(self.device)
@@ -301,24 +334,36 @@ class CheckpointManager:
             base = torch.cuda.memory_allocated(self.device)
         t0 = time.perf_counter()
         osd = get_optimizer_state_dict(model, optimizer, options=self.options)
-        export_error = _export_failure(optimizer)
-        if on_cuda:
+        deferred = self._defers(optimizer)
+        export_error = None if deferred else _export_failure(optimizer)
+        if on_cuda and not deferred:
             torch.cuda.synchronize(self.device)
         export_s = time.perf_counter() - t0
         peak = (torch.cuda.max_memory_allocated(self.device) - base) / 2**20 if on_cuda else None
         msd = get_model_state_dict(model, options=self.options)
-        return msd, osd, export_s, peak, export_error
+        return msd, osd, export_s, peak, export_error, deferred
 
     def save(self, step: int, model, optimizer, trainer_state: dict[str, Any]) -> ExportReport:
-        """Export and save a checkpoint for ``step`` (async if configured). Returns the export report."""
+        """Export and save a checkpoint for ``step`` (async if configured). Returns the export report.
+
+        A deferred export (:meth:`_defers`) returns before the optimizer's export is filled: the model and every
+        tensor that is not a pooled export buffer are copied here, the rest (wait, finite check) runs in the
+        background, and :meth:`wait` refuses the save on every rank if the export failed or holds non-finite
+        values. Call :meth:`wait_export` before the next ``optimizer.step()``."""
         self.wait()  # one save in flight at most; its buffers are never touched by the next export
         held_since = time.perf_counter()  # this checkpoint holds the loop from here (the wait above: the previous)
         path = self.root / f"step_{step:08d}"
-        msd, osd, export_s, peak, export_error = self._export(model, optimizer)
+        msd, osd, export_s, peak, export_error, deferred = self._export(model, optimizer)
         try:
             self.on_phase("export", step, path)
-            self._check_finite(step, msd, osd, export_error)  # before anything on disk changes
+            if not deferred:
+                self._check_finite(step, msd, osd, export_error)  # before anything on disk changes
         except CheckpointError:
+            _release(optimizer, osd)
+            raise
+        except BaseException:
+            if deferred:
+                _export_failure(optimizer)  # nothing stages it: its failure must not reach the next step()
             _release(optimizer, osd)
             raise
         if self.rank == 0 and path.exists():  # incomplete, or complete from before a resume at an earlier step
@@ -331,10 +376,11 @@ class CheckpointManager:
         state = {"model": msd, "optim": osd, "trainer": trainer_state}
         t0 = time.perf_counter()
         in_flight = False
+        stager = None
         writer = ChecksumFileSystemWriter(path)
         try:
             if self.cfg.async_save:
-                stager = ExportBufferStager(optimizer)
+                stager = ExportBufferStager(optimizer, deferred=deferred)
                 future = dcp.async_save(
                     state,
                     checkpoint_id=str(path),
@@ -342,6 +388,8 @@ class CheckpointManager:
                     async_stager=stager,
                     process_group=self._save_group,
                 )
+                # a stager that returns a Future makes async_save return an AsyncSaveResponse (torch >= 2.9)
+                future = future if isinstance(future, Future) else future.upload_completion
                 in_flight = True
             else:
                 dcp.save(state, checkpoint_id=str(path), storage_writer=writer)
@@ -349,6 +397,8 @@ class CheckpointManager:
             raise CheckpointError(f"saving {path} failed: {one_line(exc)}") from exc
         finally:
             if not in_flight:  # written (sync) or failed: nothing reads the export buffers any more
+                if deferred and (stager is None or stager.filled is None):
+                    _export_failure(optimizer)  # never staged: its failure must not reach the next step()
                 _release(optimizer, osd)
         save_s = time.perf_counter() - t0
         self.on_phase("write", step, path)
@@ -366,30 +416,56 @@ class CheckpointManager:
         self.reports.append(report)
         if self.cfg.async_save:
             held_s = time.perf_counter() - held_since  # the save call's share; wait() adds its own
-            self._pending = (future, step, path, report, optimizer, osd, writer, held_s)
+            self._pending = _InFlight(
+                future, step, path, report, optimizer, osd, writer, held_s, stager if deferred else None, held_since
+            )
         else:
             self._finalize(step, path, report, self._gather_checksums(writer), held_since)
         return report
+
+    def wait_export(self) -> None:
+        """Call before ``optimizer.step()``: wait until the in-flight save's deferred export is filled (``step()``
+        would wait for it anyway). The wait is counted in that checkpoint's ``blocking_s``. Returns at once when
+        no deferred export is pending. A failure is not raised here: :meth:`wait` refuses the save on every rank."""
+        pending = self._pending
+        if pending is None or pending.stager is None or pending.export_waited:
+            return
+        t0 = time.perf_counter()
+        pending.stager.filled.result()
+        pending.held_s += time.perf_counter() - t0
+        pending.export_waited = True
 
     def _check_finite(self, step: int, msd: dict, osd: dict, export_error: str | None = None) -> None:
         """Refuse to save a state holding NaN or inf, or whose background export failed on any rank (all ranks
         agree: one all-reduce)."""
         if export_error is not None:
-            bad = torch.tensor([2])
+            verdict = EXPORT_FAILED
         else:
-            bad = torch.tensor([0 if all_finite(local_tensors({"model": msd, "optim": osd})) else 1])
+            verdict = FINITE if all_finite(local_tensors({"model": msd, "optim": osd})) else NON_FINITE
+        self._agree(step, verdict, export_error)
+
+    def _agree(self, step: int, verdict: int, export_error: str | None, path: Path | None = None) -> None:
+        """All ranks agree on the worst ``verdict`` (one all-reduce); unless all are FINITE every rank raises the
+        same one-line CheckpointError, after rank 0 removed ``path`` (a deferred save's written directory)."""
+        bad = torch.tensor([verdict])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item() == 2:
+        if bad.item() == FINITE:
+            return
+        if path is not None:
+            if self.rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            if dist.is_initialized():
+                dist.barrier()  # every rank raises once the directory is gone
+        if bad.item() == EXPORT_FAILED:
             raise CheckpointError(
                 f"not saving step {step}: the optimizer's background export failed "
                 f"({export_error or 'on another rank'}); the newest good checkpoint is {self.verified or 'none'}"
             )
-        if bad.item():
-            raise CheckpointError(
-                f"not saving step {step}: the model or optimizer state holds non-finite values (NaN/inf); "
-                f"the newest good checkpoint is {self.verified or 'none'}"
-            )
+        raise CheckpointError(
+            f"not saving step {step}: the model or optimizer state holds non-finite values (NaN/inf); "
+            f"the newest good checkpoint is {self.verified or 'none'}"
+        )
 
     def _gather_checksums(self, writer: ChecksumFileSystemWriter) -> dict[str, dict[str, Any]] | None:
         """Every rank's file checksums, merged on rank 0 (None elsewhere). All ranks call it after the save."""
@@ -452,19 +528,30 @@ class CheckpointManager:
             self.on_report(report)
 
     def wait(self) -> None:
-        """Wait for an in-flight async save; mark it complete. A failed save raises here, never silently."""
+        """Wait for an in-flight async save; mark it complete. A failed save raises here, never silently; so does,
+        on every rank, a deferred export that failed or holds non-finite values on any rank (no marker, the
+        directory removed)."""
         if self._pending is None:
             return
         waited_since = time.perf_counter()
-        future, step, path, report, optimizer, osd, writer, held_s = self._pending
+        p = self._pending
         self._pending = None
         try:
-            future.result()
+            p.future.result()
         except _DCP_ERRORS as exc:
-            raise CheckpointError(f"async save of {path} failed: {one_line(exc)}") from exc
+            raise CheckpointError(f"async save of {p.path} failed: {one_line(exc)}") from exc
         finally:
-            _release(optimizer, osd)  # the save is over: the next export may reuse them
-        self._finalize(step, path, report, self._gather_checksums(writer), waited_since, held_s)
+            _release(p.optimizer, p.osd)  # the save is over: the next export may reuse them
+        if p.stager is not None:
+            filled_at = p.stager.filled.result()
+            p.report.export_s = filled_at - p.export_t0  # from the export call until its tensors were filled
+            p.report.export_gbps = p.report.export_bytes / p.report.export_s / 1e9 if p.report.export_s > 0 else 0.0
+            try:
+                self._agree(p.step, p.stager.verdict, p.stager.failure, path=p.path)
+            except CheckpointError:
+                self.reports.remove(p.report)  # never complete: not this launch's checkpoint
+                raise
+        self._finalize(p.step, p.path, p.report, self._gather_checksums(p.writer), waited_since, p.held_s)
 
     def _retain(self) -> None:
         if self.cfg.keep_last <= 0:
@@ -556,23 +643,55 @@ class ExportBufferStager(AsyncStager):
     copied a second time (twice the host memory and a second full memcpy per checkpoint). It has no hook to
     skip some tensors, so this stager does the small part of its job that is needed: plain host copies of the
     rest (the model state and tensors that are not pooled). See docs/design.md, "Checkpoints".
+
+    ``deferred=True`` (a background export into pooled buffers, still being filled): :meth:`stage` makes the
+    copies at once (the next ``step()`` changes the model and the optimizer) and returns a Future that completes
+    on a thread of its own once the export is filled and the staged state checked for non-finite values. The
+    Future never raises (a failure on one rank would leave the others in DCP's collectives): it records the
+    outcome in :attr:`verdict` and :attr:`failure`, for the manager to agree on across ranks.
     """
 
     _synchronize_after_execute = False
 
-    def __init__(self, optimizer: Any):
+    def __init__(self, optimizer: Any, *, deferred: bool = False):
         self.optimizer = optimizer
+        self.deferred = deferred
+        self.filled: Future | None = None  # deferred: perf_counter() when the export was filled (never raises)
+        self.verdict = FINITE  # deferred: FINITE, NON_FINITE or EXPORT_FAILED, set before the staging completes
+        self.failure: str | None = None  # deferred: the export's failure in one line
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Host copies for DCP, once a background export has filled its tensors (DCP gets finished tensors
-        only; a failed export raises here and nothing is written)."""
-        if isinstance(self.optimizer, OffloadedStateDict):
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future:
+        """Host copies for DCP. Not deferred: once a background export has filled its tensors (a failed export
+        raises here and nothing is written). Deferred: a Future of them, see the class docstring."""
+        offloads = isinstance(self.optimizer, OffloadedStateDict)
+        if offloads and not self.deferred:
             self.optimizer.wait_state_dict()
-        leased = self.optimizer.is_leased_export_buffer if isinstance(self.optimizer, OffloadedStateDict) else None
-        return _host_copy(state_dict, keep=leased)
+        leased = self.optimizer.is_leased_export_buffer if offloads else None
+        staged = _host_copy(state_dict, keep=leased)
+        if not self.deferred:
+            return staged
+        self.filled, done = Future(), Future()
+        threading.Thread(target=self._finish, args=(staged, done), name="checkpoint-stager", daemon=True).start()
+        return done
+
+    def _finish(self, staged: dict[str, Any], done: Future) -> None:
+        try:
+            try:
+                self.optimizer.wait_state_dict()
+            except Exception as exc:  # noqa: BLE001  (any failure of the export thread: nothing of it is saved)
+                self.failure, self.verdict = one_line(exc), EXPORT_FAILED
+            self.filled.set_result(time.perf_counter())  # the loop's next step() may run from here
+            if self.verdict == FINITE and not all_finite(local_tensors(staged)):
+                self.verdict = NON_FINITE
+        except BaseException as exc:  # noqa: BLE001  (never raise into DCP's upload thread on one rank)
+            self.failure, self.verdict = one_line(exc), EXPORT_FAILED
+        finally:
+            if not self.filled.done():
+                self.filled.set_result(time.perf_counter())
+            done.set_result(staged)
 
     def synchronize_staging(self) -> None:
-        """Staging is synchronous."""
+        """Staging is synchronous (or, deferred, a Future that DCP's upload thread waits for)."""
 
     def close(self) -> None:
         """Nothing to free."""

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,9 @@ class TrainStep:
     max_steps: int
     grad_clip: float
     prepare_at: int | None = None
+    # called right before optimizer.step(): the recipe passes CheckpointManager.wait_export, which waits (timed,
+    # counted in that checkpoint's blocking_s) for an async save's export still being filled in the background
+    before_step: Callable[[], None] | None = None
 
     def __call__(self, step: int) -> StepResult:
         lr = _set_lr(self.optimizer, self.base_lrs, lr_factor(step, self.warmup_steps, self.max_steps))
@@ -212,6 +216,8 @@ class TrainStep:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             norm = norm.to_local() if hasattr(norm, "to_local") else norm  # replicated: the global norm
             nonfinite = nonfinite | ~torch.isfinite(norm)
+        if self.before_step is not None:
+            self.before_step()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if step == self.prepare_at and hasattr(self.optimizer, "prepare_state_dict"):
@@ -357,6 +363,7 @@ def _train(
         max_steps=max_steps,
         grad_clip=cfg.trainer.grad_clip,
         prepare_at=start if cfg.checkpoint.enabled else None,
+        before_step=ckpt.wait_export,
     )
     step_log = StepLog(
         metrics, bar, world=world, start=start, end=end, max_steps=max_steps, every=cfg.trainer.log_every
