@@ -117,7 +117,7 @@ class _InFlight:
     writer: ChecksumFileSystemWriter
     held_s: float  # how long this checkpoint has held the loop so far
     stager: ExportBufferStager | None = None  # a deferred export (it finishes the staging in the background)
-    export_t0: float = 0.0  # when the deferred export started (its export_s ends when it is filled)
+    export_t0: float = 0.0  # when the save call started (its export first); a deferred export_s ends when filled
     export_waited: bool = field(default=False)
 
 
@@ -401,7 +401,6 @@ class CheckpointManager:
                     _export_failure(optimizer)  # never staged: its failure must not reach the next step()
                 _release(optimizer, osd)
         save_s = time.perf_counter() - t0
-        self.on_phase("write", step, path)
         report = ExportReport(
             step=step,
             path=str(path),
@@ -414,14 +413,24 @@ class CheckpointManager:
             flatten=self.cfg.flatten_optimizer_state_dict,
         )
         self.reports.append(report)
-        if self.cfg.async_save:
-            held_s = time.perf_counter() - held_since  # the save call's share; wait() adds its own
-            self._pending = _InFlight(
-                future, step, path, report, optimizer, osd, writer, held_s, stager if deferred else None, held_since
-            )
+        if self.cfg.async_save:  # in flight from here (on_phase may look at it)
+            pending = _InFlight(future, step, path, report, optimizer, osd, writer, 0.0, stager if deferred else None)
+            pending.export_t0, self._pending = held_since, pending
+            self.on_phase("write", step, path)
+            pending.held_s = time.perf_counter() - held_since  # the save call's share; wait_export and wait add theirs
         else:
+            self.on_phase("write", step, path)
             self._finalize(step, path, report, self._gather_checksums(writer), held_since)
         return report
+
+    @property
+    def export_filling(self) -> bool | None:
+        """None when no async save with a deferred export is in flight; else whether its export is still being
+        filled (the loop runs meanwhile; :meth:`wait_export` waits for it)."""
+        pending = self._pending
+        if pending is None or pending.stager is None:
+            return None
+        return not pending.stager.filled.done()
 
     def wait_export(self) -> None:
         """Call before ``optimizer.step()``: wait until the in-flight save's deferred export is filled (``step()``

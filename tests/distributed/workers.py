@@ -327,7 +327,8 @@ def async_save_while_training(rank: int, world: int, tmp: str) -> None:
 
 def background_export_failure(rank: int, world: int, tmp: str) -> None:
     """``state_dict_offload_background``: a background export that fails on one rank refuses the recipe's save on
-    every rank (one line each, no hang, nothing written); once the cause is gone the next save completes."""
+    every rank (one line each, no hang, the step directory removed) when the save is finalised; training goes on
+    meanwhile, and once the cause is gone the next save completes."""
     mesh = init_device_mesh(mesh_device(), (world,))
     cfg = "bf16-params-bf16-moments-fp32-master"
     model, opt = build(
@@ -351,8 +352,13 @@ def background_export_failure(rank: int, world: int, tmp: str) -> None:
         broken = next(st["exp_avg"] for st in opt.state.values() if local(st["exp_avg"]).numel() > 0)
         nbytes = local(broken).untyped_storage().nbytes()
         local(broken).untyped_storage().resize_(0)
+    ckpt.save(2, model, opt, {"step": 2})  # deferred (async, background, reused buffers): returns at once
+    ckpt.wait_export()  # what the loop does before step(): never raises, the failure is the save's
+    if broken is not None:
+        local(broken).untyped_storage().resize_(nbytes)
+    run_steps(opt, params, 2, 1)  # the optimizer goes on: the save took the export's failure
     try:
-        ckpt.save(2, model, opt, {"step": 2})
+        ckpt.wait()
     except CheckpointError as exc:
         where = "storage" if rank == 0 else "on another rank"
         assert "not saving step 2: the optimizer's background export failed" in str(exc) and where in str(exc), exc
@@ -361,8 +367,6 @@ def background_export_failure(rank: int, world: int, tmp: str) -> None:
         raise AssertionError(f"rank {rank}: a failed background export was saved")
     dist.barrier()
     assert not (Path(tmp) / "ck" / "step_00000002").exists()
-    if broken is not None:
-        local(broken).untyped_storage().resize_(nbytes)
     ckpt.save(3, model, opt, {"step": 3})
     ckpt.close()
     dist.barrier()
