@@ -15,17 +15,18 @@ Modes (one optimizer; ``configure_export`` switches the export between them):
   ``async_with_pinned_mem`` (its ``maybe_wait_for_staging``). Thread executor and no shared memory here
   (torchtitan's process executor is what shared memory is for); on CPU no pinning and blocking copies.
 * ``b-te-cpu-offload``: (a) with ``StateDictOptions(cpu_offload=True)``.
-* ``c-ours``: chunked + reused buffers, saved by ``recipes.checkpoint.CheckpointManager`` (async, its
-  ``ExportBufferStager``): the recipe's path, finite check and checksums included.
-* ``c-ours-overlap``: the background export (``state_dict_offload_background``) overlapping the next forward and
-  backward: exported at the step boundary, saved with ``dcp.async_save`` + ``ExportBufferStager`` after the
-  backward and before ``step()`` (the stager waits for the export and copies the model, unchanged until
-  ``step()``). The library's API, not the recipe (whose finite check reads the export at once): no finite check.
+* ``c-ours``: the recipe's path: chunked + reused buffers + ``state_dict_offload_background``, saved by
+  ``recipes.checkpoint.CheckpointManager`` (async, its ``ExportBufferStager``; finite check and checksums
+  included). The save call returns before the export is filled; the next forward and backward overlap it and
+  ``CheckpointManager.wait_export()`` (what the recipe's loop calls) waits for the rest before ``step()``.
+* ``c-ours-no-background``: ``c-ours`` without the background option (the save call waits for the export).
 * ``d-ours-keep-bf16``: ``c-ours`` with ``state_dict_keep_bf16``.
-* ``e-te-sync`` / ``e-ours-sync``: synchronous ``dcp.save`` of (a)'s export, and the recipe's synchronous save.
+* ``e-te-sync`` / ``e-ours-sync``: synchronous ``dcp.save`` of (a)'s export, and the recipe's synchronous save
+  (without the background option).
 
 Per checkpoint: ``block_s`` (from the save call until training may resume: the save call plus any wait for staging
-or for the export before the next ``step()``), the GPU peak of the save call above the step boundary, the next
+or for the export before the next ``step()``; for the recipe's modes the part of the recipe's ``blocking_s`` up to
+that ``step()``), the GPU peak of the save call above the step boundary, the next
 step's GPU peak beyond a plain step's (what a save keeps on the GPU into the next step: (a)'s export until its
 staging is done, the overlapping export's chunks), RSS and pinned host bytes (torch's pinned host allocator plus
 our pool's registered buffers), bytes on disk, ``complete_s`` (save call until the save was confirmed complete,
@@ -56,7 +57,7 @@ from torch.distributed.fsdp import fully_shard
 
 from optim_factory.optimizers.export import ExportOptions
 from optim_factory.optimizers.rules import parse_bytes
-from recipes.checkpoint import CheckpointManager, ExportBufferStager, state_bytes
+from recipes.checkpoint import CheckpointManager, state_bytes
 from recipes.config import CheckpointConfig
 from recipes.distributed import init_distributed, pick_device, resolve_dist_env, shutdown
 from scripts.bench_export import environment, sync
@@ -65,7 +66,7 @@ MODES = (
     "a-te-async-pinned",
     "b-te-cpu-offload",
     "c-ours",
-    "c-ours-overlap",
+    "c-ours-no-background",
     "d-ours-keep-bf16",
     "e-te-sync",
     "e-ours-sync",
@@ -163,7 +164,6 @@ class Mode:
         self.manager = None
         self.stager = None
         self.pending = None  # what finish() waits for
-        self.deferred = None  # c-ours-overlap: the save that runs before the next step()
         if name.startswith(("a-", "b-", "e-te")):
             opt.configure_export(ExportOptions())  # TE's own state_dict()
             if name != "e-te-sync":
@@ -178,12 +178,10 @@ class Mode:
                 )
         else:
             keep = name.startswith("d-")
-            opt.configure_export(ExportOptions(True, chunk, True, keep_bf16=keep, background=name.endswith("overlap")))
-            if name in ("c-ours", "d-ours-keep-bf16", "e-ours-sync"):
-                cfg = CheckpointConfig(
-                    dir=str(ctx["root"]), every_steps=1, keep_last=0, async_save=name != "e-ours-sync"
-                )
-                self.manager = CheckpointManager(cfg, rank=ctx["rank"], device=ctx["device"])
+            background = name in ("c-ours", "d-ours-keep-bf16")
+            opt.configure_export(ExportOptions(True, chunk, True, keep_bf16=keep, background=background))
+            cfg = CheckpointConfig(dir=str(ctx["root"]), every_steps=1, keep_last=0, async_save=name != "e-ours-sync")
+            self.manager = CheckpointManager(cfg, rank=ctx["rank"], device=ctx["device"])
             opt.prepare_state_dict().result()
         self.options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=name.startswith("b-"))
 
@@ -200,8 +198,6 @@ class Mode:
         if self.name == "e-te-sync":
             dcp.save(state, checkpoint_id=str(path), process_group=group)
             self.pending = None
-        elif self.name == "c-ours-overlap":
-            self.deferred = (state, path, osd)  # saved in hook(), after the next backward
         else:
             response = dcp.async_save(state, checkpoint_id=str(path), async_stager=self.stager, process_group=group)
             self.pending = ("dcp", response)
@@ -209,14 +205,8 @@ class Mode:
 
     def hook(self) -> None:
         """Before the next ``step()``: what the loop must wait for there."""
-        if self.name == "c-ours-overlap" and self.deferred is not None:
-            state, path, osd = self.deferred
-            self.deferred = None
-            stager = ExportBufferStager(self.ctx["opt"])  # waits for the export, copies the (unchanged) model
-            future = dcp.async_save(
-                state, checkpoint_id=str(path), async_stager=stager, process_group=self.ctx["group"]
-            )
-            self.pending = ("future", (future, osd))
+        if self.manager is not None:
+            self.manager.wait_export()  # the recipe's loop: the export still being filled (background option)
         elif self.pending is not None and self.pending[0] == "dcp":
             self.pending[1].staging_completion.result()  # torchtitan's maybe_wait_for_staging()
 
@@ -227,12 +217,8 @@ class Mode:
         self.pending = None
         if kind == "manager":
             self.manager.wait()
-        elif kind == "dcp":
-            what.upload_completion.result()
         else:
-            future, osd = what
-            future.result()
-            self.ctx["opt"].release_state_dict(osd)
+            what.upload_completion.result()
         self.ctx["opt"].state_exporter.pool.wait_pinning()
 
     def close(self) -> None:
@@ -376,7 +362,7 @@ def render(summary: dict, meta: dict) -> str:
 def goals(summary: dict, meta: dict) -> list[tuple[bool, str]]:
     a, step = summary.get("a-te-async-pinned", {}), summary.get("a-te-async-pinned", {}).get("step_before_s")
     out = []
-    for name in ("c-ours", "d-ours-keep-bf16", "c-ours-overlap"):
+    for name in ("c-ours", "d-ours-keep-bf16"):  # the goals are those of the recipe's path (with the option)
         s = summary.get(name)
         if not s or not a:
             continue
