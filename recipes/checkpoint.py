@@ -17,11 +17,14 @@ last saved or loaded). With ``async_save`` the previous save is awaited before t
 and DCP's collectives for it run on a gloo group of their own, so that they never interleave with training's.
 
 The optimizer is exported with ``get_optimizer_state_dict`` (``flatten_optimizer_state_dict`` configurable); the
-export is timed and, on CUDA, its GPU peak above the pre-export level is measured; a background export
+export is timed and, on CUDA, its GPU peak above the pre-export level is measured. A background export
 (``optim.state_dict_offload_background``) is waited for within that time, and its failure on any rank refuses
-the save on every rank before anything is written. The report (seconds, bytes, GB/s, peak), completed with the
-time the checkpoint held the training loop and the bytes written once the save is complete (docs/recipe.md,
-"Export report"), is logged and appended to the run's metrics file.
+the save on every rank before anything is written; except in an async save into reused buffers, which is
+*deferred*: the save returns before the export is filled, the loop calls :meth:`CheckpointManager.wait_export`
+before the next ``optimizer.step()``, and the NaN/inf check and a failed export refuse the checkpoint on every
+rank when the save is finalised (:meth:`CheckpointManager.wait`; no marker, the directory removed). The report
+(seconds, bytes, GB/s, peak), completed with the time the checkpoint held the training loop and the bytes written
+once the save is complete (docs/recipe.md, "Export report"), is logged and appended to the run's metrics file.
 
 With ``optim.state_dict_offload_reuse_buffers`` the optimizer exports into pooled host buffers. They are handed
 to DCP as they are (an async save stages copies of everything else, as DCP's default does, but not of them),
@@ -258,8 +261,9 @@ class CheckpointManager:
         """Called at each point of ``SAVE_PHASES`` of the save of ``step`` into ``path``; does nothing here.
 
         For subclasses that observe saves (``scripts/fault_train.py`` kills the process there):
-        ``"export"``: the optimizer is exported, nothing of ``path`` is written; ``"write"``: ``dcp.save``
-        returned (sync) or ``dcp.async_save`` started writing, no completion marker yet; ``"marker"``: the save
+        ``"export"``: the optimizer is exported (deferred: its export started), nothing of ``path`` is written;
+        ``"write"``: ``dcp.save`` returned (sync) or ``dcp.async_save`` started writing (the save is in flight:
+        :attr:`export_filling`), no completion marker yet; ``"marker"``: the save
         finished (async: inside :meth:`wait`) and the completion marker is about to be written.
         """
 
