@@ -43,7 +43,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +121,7 @@ class _InFlight:
     held_s: float  # how long this checkpoint has held the loop so far
     stager: ExportBufferStager | None = None  # a deferred export (it finishes the staging in the background)
     export_t0: float = 0.0  # when the save call started (its export first); a deferred export_s ends when filled
-    export_waited: bool = field(default=False)
+    export_waited: bool = False  # wait_export() ran (later calls return at once)
 
 
 _DCP_ERRORS = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
