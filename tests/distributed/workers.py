@@ -350,12 +350,13 @@ def background_export_failure(rank: int, world: int, tmp: str) -> None:
     broken = None
     if rank == 0:  # a state whose storage is gone: the background thread fails reading it (no mock)
         broken = next(st["exp_avg"] for st in opt.state.values() if local(st["exp_avg"]).numel() > 0)
-        nbytes = local(broken).untyped_storage().nbytes()
+        nbytes, values = local(broken).untyped_storage().nbytes(), local(broken).clone()
         local(broken).untyped_storage().resize_(0)
     ckpt.save(2, model, opt, {"step": 2})  # deferred (async, background, reused buffers): returns at once
     ckpt.wait_export()  # what the loop does before step(): never raises, the failure is the save's
-    if broken is not None:
+    if broken is not None:  # the state as it was (resize_ gives uninitialised memory), before the next step
         local(broken).untyped_storage().resize_(nbytes)
+        local(broken).copy_(values)
     run_steps(opt, params, 2, 1)  # the optimizer goes on: the save took the export's failure
     try:
         ckpt.wait()
