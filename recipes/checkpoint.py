@@ -237,9 +237,14 @@ class CheckpointManager:
         device: torch.device,
         on_report=None,
         run_config: dict[str, Any] | None = None,
+        waits_before_step: bool = False,
     ):
-        """``run_config``: the resolved config of the run (a plain dict), stored in every checkpoint's manifest."""
+        """``run_config``: the resolved config of the run (a plain dict), stored in every checkpoint's manifest.
+        ``waits_before_step``: the caller calls :meth:`wait_export` before every ``optimizer.step()`` (the recipe's
+        loop does); only then may an async save return before a background export is filled (:meth:`_defers`),
+        since the export's failure must reach the save, not a ``step()``."""
         self.cfg = cfg
+        self.waits_before_step = waits_before_step
         self.run_config = run_config
         self.root = Path(cfg.dir)
         self.rank = rank
@@ -314,11 +319,13 @@ class CheckpointManager:
     def _defers(self, optimizer: Any) -> bool:
         """Whether the save of the export just started may return before the export is filled: an async save of
         a background export into pooled buffers (``optim.state_dict_offload_background`` with
-        ``state_dict_offload_reuse_buffers``). The stager then passes those buffers through uncopied, so nothing
+        ``state_dict_offload_reuse_buffers``), for a caller that calls :meth:`wait_export` before ``step()``
+        (``waits_before_step``). The stager then passes those buffers through uncopied, so nothing
         reads them before the export has filled them; without reuse the export's fresh host tensors would be
         copied at staging, so the save waits for the export as a synchronous one does."""
         return (
-            self.cfg.async_save
+            self.waits_before_step
+            and self.cfg.async_save
             and isinstance(optimizer, OffloadedStateDict)
             and optimizer.state_dict_pending
             and optimizer.state_dict_offload_reuse_buffers
@@ -689,6 +696,8 @@ class ExportBufferStager(AsyncStager):
 
     def _finish(self, staged: dict[str, Any], done: Future) -> None:
         try:
+            # finished first, then its outcome taken (once): a step() that waits meanwhile still finds it pending
+            self.optimizer.state_exporter.join()
             try:
                 self.optimizer.wait_state_dict()
             except Exception as exc:  # noqa: BLE001  (any failure of the export thread: nothing of it is saved)

@@ -331,6 +331,7 @@ def _train(
         device=device,
         on_report=metrics.checkpoint,
         run_config=OmegaConf.to_container(cfg, resolve=True),  # stored in every checkpoint's manifest
+        waits_before_step=True,  # TrainStep calls ckpt.wait_export before optimizer.step()
     )
     log.info("launcher=%s world_size=%d device=%s run_dir=%s", env.launcher, world, device, cfg.run_dir)
 

@@ -181,7 +181,8 @@ class Mode:
             background = name in ("c-ours", "d-ours-keep-bf16")
             opt.configure_export(ExportOptions(True, chunk, True, keep_bf16=keep, background=background))
             cfg = CheckpointConfig(dir=str(ctx["root"]), every_steps=1, keep_last=0, async_save=name != "e-ours-sync")
-            self.manager = CheckpointManager(cfg, rank=ctx["rank"], device=ctx["device"])
+            # hook() calls wait_export() before the next step(), as the recipe's loop does
+            self.manager = CheckpointManager(cfg, rank=ctx["rank"], device=ctx["device"], waits_before_step=True)
             opt.prepare_state_dict().result()
         self.options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=name.startswith("b-"))
 

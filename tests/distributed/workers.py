@@ -343,6 +343,7 @@ def background_export_failure(rank: int, world: int, tmp: str) -> None:
         CheckpointConfig(dir=f"{tmp}/ck", every_steps=1, keep_last=0, async_save=True),
         rank=rank,
         device=torch.device(mesh_device()),
+        waits_before_step=True,  # as the recipe: wait_export() before step()
     )
     run_steps(opt, params, 1, 1)
     ckpt.save(1, model, opt, {"step": 1})

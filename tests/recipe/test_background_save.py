@@ -12,8 +12,12 @@ import time
 import pytest
 import torch
 
+from optim_factory import PortableFusedAdam
+from optim_factory.optimizers.export import export_state
 from recipes.checkpoint import CheckpointError, CheckpointManager, read_checkpoint
+from recipes.config import CheckpointConfig
 from recipes.train import compose_config, train
+from tests.helpers import assert_bitwise, run_steps
 from tests.recipe.test_launchers import complete_steps
 from tests.recipe.test_train import QUICK, run_cli
 
@@ -117,3 +121,35 @@ def test_a_non_finite_deferred_export_is_refused_on_both_of_two_ranks(tmp_path):
     verdicts = re.findall(r"error: not saving step 1: the model or optimizer state holds non-finite", proc.stderr)
     assert len(verdicts) == 2, proc.stderr[-4000:]
     assert not any((tmp_path / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("waits_before_step", [False, True], ids=["waits-in-save", "deferred"])
+def test_a_step_without_wait_export_never_changes_a_state_being_exported(tmp_path, waits_before_step):
+    """A loop that skips wait_export(): step() still waits for the export (the stager takes the export's outcome
+    only once it is finished), so the checkpoint holds the state of its step; without ``waits_before_step`` the
+    save does not defer at all."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    opt = PortableFusedAdam(
+        model.parameters(),
+        exp_avg_dtype=torch.bfloat16,
+        state_dict_cpu_offload=True,
+        state_dict_offload_chunk_bytes=64,
+        state_dict_offload_reuse_buffers=True,
+        state_dict_offload_background=True,
+    )
+    params = list(model.parameters())
+    cfg = CheckpointConfig(dir=str(tmp_path / "ck"), every_steps=1, async_save=True)
+    manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"), waits_before_step=waits_before_step)
+    expected = {}
+    for step in (1, 2, 3):
+        run_steps(opt, params, step, 1)
+        expected[step] = export_state(opt, cpu_offload=True)
+        manager.save(step, model, opt, {"step": step})
+        assert (manager.export_filling is not None) == waits_before_step  # deferred (filled or not) or not
+    manager.close()
+    names = {id(p): n for n, p in model.named_parameters()}
+    for step, sd in expected.items():
+        written = read_checkpoint(tmp_path / "ck" / f"step_{step:08d}", tmp_path)
+        for k, st in sd["state"].items():
+            for name, v in st.items():
+                assert_bitwise(written[f"optim.state.{names[id(params[k])]}.{name}"], v, f"step {step} {k}.{name}")
