@@ -64,6 +64,7 @@ from torch.distributed.tensor import DTensor
 
 from optim_factory.optimizers.export import OffloadedStateDict
 from recipes.config import CheckpointConfig
+from recipes.host_copies import HostCopies
 from recipes.integrity import ALGORITHM, ChecksumFileSystemWriter, all_finite, file_problem, local_tensors
 
 log = logging.getLogger(__name__)
@@ -252,6 +253,7 @@ class CheckpointManager:
         self.on_report = on_report
         self.options = StateDictOptions(flatten_optimizer_state_dict=cfg.flatten_optimizer_state_dict)
         self._pending: _InFlight | None = None
+        self._host_copies = HostCopies()  # async saves: the model's host copies, reused from save to save
         # An async save plans and finishes on DCP's background thread with collectives of its own; on the
         # default group they would interleave with training's (gloo: a collective-mismatch abort; NCCL: a
         # hang), so they get a gloo group of their own (created here, on every rank, in the same order).
@@ -391,7 +393,7 @@ class CheckpointManager:
         writer = ChecksumFileSystemWriter(path)
         try:
             if self.cfg.async_save:
-                stager = ExportBufferStager(optimizer, deferred=deferred)
+                stager = ExportBufferStager(optimizer, deferred=deferred, host_copies=self._host_copies)
                 future = dcp.async_save(
                     state,
                     checkpoint_id=str(path),
@@ -586,6 +588,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+        self._host_copies.close()
 
     # ------------------------------------------------------------------ load
     def load(self, path: Path, model, optimizer, trainer_state: dict[str, Any]) -> dict[str, Any]:
@@ -661,21 +664,24 @@ class ExportBufferStager(AsyncStager):
     Why not DCP's own stager (``DefaultStager`` / ``BlockingAsyncStager``): it copies *every* tensor into its
     own (pinned) host memory, so the pooled export buffers, already on the host and owned by this save, would be
     copied a second time (twice the host memory and a second full memcpy per checkpoint). It has no hook to
-    skip some tensors, so this stager does the small part of its job that is needed: plain host copies of the
-    rest (the model state and tensors that are not pooled). See docs/design.md, "Checkpoints".
+    skip some tensors, so this stager does the part of its job that is needed: host copies of the rest (the model
+    state and tensors that are not pooled), into the manager's :class:`HostCopies` (pinned buffers reused across
+    saves, filled on a side stream). See docs/design.md, "Checkpoints".
 
-    ``deferred=True`` (a background export into pooled buffers, still being filled): :meth:`stage` makes the
-    copies at once (the next ``step()`` changes the model and the optimizer) and returns a Future that completes
-    on a thread of its own once the export is filled and the staged state checked for non-finite values. The
+    ``deferred=True`` (a background export into pooled buffers, still being filled): :meth:`stage` starts the
+    copies and returns a Future that completes on a thread of its own once the copies are complete, the export is
+    filled (the next ``step()`` changes the model and the optimizer: the loop waits for :attr:`filled` before it)
+    and the staged state checked for non-finite values. The
     Future never raises (a failure on one rank would leave the others in DCP's collectives): it records the
     outcome in :attr:`verdict` and :attr:`failure`, for the manager to agree on across ranks.
     """
 
     _synchronize_after_execute = False
 
-    def __init__(self, optimizer: Any, *, deferred: bool = False):
+    def __init__(self, optimizer: Any, *, deferred: bool = False, host_copies: HostCopies | None = None):
         self.optimizer = optimizer
         self.deferred = deferred
+        self.host_copies = host_copies if host_copies is not None else HostCopies()
         self.filled: Future | None = None  # deferred: perf_counter() when the export was filled (never raises)
         self.verdict = FINITE  # deferred: FINITE, NON_FINITE or EXPORT_FAILED, set before the staging completes
         self.failure: str | None = None  # deferred: the export's failure in one line
@@ -687,15 +693,19 @@ class ExportBufferStager(AsyncStager):
         if offloads and not self.deferred:
             self.optimizer.wait_state_dict()
         leased = self.optimizer.is_leased_export_buffer if offloads else None
-        staged = _host_copy(state_dict, keep=leased)
+        staged, copied = self.host_copies.copy(state_dict, keep=leased)
         if not self.deferred:
+            copied()
             return staged
         self.filled, done = Future(), Future()
-        threading.Thread(target=self._finish, args=(staged, done), name="checkpoint-stager", daemon=True).start()
+        threading.Thread(
+            target=self._finish, args=(staged, copied, done), name="checkpoint-stager", daemon=True
+        ).start()
         return done
 
-    def _finish(self, staged: dict[str, Any], done: Future) -> None:
+    def _finish(self, staged: dict[str, Any], copied, done: Future) -> None:
         try:
+            copied()  # the model's copies (a side stream): the next step() changes the model too
             # finished first, then its outcome taken (once): a step() that waits meanwhile still finds it pending
             self.optimizer.state_exporter.join()
             try:
