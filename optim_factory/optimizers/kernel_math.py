@@ -124,7 +124,7 @@ def bias_corrections(beta1: float, beta2: float, step, device) -> tuple[torch.Te
     return out[0], out[1]
 
 
-def adam_update(g, p, m, v, *, beta1, beta2, bc1, bc2, eps, lr, decay, adam_w_mode: bool):
+def adam_update(g, p, m, v, *, beta1, beta2, bc1, bc2, eps, lr, decay, adam_w_mode: bool, capturable: bool = False):
     """One element-wise Adam step in FP32 as the kernel computes it; returns new ``(p, m, v)``.
 
     ``beta1``, ``beta2``, ``eps``, ``decay`` are FP32-exact floats; ``bc1``, ``bc2`` and ``lr`` FP32 floats or
@@ -132,7 +132,8 @@ def adam_update(g, p, m, v, *, beta1, beta2, bc1, bc2, eps, lr, decay, adam_w_mo
     ``AdamCapturable...``, identical bodies):
     L2: ``g = fma(decay, p, g)``; ``m = fma(beta1, m, (1-beta1)*g)``; ``v = fma(beta2, v, ((1-beta2)*g)*g)``;
     ``denom = sqrt(v * rcp(bc2)) + eps``; ``u = (m * rcp(bc1)) * rcp(denom)``; AdamW: ``u = fma(decay, p, u)``;
-    ``p = fma(-u, lr, p)``.
+    ``p = fma(-u, lr, p)``, except that the capturable kernels (``capturable=True``: ``lr`` read from memory)
+    round ``lr * u`` first: ``p = p - lr * u`` (their SASS: ``FMUL.FTZ`` then ``FADD.FTZ``).
     """
     one_minus_b1 = 1.0 - beta1  # FADD.FTZ 1 - beta: exact for beta in [0.5, 1]; rounded like the kernel else
     one_minus_b2 = 1.0 - beta2
@@ -151,5 +152,8 @@ def adam_update(g, p, m, v, *, beta1, beta2, bc1, bc2, eps, lr, decay, adam_w_mo
         update = fma(p, decay, update)
     if isinstance(lr, torch.Tensor):
         lr = lr.to(device=g.device, dtype=torch.float32).reshape(())
-    p = fma(-update, lr, p)
+    if capturable:  # the capturable kernels: FMUL.FTZ lr * u, then FADD.FTZ p - that (two roundings)
+        p = p - update * lr
+    else:  # the others: FFMA.FTZ (one rounding)
+        p = fma(-update, lr, p)
     return p, m, v

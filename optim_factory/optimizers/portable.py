@@ -206,6 +206,9 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
         values = unscaled * rscale
         if scaled.dtype == FP8_STORAGE_DTYPE:
             values = values.clamp_(-_FP8_MAX, _FP8_MAX)
+            # TE's FP8 cast kernel stores scale_inv = __frcp_rn(1 / scale) (common/utils.cuh, reciprocal<float>),
+            # and FP8 states unscale with it: the reciprocal of the reciprocal, at times one ulp off ``scale``
+            scale.copy_(torch.where(rscale > 0, rscale.reciprocal(), scale))
         scaled.copy_(values)
 
     def get_unscaled_state(self, param: torch.Tensor, state_name: str, skip_unscale: bool = False) -> torch.Tensor:
@@ -378,7 +381,7 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
         step_size = _UPDATE_SLICE if flat else max(n, 1)
         for start in range(0, n, step_size):
             parts = [t.view(-1)[start : start + step_size] if flat else t for t in tensors]
-            new = adam_update(*parts, **hyper, adam_w_mode=self.adam_w_mode == 1)
+            new = adam_update(*parts, **hyper, adam_w_mode=self.adam_w_mode == 1, capturable=self.capturable)
             for dst, value in zip(parts[1:], new):
                 dst.copy_(value)
         new_p = r_p
