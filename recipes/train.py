@@ -116,6 +116,8 @@ class StopSignal:
 
     def __init__(self) -> None:
         self.received: str | None = None
+        self.flag_lag = 0  # the non-finite flag of the last should_stop was this step's (0) or the previous (1)
+        self._deferred: tuple[torch.Tensor, Any] | None = None  # a CUDA step's flag on its way to the host
         self._previous = {}
         for name in self.SIGNALS:
             sig = getattr(signal, name, None)
@@ -128,11 +130,30 @@ class StopSignal:
     def _handle(self, signum, frame) -> None:
         self.received = signal.Signals(signum).name
 
-    def should_stop(self, world: int, nonfinite: torch.Tensor | None = None) -> tuple[bool, bool]:
-        """(a stop signal arrived on some rank, ``nonfinite`` is true on some rank): one all-reduce for both."""
+    def should_stop(self, world: int, nonfinite: torch.Tensor | None = None, *, now: bool = True) -> tuple[bool, bool]:
+        """(a stop signal arrived on some rank, a non-finite flag is true on some rank): one all-reduce for both.
+
+        ``now=False`` with a CUDA flag: this step's flag is copied to the host without waiting and read at the
+        next call, which reads it after its own step was queued (no stall); the flag agreed on is then the
+        previous step's (:attr:`flag_lag` is 1). A synchronous read costs a device sync per step: the next
+        step's launches can no longer overlap this step's kernels (+5.8 % per step measured on 2 H200s,
+        docs/recipe.md). ``now=True`` (steps that save, the last step) reads this step's flag and any deferred one.
+        """
         flag = torch.tensor([1 if self.received else 0, 0], dtype=torch.int32)
+        previous, self._deferred = self._deferred, None
+        if previous is not None:
+            host, copied = previous
+            copied.synchronize()
+            flag[1] = host
+        self.flag_lag = 0
         if nonfinite is not None:
-            flag[1] = nonfinite.to(device="cpu", dtype=torch.int32)  # the step's one device->host copy
+            if now or nonfinite.device.type != "cuda":
+                flag[1] |= nonfinite.to(device="cpu", dtype=torch.int32)  # a device->host copy and sync
+            else:
+                host = torch.empty((), dtype=torch.int32, pin_memory=True)
+                host.copy_(nonfinite.to(torch.int32), non_blocking=True)
+                self._deferred = (host, torch.cuda.current_stream(nonfinite.device).record_event())
+                self.flag_lag = 1 if previous is not None else 0
         if world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # CPU tensor: gloo (cpu:gloo,cuda:nccl on CUDA)
         stop, bad = flag.tolist()
@@ -385,11 +406,14 @@ def _train(
                 bar.set_postfix(**step_log.postfix)
                 step_log.t_since += last_eval["eval_s"]  # tokens/s counts training time only
             bar.update(1)
-            stopping, diverged = stop.should_stop(world, result.nonfinite)
+            # this step's flag now where a checkpoint may follow; elsewhere the previous step's (no device sync)
+            stopping, diverged = stop.should_stop(world, result.nonfinite, now=ckpt.due(done, end) or done == end)
+            if stopping and not diverged and stop.flag_lag:  # stopping saves here: this step's flag first
+                _, diverged = stop.should_stop(world, None)
             if diverged:
                 ckpt.close()  # an async save of an earlier (finite) step finishes and is marked complete
                 raise TrainingDiverged(
-                    f"step {done}: non-finite loss or gradient norm (NaN/inf); stopped before saving, "
+                    f"step {done - stop.flag_lag}: non-finite loss or gradient norm (NaN/inf); stopped before saving, "
                     f"the newest good checkpoint is {ckpt.verified or 'none'} (lower optim.lr, set "
                     "trainer.grad_clip, or check the data)"
                 )

@@ -9,8 +9,9 @@ One model (built, sharded with FSDP2 and given its optimizer by the recipe's own
 (``data.batch(step, rank, world)``, one step counter for all):
 
 - ``bare``: batch to the device, forward, backward, ``optimizer.step()``, ``zero_grad``;
-- ``bare+stop``: ``bare`` plus the recipe's per-step stop check (``StopSignal.should_stop`` with this rank's
-  loss-is-not-finite flag: one device->host copy and one 2-integer all-reduce on gloo);
+- ``bare+stop``: ``bare`` plus the recipe's per-step stop check between checkpoints
+  (``StopSignal.should_stop(..., now=False)``: this rank's loss-is-not-finite flag copied to the host without a
+  sync and read one step later, and one 2-integer all-reduce on gloo);
 - ``recipe``: the recipe loop's own per-step code (``TrainStep`` with ``grad_clip=0``, ``StepLog``, the progress
   bar, ``StopSignal.should_stop``), i.e. the same arithmetic as ``bare`` plus what the recipe adds per step;
 - ``recipe+clip``: the same with the config's ``trainer.grad_clip`` (the recipe's default 1.0: the gradient
@@ -127,14 +128,14 @@ class Loops:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if stop_check:
-            self.stop.should_stop(self.env.world_size, ~torch.isfinite(loss.detach()))
+            self.stop.should_stop(self.env.world_size, ~torch.isfinite(loss.detach()), now=False)
 
     def recipe(self, name: str) -> None:
         result = self.recipe_step[name](self.step)
         self.recipe_steps += 1
         self.step_log(self.recipe_steps, result)
         self.bar.update(1)
-        self.stop.should_stop(self.env.world_size, result.nonfinite)
+        self.stop.should_stop(self.env.world_size, result.nonfinite, now=False)  # as the loop between saves
 
     def run(self, name: str, steps: int) -> None:
         for _ in range(steps):

@@ -19,7 +19,7 @@ $py -c "import torch, transformer_engine as te; print('torch', torch.__version__
 case "${1:-single}" in
   single)
     start=$(date +%s)
-    timeout 300 $py -m pytest -q -rs -p no:cacheprovider tests/gpu/test_te_fused_adam.py tests/gpu/test_streaming_cuda.py tests/gpu/test_te_empty_shards.py tests/gpu/test_kernel_math_cuda.py tests/gpu/test_host_copies_cuda.py > "$out/pytest_single.log" 2>&1
+    timeout 300 $py -m pytest -q -rs -p no:cacheprovider tests/gpu/test_te_fused_adam.py tests/gpu/test_streaming_cuda.py tests/gpu/test_te_empty_shards.py tests/gpu/test_kernel_math_cuda.py tests/gpu/test_host_copies_cuda.py tests/gpu/test_stop_signal_cuda.py > "$out/pytest_single.log" 2>&1
     echo "pytest single rc=$? in $(( $(date +%s) - start )) s"; tail -n 25 "$out/pytest_single.log"
     [ "${BENCH:-1}" = 0 ] && exit 0
     start=$(date +%s)
