@@ -18,14 +18,14 @@ from optim_factory.optimizers.export.host_memory import host_empty, register_hos
 __all__ = ["STAGING_SLOTS", "SLOT_BYTES", "MIN_SLICE_BYTES", "MAX_UNSTAGE_THREADS", "unstage_threads", "Stager"]
 
 STAGING_SLOTS = 4  # staging buffers in the ring
-SLOT_BYTES = 16 << 20  # bytes of one staging buffer (less when the export stages less)
+SLOT_BYTES = 8 << 20  # bytes of one staging buffer (less when the export stages less)
 MIN_SLICE_BYTES = 1 << 20  # a thread copies at least this many bytes of a slot (fewer threads for less)
-MAX_UNSTAGE_THREADS = 16  # H200 host, fresh memory: 1 thread 3 GB/s, 8: 15-19, 16: 22-26 (bench_first_export)
+MAX_UNSTAGE_THREADS = 8
 _ALIGN = 64  # byte offset alignment of the segments in a slot
 
 
 def unstage_threads(cpus: int | None = None, local_ranks: int | None = None) -> int:
-    """Host threads that empty the staging buffers: ``min(16, cpus // local_ranks)``, at least 1, where ``cpus``
+    """Host threads that empty the staging buffers: ``min(8, cpus // local_ranks)``, at least 1, where ``cpus``
     is the number of CPUs this process may run on (its affinity) and ``local_ranks`` the processes of the job
     on this host (``LOCAL_WORLD_SIZE``, set by torchrun; 1 without it)."""
     if cpus is None:
