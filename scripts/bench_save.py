@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
@@ -168,14 +168,12 @@ class Mode:
             opt.configure_export(ExportOptions())  # TE's own state_dict()
             if name != "e-te-sync":
                 cuda = ctx["device"].type == "cuda"
-                self.stager = KeptStager(
-                    DefaultStager(
-                        StagingOptions(
-                            use_pinned_memory=cuda,
-                            use_shared_memory=False,
-                            use_async_staging=True,
-                            use_non_blocking_copy=cuda,
-                        )
+                self.stager = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=cuda,
+                        use_shared_memory=False,
+                        use_async_staging=True,
+                        use_non_blocking_copy=cuda,
                     )
                 )
         else:
@@ -226,27 +224,7 @@ class Mode:
 
     def close(self) -> None:
         if self.stager is not None:
-            self.stager.inner.close()
-
-
-class KeptStager(AsyncStager):
-    """DCP's stager kept across saves (as torchtitan keeps it, so its pinned memory is reused). torch 2.11's
-    ``async_save`` closes the stager it is given after a save, which empties a ``DefaultStager`` (the next save
-    failed with ``KeyError: <class 'type'>`` in its deep copy, H200 run of 2026-11-30): DCP gets this wrapper,
-    whose ``close`` does nothing; the mode closes the real one when it ends."""
-
-    def __init__(self, inner: DefaultStager):
-        self.inner = inner
-        self._synchronize_after_execute = inner.should_synchronize_after_execute
-
-    def stage(self, state_dict):
-        return self.inner.stage(state_dict)
-
-    def synchronize_staging(self) -> None:
-        self.inner.synchronize_staging()
-
-    def close(self) -> None:
-        """Kept open: closed by the mode."""
+            self.stager.close()
 
 
 def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[dict], int]:
