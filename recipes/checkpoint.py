@@ -77,6 +77,9 @@ FALLBACK_HINT = "checkpoint.fallback=true resumes from the newest checkpoint tha
 FINITE, NON_FINITE, EXPORT_FAILED = 0, 1, 2  # a save's verdict on its state, agreed by all ranks (the worst wins)
 
 
+_STAGER_FUTURES = hasattr(dcp.state_dict_saver, "AsyncSaveResponse")  # async_save accepts a stager's Future
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint problem, in one line naming the checkpoint (or key) and what is wrong."""
 
@@ -325,11 +328,14 @@ class CheckpointManager:
         (``waits_before_step``). The stager then passes those buffers through uncopied, so nothing
         reads them before the export has filled them; without reuse the export's fresh host tensors would be
         copied at staging, so the save waits for the export as a synchronous one does."""
+        # From the options alone, never from this rank's export (a rank with nothing to stream has none pending):
+        # every rank must take the same path, whose collectives differ. DCP takes a stager's Future from torch 2.9.
         return (
             self.waits_before_step
             and self.cfg.async_save
+            and _STAGER_FUTURES
             and isinstance(optimizer, OffloadedStateDict)
-            and optimizer.state_dict_pending
+            and optimizer.state_dict_offload_background
             and optimizer.state_dict_offload_reuse_buffers
         )
 

@@ -38,25 +38,27 @@ class HostCopies:
         Tensors for which ``keep(tensor)`` is true are passed through uncopied. DTensors stay DTensors with a host
         local tensor. The copies are only guaranteed complete once the returned function has returned."""
         events: dict[torch.device, Any] = {}
-        staged = self._copy(obj, keep, (), events)
+        sources: list[torch.Tensor] = []
+        staged = self._copy(obj, keep, (), events, sources)
         done = [self._streams[device].record_event() for device in events]
 
         def wait() -> None:
             for event in done:
                 event.synchronize()
+            sources.clear()  # the sources stay referenced (never freed and reused) until their copies are done
 
         return staged, wait
 
-    def _copy(self, obj: Any, keep, path: tuple, events: dict) -> Any:
+    def _copy(self, obj: Any, keep, path: tuple, events: dict, sources: list) -> Any:
         if isinstance(obj, torch.Tensor):
-            return obj if keep is not None and keep(obj) else self._tensor(obj, path, events)
+            return obj if keep is not None and keep(obj) else self._tensor(obj, path, events, sources)
         if isinstance(obj, dict):
-            return {k: self._copy(v, keep, (*path, k), events) for k, v in obj.items()}
+            return {k: self._copy(v, keep, (*path, k), events, sources) for k, v in obj.items()}
         if isinstance(obj, list):
-            return [self._copy(v, keep, (*path, i), events) for i, v in enumerate(obj)]
+            return [self._copy(v, keep, (*path, i), events, sources) for i, v in enumerate(obj)]
         return obj
 
-    def _tensor(self, tensor: torch.Tensor, path: tuple, events: dict) -> torch.Tensor:
+    def _tensor(self, tensor: torch.Tensor, path: tuple, events: dict, sources: list) -> torch.Tensor:
         local = local_tensor(tensor).detach()
         if local.device.type != "cuda":
             return tensor.detach().to("cpu", copy=True)
@@ -72,6 +74,7 @@ class HostCopies:
             events[local.device] = None
         with torch.cuda.stream(stream):
             buf.copy_(local, non_blocking=True)
+        sources.append(local)
         return wrap_host_local(buf, tensor) if isinstance(tensor, DTensor) else buf
 
     def nbytes(self) -> int:

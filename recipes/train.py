@@ -141,23 +141,31 @@ class StopSignal:
         """
         flag = torch.tensor([1 if self.received else 0, 0], dtype=torch.int32)
         previous, self._deferred = self._deferred, None
+        previous_bad = current_bad = 0
         if previous is not None:
             host, copied = previous
             copied.synchronize()
-            flag[1] = host
+            previous_bad = int(host)
         self.flag_lag = 0
         if nonfinite is not None:
             if now or nonfinite.device.type != "cuda":
-                flag[1] |= nonfinite.to(device="cpu", dtype=torch.int32)  # a device->host copy and sync
+                current_bad = int(nonfinite.to(device="cpu", dtype=torch.int32))  # a device->host copy and sync
+                self.flag_lag = 1 if previous_bad and not current_bad else 0
             else:
                 host = torch.empty((), dtype=torch.int32, pin_memory=True)
                 host.copy_(nonfinite.to(torch.int32), non_blocking=True)
                 self._deferred = (host, torch.cuda.current_stream(nonfinite.device).record_event())
-                self.flag_lag = 1 if previous is not None else 0
+                self.flag_lag = 1  # what is read now is the previous step's flag (if any)
+        flag[1] = previous_bad | current_bad
         if world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # CPU tensor: gloo (cpu:gloo,cuda:nccl on CUDA)
         stop, bad = flag.tolist()
         return bool(stop), bool(bad)
+
+    @property
+    def flag_pending(self) -> bool:
+        """A step's non-finite flag was deferred and not read yet (the next :meth:`should_stop` reads it)."""
+        return self._deferred is not None
 
     def restore(self) -> None:
         for sig, previous in self._previous.items():
@@ -408,7 +416,7 @@ def _train(
             bar.update(1)
             # this step's flag now where a checkpoint may follow; elsewhere the previous step's (no device sync)
             stopping, diverged = stop.should_stop(world, result.nonfinite, now=ckpt.due(done, end) or done == end)
-            if stopping and not diverged and stop.flag_lag:  # stopping saves here: this step's flag first
+            if stopping and not diverged and stop.flag_pending:  # stopping saves here: this step's flag first
                 _, diverged = stop.should_stop(world, None)
             if diverged:
                 ckpt.close()  # an async save of an earlier (finite) step finishes and is marked complete

@@ -96,7 +96,8 @@ def _approx(x: torch.Tensor, sqrt: bool) -> torch.Tensor:
             n = src.numel()
             if n:
                 block = 1024
-                kernel[(-(-n // block),)](src, out, n, SQRT=sqrt, BLOCK=block)
+                with torch.cuda.device(src.device):  # Triton launches on the current device
+                    kernel[(-(-n // block),)](src, out, n, SQRT=sqrt, BLOCK=block)
             return out
         _warn_no_triton()
     return torch.sqrt(x) if sqrt else torch.reciprocal(x)

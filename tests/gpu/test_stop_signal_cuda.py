@@ -15,6 +15,7 @@ def test_deferred_flag_is_read_at_the_next_check_and_now_reads_at_once():
         bad = torch.ones((), dtype=torch.bool, device="cuda")
         good = torch.zeros((), dtype=torch.bool, device="cuda")
         assert stop.should_stop(1, bad, now=False) == (False, False)  # this step's flag: not read yet
+        assert stop.flag_pending  # the loop reads it before a stop's save (also at a launch's first step)
         assert stop.should_stop(1, good, now=False) == (False, True) and stop.flag_lag == 1  # the previous one
         assert stop.should_stop(1, good, now=False) == (False, False)
         assert stop.should_stop(1, bad, now=True) == (False, True) and stop.flag_lag == 0  # at once
