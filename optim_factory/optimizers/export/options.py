@@ -108,7 +108,7 @@ class ExportOptions:
         state_dict_offload_reuse_buffers: Any,
         state_dict_offload_pinning: Any,
         state_dict_keep_bf16: Any,
-        state_dict_offload_background: Any = False,
+        state_dict_offload_background: Any,
     ) -> ExportOptions:
         """Build from the constructors' keyword names (the names users and configs spell)."""
         return cls(
