@@ -714,10 +714,9 @@ class ExportBufferStager(AsyncStager):
             copied()  # the model's copies (a side stream): the next step() changes the model too
             # finished first, then its outcome taken (once): a step() that waits meanwhile still finds it pending
             self.optimizer.state_exporter.join()
-            try:
-                self.optimizer.wait_state_dict()
-            except Exception as exc:  # noqa: BLE001  (any failure of the export thread: nothing of it is saved)
-                self.failure, self.verdict = one_line(exc), EXPORT_FAILED
+            failure = _export_failure(self.optimizer)
+            if failure is not None:
+                self.failure, self.verdict = failure, EXPORT_FAILED
             self.filled.set_result(time.perf_counter())  # the loop's next step() may run from here
             if self.verdict == FINITE and not all_finite(local_tensors(staged)):
                 self.verdict = NON_FINITE
