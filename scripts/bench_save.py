@@ -11,7 +11,8 @@ Modes (one optimizer; ``configure_export`` switches the export between them):
 
 * ``a-te-async-pinned``: TE's export (offload off) via ``get_optimizer_state_dict`` + ``dcp.async_save`` with
   DCP's ``DefaultStager(StagingOptions(use_pinned_memory, use_async_staging, use_non_blocking_copy))``, the stager
-  kept across saves, and staging awaited before the next ``optimizer.step()``: torchtitan's
+  kept across saves (a new one per save with ``--stager fresh``, and where torch's stager serves one save: torch
+  2.11, pytorch/pytorch#183413), and staging awaited before the next ``optimizer.step()``: torchtitan's
   ``async_with_pinned_mem`` (its ``maybe_wait_for_staging``). Thread executor and no shared memory here
   (torchtitan's process executor is what shared memory is for); on CPU no pinning and blocking copies.
 * ``b-te-cpu-offload``: (a) with ``StateDictOptions(cpu_offload=True)``.
@@ -164,18 +165,13 @@ class Mode:
         self.manager = None
         self.stager = None
         self.pending = None  # what finish() waits for
+        self.fresh_stagers = False  # a new DefaultStager per save (torch 2.11's stager serves one save)
+        self.stagers_built = 0
         if name.startswith(("a-", "b-", "e-te")):
             opt.configure_export(ExportOptions())  # TE's own state_dict()
             if name != "e-te-sync":
-                cuda = ctx["device"].type == "cuda"
-                self.stager = DefaultStager(
-                    StagingOptions(
-                        use_pinned_memory=cuda,
-                        use_shared_memory=False,
-                        use_async_staging=True,
-                        use_non_blocking_copy=cuda,
-                    )
-                )
+                self.fresh_stagers = ctx["fresh_stagers"]
+                self.stager = self.new_stager()
         else:
             keep = name.startswith("d-")
             background = name in ("c-ours", "d-ours-keep-bf16")
@@ -186,8 +182,18 @@ class Mode:
             opt.prepare_state_dict().result()
         self.options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=name.startswith("b-"))
 
+    def new_stager(self) -> DefaultStager:
+        cuda = self.ctx["device"].type == "cuda"
+        options = StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+        )
+        self.stagers_built += 1
+        return DefaultStager(options)
+
     def save(self, step: int, path: Path) -> dict:
         model, opt, group = self.ctx["model"], self.ctx["opt"], self.ctx["group"]
+        if self.fresh_stagers and self.pending is None and self.stager is None:
+            self.stager = self.new_stager()  # the previous one was closed by finish()
         if self.manager is not None:
             report = self.manager.save(step, model, opt, {"step": step})
             self.pending = ("manager", None)
@@ -202,7 +208,7 @@ class Mode:
         else:
             response = dcp.async_save(state, checkpoint_id=str(path), async_stager=self.stager, process_group=group)
             self.pending = ("dcp", response)
-        return {"optim_bytes": nbytes}
+        return {"optim_bytes": nbytes, "stagers_built": self.stagers_built}
 
     def hook(self) -> None:
         """Before the next ``step()``: what the loop must wait for there."""
@@ -220,11 +226,14 @@ class Mode:
             self.manager.wait()
         else:
             what.upload_completion.result()
+            if self.fresh_stagers:
+                self.close()
         self.ctx["opt"].state_exporter.pool.wait_pinning()
 
     def close(self) -> None:
         if self.stager is not None:
             self.stager.close()
+            self.stager = None
 
 
 def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[dict], int]:
@@ -291,6 +300,22 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
     return rows, step
 
 
+def stager_reusable() -> bool:
+    """Whether one ``DefaultStager`` serves more than one save: torch 2.11's ``DefaultStager`` closes its
+    deep-copier after every staging, so the second fails with ``KeyError: <class 'type'>`` (pytorch/pytorch#183413).
+    Tried on a small CPU state dict with the public API; where it fails, modes (a) and (b) build a stager per save,
+    as users of that torch must (each save then allocates and pins its staging memory anew)."""
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        for _ in range(2):
+            stager.stage({"step": 1, "t": torch.zeros(4), "opt": {"lr": 0.1, "dtype": torch.float32}})
+        return True
+    except KeyError:
+        return False
+    finally:
+        stager.close()
+
+
 def median(rows: list[dict], key: str):
     values = [r[key] for r in rows if r.get(key) is not None]
     return statistics.median(values) if values else None
@@ -347,6 +372,13 @@ def render(summary: dict, meta: dict) -> str:
         f"rank(s), {meta['optimizer']}, BF16 params, FP32 master, BF16 moments; {meta['fp32_state_gb']:.2f} GB of "
         f"FP32-equivalent optimizer state per rank; chunk {meta['chunk'] >> 20} MiB; {meta['repeats']} measured "
         "checkpoints per mode after one warm-up (medians; per checkpoint the slowest rank)",
+        "- DCP's `DefaultStager` for (a) and (b): "
+        + (
+            "a new one per save, so every save allocates and pins its staging memory"
+            + ("" if meta["stager_reusable"] else " (this torch's stager serves one save: pytorch/pytorch#183413)")
+            if meta["fresh_stagers"]
+            else "one kept across saves"
+        ),
         "",
         "| mode | " + " | ".join(label for _, label, _, _ in COLUMNS) + " |",
         "|---|" + "---:|" * len(COLUMNS),
@@ -401,6 +433,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunk", default="64MiB")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument(
+        "--stager",
+        default="auto",
+        choices=["auto", "reuse", "fresh"],
+        help="(a)/(b): one DefaultStager kept across saves, or a new one per save; auto: reuse where this torch's "
+        "stager serves more than one save",
+    )
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -428,6 +467,10 @@ def main(argv: list[str] | None = None) -> None:
         chunk=parse_bytes(args.chunk, "--chunk"),
         group=dist.new_group(backend="gloo"),
     )
+    reusable = stager_reusable()
+    if args.stager == "reuse" and not reusable:
+        raise SystemExit("--stager=reuse: this torch's DefaultStager serves one save (pytorch/pytorch#183413)")
+    ctx["fresh_stagers"] = args.stager == "fresh" or (args.stager == "auto" and not reusable)
     rows, step = [], 3
     for name in modes:
         mode_rows, step = measure_mode(name, ctx, args.repeats, step)
@@ -449,6 +492,8 @@ def main(argv: list[str] | None = None) -> None:
             chunk=ctx["chunk"],
             repeats=args.repeats,
             fp32_state_gb=local * 12 / 1e9,
+            stager_reusable=reusable,
+            fresh_stagers=ctx["fresh_stagers"],
         )
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 # no PYTHONPATH: from the repository root, ``-m`` alone must find scripts, optim_factory and recipes
 ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -39,6 +41,21 @@ def test_bench_save_runs_every_mode_on_cpu(tmp_path):
     table = (tmp_path / "bench_save.md").read_text()
     assert all(f"| {m} |" in table for m in MODES) and "## Goals" in table
     assert not list((tmp_path / "s" / "bench_save").iterdir())  # each mode's checkpoints deleted
+
+
+@pytest.mark.parametrize("stager", ["reuse", "fresh"])
+def test_bench_save_dcp_stager_per_save_or_kept(tmp_path, stager):
+    """--stager fresh (what torch 2.11 forces: its DefaultStager serves one save) builds one stager per save."""
+    args = ["--device", "cpu", "--width", "64", "--layers", "2", "--tokens", "16", "--repeats", "2"]
+    args += ["--modes", "a-te-async-pinned,b-te-cpu-offload", "--stager", stager]
+    cmd = [sys.executable, "-m", "scripts.bench_save", *args, "--out", str(tmp_path), "--scratch", str(tmp_path / "s")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (tmp_path / "bench_save.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["meta"]["fresh_stagers"] is (stager == "fresh")
+    for mode in ("a-te-async-pinned", "b-te-cpu-offload"):
+        built = [json.loads(ln)["stagers_built"] for ln in lines[1:] if json.loads(ln)["mode"] == mode]
+        assert built == ([1, 2, 3] if stager == "fresh" else [1, 1, 1]), (mode, built)
 
 
 def test_every_script_imports_as_a_module():
