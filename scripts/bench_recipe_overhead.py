@@ -21,7 +21,10 @@ Checkpoints and evaluation are off (they are not per-step work). After ``--warmu
 repetition runs a block of ``--steps`` steps of each loop (default 25, the recipe's ``trainer.log_every``: the
 recipe loops count their own steps, so each of their blocks holds one log step), in an order rotated per
 repetition. A block is timed between device synchronisations after a barrier, and its time is the slowest
-rank's. The step time of a loop is the median over its blocks of (block time / steps). Then the stop check
+rank's. The step time of a loop is the median over its blocks of (block time / steps); its overhead is also given
+paired: the median over repetitions of (its block / bare's block of the same repetition), with a 95 % bootstrap
+interval, since whole blocks drift by ±10 % on a shared host. Each block records the garbage collector's pauses in
+it (``gc.callbacks``). ``--loops`` picks the loops (bare first). Then the stop check
 alone is timed ``--probe`` times: the all-reduce (no flag) and the all-reduce with the device flag (the flag
 computed beforehand, the device idle).
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import platform
 import shlex
@@ -99,6 +103,8 @@ class Loops:
     def __init__(self, cfg, env, device, data, model, optimizer, run_dir: str):
         self.env, self.device, self.data, self.model, self.optimizer = env, device, data, model, optimizer
         self.step = 0
+        self.gc_s, self.gc_runs, self._gc_t0 = 0.0, 0, 0.0  # the garbage collector's pauses (see _gc)
+        gc.callbacks.append(self._gc)
         self.recipe_steps = 0  # the recipe loops' own count: StepLog logs every log_every of them
         self.stop = StopSignal()
         base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
@@ -120,6 +126,16 @@ class Loops:
             max_steps=cfg.trainer.max_steps,
             every=cfg.trainer.log_every,
         )
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._gc_t0
+            self.gc_runs += 1
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._gc)
 
     def bare(self, stop_check: bool) -> None:
         inputs, targets = self.data.batch(self.step, self.env.rank, self.env.world_size)
@@ -145,15 +161,22 @@ class Loops:
                 self.recipe(name)
             self.step += 1
 
-    def block(self, name: str, steps: int) -> float:
-        """Seconds per step of ``steps`` steps of loop ``name`` (the slowest rank's)."""
+    def block(self, name: str, steps: int) -> dict:
+        """Seconds per step of ``steps`` steps of loop ``name`` and the garbage collector's pauses in them (both
+        the slowest rank's)."""
         if self.env.world_size > 1:
             dist.barrier()
         _sync(self.device)
+        self.gc_s, self.gc_runs = 0.0, 0
         t0 = time.perf_counter()
         self.run(name, steps)
         _sync(self.device)
-        return _slowest(time.perf_counter() - t0, self.env.world_size) / steps
+        seconds = time.perf_counter() - t0
+        return {
+            "step_s": _slowest(seconds, self.env.world_size) / steps,
+            "gc_s": _slowest(self.gc_s, self.env.world_size),
+            "gc_runs": self.gc_runs,
+        }
 
     def probe(self, calls: int, with_flag: bool) -> float:
         """Seconds per call of the stop check alone (the slowest rank's mean over ``calls`` calls)."""
@@ -201,11 +224,15 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=10, help="timed blocks of each loop")
     ap.add_argument("--probe", type=int, default=2000, help="calls of the stop check timed alone")
+    ap.add_argument("--loops", default=",".join(LOOPS), help=f"loops to time, bare first (from {','.join(LOOPS)})")
     ap.add_argument("overrides", nargs="*", help="recipe overrides, after the preset's (e.g. model.n_layers=6)")
     args = ap.parse_args()
     for key in ("warmup", "steps", "repeats", "probe"):
         if getattr(args, key) < 1:
             ap.error(f"--{key}={getattr(args, key)}: must be >= 1")
+    loops_run = tuple(args.loops.split(","))
+    if loops_run[0] != "bare" or not set(loops_run) <= set(LOOPS) or len(set(loops_run)) != len(loops_run):
+        ap.error(f"--loops={args.loops!r}: distinct loops from {','.join(LOOPS)}, bare first")
     device_kind = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     preset = args.preset if args.preset != "auto" else ("gpu" if device_kind == "cuda" else "cpu")
     out = Path(args.out)
@@ -233,19 +260,19 @@ def main() -> None:
             optimizer = build_optimizer(optim, model)
             model.train()
             loops = Loops(cfg, env, device, data, model, optimizer, f"{scratch}/run")
-            for name in LOOPS:
+            for name in loops_run:
                 loops.run(name, args.warmup)
             blocks = []
             for rep in range(args.repeats):
-                for i in range(len(LOOPS)):
-                    name = LOOPS[(i + rep) % len(LOOPS)]
-                    step_s = loops.block(name, args.steps)
-                    blocks.append({"kind": "block", "loop": name, "repeat": rep, "step_s": step_s})
+                for i in range(len(loops_run)):
+                    name = loops_run[(i + rep) % len(loops_run)]
+                    blocks.append({"kind": "block", "loop": name, "repeat": rep, **loops.block(name, args.steps)})
             probes = [
                 {"kind": "probe", "what": what, "calls": args.probe, "call_s": loops.probe(args.probe, flag)}
                 for what, flag in (("all-reduce", False), ("all-reduce + device flag", True))
             ]
             loops.stop.restore()
+            loops.close()
             params = sum(p.numel() for p in model.parameters())  # DTensors: global sizes
             optimizer_name = type(optimizer).__name__
         finally:
@@ -254,11 +281,13 @@ def main() -> None:
     if env.rank != 0:
         return
     loops_summary = []
-    for name in LOOPS:
+    for name in loops_run:
         times = [b["step_s"] for b in blocks if b["loop"] == name]
         loops_summary.append(
             {"kind": "loop", "loop": name, "median_step_s": statistics.median(times), "min_step_s": min(times),
-             "max_step_s": max(times), "blocks": len(times), "steps_per_block": args.steps}
+             "max_step_s": max(times), "blocks": len(times), "steps_per_block": args.steps,
+             "gc_ms_per_block": 1e3 * statistics.mean(b["gc_s"] for b in blocks if b["loop"] == name),
+             **paired_ratio(blocks, name)}
         )  # fmt: skip
     bare = loops_summary[0]["median_step_s"]
     for rec in loops_summary:
@@ -286,6 +315,19 @@ def main() -> None:
     print((out / "bench_recipe_overhead.md").read_text())
 
 
+def paired_ratio(blocks: list[dict], name: str, resamples: int = 2000) -> dict:
+    """The loop's step time over bare's, paired by repetition (the blocks of one repetition run back to back,
+    so slow drifts of the machine cancel): the median of the per-repetition ratios and a 95 % bootstrap interval
+    of that median (``resamples`` resamples of the repetitions, seed 0)."""
+    by_rep: dict[int, dict[str, float]] = {}
+    for b in blocks:
+        by_rep.setdefault(b["repeat"], {})[b["loop"]] = b["step_s"]
+    ratios = np.array([r[name] / r["bare"] for r in by_rep.values()])
+    picks = np.random.default_rng(0).integers(0, len(ratios), size=(resamples, len(ratios)))
+    low, high = np.percentile(np.median(ratios[picks], axis=1), [2.5, 97.5])
+    return {"paired_ratio": float(np.median(ratios)), "paired_ci95": [float(low), float(high)]}
+
+
 def markdown(meta: dict, loops_summary: list[dict], probes: list[dict]) -> str:
     lines = [
         "# The recipe's step against a bare FSDP2 loop",
@@ -298,15 +340,23 @@ def markdown(meta: dict, loops_summary: list[dict], probes: list[dict]) -> str:
         f"- recipe loop: `trainer.log_every={meta['log_every']}`; "
         f"`recipe+clip`: `trainer.grad_clip={meta['grad_clip']}`",
         "",
-        "| loop | median step (ms) | min (ms) | max (ms) | blocks x steps | vs bare |",
-        "|---|---|---|---|---|---|",
+        "| loop | median step (ms) | min (ms) | max (ms) | blocks x steps | vs bare (medians) "
+        "| vs bare (paired) | 95 % interval | GC per block (ms) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in loops_summary:
+        low, high = r["paired_ci95"]
         lines.append(
             f"| {r['loop']} | {r['median_step_s'] * 1e3:.3f} | {r['min_step_s'] * 1e3:.3f} | "
             f"{r['max_step_s'] * 1e3:.3f} | {r['blocks']} x {r['steps_per_block']} | "
-            f"{(r['ratio_to_bare'] - 1) * 100:+.2f} % |"
+            f"{(r['ratio_to_bare'] - 1) * 100:+.2f} % | {(r['paired_ratio'] - 1) * 100:+.2f} % | "
+            f"{(low - 1) * 100:+.2f} % .. {(high - 1) * 100:+.2f} % | {r['gc_ms_per_block']:.1f} |"
         )
+    lines += [
+        "",
+        "Paired: per repetition the loop's block over bare's block of the same repetition (they run back to back), "
+        "the median over repetitions and its 95 % bootstrap interval.",
+    ]
     lines += ["", "| stop check alone | per call (µs) | of a bare step |", "|---|---|---|"]
     for p in probes:
         lines.append(f"| {p['what']} | {p['call_s'] * 1e6:.1f} | {p['fraction_of_bare_step'] * 100:.3f} % |")

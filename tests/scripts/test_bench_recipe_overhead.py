@@ -35,6 +35,15 @@ def test_bench_recipe_overhead_two_ranks_on_cpu(tmp_path):
         times = sorted(b["step_s"] for b in blocks if b["loop"] == name)
         assert rec["median_step_s"] == pytest.approx(sum(times) / 2) and rec["min_step_s"] == times[0]
         assert rec["ratio_to_bare"] == pytest.approx(rec["median_step_s"] / loops["bare"]["median_step_s"])
+        # paired: the per-repetition ratios to bare's block of the same repetition (median of 2 = their mean)
+        ratios = [
+            next(b["step_s"] for b in blocks if b["loop"] == name and b["repeat"] == rep)
+            / next(b["step_s"] for b in blocks if b["loop"] == "bare" and b["repeat"] == rep)
+            for rep in range(2)
+        ]
+        assert rec["paired_ratio"] == pytest.approx(sum(ratios) / 2)
+        assert min(ratios) - 1e-12 <= rec["paired_ci95"][0] <= rec["paired_ratio"] <= rec["paired_ci95"][1]
+        assert rec["gc_ms_per_block"] >= 0 and all(b["gc_s"] >= 0 and b["gc_runs"] >= 0 for b in blocks)
     probes = [r for r in records if r["kind"] == "probe"]
     assert [p["what"] for p in probes] == ["all-reduce", "all-reduce + device flag"]
     assert all(p["call_s"] > 0 and p["calls"] == 20 for p in probes)
@@ -42,3 +51,30 @@ def test_bench_recipe_overhead_two_ranks_on_cpu(tmp_path):
     for name in LOOPS:
         assert sum(line.startswith(f"| {name} |") for line in table.splitlines()) == 1, table
     assert "| all-reduce + device flag |" in table
+
+
+def test_bench_recipe_overhead_loops_option(tmp_path):
+    """--loops picks the loops (bare first); a wrong list is one line naming the option."""
+    args = [
+        "--device",
+        "cpu",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+        "--repeats",
+        "3",
+        "--probe",
+        "5",
+        "--out",
+        str(tmp_path),
+    ]
+    cmd = [sys.executable, "-m", "scripts.bench_recipe_overhead", *args, "--loops", "bare,recipe"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "bench_recipe_overhead.jsonl").read_text().splitlines()]
+    blocks = [r for r in records if r["kind"] == "block"]
+    assert [b["loop"] for b in blocks] == ["bare", "recipe", "recipe", "bare", "bare", "recipe"]
+    assert [r["loop"] for r in records if r["kind"] == "loop"] == ["bare", "recipe"]
+    bad = subprocess.run([*cmd[:-1], "recipe,bare"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert bad.returncode == 2 and "--loops='recipe,bare'" in bad.stderr.strip().splitlines()[-1], bad.stderr
