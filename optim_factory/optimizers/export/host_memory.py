@@ -4,7 +4,9 @@ export buffers with its background pinning thread. See docs/design.md, "Host mem
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
 import sys
 import warnings
 import weakref
@@ -18,10 +20,13 @@ from torch.distributed.tensor import DTensor
 
 from optim_factory.optimizers.export.options import Pinning
 
-__all__ = ["host_empty", "register_host", "unregister_host", "HostBufferPool", "Slot"]
+__all__ = ["host_empty", "fault_in", "register_host", "unregister_host", "HostBufferPool", "Slot"]
 
 _HUGE = 2 << 20  # a transparent huge page; tensors at least this large get their own mapping
 _MAPPED = sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
+_PAGE = mmap.PAGESIZE
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+ (<linux/mman.h>); Python's mmap module has no name for it before 3.13
+_populate: list[Any] = []  # [libc madvise] once looked up; [None] where the kernel refused it (EINVAL)
 
 
 def host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -41,6 +46,43 @@ def host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     mapping.madvise(mmap.MADV_HUGEPAGE, offset, -(-nbytes // _HUGE) * _HUGE)  # no-op where THP is "never"
     # the tensor's storage is exactly its bytes and holds the only reference to the mapping: freeing it unmaps
     return torch.frombuffer(mapping, dtype=dtype, count=nbytes // t.element_size(), offset=offset).view(shape)
+
+
+def _madvise() -> Any:
+    if not _populate:
+        fn = None
+        if sys.platform.startswith("linux"):
+            fn = ctypes.CDLL(None, use_errno=True).madvise  # a CDLL call releases the GIL
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        _populate.append(fn)
+    return _populate[0]
+
+
+def fault_in(t: torch.Tensor, populate: bool = True) -> str:
+    """Make every page of contiguous host tensor ``t`` resident and writable now (the first-touch faults, the
+    kernel zeroing fresh pages, happen in the calling thread; threads may fault disjoint parts in parallel).
+    ``madvise(MADV_POPULATE_WRITE)`` keeps the bytes; where the kernel lacks it (before Linux 5.14), or with
+    ``populate=False``, one byte per page is written, so the contents are undefined afterwards: meant for fresh
+    destinations. Returns how: ``"madvise"``, ``"touch"`` or ``"empty"``."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"fault_in: expected a contiguous host tensor, got {t.device} contiguous={t.is_contiguous()}")
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return "empty"
+    ptr = t.data_ptr()
+    madvise = _madvise() if populate else None
+    if madvise is not None:
+        start = ptr - ptr % _PAGE  # whole pages: populating never changes bytes, also those of a neighbour
+        if madvise(start, -(-(ptr + nbytes - start) // _PAGE) * _PAGE, _MADV_POPULATE_WRITE) == 0:
+            return "madvise"
+        err = ctypes.get_errno()
+        if err != 22:  # EINVAL: an older kernel; anything else (ENOMEM, EFAULT) is a real failure
+            raise OSError(err, f"madvise(MADV_POPULATE_WRITE) of {nbytes} bytes: {os.strerror(err)}")
+        _populate[0] = None
+    flat = t.reshape(-1).view(torch.uint8)
+    flat[0] = 0  # the first page, which may start before the tensor
+    flat[-ptr % _PAGE :: _PAGE].zero_()
+    return "touch"
 
 
 def register_host(t: torch.Tensor) -> bool:

@@ -67,6 +67,14 @@ def _copy(event: Any, part: list[tuple[int, int, int]]) -> None:
         ctypes.memmove(dst, src, n)
 
 
+def _hand_off(event: Any, parts: list[list[tuple[int, int, int]]], pool: ThreadPoolExecutor) -> list[Future]:
+    """Waiter: wait until the device has filled the slot, then hand its slices to the pool (which never calls
+    CUDA); returns the slices' futures."""
+    if event is not None:
+        event.synchronize()
+    return [pool.submit(_copy, None, part) for part in parts]
+
+
 class Stager:
     """Copies device (or, on CPU, host) bytes into pageable host destinations through a ring of staging buffers.
 
@@ -77,10 +85,22 @@ class Stager:
     waits until its slices are done. The staging memory is allocated for one export (pinned in place with
     ``cudaHostRegister`` for CUDA) and, with the threads, released by :meth:`close`, so nothing stays allocated
     between exports. Used as a context manager.
+
+    ``slot_bytes`` is the size of one staging buffer. With ``waiter=True`` one extra thread waits for the sealed
+    buffers' events in order and hands their slices to the pool, so the pool's threads never call CUDA; by
+    default every pool thread waits for its slot's event itself.
     """
 
-    def __init__(self, total_bytes: int, stream: Any, threads: int) -> None:
-        slot = min(SLOT_BYTES, -(-total_bytes // _ALIGN) * _ALIGN)
+    def __init__(
+        self, total_bytes: int, stream: Any, threads: int, *, slot_bytes: int = SLOT_BYTES, waiter: bool = False
+    ) -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"Stager threads={threads!r}: expected an int >= 1")
+        if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes < _ALIGN or slot_bytes % _ALIGN:
+            raise ValueError(f"Stager slot_bytes={slot_bytes!r}: expected a positive multiple of {_ALIGN}")
+        if not isinstance(waiter, bool):
+            raise ValueError(f"Stager waiter={waiter!r}: expected True or False")
+        slot = min(slot_bytes, -(-total_bytes // _ALIGN) * _ALIGN)
         slots = min(STAGING_SLOTS, max(1, -(-total_bytes // slot)))
         self._stream = stream
         self._threads = threads
@@ -93,6 +113,8 @@ class Stager:
         self._busy: list[list[Future]] = [[] for _ in self._slots]
         self._current, self._used = 0, 0
         self._pool: ThreadPoolExecutor | None = None
+        self._waits = waiter
+        self._waiter: ThreadPoolExecutor | None = None  # the one thread that waits for events (waiter=True)
 
     def __enter__(self) -> Stager:
         return self
@@ -137,6 +159,9 @@ class Stager:
             for i in range(len(self._slots)):
                 self._wait(i, raise_errors=False)
         finally:
+            if self._waiter is not None:  # first: it may still hand slices to the pool
+                self._waiter.shutdown(wait=True)
+                self._waiter = None
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
@@ -153,13 +178,21 @@ class Stager:
             event.record(self._stream)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="export-unstage")
-        self._busy[i] = [self._pool.submit(_copy, event, part) for part in split_bytes(self._jobs[i], self._threads)]
+        parts = split_bytes(self._jobs[i], self._threads)
+        if self._waits:
+            if self._waiter is None:
+                self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-unstage-wait")
+            self._busy[i] = [self._waiter.submit(_hand_off, event, parts, self._pool)]
+        else:
+            self._busy[i] = [self._pool.submit(_copy, event, part) for part in parts]
         self._jobs[i] = []
         self._current, self._used = (i + 1) % len(self._slots), 0
 
     def _wait(self, i: int, raise_errors: bool = True) -> None:
         busy, self._busy[i] = self._busy[i], []
-        for future in busy:
-            error = future.exception()
+        while busy:  # a waiter's future yields the futures of the slices it handed to the pool
+            error = busy[0].exception()
             if error is not None and raise_errors:
                 raise error
+            handed = busy.pop(0).result() if error is None else None
+            busy.extend(handed or ())
