@@ -221,8 +221,15 @@ def trial(v: Variant, src: torch.Tensor, chunk: int, stream, device: torch.devic
     del dst
     gc.collect()
     freed = rss()["RssAnon"]
-    return dict(seconds=seconds, gbps=src.numel() / seconds / 1e9, bytes_ok=ok, rss_before_mib=before,
-                rss_filled_mib=filled, rss_freed_above_before_mib=freed - before, **extra)  # fmt: skip
+    return dict(
+        seconds=seconds,
+        gbps=src.numel() / seconds / 1e9,
+        bytes_ok=ok,
+        rss_before_mib=before,
+        rss_filled_mib=filled,
+        rss_freed_above_before_mib=freed - before,
+        **extra,
+    )
 
 
 def environment(args, ranks: int) -> list[str]:
@@ -274,7 +281,7 @@ def render(rows: list[dict], env: list[str], command: str, ranks: int) -> str:
             f"| {'yes' if all(r['bytes_ok'] for r in good) else '**NO**'}"
             f"{'' if len(good) == len(rs) else f' ({len(rs) - len(good)} failed)'} "
             f"| {max(r['rss_freed_above_before_mib'] for r in good):+.1f} "
-            f"| {f"{statistics.median(waits):.3f}" if waits else "-"} | {first['depends_on']} |"
+            f"| {f'{statistics.median(waits):.3f}' if waits else '-'} | {first['depends_on']} |"
         )
     out += [
         "",
@@ -326,21 +333,41 @@ def main(argv: list[str] | None = None) -> int:
     barrier()
     link_name, link_gbps = link(device, min(512 * M, nbytes))
     barrier()
-    rates = host_rates(min(RATE_BYTES, nbytes), sorted({v.threads for v in chosen}),
-                       sorted({v.mib for v in chosen if v.kind == "register"}), device.type == "cuda")  # fmt: skip
-    print(f"rank {rank}: link {link_gbps:.1f} GB/s ({link_name}); host rates "
-          + ", ".join(f"{k} {x:.1f}" for k, x in rates.items()), flush=True)  # fmt: skip
+    rates = host_rates(
+        min(RATE_BYTES, nbytes),
+        sorted({v.threads for v in chosen}),
+        sorted({v.mib for v in chosen if v.kind == "register"}),
+        device.type == "cuda",
+    )
+    print(
+        f"rank {rank}: link {link_gbps:.1f} GB/s ({link_name}); host rates "
+        + ", ".join(f"{k} {x:.1f}" for k, x in rates.items()),
+        flush=True,
+    )
     rows = []
     for t in range(args.trials):
         for v in chosen:
             barrier()
-            row = dict(rank=rank, ranks=ranks, trial=t, variant=v.name, **asdict(v), grain=v.grain, link=link_name,
-                       link_gbps=link_gbps, depends_on=depends_on(v, rates), host_rates=rates)  # fmt: skip
+            row = dict(
+                rank=rank,
+                ranks=ranks,
+                trial=t,
+                variant=v.name,
+                **asdict(v),
+                grain=v.grain,
+                link=link_name,
+                link_gbps=link_gbps,
+                depends_on=depends_on(v, rates),
+                host_rates=rates,
+            )
             try:
                 row.update(trial(v, src, args.chunk_mib * M, stream, device))
                 row["pct_of_link"] = 100 * row["gbps"] / link_gbps
-                print(f"rank {rank} trial {t} {v.name}: {row['gbps']:.1f} GB/s = {row['pct_of_link']:.0f} % of link, "
-                      f"bytes ok {row['bytes_ok']}, RSS {row['rss_freed_above_before_mib']:+.1f} MiB", flush=True)  # fmt: skip
+                print(
+                    f"rank {rank} trial {t} {v.name}: {row['gbps']:.1f} GB/s = {row['pct_of_link']:.0f} % of link, "
+                    f"bytes ok {row['bytes_ok']}, RSS {row['rss_freed_above_before_mib']:+.1f} MiB",
+                    flush=True,
+                )
             except Exception as e:  # noqa: BLE001  (recorded; the other variants still run)
                 row["error"] = repr(e)
                 print(f"rank {rank} trial {t} {v.name}: FAILED {e!r}", flush=True)

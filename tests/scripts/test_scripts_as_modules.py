@@ -60,6 +60,46 @@ def test_bench_save_dcp_stager_per_save_or_kept(tmp_path, stager):
 
 def test_every_script_imports_as_a_module():
     code = "import scripts.bench_export, scripts.bench_keep_bf16, scripts.probe_host_memory, scripts.fault_injection, "
-    code += "scripts.fault_train, scripts.bench_save, scripts.plot_bench_save"
+    code += "scripts.fault_train, scripts.bench_save, scripts.plot_bench_save, scripts.bench_host_copy"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _host_copy_rows(out: Path, ranks: int) -> list[dict]:
+    return [json.loads(ln) for ln in (out / f"host_copy_{ranks}rank.jsonl").read_text().splitlines()]
+
+
+def test_bench_host_copy_runs_every_variant_on_cpu(tmp_path):
+    """One rank, every variant: right bytes, RSS back at its baseline after each trial, one table row each."""
+    cmd = [sys.executable, "-m", "scripts.bench_host_copy", "--device", "cpu", "--mib", "80", "--trials", "1"]
+    proc = subprocess.run(
+        [*cmd, "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    from scripts.bench_host_copy import variants
+
+    names = [v.name for v in variants()]
+    rows = _host_copy_rows(tmp_path, 1)
+    assert [r["variant"] for r in rows] == names and {"ring-waiter t16 s32", "register t8 p256"} <= set(names)
+    for r in rows:
+        assert r["bytes_ok"] and r["gbps"] > 0 and "error" not in r, r
+        assert r["rss_freed_above_before_mib"] < 4, r  # the same 4 MiB as the unit test of the export
+    assert all(r["wait_for_pieces_s"] >= 0 for r in rows if r["kind"] == "register")
+    table = (tmp_path / "host_copy_1rank.md").read_text()
+    assert all(f"| {n} |" in table for n in names) and "`python -m scripts.bench_host_copy --device cpu" in table
+
+
+def test_bench_host_copy_two_concurrent_ranks_on_cpu(tmp_path):
+    """torchrun with 2 ranks: rank 0 writes both ranks' rows to its own file names."""
+    args = ["--device", "cpu", "--mib", "40", "--trials", "2", "--variants", "ring,ring-waiter t8 s8,register t8 p64"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "scripts.bench_host_copy"]
+    proc = subprocess.run(
+        [*cmd, *args, "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = _host_copy_rows(tmp_path, 2)
+    assert sorted((r["rank"], r["trial"], r["variant"]) for r in rows) == sorted(
+        (rank, t, v) for rank in (0, 1) for t in (0, 1) for v in ("ring", "ring-waiter t8 s8", "register t8 p64")
+    )
+    assert all(r["bytes_ok"] and r["ranks"] == 2 for r in rows)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["host_copy_2rank.jsonl", "host_copy_2rank.md"]

@@ -96,7 +96,7 @@ class Stager:
     ) -> None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"Stager threads={threads!r}: expected an int >= 1")
-        if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes < _ALIGN or slot_bytes % _ALIGN:
+        if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes <= 0 or slot_bytes % _ALIGN:
             raise ValueError(f"Stager slot_bytes={slot_bytes!r}: expected a positive multiple of {_ALIGN}")
         if not isinstance(waiter, bool):
             raise ValueError(f"Stager waiter={waiter!r}: expected True or False")
@@ -181,7 +181,11 @@ class Stager:
         parts = split_bytes(self._jobs[i], self._threads)
         if self._waits:
             if self._waiter is None:
-                self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-unstage-wait")
+                # the stream's device is current on the waiter: a new thread's is device 0 (another rank's GPU)
+                on_device = (
+                    {} if event is None else dict(initializer=torch.cuda.set_device, initargs=(self._stream.device,))
+                )
+                self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-unstage-wait", **on_device)
             self._busy[i] = [self._waiter.submit(_hand_off, event, parts, self._pool)]
         else:
             self._busy[i] = [self._pool.submit(_copy, event, part) for part in parts]
