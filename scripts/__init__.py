@@ -3,6 +3,7 @@
     python -m scripts.bench_export ...        # GPU export benchmark (tables + PNG)
     python -m scripts.bench_keep_bf16 ...     # BF16 kept vs FP32 export: bytes and times
     python -m scripts.bench_save ...          # the save path side by side (torchrun); plot_bench_save: its PNG
+    python -m scripts.bench_host_copy ...     # device -> fresh host memory: staging ring vs pinning in place
     python -m scripts.compare_backends ...    # PortableFusedAdam vs TE's FusedAdam, every configuration
     python -m scripts.probe_host_memory ...   # host memory costs behind the export modes
     python -m scripts.fault_injection ...     # kill -9 trials against checkpoint/resume

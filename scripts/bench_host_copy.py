@@ -18,7 +18,8 @@ before every trial):
 * ``register tT pP``: no staging: T threads fault the destination in (``fault_in``, ``MADV_POPULATE_WRITE``)
   in pieces of P MiB, ahead of the copies and in parallel within a piece; one thread pins each faulted piece in
   place (``cudaHostRegister``); the main thread copies into each pinned piece on a side stream; one thread
-  unpins each piece after its copy's event. On CPU the copy is a plain copy and nothing is pinned.
+  unpins each piece after its copy's event. Nothing bounds how far ahead faulting and pinning run (the whole
+  destination may be pinned at once). On CPU the copy is a plain copy and nothing is pinned.
 
 Before the trials each process measures its pinned link (``bench_first_export.link``: D2H into memory pinned for
 the measurement; on CPU a host memcpy) and the host-side rates the variants depend on: a T-thread memcpy into

@@ -125,3 +125,27 @@ def test_cuda_background_export_overlaps_kernels_and_step_waits(backend, record)
         assert peak <= without + 2 * CHUNK + (1 << 20), (peak, without)
         assert_state_dicts_bitwise(sd, reference, f"{backend} background export round {round_}")
         opt.release_state_dict(sd)
+
+
+@pytest.mark.parametrize("waiter", [False, True], ids=["pool-waits", "waiter"])
+def test_stager_ring_on_cuda_copies_every_byte_and_leaves_nothing_behind(waiter):
+    """The staging ring on a side stream, with the pool's threads waiting for the events or one waiter thread
+    (``Stager(waiter=True)``): every byte lands, wrapping small slots many times; no thread stays."""
+    import threading
+
+    from optim_factory.optimizers.export.host_memory import host_empty
+    from optim_factory.optimizers.export.staging import Stager
+
+    n = 24 << 20
+    src = torch.arange(n // 4, dtype=torch.int32, device="cuda")
+    dst = host_empty(src.shape, src.dtype)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    before = threading.active_count()
+    with Stager(n, stream, 4, slot_bytes=1 << 20, waiter=waiter) as stager:
+        with torch.cuda.stream(stream):
+            for c in range(0, src.numel(), 1 << 20):
+                stager.put(src[c : c + (1 << 20)], dst[c : c + (1 << 20)])
+        stager.flush()
+    assert torch.equal(dst, src.cpu())
+    assert threading.active_count() == before
