@@ -187,16 +187,24 @@ def host_rates(nbytes: int, threads: list[int], pieces_mib: list[int], cuda: boo
         dst = host_empty(torch.Size([nbytes]), torch.uint8)
         fault_in(dst)
         for p in pieces_mib:
-            starts = range(0, nbytes, p * M)
-            t0 = time.perf_counter()
-            for a in starts:
-                if not register_host(dst[a : a + p * M]):
-                    raise RuntimeError("cudaHostRegister refused faulted memory")
-            t1 = time.perf_counter()
-            for a in starts:
-                unregister_host(dst[a:].data_ptr())
-            out[f"register_p{p}"] = nbytes / (t1 - t0) / 1e9
-            out[f"unregister_p{p}"] = nbytes / (time.perf_counter() - t1) / 1e9
+            done: list[int] = []
+            try:
+                t0 = time.perf_counter()
+                for a in range(0, nbytes, p * M):
+                    if not register_host(dst[a : a + p * M]):
+                        raise RuntimeError(f"cudaHostRegister refused {p} MiB of faulted memory")
+                    done.append(a)
+                t1 = time.perf_counter()
+            except RuntimeError as e:  # recorded: the trials still run
+                out[f"register_p{p}_error"] = repr(e)
+                t1 = None
+            finally:
+                t2 = time.perf_counter()
+                for a in done:
+                    unregister_host(dst[a:].data_ptr())
+            if t1 is not None:
+                out[f"register_p{p}"] = nbytes / (t1 - t0) / 1e9
+                out[f"unregister_p{p}"] = nbytes / (time.perf_counter() - t2) / 1e9
         del dst
     gc.collect()
     return out
@@ -204,8 +212,8 @@ def host_rates(nbytes: int, threads: list[int], pieces_mib: list[int], cuda: boo
 
 def depends_on(v: Variant, rates: dict) -> str:
     if v.kind == "register":
-        fault, reg = rates.get(f"fault_in_t{v.threads}"), rates.get(f"register_p{v.mib}")
-        return f"fault-in {fault:.1f}" + (f", pin {reg:.1f}" if reg is not None else "")
+        fault, reg = rates[f"fault_in_t{v.threads}"], rates.get(f"register_p{v.mib}")
+        return f"fault-in {fault:.1f}" + (f", pin {reg:.1f}, unpin {rates[f'unregister_p{v.mib}']:.1f}" if reg else "")
     return f"memcpy fresh {rates[f'memcpy_fresh_t{v.threads}']:.1f}"
 
 
@@ -240,11 +248,12 @@ def environment(args, ranks: int) -> list[str]:
         except OSError:
             return "n/a"
 
+    probe = host_empty(torch.Size([HUGE]), torch.uint8)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     lines = [
         f"- date: {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, host {platform.node()}",
         f"- torch {torch.__version__}, Python {platform.python_version()}, kernel {platform.release()}, "
-        f"CPUs available per process {cpus}, unstage_threads() {unstage_threads()}",
+        f"CPUs available per process {cpus}, unstage_threads() {unstage_threads()}, fault_in by {fault_in(probe)}",
         f"- transparent huge pages: `{sysfs('/sys/kernel/mm/transparent_hugepage/enabled')}`, defrag "
         f"`{sysfs('/sys/kernel/mm/transparent_hugepage/defrag')}`",
         f"- {ranks} concurrent rank(s), {args.mib} MiB per rank in {args.chunk_mib} MiB chunks, {args.trials} "
