@@ -149,3 +149,67 @@ def test_stager_ring_on_cuda_copies_every_byte_and_leaves_nothing_behind(waiter)
         stager.flush()
     assert torch.equal(dst, src.cpu())
     assert threading.active_count() == before
+
+
+_NO_GPU0_CONTEXT = r"""
+import concurrent.futures, ctypes, sys
+import torch
+from optim_factory.optimizers.export.host_memory import HostBufferPool, Slot
+from optim_factory.optimizers.export.options import Pinning
+from optim_factory.optimizers.export.staging import Stager
+
+cuda = ctypes.CDLL("libcuda.so.1")
+def gpu0_context_active():
+    dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    assert cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
+    assert cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) == 0
+    return bool(active.value)
+
+torch.cuda.set_device(1)  # a rank on GPU 1
+src = torch.arange(1 << 22, dtype=torch.int32, device="cuda:1")
+at_start = gpu0_context_active()
+for waiter in (False, True):  # the unstaging threads wait on CUDA events
+    dst = torch.empty(1 << 22, dtype=torch.int32)
+    side = torch.cuda.Stream(1)
+    side.wait_stream(torch.cuda.current_stream(1))
+    with torch.cuda.stream(side), Stager(src.numel() * 4, side, 4, slot_bytes=1 << 20, waiter=waiter) as stager:
+        stager.put(src, dst)
+        stager.flush()
+    assert torch.equal(dst, src.cpu())
+from optim_factory import PortableFusedAdam  # the background export's thread and its pool
+
+param = torch.nn.Parameter(torch.randn(1 << 20, device="cuda:1"))
+opt = PortableFusedAdam([param], lr=1e-3, exp_avg_dtype=torch.bfloat16, state_dict_cpu_offload=True,
+                        state_dict_offload_chunk_bytes=1 << 20, state_dict_offload_reuse_buffers=True,
+                        state_dict_offload_background=True)
+for _ in range(2):
+    param.grad = torch.randn_like(param)
+    opt.step()
+    exported = opt.state_dict()
+    opt.wait_state_dict()
+    assert torch.equal(exported["state"][0]["exp_avg"], opt.state[param]["exp_avg"].float().cpu())
+    opt.release_state_dict(exported)
+pool = HostBufferPool()  # its pinning thread registers released buffers
+buf = pool.take(Slot("k", (1 << 20,), torch.float32, Pinning.register))
+pool.release(buf)
+pool.pinning_done().result()
+assert pool.is_pinned(buf)
+after_ours = gpu0_context_active()
+event = torch.cuda.Event()
+event.record()
+concurrent.futures.ThreadPoolExecutor(1).submit(event.synchronize).result()  # a plain thread: device 0
+print(at_start, after_ours, gpu0_context_active())
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_export_threads_of_a_rank_on_gpu1_create_no_context_on_gpu0():
+    """The export's threads (unstaging pool, waiter, pool pinner) make the rank's GPU current: a new thread's is
+    device 0, where a first CUDA call would create a context on another rank's GPU. The control (a plain thread
+    waiting on an event) shows that the probe sees such a context."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _NO_GPU0_CONTEXT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-3:] == ["False", "False", "True"], proc.stdout  # at start, after ours, control

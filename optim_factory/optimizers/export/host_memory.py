@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from optim_factory.optimizers.export.options import Pinning
 
-__all__ = ["host_empty", "fault_in", "register_host", "unregister_host", "HostBufferPool", "Slot"]
+__all__ = ["host_empty", "fault_in", "register_host", "unregister_host", "worker_threads", "HostBufferPool", "Slot"]
 
 _HUGE = 2 << 20  # a transparent huge page; tensors at least this large get their own mapping
 _MAPPED = sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
@@ -85,10 +85,24 @@ def fault_in(t: torch.Tensor, populate: bool = True) -> str:
     return "touch"
 
 
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the calling thread's
+
+
 def register_host(t: torch.Tensor) -> bool:
-    """Pin the memory of host tensor ``t`` in place (``cudaHostRegister``); ``False`` if CUDA refused."""
+    """Pin the memory of host tensor ``t`` in place (``cudaHostRegister``, portable: whichever device is current
+    in the calling thread, every device copies into it as pinned memory); ``False`` if CUDA refused."""
     nbytes = t.numel() * t.element_size()
-    return nbytes > 0 and int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)) == 0
+    return nbytes > 0 and int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, _REGISTER_PORTABLE)) == 0
+
+
+def worker_threads(workers: int, name: str, device: torch.device | None = None) -> ThreadPoolExecutor:
+    """A thread pool whose threads make CUDA ``device`` current first (a new thread's current device is 0: a
+    rank on another GPU would create a CUDA context on GPU 0 at its threads' first CUDA call). ``device``
+    ``None`` or not CUDA: plain threads."""
+    on_device = {}
+    if device is not None and device.type == "cuda":
+        on_device = dict(initializer=torch.cuda.set_device, initargs=(device,))
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name, **on_device)
 
 
 def unregister_host(ptr: int) -> None:
@@ -201,7 +215,9 @@ class HostBufferPool:
 
     def _background(self, fn, *args) -> Future:
         if self._pinner is None:
-            self._pinner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-pin")
+            # the caller's current device (the states' GPU: the pool pins only for CUDA states)
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
+            self._pinner = worker_threads(1, "export-pin", device)
         return self._pinner.submit(fn, *args)
 
     def prepare(self, slots: Iterable[Slot]) -> Future:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from optim_factory.optimizers.export.host_memory import host_empty, register_host, unregister_host
+from optim_factory.optimizers.export.host_memory import host_empty, register_host, unregister_host, worker_threads
 
 __all__ = ["STAGING_SLOTS", "SLOT_BYTES", "MIN_SLICE_BYTES", "MAX_UNSTAGE_THREADS", "unstage_threads", "Stager"]
 
@@ -176,16 +176,13 @@ class Stager:
         if self._stream is not None:
             event = torch.cuda.Event(blocking=True)  # waiting threads sleep instead of spinning
             event.record(self._stream)
+        device = None if self._stream is None else self._stream.device  # threads that wait on events set it
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="export-unstage")
+            self._pool = worker_threads(self._threads, "export-unstage", None if self._waits else device)
         parts = split_bytes(self._jobs[i], self._threads)
         if self._waits:
             if self._waiter is None:
-                # the stream's device is current on the waiter: a new thread's is device 0 (another rank's GPU)
-                on_device = (
-                    {} if event is None else dict(initializer=torch.cuda.set_device, initargs=(self._stream.device,))
-                )
-                self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-unstage-wait", **on_device)
+                self._waiter = worker_threads(1, "export-unstage-wait", device)
             self._busy[i] = [self._waiter.submit(_hand_off, event, parts, self._pool)]
         else:
             self._busy[i] = [self._pool.submit(_copy, event, part) for part in parts]
