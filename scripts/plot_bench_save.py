@@ -9,30 +9,17 @@ matplotlib is the ``plot`` extra (``pip install -e .[plot]``), not a runtime dep
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from scripts.bench_save import summarize
+from scripts.bench_save import read, summarize
 
 PANELS = (  # summary key, axis label, divisor
     ("block_s", "training blocked per checkpoint (s)", 1),
+    ("lost_s", "lost to the loop: blocked + slower next 3 steps (s)", 1),
     ("complete_s", "until complete on disk (s, upper bound)", 1),
     ("gpu_peak_at_save_mib", "GPU peak above the step boundary (MiB)", 1),
     ("disk_bytes", "checkpoint on disk (GB)", 1e9),
 )
-
-
-def read(path: Path) -> tuple[dict, list[dict]]:
-    meta, rows = {}, []
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if "meta" in record:
-            meta = record["meta"]
-        else:
-            rows.append(record)
-    if not rows:
-        raise SystemExit(f"{path}: no measurements (expected the JSON lines of scripts.bench_save)")
-    return meta, rows
 
 
 def plot(meta: dict, rows: list[dict], out: Path) -> None:

@@ -41,6 +41,27 @@ def test_bench_save_runs_every_mode_on_cpu(tmp_path):
     table = (tmp_path / "bench_save.md").read_text()
     assert all(f"| {m} |" in table for m in MODES) and "## Goals" in table
     assert not list((tmp_path / "s" / "bench_save").iterdir())  # each mode's checkpoints deleted
+    # --render writes the same table again from the JSON lines alone
+    again = tmp_path / "again"
+    cmd = [
+        sys.executable,
+        "-m",
+        "scripts.bench_save",
+        "--out",
+        str(again),
+        "--render",
+        str(tmp_path / "bench_save.jsonl"),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (again / "bench_save.md").read_text() == table
+
+
+def test_bench_save_lost_time_counts_blocking_and_slower_steps():
+    from scripts.bench_save import lost_s
+
+    row = {"block_s": 0.1, "step_before_s": 1.0, "steps_after_s": [1.5, 0.9, 1.2]}
+    assert lost_s(row) == pytest.approx(0.1 + 0.5 + 0.0 + 0.2)  # a faster step gives nothing back
 
 
 @pytest.mark.parametrize("stager", ["reuse", "fresh"])
