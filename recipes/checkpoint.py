@@ -704,13 +704,18 @@ class ExportBufferStager(AsyncStager):
             copied()
             return staged
         self.filled, done = Future(), Future()
+        # the caller's GPU current on the thread: a new thread's is 0, and its first CUDA call (the copies'
+        # event) would create a context on GPU 0 for a rank on another GPU
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         threading.Thread(
-            target=self._finish, args=(staged, copied, done), name="checkpoint-stager", daemon=True
+            target=self._finish, args=(staged, copied, done, device), name="checkpoint-stager", daemon=True
         ).start()
         return done
 
-    def _finish(self, staged: dict[str, Any], copied, done: Future) -> None:
+    def _finish(self, staged: dict[str, Any], copied, done: Future, device: int | None) -> None:
         try:
+            if device is not None:
+                torch.cuda.set_device(device)
             copied()  # the model's copies (a side stream): the next step() changes the model too
             # finished first, then its outcome taken (once): a step() that waits meanwhile still finds it pending
             self.optimizer.state_exporter.join()

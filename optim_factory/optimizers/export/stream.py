@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from optim_factory.optimizers.export.host_memory import HostBufferPool, Slot, host_empty
+from optim_factory.optimizers.export.host_memory import HostBufferPool, Slot, host_empty, worker_threads
 from optim_factory.optimizers.export.options import ExportOptions, Pinning
 from optim_factory.optimizers.export.staging import Stager, unstage_threads
 from optim_factory.optimizers.export.tensors import local_tensor, wrap_host_local
@@ -219,7 +219,9 @@ class StateExporter:
             if device.type == "cuda" and device not in ready:
                 ready[device] = torch.cuda.current_stream(device).record_event()
         if self._thread is None:
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-stream")
+            # the states' GPU current on the thread: leaving ``torch.cuda.stream(...)`` restores the thread's
+            # device, and restoring a new thread's device 0 (cudaSetDevice) creates a context on GPU 0
+            self._thread = worker_threads(1, "export-stream", next(iter(ready), None))
         self._pending = self._thread.submit(self._stream_after, items, chunk_bytes, ready)
         return self._pending
 
