@@ -48,7 +48,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from optim_factory.optimizers.export.host_memory import fault_in, host_empty, register_host, unregister_host
+from optim_factory.optimizers.export.host_memory import (
+    fault_in,
+    host_empty,
+    register_host,
+    unregister_host,
+    worker_threads,
+)
 from optim_factory.optimizers.export.staging import SLOT_BYTES, Stager, unstage_threads
 from scripts.bench_first_export import link, rss, sync
 
@@ -123,12 +129,9 @@ def copy_register(src: torch.Tensor, dst: torch.Tensor, chunk: int, v: Variant, 
         pinned[k] = False
 
     waited = 0.0
-    # the CUDA threads make the copy's device current: a new thread's is device 0, and memory registered (flags 0)
-    # under another device's context would not count as pinned for this one
-    on_device = dict(initializer=torch.cuda.set_device, initargs=(src.device,)) if cuda else {}
     faulter = ThreadPoolExecutor(v.threads, thread_name_prefix="bench-fault")
-    pinner = ThreadPoolExecutor(1, thread_name_prefix="bench-pin", **on_device)
-    unpinner = ThreadPoolExecutor(1, thread_name_prefix="bench-unpin", **on_device)
+    pinner = worker_threads(1, "bench-pin", src.device)  # the CUDA threads make the copy's device current
+    unpinner = worker_threads(1, "bench-unpin", src.device)
     try:
         # every piece's faults are queued now, in order (the pool runs them first in, first out): faulting runs
         # ahead of the pinning, the pinning ahead of the copies

@@ -192,8 +192,6 @@ class Mode:
 
     def save(self, step: int, path: Path) -> dict:
         model, opt, group = self.ctx["model"], self.ctx["opt"], self.ctx["group"]
-        if self.fresh_stagers and self.pending is None and self.stager is None:
-            self.stager = self.new_stager()  # the previous one was closed by finish()
         if self.manager is not None:
             report = self.manager.save(step, model, opt, {"step": step})
             self.pending = ("manager", None)
@@ -226,8 +224,9 @@ class Mode:
             self.manager.wait()
         else:
             what.upload_completion.result()
-            if self.fresh_stagers:
+            if self.fresh_stagers:  # the next save's stager, built here (outside the timed save call)
                 self.close()
+                self.stager = self.new_stager()
         self.ctx["opt"].state_exporter.pool.wait_pinning()
 
     def close(self) -> None:
@@ -383,8 +382,12 @@ def render(summary: dict, meta: dict) -> str:
         "- DCP's `DefaultStager` for (a) and (b): "
         + (
             "a new one per save, so every save allocates and pins its staging memory"
-            + ("" if meta["stager_reusable"] else " (this torch's stager serves one save: pytorch/pytorch#183413)")
-            if meta["fresh_stagers"]
+            + (
+                ""
+                if meta.get("stager_reusable", True)
+                else " (this torch's stager serves one save: pytorch/pytorch#183413)"
+            )
+            if meta.get("fresh_stagers", False)
             else "one kept across saves"
         ),
         "",

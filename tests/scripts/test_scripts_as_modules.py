@@ -67,6 +67,10 @@ def test_bench_save_lost_time_counts_blocking_and_slower_steps():
 @pytest.mark.parametrize("stager", ["reuse", "fresh"])
 def test_bench_save_dcp_stager_per_save_or_kept(tmp_path, stager):
     """--stager fresh (what torch 2.11 forces: its DefaultStager serves one save) builds one stager per save."""
+    from scripts.bench_save import stager_reusable
+
+    if stager == "reuse" and not stager_reusable():
+        pytest.skip("this torch's DefaultStager serves one save (pytorch/pytorch#183413): --stager reuse is refused")
     args = ["--device", "cpu", "--width", "64", "--layers", "2", "--tokens", "16", "--repeats", "2"]
     args += ["--modes", "a-te-async-pinned,b-te-cpu-offload", "--stager", stager]
     cmd = [sys.executable, "-m", "scripts.bench_save", *args, "--out", str(tmp_path), "--scratch", str(tmp_path / "s")]

@@ -215,3 +215,25 @@ def test_fault_in_makes_every_page_resident(populate):
     assert fault_in(t[:0]) == "empty"
     with pytest.raises(ValueError, match="contiguous host tensor"):
         fault_in(torch.zeros(8, 8).t())
+
+
+def test_worker_threads_make_the_given_cuda_device_current(monkeypatch):
+    """Every thread of a pool for a CUDA device calls torch.cuda.set_device(device) before its first task (a new
+    thread's device is 0); for no device or a CPU device, nothing is set. Recorded on CPU: set_device replaced."""
+    import threading
+
+    from optim_factory.optimizers.export.host_memory import worker_threads
+
+    seen: list[tuple[str, object]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append((threading.current_thread().name, d)))
+    device = torch.device("cuda", 1)
+    pool = worker_threads(2, "probe", device)
+    names = {pool.submit(lambda: threading.current_thread().name).result() for _ in range(8)}
+    pool.shutdown(wait=True)
+    assert seen and all(d == device for _, d in seen) and names <= {n for n, _ in seen}
+    seen.clear()
+    for plain in (None, torch.device("cpu")):
+        pool = worker_threads(1, "plain", plain)
+        pool.submit(lambda: None).result()
+        pool.shutdown(wait=True)
+    assert seen == []

@@ -26,7 +26,7 @@ _HUGE = 2 << 20  # a transparent huge page; tensors at least this large get thei
 _MAPPED = sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+ (<linux/mman.h>); Python's mmap module has no name for it before 3.13
-_populate: list[Any] = []  # [libc madvise] once looked up; [None] where the kernel refused it (EINVAL)
+_populate: list[Any] = []  # [libc madvise] once looked up ([None] off Linux)
 
 
 def host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -76,9 +76,8 @@ def fault_in(t: torch.Tensor, populate: bool = True) -> str:
         if madvise(start, -(-(ptr + nbytes - start) // _PAGE) * _PAGE, _MADV_POPULATE_WRITE) == 0:
             return "madvise"
         err = ctypes.get_errno()
-        if err != 22:  # EINVAL: an older kernel; anything else (ENOMEM, EFAULT) is a real failure
+        if err != 22:  # EINVAL: an older kernel or a mapping it refuses (this call only touches)
             raise OSError(err, f"madvise(MADV_POPULATE_WRITE) of {nbytes} bytes: {os.strerror(err)}")
-        _populate[0] = None
     flat = t.reshape(-1).view(torch.uint8)
     flat[0] = 0  # the first page, which may start before the tensor
     flat[-ptr % _PAGE :: _PAGE].zero_()
@@ -215,7 +214,7 @@ class HostBufferPool:
 
     def _background(self, fn, *args) -> Future:
         if self._pinner is None:
-            # the caller's current device (the states' GPU: the pool pins only for CUDA states)
+            # the first caller's current device (the exporter's: the rank's GPU where the job set it)
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
             self._pinner = worker_threads(1, "export-pin", device)
         return self._pinner.submit(fn, *args)
