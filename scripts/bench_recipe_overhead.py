@@ -11,7 +11,8 @@ One model (built, sharded with FSDP2 and given its optimizer by the recipe's own
 - ``bare``: batch to the device, forward, backward, ``optimizer.step()``, ``zero_grad``;
 - ``bare+stop``: ``bare`` plus the recipe's per-step stop check between checkpoints
   (``StopSignal.should_stop(..., now=False)``: this rank's loss-is-not-finite flag copied to the host without a
-  sync and read one step later, and one 2-integer all-reduce on gloo);
+  sync and read one step later, and one 2-integer all-reduce on gloo); ``bare+reduce`` and ``bare+flag`` (only
+  with ``--loops``): ``bare`` plus only the all-reduce, or only the deferred flag (the two parts of the check);
 - ``recipe``: the recipe loop's own per-step code (``TrainStep`` with ``grad_clip=0``, ``StepLog``, the progress
   bar, ``StopSignal.should_stop``), i.e. the same arithmetic as ``bare`` plus what the recipe adds per step;
 - ``recipe+clip``: the same with the config's ``trainer.grad_clip`` (the recipe's default 1.0: the gradient
@@ -65,7 +66,10 @@ from recipes.train import (
     shard_model,
 )
 
-LOOPS = ("bare", "bare+stop", "recipe", "recipe+clip")
+LOOPS = ("bare", "bare+stop", "recipe", "recipe+clip")  # the default
+# the stop check's two parts alone (what bare+stop costs, taken apart): its gloo all-reduce without a flag, and this
+# rank's deferred non-finite flag without an all-reduce
+PARTS = ("bare+reduce", "bare+flag")
 # The GPU preset: the recipe's low-memory preset (BF16 parameters, TE FusedAdam with BF16 moments and int16
 # remainders) on the 12-layer, width-1024 model of the measured 2-GPU recipe runs, 1024-token windows.
 GPU_PRESET = [
@@ -137,14 +141,17 @@ class Loops:
     def close(self) -> None:
         gc.callbacks.remove(self._gc)
 
-    def bare(self, stop_check: bool) -> None:
+    def bare(self, check: str) -> None:
+        """``check``: "" (none), "stop" (the recipe's stop check), "reduce" (its all-reduce only), "flag" (its
+        deferred flag only, as with one rank)."""
         inputs, targets = self.data.batch(self.step, self.env.rank, self.env.world_size)
         loss = self.model(inputs.to(self.device), targets.to(self.device))
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if stop_check:
-            self.stop.should_stop(self.env.world_size, ~torch.isfinite(loss.detach()), now=False)
+        if check:
+            flag = None if check == "reduce" else ~torch.isfinite(loss.detach())
+            self.stop.should_stop(1 if check == "flag" else self.env.world_size, flag, now=False)
 
     def recipe(self, name: str) -> None:
         result = self.recipe_step[name](self.step)
@@ -156,7 +163,7 @@ class Loops:
     def run(self, name: str, steps: int) -> None:
         for _ in range(steps):
             if name.startswith("bare"):
-                self.bare(stop_check=name == "bare+stop")
+                self.bare(name.partition("+")[2])
             else:
                 self.recipe(name)
             self.step += 1
@@ -224,15 +231,17 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=10, help="timed blocks of each loop")
     ap.add_argument("--probe", type=int, default=2000, help="calls of the stop check timed alone")
-    ap.add_argument("--loops", default=",".join(LOOPS), help=f"loops to time, bare first (from {','.join(LOOPS)})")
+    ap.add_argument(
+        "--loops", default=",".join(LOOPS), help=f"loops to time, bare first (from {','.join(LOOPS + PARTS)})"
+    )
     ap.add_argument("overrides", nargs="*", help="recipe overrides, after the preset's (e.g. model.n_layers=6)")
     args = ap.parse_args()
     for key in ("warmup", "steps", "repeats", "probe"):
         if getattr(args, key) < 1:
             ap.error(f"--{key}={getattr(args, key)}: must be >= 1")
     loops_run = tuple(args.loops.split(","))
-    if loops_run[0] != "bare" or not set(loops_run) <= set(LOOPS) or len(set(loops_run)) != len(loops_run):
-        ap.error(f"--loops={args.loops!r}: distinct loops from {','.join(LOOPS)}, bare first")
+    if loops_run[0] != "bare" or not set(loops_run) <= set(LOOPS + PARTS) or len(set(loops_run)) != len(loops_run):
+        ap.error(f"--loops={args.loops!r}: distinct loops from {','.join(LOOPS + PARTS)}, bare first")
     device_kind = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     preset = args.preset if args.preset != "auto" else ("gpu" if device_kind == "cuda" else "cpu")
     out = Path(args.out)

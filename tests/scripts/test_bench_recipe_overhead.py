@@ -69,12 +69,26 @@ def test_bench_recipe_overhead_loops_option(tmp_path):
         "--out",
         str(tmp_path),
     ]
-    cmd = [sys.executable, "-m", "scripts.bench_recipe_overhead", *args, "--loops", "bare,recipe"]
+    cmd = [sys.executable, "-m", "scripts.bench_recipe_overhead", *args, "--loops", "bare,bare+flag"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "bench_recipe_overhead.jsonl").read_text().splitlines()]
     blocks = [r for r in records if r["kind"] == "block"]
-    assert [b["loop"] for b in blocks] == ["bare", "recipe", "recipe", "bare", "bare", "recipe"]
-    assert [r["loop"] for r in records if r["kind"] == "loop"] == ["bare", "recipe"]
+    assert [b["loop"] for b in blocks] == ["bare", "bare+flag", "bare+flag", "bare", "bare", "bare+flag"]
+    assert [r["loop"] for r in records if r["kind"] == "loop"] == ["bare", "bare+flag"]
     bad = subprocess.run([*cmd[:-1], "recipe,bare"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert bad.returncode == 2 and "--loops='recipe,bare'" in bad.stderr.strip().splitlines()[-1], bad.stderr
+
+
+@pytest.mark.slow
+def test_bench_recipe_overhead_stop_check_parts_on_two_ranks(tmp_path):
+    """bare+reduce (the stop check's all-reduce alone) and bare+flag (its flag alone) run on 2 gloo ranks."""
+    args = ["--device", "cpu", "--warmup", "1", "--steps", "2", "--repeats", "2", "--probe", "5"]
+    args += ["--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["-m", "scripts.bench_recipe_overhead", *args, "--loops", "bare,bare+reduce,bare+flag"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "bench_recipe_overhead.jsonl").read_text().splitlines()]
+    assert [r["loop"] for r in records if r["kind"] == "loop"] == ["bare", "bare+reduce", "bare+flag"]
+    assert all(r["step_s"] > 0 for r in records if r["kind"] == "block")
