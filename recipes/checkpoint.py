@@ -347,13 +347,14 @@ class CheckpointManager:
         and GPU peak are counted and the state dicts are final, unless the save defers it (:meth:`_defers`):
         then the seconds and the peak are those of the export call, which returns before the export is filled."""
         on_cuda = self.device.type == "cuda"
+        deferred = self._defers(optimizer)
         if on_cuda:
-            torch.cuda.synchronize(self.device)
+            if not deferred:  # the export's own seconds; a deferred save returns at once and never waits here
+                torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
         t0 = time.perf_counter()
         osd = get_optimizer_state_dict(model, optimizer, options=self.options)
-        deferred = self._defers(optimizer)
         export_error = None if deferred else _export_failure(optimizer)
         if on_cuda and not deferred:
             torch.cuda.synchronize(self.device)
@@ -389,8 +390,8 @@ class CheckpointManager:
             kind = "complete" if is_complete(path) else "incomplete"
             log.warning("removing %s checkpoint %s before saving step %d again", kind, path, step)
             shutil.rmtree(path)
-        if dist.is_initialized():
-            dist.barrier()
+        if dist.is_initialized():  # rank 0's removal before anyone writes; the save group's barrier is gloo's (a
+            dist.barrier(group=self._save_group)  # barrier on NCCL's default group would wait for the device too)
         nbytes = state_bytes(osd)
         state = {"model": msd, "optim": osd, "trainer": trainer_state}
         t0 = time.perf_counter()
