@@ -117,7 +117,8 @@ class StopSignal:
     def __init__(self) -> None:
         self.received: str | None = None
         self.flag_lag = 0  # the non-finite flag of the last should_stop was this step's (0) or the previous (1)
-        self._deferred: tuple[torch.Tensor, Any] | None = None  # a CUDA step's flag on its way to the host
+        self._deferred: Any = None  # the event after which a CUDA step's flag is in _host_flag (not read yet)
+        self._host_flag: torch.Tensor | None = None  # pinned, reused: read before it is filled again
         self._previous = {}
         for name in self.SIGNALS:
             sig = getattr(signal, name, None)
@@ -143,18 +144,18 @@ class StopSignal:
         previous, self._deferred = self._deferred, None
         previous_bad = current_bad = 0
         if previous is not None:
-            host, copied = previous
-            copied.synchronize()
-            previous_bad = int(host)
+            previous.synchronize()
+            previous_bad = int(self._host_flag)
         self.flag_lag = 0
         if nonfinite is not None:
             if now or nonfinite.device.type != "cuda":
                 current_bad = int(nonfinite.to(device="cpu", dtype=torch.int32))  # a device->host copy and sync
                 self.flag_lag = 1 if previous_bad and not current_bad else 0
             else:
-                host = torch.empty((), dtype=torch.int32, pin_memory=True)
-                host.copy_(nonfinite.to(torch.int32), non_blocking=True)
-                self._deferred = (host, torch.cuda.current_stream(nonfinite.device).record_event())
+                if self._host_flag is None:
+                    self._host_flag = torch.empty((), dtype=torch.int32, pin_memory=True)
+                self._host_flag.copy_(nonfinite.to(torch.int32), non_blocking=True)  # the previous one was read above
+                self._deferred = torch.cuda.current_stream(nonfinite.device).record_event()
                 self.flag_lag = 1  # what is read now is the previous step's flag (if any)
         flag[1] = previous_bad | current_bad
         if world > 1:

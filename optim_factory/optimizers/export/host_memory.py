@@ -5,6 +5,7 @@ export buffers with its background pinning thread. See docs/design.md, "Host mem
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import sys
@@ -26,7 +27,6 @@ _HUGE = 2 << 20  # a transparent huge page; tensors at least this large get thei
 _MAPPED = sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+ (<linux/mman.h>); Python's mmap module has no name for it before 3.13
-_populate: list[Any] = []  # [libc madvise] once looked up ([None] off Linux)
 
 
 def host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -48,14 +48,14 @@ def host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=dtype, count=nbytes // t.element_size(), offset=offset).view(shape)
 
 
+@functools.cache
 def _madvise() -> Any:
-    if not _populate:
-        fn = None
-        if sys.platform.startswith("linux"):
-            fn = ctypes.CDLL(None, use_errno=True).madvise  # a CDLL call releases the GIL
-            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-        _populate.append(fn)
-    return _populate[0]
+    """libc's ``madvise`` (looked up once; ``None`` off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    fn = ctypes.CDLL(None, use_errno=True).madvise  # a CDLL call releases the GIL
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
 
 
 def fault_in(t: torch.Tensor, populate: bool = True) -> str:
