@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from recipes.evaluate import check_eval_config, evaluate
 from recipes.model import build_model
 from recipes.progress import ConsoleHandler, progress_bar
 from recipes.resume import nothing_to_do
+from recipes.stop_signal import StopSignal
 
 log = logging.getLogger("recipes.train")
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -103,74 +103,6 @@ def _setup_logging(rank: int, run_dir: str) -> None:
         fh.setFormatter(fmt)
         _HANDLERS.add(fh)
         root.addHandler(fh)
-
-
-class StopSignal:
-    """SIGTERM / SIGUSR1 (Slurm preemption, time limit, torchrun shutting down) ask the loop to stop cleanly.
-
-    The loop checks after every step; all ranks agree (a max all-reduce), save a checkpoint at that step, wait
-    for in-flight saves and return. A requeued job then resumes from it.
-    """
-
-    SIGNALS = ("SIGTERM", "SIGUSR1")
-
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self.flag_lag = 0  # the non-finite flag of the last should_stop was this step's (0) or the previous (1)
-        self._deferred: Any = None  # the event after which a CUDA step's flag is in _host_flag (not read yet)
-        self._host_flag: torch.Tensor | None = None  # pinned, reused: read before it is filled again
-        self._previous = {}
-        for name in self.SIGNALS:
-            sig = getattr(signal, name, None)
-            if sig is not None:
-                try:
-                    self._previous[sig] = signal.signal(sig, self._handle)
-                except ValueError:  # not the main thread (e.g. some launchers): no handler, no stop
-                    pass
-
-    def _handle(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
-
-    def should_stop(self, world: int, nonfinite: torch.Tensor | None = None, *, now: bool = True) -> tuple[bool, bool]:
-        """(a stop signal arrived on some rank, a non-finite flag is true on some rank): one all-reduce for both.
-
-        ``now=False`` with a CUDA flag: this step's flag is copied to the host without waiting and read at the
-        next call, which reads it after its own step was queued (no stall); the flag agreed on is then the
-        previous step's (:attr:`flag_lag` is 1). A synchronous read costs a device sync per step: the next
-        step's launches can no longer overlap this step's kernels (+5.8 % per step measured on 2 H200s,
-        docs/recipe.md). ``now=True`` (steps that save, the last step) reads this step's flag and any deferred one.
-        """
-        flag = torch.tensor([1 if self.received else 0, 0], dtype=torch.int32)
-        previous, self._deferred = self._deferred, None
-        previous_bad = current_bad = 0
-        if previous is not None:
-            previous.synchronize()
-            previous_bad = int(self._host_flag)
-        self.flag_lag = 0
-        if nonfinite is not None:
-            if now or nonfinite.device.type != "cuda":
-                current_bad = int(nonfinite.to(device="cpu", dtype=torch.int32))  # a device->host copy and sync
-                self.flag_lag = 1 if previous_bad and not current_bad else 0
-            else:
-                if self._host_flag is None:
-                    self._host_flag = torch.empty((), dtype=torch.int32, pin_memory=True)
-                self._host_flag.copy_(nonfinite.to(torch.int32), non_blocking=True)  # the previous one was read above
-                self._deferred = torch.cuda.current_stream(nonfinite.device).record_event()
-                self.flag_lag = 1  # what is read now is the previous step's flag (if any)
-        flag[1] = previous_bad | current_bad
-        if world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # CPU tensor: gloo (cpu:gloo,cuda:nccl on CUDA)
-        stop, bad = flag.tolist()
-        return bool(stop), bool(bad)
-
-    @property
-    def flag_pending(self) -> bool:
-        """A step's non-finite flag was deferred and not read yet (the next :meth:`should_stop` reads it)."""
-        return self._deferred is not None
-
-    def restore(self) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
 
 
 def lr_factor(step: int, warmup: int, max_steps: int) -> float:
@@ -415,10 +347,9 @@ def _train(
                 bar.set_postfix(**step_log.postfix)
                 step_log.t_since += last_eval["eval_s"]  # tokens/s counts training time only
             bar.update(1)
-            # this step's flag now where a checkpoint may follow; elsewhere the previous step's (no device sync)
+            # this step's flags at once where a checkpoint may follow; elsewhere the previous step's (no device
+            # sync, no wait for the other ranks); a stop or a non-finite value is always reported with this step's
             stopping, diverged = stop.should_stop(world, result.nonfinite, now=ckpt.due(done, end) or done == end)
-            if stopping and not diverged and stop.flag_pending:  # stopping saves here: this step's flag first
-                _, diverged = stop.should_stop(world, None)
             if diverged:
                 ckpt.close()  # an async save of an earlier (finite) step finishes and is marked complete
                 raise TrainingDiverged(

@@ -11,8 +11,10 @@ One model (built, sharded with FSDP2 and given its optimizer by the recipe's own
 - ``bare``: batch to the device, forward, backward, ``optimizer.step()``, ``zero_grad``;
 - ``bare+stop``: ``bare`` plus the recipe's per-step stop check between checkpoints
   (``StopSignal.should_stop(..., now=False)``: this rank's loss-is-not-finite flag copied to the host without a
-  sync and read one step later, and one 2-integer all-reduce on gloo); ``bare+reduce`` and ``bare+flag`` (only
-  with ``--loops``): ``bare`` plus only the all-reduce, or only the deferred flag (the two parts of the check);
+  sync and read one step later, and one 3-integer all-reduce on gloo that runs during the next step and is read at
+  the next check); only with ``--loops``: ``bare+syncstop`` (the check before it overlapped: ``StopSignal(
+  overlap=False)``, waiting for the all-reduce every step), ``bare+reduce`` and ``bare+flag`` (``bare`` plus only
+  the overlapped all-reduce, or only the deferred flag: the two parts of the check);
 - ``recipe``: the recipe loop's own per-step code (``TrainStep`` with ``grad_clip=0``, ``StepLog``, the progress
   bar, ``StopSignal.should_stop``), i.e. the same arithmetic as ``bare`` plus what the recipe adds per step;
 - ``recipe+clip``: the same with the config's ``trainer.grad_clip`` (the recipe's default 1.0: the gradient
@@ -56,10 +58,10 @@ from optim_factory.factory import build_optimizer
 from recipes.distributed import init_distributed, shutdown
 from recipes.model import build_model
 from recipes.progress import progress_bar
+from recipes.stop_signal import StopSignal
 from recipes.train import (
     MetricsWriter,
     StepLog,
-    StopSignal,
     TrainStep,
     compose_config,
     preflight,
@@ -67,9 +69,9 @@ from recipes.train import (
 )
 
 LOOPS = ("bare", "bare+stop", "recipe", "recipe+clip")  # the default
-# the stop check's two parts alone (what bare+stop costs, taken apart): its gloo all-reduce without a flag, and this
-# rank's deferred non-finite flag without an all-reduce
-PARTS = ("bare+reduce", "bare+flag")
+# the stop check as it was (waiting for its all-reduce every step), and its two parts alone (what bare+stop costs,
+# taken apart): its overlapped gloo all-reduce without a flag, and this rank's deferred non-finite flag
+PARTS = ("bare+syncstop", "bare+reduce", "bare+flag")
 # The GPU preset: the recipe's low-memory preset (BF16 parameters, TE FusedAdam with BF16 moments and int16
 # remainders) on the 12-layer, width-1024 model of the measured 2-GPU recipe runs, 1024-token windows.
 GPU_PRESET = [
@@ -111,6 +113,7 @@ class Loops:
         gc.callbacks.append(self._gc)
         self.recipe_steps = 0  # the recipe loops' own count: StepLog logs every log_every of them
         self.stop = StopSignal()
+        self.sync_stop = StopSignal(overlap=False)  # bare+syncstop
         base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         common = dict(warmup_steps=cfg.trainer.warmup_steps, max_steps=cfg.trainer.max_steps)
         rank, world = env.rank, env.world_size
@@ -140,10 +143,13 @@ class Loops:
 
     def close(self) -> None:
         gc.callbacks.remove(self._gc)
+        self.stop.should_stop(self.env.world_size)  # reads what is pending
+        self.sync_stop.restore()
+        self.stop.restore()
 
     def bare(self, check: str) -> None:
-        """``check``: "" (none), "stop" (the recipe's stop check), "reduce" (its all-reduce only), "flag" (its
-        deferred flag only, as with one rank)."""
+        """``check``: "" (none), "stop" (the recipe's stop check), "syncstop" (the same, waiting for its all-reduce),
+        "reduce" (its all-reduce only), "flag" (its deferred flag only, as with one rank)."""
         inputs, targets = self.data.batch(self.step, self.env.rank, self.env.world_size)
         loss = self.model(inputs.to(self.device), targets.to(self.device))
         loss.backward()
@@ -151,7 +157,8 @@ class Loops:
         self.optimizer.zero_grad(set_to_none=True)
         if check:
             flag = None if check == "reduce" else ~torch.isfinite(loss.detach())
-            self.stop.should_stop(1 if check == "flag" else self.env.world_size, flag, now=False)
+            stop = self.sync_stop if check == "syncstop" else self.stop
+            stop.should_stop(1 if check == "flag" else self.env.world_size, flag, now=False)
 
     def recipe(self, name: str) -> None:
         result = self.recipe_step[name](self.step)
@@ -280,7 +287,6 @@ def main() -> None:
                 {"kind": "probe", "what": what, "calls": args.probe, "call_s": loops.probe(args.probe, flag)}
                 for what, flag in (("all-reduce", False), ("all-reduce + device flag", True))
             ]
-            loops.stop.restore()
             loops.close()
             params = sum(p.numel() for p in model.parameters())  # DTensors: global sizes
             optimizer_name = type(optimizer).__name__

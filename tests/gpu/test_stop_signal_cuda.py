@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recipes.train import StopSignal
+from recipes.stop_signal import StopSignal
 
 
 @pytest.mark.cuda_only
@@ -15,11 +15,12 @@ def test_deferred_flag_is_read_at_the_next_check_and_now_reads_at_once():
         bad = torch.ones((), dtype=torch.bool, device="cuda")
         good = torch.zeros((), dtype=torch.bool, device="cuda")
         assert stop.should_stop(1, bad, now=False) == (False, False)  # this step's flag: not read yet
-        assert stop.flag_pending  # the loop reads it before a stop's save (also at a launch's first step)
+        assert stop.pending  # the next check reads it
         assert stop.should_stop(1, good, now=False) == (False, True) and stop.flag_lag == 1  # the previous one
         assert stop.should_stop(1, good, now=False) == (False, False)
         assert stop.should_stop(1, bad, now=True) == (False, True) and stop.flag_lag == 0  # at once
         stop.should_stop(1, bad, now=False)
-        assert stop.should_stop(1, None) == (False, True) and stop.flag_lag == 0  # a deferred flag read on demand
+        assert stop.should_stop(1, None) == (False, True) and stop.flag_lag == 1  # a deferred flag read by now=True
+        assert not stop.pending
     finally:
         stop.restore()

@@ -82,13 +82,14 @@ def test_bench_recipe_overhead_loops_option(tmp_path):
 
 @pytest.mark.slow
 def test_bench_recipe_overhead_stop_check_parts_on_two_ranks(tmp_path):
-    """bare+reduce (the stop check's all-reduce alone) and bare+flag (its flag alone) run on 2 gloo ranks."""
+    """bare+syncstop (the check waiting for its all-reduce), bare+reduce (the check's all-reduce alone) and bare+flag
+    (its flag alone) run on 2 gloo ranks."""
     args = ["--device", "cpu", "--warmup", "1", "--steps", "2", "--repeats", "2", "--probe", "5"]
     args += ["--out", str(tmp_path)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += ["-m", "scripts.bench_recipe_overhead", *args, "--loops", "bare,bare+reduce,bare+flag"]
+    cmd += ["-m", "scripts.bench_recipe_overhead", *args, "--loops", "bare,bare+syncstop,bare+reduce,bare+flag"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "bench_recipe_overhead.jsonl").read_text().splitlines()]
-    assert [r["loop"] for r in records if r["kind"] == "loop"] == ["bare", "bare+reduce", "bare+flag"]
+    assert [r["loop"] for r in records if r["kind"] == "loop"] == ["bare", "bare+syncstop", "bare+reduce", "bare+flag"]
     assert all(r["step_s"] > 0 for r in records if r["kind"] == "block")
