@@ -264,6 +264,7 @@ class CheckpointManager:
             dist.new_group(backend="gloo") if cfg.enabled and cfg.async_save and dist.is_initialized() else None
         )
         self.reports: list[ExportReport] = []
+        self._in_the_way: set[str] | None = None  # step directories of earlier launches, rank 0's (_clear_in_the_way)
         self.verified: Path | None = None  # the newest checkpoint known good: last saved or loaded; never deleted
         self.resume_changes: list = []  # recipes.resume.Change: how the run's config differs from the loaded one's
 
@@ -276,6 +277,30 @@ class CheckpointManager:
         :attr:`export_filling`), no completion marker yet; ``"marker"``: the save
         finished (async: inside :meth:`wait`) and the completion marker is about to be written.
         """
+
+    def _clear_in_the_way(self, step: int, path: Path) -> None:
+        """Rank 0 removes a directory of this step from an earlier launch (incomplete, or complete from before a
+        resume at an earlier step) before any rank writes into it, behind a barrier.
+
+        Only a directory that existed at this manager's first save can be in the way (each save writes a new,
+        later step), so the first save learns rank 0's list of them (one broadcast) and later saves cost no
+        collective at all unless their step is on it: a barrier in the save call would hold every rank until the
+        slowest arrives. The collectives run on the gloo save group when there is one (NCCL's would also wait for
+        the device)."""
+        if self._in_the_way is None:
+            names = [[p.name for _, p in self._step_dirs()] if self.rank == 0 else None]
+            if dist.is_initialized():
+                dist.broadcast_object_list(names, src=0, group=self._save_group)
+            self._in_the_way = set(names[0])
+        if path.name not in self._in_the_way:
+            return
+        self._in_the_way.discard(path.name)
+        if self.rank == 0 and path.exists():
+            kind = "complete" if is_complete(path) else "incomplete"
+            log.warning("removing %s checkpoint %s before saving step %d again", kind, path, step)
+            shutil.rmtree(path)
+        if dist.is_initialized():
+            dist.barrier(group=self._save_group)
 
     # ------------------------------------------------------------------ discovery
     def _step_dirs(self) -> list[tuple[int, Path]]:
@@ -386,12 +411,7 @@ class CheckpointManager:
                 _export_failure(optimizer)  # nothing stages it: its failure must not reach the next step()
             _release(optimizer, osd)
             raise
-        if self.rank == 0 and path.exists():  # incomplete, or complete from before a resume at an earlier step
-            kind = "complete" if is_complete(path) else "incomplete"
-            log.warning("removing %s checkpoint %s before saving step %d again", kind, path, step)
-            shutil.rmtree(path)
-        if dist.is_initialized():  # rank 0's removal before anyone writes; the save group's barrier is gloo's (a
-            dist.barrier(group=self._save_group)  # barrier on NCCL's default group would wait for the device too)
+        self._clear_in_the_way(step, path)
         nbytes = state_bytes(osd)
         state = {"model": msd, "optim": osd, "trainer": trainer_state}
         t0 = time.perf_counter()

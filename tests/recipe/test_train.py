@@ -136,8 +136,10 @@ def test_incomplete_newest_checkpoint_is_never_loaded(tmp_path):
     fake = tmp_path / "checkpoints" / "step_00000015"
     shutil.copytree(tmp_path / "checkpoints" / "step_00000010", fake)
     (fake / "COMPLETE.json").unlink()
-    summary = train(compose_config([*QUICK, f"run_dir={tmp_path}"]))
+    (fake / "left_over.bin").write_bytes(b"x")
+    summary = train(compose_config([*QUICK, f"run_dir={tmp_path}", "trainer.max_steps=15"]))
     assert summary["start_step"] == 10 and summary["resumed_from"].endswith("step_00000010")
+    assert (fake / "COMPLETE.json").exists() and not (fake / "left_over.bin").exists()  # removed, then saved anew
 
 
 @pytest.mark.slow
