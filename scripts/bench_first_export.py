@@ -57,13 +57,18 @@ THREAD_SWEEP = (1, 2, 4, 8, 16)
 def rss() -> dict[str, float]:
     """This process's resident memory in MiB: ``VmRSS`` and its anonymous part ``RssAnon`` (what the export
     allocates; file-backed pages such as the mapped libraries can be reclaimed at any time under memory
-    pressure, which moves ``VmRSS`` without the export doing anything)."""
+    pressure, which moves ``VmRSS`` without the export doing anything); and ``AnonHugePages`` (of
+    ``/proc/self/smaps_rollup``): how much of it the kernel backed with transparent huge pages."""
     out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key = line.split(":")[0]
-            if key in ("VmRSS", "RssAnon"):
-                out[key] = int(line.split()[1]) / 1024
+    for name, keys in (("/proc/self/status", ("VmRSS", "RssAnon")), ("/proc/self/smaps_rollup", ("AnonHugePages",))):
+        try:
+            with open(name) as f:
+                for line in f:
+                    key = line.split(":")[0]
+                    if key in keys:
+                        out[key] = int(line.split()[1]) / 1024
+        except OSError:  # not Linux, or no smaps_rollup (before 4.14)
+            pass
     return out
 
 
@@ -185,6 +190,9 @@ def worker(rank: int, ranks: int, mode: str, args: dict, barrier, queue) -> None
                 link_gbps=link_gbps,
                 pct_of_link=100 * nbytes / seconds / 1e9 / link_gbps,
                 vmrss_mib=dict(before=rss_before["VmRSS"], export=rss_export["VmRSS"], freed=rss_freed["VmRSS"]),
+                anon_huge_pages_mib={
+                    k: r.get("AnonHugePages") for k, r in (("before", rss_before), ("export", rss_export))
+                },
                 rss_before_mib=rss_before["RssAnon"],
                 rss_export_mib=rss_export["RssAnon"],
                 rss_freed_mib=rss_freed["RssAnon"],
@@ -291,7 +299,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gib", type=float, help="GiB of FP32 export per rank (default 2 on CUDA, 0.1 on CPU)")
     ap.add_argument("--chunk-mib", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a trial's processes may take")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {','.join(MODES)}")
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    if not modes or not set(modes) <= set(MODES) or len(set(modes)) != len(modes):
+        ap.error(f"--modes {args.modes!r}: distinct modes from {','.join(MODES)}")
     if args.gib is not None and not args.gib > 0:
         ap.error(f"--gib {args.gib}: must be > 0")
     if args.chunk_mib <= 0:
@@ -307,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict] = []
     with open(out_dir / "first_export.jsonl", "a") as f:
         for ranks in ranks_list:
-            for mode in MODES:
+            for mode in modes:
                 for r in trial(ranks, mode, opts):
                     rows.append(r)
                     f.write(json.dumps(r) + "\n")

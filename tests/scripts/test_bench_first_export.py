@@ -45,3 +45,11 @@ def test_bench_first_export_runs_on_cpu(tmp_path):
             assert r["rss_freed_above_before_mib"] < 4, r
     table = (tmp_path / "first_export.md").read_text()
     assert table.count("| chunked |") == 6 and "python -m scripts.bench_first_export --device cpu" in table
+
+
+def test_bench_first_export_modes_option_is_checked(tmp_path):
+    """--modes picks modes; a wrong list is one line naming the option (exit 2), before any process starts."""
+    cmd = [sys.executable, "-m", "scripts.bench_first_export", "--device", "cpu", "--out", str(tmp_path)]
+    bad = subprocess.run([*cmd, "--modes", "chunked,pinned"], cwd=ROOT, capture_output=True, text=True, env=ENV)
+    assert bad.returncode == 2 and "--modes 'chunked,pinned'" in bad.stderr.strip().splitlines()[-1], bad.stderr
+    assert not (tmp_path / "first_export.jsonl").exists()
