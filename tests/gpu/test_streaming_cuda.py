@@ -195,9 +195,8 @@ pool.release(buf)
 pool.pinning_done().result()
 assert pool.is_pinned(buf)
 after_ours = gpu0_context_active()
-event = torch.cuda.Event()
-event.record()
-concurrent.futures.ThreadPoolExecutor(1).submit(event.synchronize).result()  # a plain thread: device 0
+# the control: a plain thread that uses device 0 (its default) makes the context the probe must see
+concurrent.futures.ThreadPoolExecutor(1).submit(torch.zeros, 1, device="cuda:0").result()
 print(at_start, after_ours, gpu0_context_active())
 """
 
@@ -206,9 +205,10 @@ print(at_start, after_ours, gpu0_context_active())
 def test_export_threads_of_a_rank_on_gpu1_create_no_context_on_gpu0():
     """The export's threads (unstaging pool, waiter, pool pinner) make the rank's GPU current: a new thread's is
     device 0, where a first CUDA call would create a context on another rank's GPU. The control (a plain thread
-    waiting on an event) shows that the probe sees such a context. 2 H200s at 37da2a3 (before the background
+    allocating on GPU 0) shows that the probe sees such a context. 2 H200s at 37da2a3 (before the background
     export's thread set its device): 'False True True', the context came after ours
-    (benchmarks/results/2026-11-30-h200-third/pytest_single.log)."""
+    (benchmarks/results/2026-11-30-h200-third/pytest_single.log); at bfd7e4a 'False False False': none from
+    ours, and none from the control of then (a plain thread waiting on an event), hence this control."""
     import subprocess
     import sys
 

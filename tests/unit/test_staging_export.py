@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from optim_factory.optimizers.export.staging import (
     SLOT_BYTES,
     STAGING_SLOTS,
     Stager,
+    fault_pieces,
     split_bytes,
     unstage_threads,
 )
@@ -104,9 +106,40 @@ def test_split_bytes_covers_every_byte_once_in_bounded_parts():
     assert split_bytes([(0, 0, 100)], 8) == [[(0, 0, 100)]]  # less than a slice: one part
 
 
+def test_fault_pieces_cover_a_buffer_in_whole_huge_pages_one_per_thread_at_most():
+    huge = 2 * M
+    for nbytes, parts in [(32 * M, 12), (32 * M, 1), (32 * M, 16), (2 * M, 4), (100, 3), (5 * M + 7, 2), (64 * M, 12)]:
+        pieces = fault_pieces(nbytes, parts)
+        assert pieces[0][0] == 0 and pieces[-1][1] == nbytes, (nbytes, parts, pieces)
+        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:])), pieces  # contiguous, in order
+        assert len(pieces) <= parts and all((b - a) % huge == 0 for a, b in pieces[:-1]), (nbytes, parts, pieces)
+    assert fault_pieces(32 * M, 12) == [(a, a + 4 * M) for a in range(0, 32 * M, 4 * M)]  # 16 pages over 12: 2 each
+    assert fault_pieces(0, 4) == []
+
+
+def test_stager_faults_its_whole_ring_in_ahead_of_use():
+    """The pool faults every staging buffer in from the start (in pieces, fault_in), so later buffers are resident
+    (and, on CUDA, quick to pin) by the time the device needs them: with one buffer of the four used, the staging
+    memory's own mapping becomes wholly resident. Broken on purpose (no fault-in pieces): 32 of 128 MiB."""
+    ring = STAGING_SLOTS * SLOT_BYTES
+    src, dst = torch.ones(SLOT_BYTES // 4), torch.zeros(SLOT_BYTES // 4)
+    before = set(_mappings())
+    with Stager(ring, None, 4) as stager:
+        stager.put(src, dst)  # one buffer's worth: only the first buffer is used
+        stager.flush()
+        deadline, staging = time.monotonic() + 10, 0
+        while staging < ring and time.monotonic() < deadline:
+            new = {k: rss for k, rss in _mappings().items() if k not in before and k[1] - k[0] >= ring}
+            staging = max(new.values(), default=0)
+            time.sleep(0.01)
+    assert torch.equal(dst, src)
+    assert staging >= ring, f"{staging >> 20} of {ring >> 20} MiB of staging resident"
+
+
 def test_unstage_threads_rule(monkeypatch):
-    assert unstage_threads(cpus=16, local_ranks=1) == 8
-    assert unstage_threads(cpus=32, local_ranks=2) == 8
+    assert unstage_threads(cpus=16, local_ranks=1) == 12  # MAX_UNSTAGE_THREADS
+    assert unstage_threads(cpus=32, local_ranks=2) == 12
+    assert unstage_threads(cpus=20, local_ranks=2) == 10
     assert unstage_threads(cpus=16, local_ranks=4) == 4
     assert unstage_threads(cpus=2, local_ranks=8) == 1
     assert unstage_threads(cpus=5, local_ranks=2) == 2
@@ -174,10 +207,10 @@ def test_stager_refuses_bad_options_in_one_line(kwargs, match):
 
 def test_stager_refuses_mismatched_tensors_and_frees_its_threads_after_an_error():
     before = threading.active_count()
-    dst = torch.zeros(3 * M)
+    dst = torch.zeros(SLOT_BYTES // 4 + M)
     with pytest.raises(ValueError, match="3 destination elements"):
-        with Stager(64 * M, None, 2) as stager:
-            stager.put(torch.ones(3 * M), dst)  # fills and seals a slot: its copy runs on a thread
+        with Stager(4 * SLOT_BYTES, None, 2) as stager:
+            stager.put(torch.ones(dst.numel()), dst)  # fills and seals a slot: its copy runs on a thread
             stager.put(torch.ones(4), torch.empty(3))
     assert threading.active_count() == before
     assert torch.equal(dst[: SLOT_BYTES // 4], torch.ones(SLOT_BYTES // 4))  # the sealed slot was copied

@@ -13,19 +13,39 @@ from typing import Any
 
 import torch
 
-from optim_factory.optimizers.export.host_memory import host_empty, register_host, unregister_host, worker_threads
+from optim_factory.optimizers.export.host_memory import (
+    fault_in,
+    host_empty,
+    register_host,
+    unregister_host,
+    worker_threads,
+)
 
-__all__ = ["STAGING_SLOTS", "SLOT_BYTES", "MIN_SLICE_BYTES", "MAX_UNSTAGE_THREADS", "unstage_threads", "Stager"]
+__all__ = [
+    "STAGING_SLOTS",
+    "SLOT_BYTES",
+    "MIN_SLICE_BYTES",
+    "MAX_UNSTAGE_THREADS",
+    "unstage_threads",
+    "split_bytes",
+    "fault_pieces",
+    "Stager",
+]
 
 STAGING_SLOTS = 4  # staging buffers in the ring
-SLOT_BYTES = 8 << 20  # bytes of one staging buffer (less when the export stages less)
+# bytes of one staging buffer (less when the export stages less), and the most unstaging threads: 32 MiB x 12 beat
+# 8 MiB x 8 in every trial of one process on an H200 (25 % against 18 % of the link; 2 ranks 12-20 % against
+# 8-15 %; benchmarks/results/2026-11-30-h200-fourth/first_export/)
+SLOT_BYTES = 32 << 20
 MIN_SLICE_BYTES = 1 << 20  # a thread copies at least this many bytes of a slot (fewer threads for less)
-MAX_UNSTAGE_THREADS = 8
+MAX_UNSTAGE_THREADS = 12
+_FAULT_GRAIN = 2 << 20  # staging is faulted in by the pool in pieces of whole transparent huge pages
 _ALIGN = 64  # byte offset alignment of the segments in a slot
 
 
 def unstage_threads(cpus: int | None = None, local_ranks: int | None = None) -> int:
-    """Host threads that empty the staging buffers: ``min(8, cpus // local_ranks)``, at least 1, where ``cpus``
+    """Host threads that empty the staging buffers: ``min(MAX_UNSTAGE_THREADS, cpus // local_ranks)``, at least 1,
+    where ``cpus``
     is the number of CPUs this process may run on (its affinity) and ``local_ranks`` the processes of the job
     on this host (``LOCAL_WORLD_SIZE``, set by torchrun; 1 without it)."""
     if cpus is None:
@@ -59,6 +79,15 @@ def split_bytes(jobs: list[tuple[int, int, int]], parts: int) -> list[list[tuple
     return [part for part in out if part]
 
 
+def fault_pieces(nbytes: int, parts: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` byte ranges that cover ``[0, nbytes)`` in order, at most ``parts`` of them, each a whole
+    number of huge pages (:data:`_FAULT_GRAIN`) except the last: the pieces in which the pool faults a staging
+    buffer in."""
+    grains = -(-nbytes // _FAULT_GRAIN)
+    piece = max(1, -(-grains // max(1, parts))) * _FAULT_GRAIN
+    return [(a, min(a + piece, nbytes)) for a in range(0, nbytes, piece)]
+
+
 def _copy(event: Any, part: list[tuple[int, int, int]]) -> None:
     """Worker: wait until the device has filled the slot, then copy its bytes (ctypes releases the GIL)."""
     if event is not None:
@@ -82,9 +111,15 @@ class Stager:
     stream; ``None`` on CPU: synchronous), cutting it across buffers where it does not fit. A full buffer is
     *sealed*: an event is recorded after its copies and its bytes are split into slices that the thread pool
     copies into the destinations once the event has completed. Before a buffer is filled again, the caller
-    waits until its slices are done. The staging memory is allocated for one export (pinned in place with
-    ``cudaHostRegister`` for CUDA) and, with the threads, released by :meth:`close`, so nothing stays allocated
-    between exports. Used as a context manager.
+    waits until its slices are done. The staging memory is allocated for one export and, with the threads,
+    released by :meth:`close`, so nothing stays allocated between exports. Used as a context manager.
+
+    Preparing the staging memory is fresh memory's cost: faulting it in (the kernel zeroes every page) and, for
+    CUDA, pinning it (``cudaHostRegister``, one call per buffer). The pool's threads fault the buffers in, in
+    pieces of whole huge pages, the first buffer's pieces first, while the caller starts; each buffer is pinned
+    by the caller just before its first use (pinning resident memory is fast), so the device waits only for the
+    first buffer, not for the whole ring. Pinning 128 MiB of fresh memory in one call took 31-34 ms on an H200
+    host, a sixth of a 2 GB export (benchmarks/results/2026-11-30-h200-fourth/first_export/).
 
     ``slot_bytes`` is the size of one staging buffer. With ``waiter=True`` one extra thread waits for the sealed
     buffers' events in order and hands their slices to the pool, so the pool's threads never call CUDA; by
@@ -105,16 +140,18 @@ class Stager:
         self._stream = stream
         self._threads = threads
         self._memory = host_empty(torch.Size([slot * slots]), torch.uint8)
-        self._pinned = stream is not None and register_host(self._memory)
-        if stream is not None and not self._pinned:
-            warnings.warn("cudaHostRegister refused the staging buffers: this export copies pageable", stacklevel=3)
         self._slots = list(self._memory.split(slot))
         self._jobs: list[list[tuple[int, int, int]]] = [[] for _ in self._slots]
         self._busy: list[list[Future]] = [[] for _ in self._slots]
         self._current, self._used = 0, 0
-        self._pool: ThreadPoolExecutor | None = None
         self._waits = waiter
+        self._device = None if stream is None else stream.device  # threads that wait on events make it current
+        self._pool = worker_threads(threads, "export-unstage", None if waiter else self._device)
         self._waiter: ThreadPoolExecutor | None = None  # the one thread that waits for events (waiter=True)
+        # per buffer: the pool's fault-in pieces (None once the buffer was prepared), whether it is pinned
+        self._faulting: list[list[Future] | None] = [self._fault_in(s) for s in self._slots]
+        self._pinned = [False] * len(self._slots)
+        self._refused = False  # cudaHostRegister refused a buffer (warned once)
 
     def __enter__(self) -> Stager:
         return self
@@ -137,6 +174,8 @@ class Stager:
                 continue
             if not self._jobs[self._current] and self._busy[self._current]:
                 self._wait(self._current)  # its previous contents must be in their destinations
+            if self._faulting[self._current] is not None:
+                self._prepare(self._current)
             take = min(slot.numel() - self._used, n - done)
             staging = slot[self._used : self._used + take]
             staging.copy_(src_bytes[done : done + take], non_blocking=self._stream is not None)
@@ -162,13 +201,30 @@ class Stager:
             if self._waiter is not None:  # first: it may still hand slices to the pool
                 self._waiter.shutdown(wait=True)
                 self._waiter = None
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
+            if self._pool is not None:  # every copy was waited for above: what is left are fault-ins of unused buffers
+                self._pool.shutdown(wait=True, cancel_futures=True)
                 self._pool = None
-            if self._pinned:
-                unregister_host(self._memory.data_ptr())
-                self._pinned = False
+            for slot, pinned in zip(self._slots, self._pinned):
+                if pinned:
+                    unregister_host(slot.data_ptr())
+            self._pinned = []
             self._slots, self._memory = [], torch.empty(0, dtype=torch.uint8)
+
+    def _fault_in(self, slot: torch.Tensor) -> list[Future]:
+        """Have the pool fault ``slot`` in (:func:`fault_pieces`)."""
+        return [self._pool.submit(fault_in, slot[a:b]) for a, b in fault_pieces(slot.numel(), self._threads)]
+
+    def _prepare(self, i: int) -> None:
+        """Before buffer ``i``'s first use: wait until it is faulted in, then (CUDA) pin it."""
+        pieces, self._faulting[i] = self._faulting[i], None
+        for piece in pieces:
+            piece.result()
+        if self._stream is None:
+            return
+        self._pinned[i] = register_host(self._slots[i])
+        if not self._pinned[i] and not self._refused:
+            self._refused = True
+            warnings.warn("cudaHostRegister refused a staging buffer: this export copies pageable", stacklevel=3)
 
     def _seal(self) -> None:
         i = self._current
@@ -176,13 +232,10 @@ class Stager:
         if self._stream is not None:
             event = torch.cuda.Event(blocking=True)  # waiting threads sleep instead of spinning
             event.record(self._stream)
-        device = None if self._stream is None else self._stream.device  # threads that wait on events set it
-        if self._pool is None:
-            self._pool = worker_threads(self._threads, "export-unstage", None if self._waits else device)
         parts = split_bytes(self._jobs[i], self._threads)
         if self._waits:
             if self._waiter is None:
-                self._waiter = worker_threads(1, "export-unstage-wait", device)
+                self._waiter = worker_threads(1, "export-unstage-wait", self._device)
             self._busy[i] = [self._waiter.submit(_hand_off, event, parts, self._pool)]
         else:
             self._busy[i] = [self._pool.submit(_copy, event, part) for part in parts]
