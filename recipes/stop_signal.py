@@ -1,16 +1,19 @@
 """The training loop's per-step check: a stop signal on some rank, or a non-finite loss or gradient norm on some rank.
 
-Between checkpoints the check costs the loop neither a device sync nor a wait for the other ranks: a CUDA flag is
-copied to the host without waiting and read at the next check, and the ranks' flags are combined by an all-reduce
-that runs while the next step does and is read at the next check. What that check learns is one step old, and it is
-the same on every rank (every rank reads the same all-reduce at the same step), so all ranks stop or raise together.
-Steps that save and the last step check synchronously; so does a check that learns of a stop or a non-finite value
-from the step before, so a stop's checkpoint and a divergence's message always cover the step just done.
+Between checkpoints the check costs the loop neither a device sync nor a wait for the other ranks: this step's
+non-finite flag is read at the next check (a CUDA flag is copied to the host without waiting; a CPU flag is kept
+as it is, so both behave alike), and with several ranks the flags are combined by an all-reduce that runs during
+the next step and is read at the next check. So a value reaches the loop one step late with one rank, two with
+several, and every rank reads the same all-reduce at the same step: all ranks stop or raise together, and the
+divergence message names the step that was non-finite. Steps that save and the last step check synchronously;
+so does a check that learns of a stop or a non-finite value, and a stop never returns with a flag unread: a stop's
+checkpoint is of the step just done, and a non-finite step is never saved.
 """
 
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,7 +29,8 @@ class StopSignal:
 
     The loop checks after every step (:meth:`should_stop`); all ranks agree (a max all-reduce), save a checkpoint at
     that step, wait for in-flight saves and return. A requeued job then resumes from it. ``overlap=False`` makes
-    every check wait for the all-reduce (the behaviour before overlapping; kept for the step-overhead benchmark).
+    every check wait for the all-reduce (the check before it overlapped; kept for the step-overhead benchmark:
+    +4.4 % per step against +0.3 % overlapped on 2 H200s, docs/recipe.md).
     """
 
     SIGNALS = ("SIGTERM", "SIGUSR1")
@@ -35,7 +39,7 @@ class StopSignal:
         self.received: str | None = None
         self.overlap = overlap
         self.flag_lag = 0  # the non-finite flag reported by the last check is from that many steps before it
-        self._deferred: Any = None  # the event after which a CUDA step's flag is in _host_flag (not read yet)
+        self._deferred: Callable[[], int] | None = None  # reads the previous check's flag (kept, not read yet)
         self._host_flag: torch.Tensor | None = None  # pinned, reused: read before it is filled again
         self._reduce: Any = None  # (work, flags) of the all-reduce posted by the previous check, not read yet
         self._previous = {}
@@ -54,12 +58,12 @@ class StopSignal:
         """(a stop signal arrived on some rank, a non-finite flag was true on some rank), agreed by all ranks.
 
         Call once per step, on every rank, with the same ``now``. ``now=True`` (steps that save, the last step):
-        this step's flags, read at once and all-reduced before returning. ``now=False``: this step's flags are
-        posted (a CUDA flag copied to the host without a sync; with several ranks an asynchronous all-reduce) and
-        what returns is what the previous check posted; if that says stop or non-finite, this check completes at
-        once as with ``now=True``. :attr:`flag_lag` is how many steps before this one the reported non-finite
-        value was (0, 1 or 2). A synchronous check costs a device sync and a wait for the slowest rank per step
-        (+5 % per step measured on 2 H200s, docs/recipe.md).
+        this step's flags, read at once and all-reduced before returning. ``now=False``: this step's flag is kept
+        for the next check (a CUDA flag copied to the host without a sync), and with several ranks the all-reduce
+        is posted, not waited for; what returns is what earlier checks posted. If that says stop or non-finite,
+        this check completes at once as with ``now=True``, and a stop or non-finite value learnt after this step's
+        flag was kept (one rank, or ``overlap=False``) reads that flag before returning.
+        :attr:`flag_lag` is how many steps before this one the reported non-finite value was (0, 1 or 2).
         """
         earlier = self._collect()  # [stop, bad one check ago, bad two checks ago], agreed; zeros if none
         now = now or bool(earlier.any())
@@ -67,7 +71,7 @@ class StopSignal:
         mine[_STOP] = 1 if self.received else 0
         mine[_BAD_BEFORE] = self._read_deferred()
         if nonfinite is not None:
-            if now or nonfinite.device.type != "cuda":
+            if now:
                 mine[_BAD_NOW] = int(nonfinite.to(device="cpu", dtype=torch.int32))  # a device->host copy and sync
             else:
                 self._defer(nonfinite)
@@ -77,8 +81,14 @@ class StopSignal:
                 self._reduce = (work, mine)
                 mine = torch.zeros(3, dtype=torch.int32)  # read at the next check
         bad_by_lag = [int(mine[_BAD_NOW]), int(mine[_BAD_BEFORE]) | int(earlier[1]), int(earlier[2])]
+        stop = bool(mine[_STOP] or earlier[0])
+        if (stop or any(bad_by_lag)) and self._deferred is not None:  # learnt after this step's flag was kept
+            late = torch.tensor([self._read_deferred()], dtype=torch.int32)  # stop/bad are agreed: every rank is here
+            if world > 1:
+                dist.all_reduce(late, op=dist.ReduceOp.MAX)
+            bad_by_lag[0] |= int(late)
         self.flag_lag = max((lag for lag, bad in enumerate(bad_by_lag) if bad), default=0)
-        return bool(mine[_STOP] or earlier[0]), any(bad_by_lag)
+        return stop, any(bad_by_lag)
 
     def _collect(self) -> torch.Tensor:
         """The all-reduce of the previous check (waited for), its bad flags one step older: [stop, lag 1, lag 2]."""
@@ -89,17 +99,24 @@ class StopSignal:
         return torch.stack([flags[_STOP], flags[_BAD_NOW], flags[_BAD_BEFORE]])
 
     def _read_deferred(self) -> int:
+        """The flag kept by the previous check (0 if none); a CUDA flag once its copy has landed."""
         if self._deferred is None:
             return 0
-        event, self._deferred = self._deferred, None
-        event.synchronize()
-        return int(self._host_flag)
+        read, self._deferred = self._deferred, None
+        return read()
 
     def _defer(self, nonfinite: torch.Tensor) -> None:
+        """Keep this step's flag for the next check: a CUDA flag is copied to the (reused, pinned) host int
+        without waiting; a CPU flag is read now and reported later all the same."""
+        if nonfinite.device.type != "cuda":
+            value = int(nonfinite.to(torch.int32))
+            self._deferred = lambda: value
+            return
         if self._host_flag is None:
             self._host_flag = torch.empty((), dtype=torch.int32, pin_memory=True)
         self._host_flag.copy_(nonfinite.to(torch.int32), non_blocking=True)  # the previous one was read above
-        self._deferred = torch.cuda.current_stream(nonfinite.device).record_event()
+        event = torch.cuda.current_stream(nonfinite.device).record_event()
+        self._deferred = lambda: (event.synchronize(), int(self._host_flag))[1]
 
     @property
     def pending(self) -> bool:

@@ -347,8 +347,7 @@ def _train(
                 bar.set_postfix(**step_log.postfix)
                 step_log.t_since += last_eval["eval_s"]  # tokens/s counts training time only
             bar.update(1)
-            # this step's flags at once where a checkpoint may follow; elsewhere the previous step's (no device
-            # sync, no wait for the other ranks); a stop or a non-finite value is always reported with this step's
+            # synchronous where a checkpoint may follow; elsewhere a step or two late (recipes/stop_signal.py)
             stopping, diverged = stop.should_stop(world, result.nonfinite, now=ckpt.due(done, end) or done == end)
             if diverged:
                 ckpt.close()  # an async save of an earlier (finite) step finishes and is marked complete

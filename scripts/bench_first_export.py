@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {','.join(MODES)}")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
-    if not modes or not set(modes) <= set(MODES) or len(set(modes)) != len(modes):
+    if not set(modes) <= set(MODES) or len(set(modes)) != len(modes):
         ap.error(f"--modes {args.modes!r}: distinct modes from {','.join(MODES)}")
     if args.gib is not None and not args.gib > 0:
         ap.error(f"--gib {args.gib}: must be > 0")

@@ -27,9 +27,9 @@ repetition. A block is timed between device synchronisations after a barrier, an
 rank's. The step time of a loop is the median over its blocks of (block time / steps); its overhead is also given
 paired: the median over repetitions of (its block / bare's block of the same repetition), with a 95 % bootstrap
 interval, since whole blocks drift by ±10 % on a shared host. Each block records the garbage collector's pauses in
-it (``gc.callbacks``). ``--loops`` picks the loops (bare first). Then the stop check
-alone is timed ``--probe`` times: the all-reduce (no flag) and the all-reduce with the device flag (the flag
-computed beforehand, the device idle).
+it (``gc.callbacks``). ``--loops`` picks the loops (bare first). Then the synchronous stop check (``now=True``,
+as on steps that save) alone is timed ``--probe`` times: the all-reduce (no flag) and the all-reduce with the
+device flag (the flag computed beforehand, the device idle).
 
 Writes ``bench_recipe_overhead.jsonl`` (one line per block, per loop, per probe, and the run's metadata) and
 ``bench_recipe_overhead.md`` to ``--out`` (rank 0). Extra positional arguments are recipe overrides
@@ -372,7 +372,7 @@ def markdown(meta: dict, loops_summary: list[dict], probes: list[dict]) -> str:
         "Paired: per repetition the loop's block over bare's block of the same repetition (they run back to back), "
         "the median over repetitions and its 95 % bootstrap interval.",
     ]
-    lines += ["", "| stop check alone | per call (µs) | of a bare step |", "|---|---|---|"]
+    lines += ["", "| synchronous stop check alone | per call (µs) | of a bare step |", "|---|---|---|"]
     for p in probes:
         lines.append(f"| {p['what']} | {p['call_s'] * 1e6:.1f} | {p['fraction_of_bare_step'] * 100:.3f} % |")
     return "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
-"""The recipe's stop check on CPU: flags are read at once (deferring needs a CUDA stream; tests/gpu covers it); with
-several ranks the all-reduce of a check between checkpoints is read at the next check, the same on every rank."""
+"""The recipe's stop check: between checkpoints a step's non-finite flag is read at the next check (CPU flags as
+CUDA ones; tests/gpu covers the CUDA copy) and, with several ranks, the all-reduce of a check is read at the next
+check, the same on every rank; steps that save and a stop read everything at once."""
 
 from __future__ import annotations
 
@@ -9,15 +10,19 @@ import torch.distributed as dist
 from recipes.stop_signal import StopSignal
 from tests.distributed.launch import spawn
 
+GOOD, BAD = torch.tensor(False), torch.tensor(True)
 
-def test_cpu_flags_are_read_at_once_with_one_rank():
+
+def test_one_rank_reads_a_flag_at_the_next_check_and_a_stop_at_once_with_its_own_flag():
     stop = StopSignal()
     try:
-        assert stop.should_stop(1, torch.tensor(True), now=False) == (False, True)
-        assert not stop.pending and stop.flag_lag == 0
-        assert stop.should_stop(1, torch.tensor(False), now=False) == (False, False)
-        stop.received = "SIGTERM"
-        assert stop.should_stop(1, None, now=False) == (True, False)
+        assert stop.should_stop(1, BAD, now=False) == (False, False) and stop.pending  # kept for the next check
+        assert stop.should_stop(1, GOOD, now=False) == (False, True) and stop.flag_lag == 1
+        assert stop.should_stop(1, GOOD, now=False) == (False, False)
+        assert stop.should_stop(1, BAD, now=True) == (False, True) and stop.flag_lag == 0  # a save step: at once
+        stop.received = "SIGTERM"  # a stop between checkpoints saves this step: its own flag is read first
+        assert stop.should_stop(1, BAD, now=False) == (True, True) and stop.flag_lag == 0 and not stop.pending
+        assert stop.should_stop(1, GOOD, now=False) == (True, False)
     finally:
         stop.restore()
 
@@ -32,11 +37,10 @@ def _agreed(result: tuple[bool, bool], lag: int, world: int) -> tuple[bool, bool
 
 
 def _two_ranks(rank: int, world: int) -> None:
-    good, bad = torch.tensor(False), torch.tensor(True)
     stop = StopSignal()
     try:
 
-        def check(flag=good, *, now=False, signal=None):
+        def check(flag=GOOD, *, now=False, signal=None):
             if signal is not None and rank == 1:
                 stop.received = signal
             return _agreed(stop.should_stop(world, flag, now=now), stop.flag_lag, world)
@@ -45,24 +49,29 @@ def _two_ranks(rank: int, world: int) -> None:
         assert check(signal="SIGTERM") == (False, False, 0)  # rank 1's signal is posted now...
         assert check() == (True, False, 0) and not stop.pending  # ...and reported by all ranks one check later
         stop.received = None
-        assert check(bad if rank == 0 else good) == (False, False, 0)  # rank 0's non-finite loss, posted
-        assert check() == (False, True, 1) and not stop.pending  # reported with its step (one before)
-        assert check(bad if rank == 1 else good, now=True) == (False, True, 0)  # at once: this step's
+        assert check(BAD if rank == 0 else GOOD) == (False, False, 0)  # rank 0's non-finite step: kept...
+        assert check() == (False, False, 0)  # ...read here and posted...
+        assert check() == (False, True, 2) and not stop.pending  # ...reported with its step (two before)
+        assert check(BAD if rank == 1 else GOOD, now=True) == (False, True, 0)  # a save step: this step's, at once
         assert check() == (False, False, 0)
-        assert check(now=True, signal="SIGUSR1") == (True, False, 0) and not stop.pending  # a save step: at once
+        # a stop and a non-finite value of the step before: reported together, the value with its step
+        assert check(BAD if rank == 0 else GOOD, signal="SIGUSR1") == (False, False, 0)
+        assert check() == (True, True, 1) and not stop.pending
+        assert check(now=True) == (True, False, 0)  # rank 1's signal stays received
     finally:
         stop.restore()
-    waiting = StopSignal(overlap=False)  # the check as it was: every check waits for the all-reduce
+    waiting = StopSignal(overlap=False)  # the check before it overlapped: every check waits for the all-reduce
     try:
-        assert _agreed(waiting.should_stop(world, bad if rank == 1 else good, now=False), waiting.flag_lag, world) == (
-            False,
-            True,
-            0,
-        )
-        assert not waiting.pending
+        assert _agreed(waiting.should_stop(world, BAD if rank == 1 else GOOD, now=False), 0, world) == (False, False, 0)
+        assert _agreed(waiting.should_stop(world, GOOD, now=False), waiting.flag_lag, world) == (False, True, 1)
+        if rank == 0:
+            waiting.received = "SIGTERM"
+        # rank 0's stop is agreed in this check's all-reduce, after this step's flag was kept: it is read at once
+        result = waiting.should_stop(world, BAD if rank == 1 else GOOD, now=False)
+        assert _agreed(result, waiting.flag_lag, world) == (True, True, 0) and not waiting.pending
     finally:
         waiting.restore()
 
 
-def test_two_ranks_agree_one_check_later_between_checkpoints_and_at_once_when_saving():
+def test_two_ranks_agree_a_check_or_two_later_between_checkpoints_and_at_once_when_saving():
     spawn(_two_ranks, 2)
