@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# What each rank contributes to the all-reduce (MAX): a stop signal arrived; the step just done was non-finite; the
-# step before it was (a deferred CUDA flag, read one step late)
+# What each rank contributes to the all-reduce (MAX): a stop signal arrived; the step just done was non-finite (read
+# at once); the step before it was (its flag kept by the previous check)
 _STOP, _BAD_NOW, _BAD_BEFORE = range(3)
 
 

@@ -35,7 +35,7 @@ __all__ = [
 STAGING_SLOTS = 4  # staging buffers in the ring
 # bytes of one staging buffer (less when the export stages less), and the most unstaging threads: 32 MiB x 12 beat
 # 8 MiB x 8 in every trial of one process on an H200 (25 % against 18 % of the link; 2 ranks 12-20 % against
-# 8-15 %; benchmarks/results/2026-11-30-h200-fourth/first_export/)
+# 7-15 %; benchmarks/results/2026-11-30-h200-fourth/first_export/)
 SLOT_BYTES = 32 << 20
 MIN_SLICE_BYTES = 1 << 20  # a thread copies at least this many bytes of a slot (fewer threads for less)
 MAX_UNSTAGE_THREADS = 12
@@ -45,9 +45,8 @@ _ALIGN = 64  # byte offset alignment of the segments in a slot
 
 def unstage_threads(cpus: int | None = None, local_ranks: int | None = None) -> int:
     """Host threads that empty the staging buffers: ``min(MAX_UNSTAGE_THREADS, cpus // local_ranks)``, at least 1,
-    where ``cpus``
-    is the number of CPUs this process may run on (its affinity) and ``local_ranks`` the processes of the job
-    on this host (``LOCAL_WORLD_SIZE``, set by torchrun; 1 without it)."""
+    where ``cpus`` is the number of CPUs this process may run on (its affinity) and ``local_ranks`` the processes
+    of the job on this host (``LOCAL_WORLD_SIZE``, set by torchrun; 1 without it)."""
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if local_ranks is None:
