@@ -6,6 +6,7 @@ See docs/design.md, "Streaming" and "Host memory".
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +42,7 @@ MIN_SLICE_BYTES = 1 << 20  # a thread copies at least this many bytes of a slot 
 MAX_UNSTAGE_THREADS = 12
 _FAULT_GRAIN = 2 << 20  # staging is faulted in by the pool in pieces of whole transparent huge pages
 _ALIGN = 64  # byte offset alignment of the segments in a slot
+_PAGE = mmap.PAGESIZE
 
 
 def unstage_threads(cpus: int | None = None, local_ranks: int | None = None) -> int:
@@ -134,7 +136,8 @@ class Stager:
             raise ValueError(f"Stager slot_bytes={slot_bytes!r}: expected a positive multiple of {_ALIGN}")
         if not isinstance(waiter, bool):
             raise ValueError(f"Stager waiter={waiter!r}: expected True or False")
-        slot = min(slot_bytes, -(-total_bytes // _ALIGN) * _ALIGN)
+        # whole pages per buffer: each is pinned on its own, and two registrations may not share a page
+        slot = -(-min(slot_bytes, total_bytes) // _PAGE) * _PAGE
         slots = min(STAGING_SLOTS, max(1, -(-total_bytes // slot)))
         self._stream = stream
         self._threads = threads
