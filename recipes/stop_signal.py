@@ -57,7 +57,8 @@ class StopSignal:
     def should_stop(self, world: int, nonfinite: torch.Tensor | None = None, *, now: bool = True) -> tuple[bool, bool]:
         """(a stop signal arrived on some rank, a non-finite flag was true on some rank), agreed by all ranks.
 
-        Call once per step, on every rank, with the same ``now``. ``now=True`` (steps that save, the last step):
+        Call once per step, on every rank, with the same ``now`` and a flag on every rank or on none (the
+        collectives then match across ranks). ``now=True`` (steps that save, the last step):
         this step's flags, read at once and all-reduced before returning. ``now=False``: this step's flag is kept
         for the next check (a CUDA flag copied to the host without a sync), and with several ranks the all-reduce
         is posted, not waited for; what returns is what earlier checks posted. If that says stop or non-finite,

@@ -127,9 +127,13 @@ def test_cuda_background_export_overlaps_kernels_and_step_waits(backend, record)
         opt.release_state_dict(sd)
 
 
-@pytest.mark.parametrize("slot_bytes", [1 << 20, (1 << 20) + 64], ids=["1MiB-slots", "slots-not-page-sized"])
+@pytest.mark.parametrize(
+    "n, slot_bytes",
+    [(24 << 20, 1 << 20), (24 << 20, (1 << 20) + 64), (600_000, 1 << 17)],
+    ids=["1MiB-slots", "slots-not-page-sized", "ring-under-a-huge-page"],
+)
 @pytest.mark.parametrize("waiter", [False, True], ids=["pool-waits", "waiter"])
-def test_stager_ring_on_cuda_copies_every_byte_and_leaves_nothing_behind(waiter, slot_bytes):
+def test_stager_ring_on_cuda_copies_every_byte_and_leaves_nothing_behind(waiter, n, slot_bytes):
     """The staging ring on a side stream, with the pool's threads waiting for the events or one waiter thread
     (``Stager(waiter=True)``): every byte lands, wrapping small slots many times; no thread stays; every buffer is
     pinned (each on its own: buffers of whole pages, also for a slot size that is not, else two registrations
@@ -140,7 +144,6 @@ def test_stager_ring_on_cuda_copies_every_byte_and_leaves_nothing_behind(waiter,
     from optim_factory.optimizers.export.host_memory import host_empty
     from optim_factory.optimizers.export.staging import Stager
 
-    n = 24 << 20
     src = torch.arange(n // 4, dtype=torch.int32, device="cuda")
     dst = host_empty(src.shape, src.dtype)
     stream = torch.cuda.Stream()
@@ -153,7 +156,9 @@ def test_stager_ring_on_cuda_copies_every_byte_and_leaves_nothing_behind(waiter,
                 for c in range(0, src.numel(), 1 << 20):
                     stager.put(src[c : c + (1 << 20)], dst[c : c + (1 << 20)])
             stager.flush()
+            pinned = stager.pinned_buffers
     assert torch.equal(dst, src.cpu())
+    assert pinned == min(4, -(-n // slot_bytes)), pinned  # every buffer of the ring was used and pinned
     assert threading.active_count() == before
 
 
@@ -205,6 +210,23 @@ after_ours = gpu0_context_active()
 concurrent.futures.ThreadPoolExecutor(1).submit(torch.zeros, 1, device="cuda:0").result()
 print(at_start, after_ours, gpu0_context_active())
 """
+
+
+@pytest.mark.cuda_only
+def test_a_refused_registration_does_not_fail_the_next_kernel():
+    """cudaHostRegister of memory already registered is refused; the thread's last CUDA error it leaves is cleared,
+    so the next kernel launch's error check does not raise it (seen elsewhere: vLLM, maru)."""
+    from optim_factory.optimizers.export.host_memory import host_empty, register_host, unregister_host
+
+    t = host_empty(torch.Size([4 << 20]), torch.uint8)
+    assert register_host(t)
+    try:
+        assert not register_host(t)  # already registered
+        x = torch.ones(1 << 10, device="cuda") * 2  # a kernel launch and its check
+        torch.cuda.synchronize()
+        assert float(x.sum()) == 2048.0
+    finally:
+        unregister_host(t.data_ptr())
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -174,11 +174,14 @@ def test_non_finite_loss_stops_the_run_before_the_next_save(tmp_path):
 def test_a_non_finite_loss_between_checkpoints_is_named_by_its_step(tmp_path):
     """As above with no save at steps 2-3: step 2's flag is read at step 3's check (between checkpoints a flag is
     read one check late), which stops the run there and names step 2."""
-    proc = run_cli([*QUICK, f"run_dir={tmp_path}", "optim.lr=1e30", "checkpoint.every_steps=4", "trainer.max_steps=5"])
+    args = ["optim.lr=1e30", "checkpoint.every_steps=4", "trainer.max_steps=5", "trainer.log_every=1"]
+    proc = run_cli([*QUICK, f"run_dir={tmp_path}", *args])
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: step 2: non-finite loss or gradient norm (NaN/inf); stopped before saving"), last
     assert "the newest good checkpoint is none" in last and not (tmp_path / "checkpoints" / "step_00000004").exists()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]  # step 3 ran: the flag was read late
 
 
 def test_a_non_finite_state_is_never_saved(tmp_path):

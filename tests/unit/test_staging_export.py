@@ -136,6 +136,42 @@ def test_stager_faults_its_whole_ring_in_ahead_of_use():
     assert staging >= ring, f"{staging >> 20} of {ring >> 20} MiB of staging resident"
 
 
+def test_a_failed_copy_neither_hangs_close_nor_goes_unreported(monkeypatch):
+    """A slot's copy fails on a pool thread while the caller fails for its own reason: close() still returns
+    (it once spun on the failed future forever) and the threads are gone; a flush reports the copy's failure."""
+    import optim_factory.optimizers.export.staging as staging
+
+    def failing_copy(event, part):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(staging, "_copy", failing_copy)
+    before = threading.active_count()
+
+    def fail_after_sealing(flush: bool) -> None:
+        dst = torch.zeros(SLOT_BYTES // 4 + M)
+        with Stager(4 * SLOT_BYTES, None, 2) as stager:
+            stager.put(torch.ones(dst.numel()), dst)  # seals the first buffer: its copy fails on a thread
+            if flush:
+                stager.flush()
+            stager.put(torch.ones(4), torch.empty(3))  # the caller's own error
+
+    for flush, error in ((False, ValueError), (True, RuntimeError)):
+        raised: list[BaseException] = []
+
+        def run(flush=flush, raised=raised) -> None:
+            try:
+                fail_after_sealing(flush)
+            except BaseException as e:  # noqa: BLE001 - checked below
+                raised.append(e)
+
+        runner = threading.Thread(target=run, daemon=True)  # a daemon: a hang fails the test, not the suite
+        runner.start()
+        runner.join(timeout=60)
+        assert not runner.is_alive(), "Stager.close() did not return after a failed copy"
+        assert len(raised) == 1 and isinstance(raised[0], error), raised
+    assert threading.active_count() == before
+
+
 def test_unstage_threads_rule(monkeypatch):
     assert unstage_threads(cpus=16, local_ranks=1) == 12  # MAX_UNSTAGE_THREADS
     assert unstage_threads(cpus=32, local_ranks=2) == 12

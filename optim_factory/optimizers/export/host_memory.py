@@ -89,9 +89,41 @@ _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA contex
 
 def register_host(t: torch.Tensor) -> bool:
     """Pin the memory of host tensor ``t`` in place (``cudaHostRegister``, portable: whichever device is current
-    in the calling thread, every device copies into it as pinned memory); ``False`` if CUDA refused."""
+    in the calling thread, every device copies into it as pinned memory); ``False`` if CUDA refused. A refusal
+    also leaves the calling thread's last CUDA error set, which the next kernel launch's check would raise: it
+    is cleared here (:func:`_clear_last_cuda_error`)."""
     nbytes = t.numel() * t.element_size()
-    return nbytes > 0 and int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, _REGISTER_PORTABLE)) == 0
+    if nbytes == 0:
+        return False
+    if int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, _REGISTER_PORTABLE)) == 0:
+        return True
+    _clear_last_cuda_error()
+    return False
+
+
+@functools.cache
+def _cuda_get_last_error() -> Any:
+    """``cudaGetLastError`` of the CUDA runtime library this process has loaded (torch links it dynamically;
+    torch's bindings do not expose it), or ``None`` where none is found."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "libcudart.so" in line})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            fn = ctypes.CDLL(path).cudaGetLastError
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        return fn
+    return None
+
+
+def _clear_last_cuda_error() -> None:
+    get_last_error = _cuda_get_last_error()
+    if get_last_error is not None:
+        get_last_error()  # returns the error and resets it to cudaSuccess for this thread
 
 
 def worker_threads(workers: int, name: str, device: torch.device | None = None) -> ThreadPoolExecutor:

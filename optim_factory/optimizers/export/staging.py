@@ -136,13 +136,17 @@ class Stager:
             raise ValueError(f"Stager slot_bytes={slot_bytes!r}: expected a positive multiple of {_ALIGN}")
         if not isinstance(waiter, bool):
             raise ValueError(f"Stager waiter={waiter!r}: expected True or False")
-        # whole pages per buffer: each is pinned on its own, and two registrations may not share a page
+        if isinstance(total_bytes, bool) or not isinstance(total_bytes, int) or total_bytes < 1:
+            raise ValueError(f"Stager total_bytes={total_bytes!r}: expected an int >= 1")
+        # whole pages per buffer (slot_bytes rounded up): each is pinned on its own, and two registrations may not
+        # share a page; the ring is at least _FAULT_GRAIN bytes, which host_empty maps on their own, page-aligned
+        # (a small ring from the heap could share a page with a pinned pool buffer); untouched pages cost nothing
         slot = -(-min(slot_bytes, total_bytes) // _PAGE) * _PAGE
         slots = min(STAGING_SLOTS, max(1, -(-total_bytes // slot)))
         self._stream = stream
         self._threads = threads
-        self._memory = host_empty(torch.Size([slot * slots]), torch.uint8)
-        self._slots = list(self._memory.split(slot))
+        self._memory = host_empty(torch.Size([max(slot * slots, _FAULT_GRAIN)]), torch.uint8)
+        self._slots = list(self._memory[: slot * slots].split(slot))
         self._jobs: list[list[tuple[int, int, int]]] = [[] for _ in self._slots]
         self._busy: list[list[Future]] = [[] for _ in self._slots]
         self._current, self._used = 0, 0
@@ -151,9 +155,18 @@ class Stager:
         self._pool = worker_threads(threads, "export-unstage", None if waiter else self._device)
         self._waiter: ThreadPoolExecutor | None = None  # the one thread that waits for events (waiter=True)
         # per buffer: the pool's fault-in pieces (None once the buffer was prepared), whether it is pinned
-        self._faulting: list[list[Future] | None] = [self._fault_in(s) for s in self._slots]
+        try:
+            self._faulting: list[list[Future] | None] = [self._fault_in(s) for s in self._slots]
+        except BaseException:  # e.g. no thread could be started: the ones that were go
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            raise
         self._pinned = [False] * len(self._slots)
         self._refused = False  # cudaHostRegister refused a buffer (warned once)
+
+    @property
+    def pinned_buffers(self) -> int:
+        """How many of the ring's buffers are pinned so far (each is pinned at its first use; CUDA only)."""
+        return sum(self._pinned)
 
     def __enter__(self) -> Stager:
         return self
@@ -203,7 +216,8 @@ class Stager:
             if self._waiter is not None:  # first: it may still hand slices to the pool
                 self._waiter.shutdown(wait=True)
                 self._waiter = None
-            if self._pool is not None:  # every copy was waited for above: what is left are fault-ins of unused buffers
+            # what is still queued: fault-ins of unused buffers, or (after a failure) copies of a failed export
+            if self._pool is not None:
                 self._pool.shutdown(wait=True, cancel_futures=True)
                 self._pool = None
             for slot, pinned in zip(self._slots, self._pinned):
@@ -247,8 +261,8 @@ class Stager:
     def _wait(self, i: int, raise_errors: bool = True) -> None:
         busy, self._busy[i] = self._busy[i], []
         while busy:  # a waiter's future yields the futures of the slices it handed to the pool
-            error = busy[0].exception()
+            future = busy.pop(0)
+            error = future.exception()
             if error is not None and raise_errors:
                 raise error
-            handed = busy.pop(0).result() if error is None else None
-            busy.extend(handed or ())
+            busy.extend((future.result() if error is None else None) or ())
