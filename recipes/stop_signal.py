@@ -67,8 +67,8 @@ class StopSignal:
         :attr:`flag_lag` is how many steps before this one the reported non-finite value was (0, 1 or 2).
         """
         earlier = self._collect()  # [stop, bad one check ago, bad two checks ago], agreed; zeros if none
-        now = now or bool(earlier.any())
-        mine = torch.zeros(3, dtype=torch.int32)
+        now = now or any(earlier)
+        mine = [0, 0, 0]
         mine[_STOP] = 1 if self.received else 0
         mine[_BAD_BEFORE] = self._read_deferred()
         if nonfinite is not None:
@@ -77,11 +77,14 @@ class StopSignal:
             else:
                 self._defer(nonfinite)
         if world > 1:
-            work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, async_op=not now and self.overlap)  # CPU: gloo
-            if work is not None:
-                self._reduce = (work, mine)
-                mine = torch.zeros(3, dtype=torch.int32)  # read at the next check
-        bad_by_lag = [int(mine[_BAD_NOW]), int(mine[_BAD_BEFORE]) | int(earlier[1]), int(earlier[2])]
+            flags = torch.tensor(mine, dtype=torch.int32)
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=not now and self.overlap)  # CPU: gloo
+            if work is None:
+                mine = flags.tolist()
+            else:
+                self._reduce = (work, flags)
+                mine = [0, 0, 0]  # read at the next check
+        bad_by_lag = [mine[_BAD_NOW], mine[_BAD_BEFORE] | earlier[1], earlier[2]]
         stop = bool(mine[_STOP] or earlier[0])
         if (stop or any(bad_by_lag)) and self._deferred is not None:  # learnt after this step's flag was kept
             late = torch.tensor([self._read_deferred()], dtype=torch.int32)  # stop/bad are agreed: every rank is here
@@ -91,13 +94,14 @@ class StopSignal:
         self.flag_lag = max((lag for lag, bad in enumerate(bad_by_lag) if bad), default=0)
         return stop, any(bad_by_lag)
 
-    def _collect(self) -> torch.Tensor:
+    def _collect(self) -> list[int]:
         """The all-reduce of the previous check (waited for), its bad flags one step older: [stop, lag 1, lag 2]."""
         if self._reduce is None:
-            return torch.zeros(3, dtype=torch.int32)
+            return [0, 0, 0]
         (work, flags), self._reduce = self._reduce, None
         work.wait()
-        return torch.stack([flags[_STOP], flags[_BAD_NOW], flags[_BAD_BEFORE]])
+        agreed = flags.tolist()
+        return [agreed[_STOP], agreed[_BAD_NOW], agreed[_BAD_BEFORE]]
 
     def _read_deferred(self) -> int:
         """The flag kept by the previous check (0 if none); a CUDA flag once its copy has landed."""

@@ -231,13 +231,14 @@ def test_stager_waiter_empties_a_slot_before_it_is_filled_again():
         (dict(slot_bytes=100), "slot_bytes=100: expected a positive multiple of 64"),
         (dict(slot_bytes=0), "slot_bytes=0: expected a positive multiple of 64"),
         (dict(waiter="yes"), "waiter='yes': expected True or False"),
+        (dict(total_bytes=0), "total_bytes=0: expected an int >= 1"),
     ],
 )
 def test_stager_refuses_bad_options_in_one_line(kwargs, match):
     before = threading.active_count()
-    args = dict(threads=2) | kwargs
+    args = dict(threads=2, total_bytes=M) | kwargs
     with pytest.raises(ValueError, match=match):
-        Stager(M, None, args.pop("threads"), **args)
+        Stager(args.pop("total_bytes"), None, args.pop("threads"), **args)
     assert threading.active_count() == before
 
 
