@@ -40,8 +40,11 @@ mode.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import shutil
 import statistics
 import sys
@@ -243,6 +246,7 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     mode = Mode(name, ctx)
+    profiles: list[cProfile.Profile] = []
     rss0, pinned0 = rss_bytes(), pinned_bytes(ctx["opt"], device)
     rows = []
     for repeat in range(-1, repeats):  # -1: the warm-up checkpoint
@@ -256,9 +260,15 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
         path = root / f"step_{step:08d}"
         rss_a, pinned_a = rss_bytes(), pinned_bytes(ctx["opt"], device)
         base = gpu_base(device)
+        profiler = cProfile.Profile() if ctx.get("profile") and repeat >= 0 else None
         t0 = time.perf_counter()
-        info = mode.save(step, path)
+        if profiler is not None:
+            info = profiler.runcall(mode.save, step, path)
+        else:
+            info = mode.save(step, path)
         save_call_s = time.perf_counter() - t0
+        if profiler is not None:
+            profiles.append(profiler)
         peak_save = gpu_peak_mib(device, base)  # the allocator's counts: no device sync needed
         # the loop resumes: forward and backward of the next step, then the wait (if any) before step()
         first_s, hook_s = trainer.step(before_step=mode.hook)
@@ -293,10 +303,25 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
             )
         )
     mode.close()
+    if profiles:
+        write_profile(profiles, Path(ctx["profile"]) / f"{name}_rank{rank}.txt")
     dist.barrier()
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
     return rows, step
+
+
+def write_profile(profiles: list[cProfile.Profile], path: Path) -> None:
+    """The measured save calls of one mode on one rank: the 40 functions of most cumulative, then of most own
+    time (cProfile's overhead inflates both; for where the time goes, not for the table's numbers)."""
+    text = io.StringIO()
+    stats = pstats.Stats(profiles[0], stream=text)
+    for more in profiles[1:]:
+        stats.add(more)
+    stats.sort_stats("cumulative").print_stats(40)
+    stats.sort_stats("tottime").print_stats(40)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{len(profiles)} save calls\n" + text.getvalue())
 
 
 def stager_reusable() -> bool:
@@ -469,6 +494,12 @@ def main(argv: list[str] | None = None) -> None:
         help="(a)/(b): one DefaultStager kept across saves, or a new one per save; auto: reuse where this torch's "
         "stager serves more than one save",
     )
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        help="cProfile the measured save calls; one text file per mode and rank in this directory (slower calls: "
+        "run it apart from the table's run)",
+    )
     args = ap.parse_args(argv)
     if args.render is not None:
         meta, rows = read(args.render)
@@ -502,6 +533,7 @@ def main(argv: list[str] | None = None) -> None:
         scratch=scratch,
         chunk=parse_bytes(args.chunk, "--chunk"),
         group=dist.new_group(backend="gloo"),
+        profile=args.profile,
     )
     reusable = stager_reusable()
     if args.stager == "reuse" and not reusable:

@@ -30,9 +30,15 @@ def test_bench_export_runs_with_fresh_processes_on_cpu(tmp_path):
 def test_bench_save_runs_every_mode_on_cpu(tmp_path):
     args = ["--device", "cpu", "--width", "64", "--layers", "2", "--tokens", "16", "--repeats", "1"]
     cmd = [sys.executable, "-m", "scripts.bench_save", *args, "--out", str(tmp_path), "--scratch", str(tmp_path / "s")]
+    cmd += ["--profile", str(tmp_path / "prof")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from scripts.bench_save import MODES
+
+    # --profile: the measured save call of every mode, profiled (the function the mode's save went through)
+    for m in MODES:
+        profile = (tmp_path / "prof" / f"{m}_rank0.txt").read_text()
+        assert profile.startswith("1 save calls") and "(save)" in profile, (m, profile[:500])
 
     lines = (tmp_path / "bench_save.jsonl").read_text().splitlines()
     rows = [json.loads(ln) for ln in lines[1:]]
