@@ -81,21 +81,20 @@ def build(device: torch.device, gib: float):
     n = max(1, round(gib * (1 << 30) / (PARAM_NUMEL * EXPORTED_BYTES_PER_ELEMENT)))
     kw = dict(master_weights=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
     backend = "portable"
-    cls = None
-    if device.type == "cuda":
-        try:
-            from optim_factory import FusedAdam as cls
-
-            backend = "te"
-        except ImportError:
-            cls = None
-    if cls is None:
-        from optim_factory import PortableFusedAdam as cls
     gen = torch.Generator(device=device).manual_seed(0)
     params = [
         torch.nn.Parameter(torch.randn(PARAM_NUMEL, device=device, generator=gen).to(torch.bfloat16)) for _ in range(n)
     ]
-    opt = cls(params, lr=1e-3, **kw)
+    from optim_factory import FusedAdam, PortableFusedAdam
+
+    opt = None
+    if device.type == "cuda":
+        try:  # TE's class; it raises ImportError when built without Transformer Engine
+            opt, backend = FusedAdam(params, lr=1e-3, **kw), "te"
+        except ImportError:
+            opt = None
+    if opt is None:
+        opt = PortableFusedAdam(params, lr=1e-3, **kw)
     for p in params:
         p.grad = torch.randn(p.shape, device=device, generator=gen).to(torch.bfloat16)
     opt.step()

@@ -97,6 +97,13 @@ def _copy(event: Any, part: list[tuple[int, int, int]]) -> None:
         ctypes.memmove(dst, src, n)
 
 
+def _pin_after(pieces: list[Future], slot: torch.Tensor) -> bool:
+    """Pool thread: pin ``slot`` once its fault-in ``pieces`` are done; whether it was pinned."""
+    for piece in pieces:
+        piece.result()
+    return register_host(slot)
+
+
 def _hand_off(event: Any, parts: list[list[tuple[int, int, int]]], pool: ThreadPoolExecutor) -> list[Future]:
     """Waiter: wait until the device has filled the slot, then hand its slices to the pool (which never calls
     CUDA); returns the slices' futures."""
@@ -117,10 +124,13 @@ class Stager:
 
     Preparing the staging memory is fresh memory's cost: faulting it in (the kernel zeroes every page) and, for
     CUDA, pinning it (``cudaHostRegister``, one call per buffer). The pool's threads fault the buffers in, in
-    pieces of whole huge pages, the first buffer's pieces first, while the caller starts; each buffer is pinned
-    by the caller just before its first use (pinning resident memory is fast), so the device waits only for the
-    first buffer, not for the whole ring. Pinning 128 MiB of fresh memory in one call took 31-34 ms on an H200
-    host, a sixth of a 2 GB export (benchmarks/results/2026-11-30-h200-fourth/first_export/).
+    pieces of whole huge pages, the first buffer's pieces first, while the caller starts, and pin each buffer
+    once its pieces are in; the caller waits for a buffer only before its first use, so the device waits for
+    the first buffer, not for the whole ring. Pinning 128 MiB of fresh memory in one call took 31-34 ms on an
+    H200 host, a sixth of a 2 GB export (benchmarks/results/2026-11-30-h200-fourth/first_export/); pinned by the
+    pool instead of by the caller, the first export went from 32-34 % to 35-36 % of the link on one GPU and from
+    20-24 % to 22-25 % on each of two ranks (benchmarks/results/2026-11-30-h200-fifth/). With ``waiter=True``
+    the pool's threads never call CUDA: the caller pins each buffer before its first use.
 
     ``slot_bytes`` is the size of one staging buffer. With ``waiter=True`` one extra thread waits for the sealed
     buffers' events in order and hands their slices to the pool, so the pool's threads never call CUDA; by
@@ -154,14 +164,19 @@ class Stager:
         self._device = None if stream is None else stream.device  # threads that wait on events make it current
         self._pool = worker_threads(threads, "export-unstage", None if waiter else self._device)
         self._waiter: ThreadPoolExecutor | None = None  # the one thread that waits for events (waiter=True)
-        # per buffer: the pool's fault-in pieces (None once the buffer was prepared), whether it is pinned
-        try:
-            self._faulting: list[list[Future] | None] = [self._fault_in(s) for s in self._slots]
-        except BaseException:  # e.g. no thread could be started: the ones that were go
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            raise
+        # per buffer: the pool's fault-in pieces (None once the buffer was prepared), its pinning by the pool
+        # (None: the caller pins it), whether it is pinned
+        self._faulting: list[list[Future] | None] = []
+        self._pinning: list[Future | None] = []
         self._pinned = [False] * len(self._slots)
         self._refused = False  # cudaHostRegister refused a buffer (warned once)
+        try:
+            for s in self._slots:
+                self._fault_in(s)
+        except BaseException:  # e.g. no thread could be started: the ones that were go, and what they pinned
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._unpin()
+            raise
 
     @property
     def pinned_buffers(self) -> int:
@@ -220,24 +235,36 @@ class Stager:
             if self._pool is not None:
                 self._pool.shutdown(wait=True, cancel_futures=True)
                 self._pool = None
-            for slot, pinned in zip(self._slots, self._pinned):
-                if pinned:
-                    unregister_host(slot.data_ptr())
-            self._pinned = []
+            self._unpin()
             self._slots, self._memory = [], torch.empty(0, dtype=torch.uint8)
 
-    def _fault_in(self, slot: torch.Tensor) -> list[Future]:
-        """Have the pool fault ``slot`` in (:func:`fault_pieces`)."""
-        return [self._pool.submit(fault_in, slot[a:b]) for a, b in fault_pieces(slot.numel(), self._threads)]
+    def _unpin(self) -> None:
+        """Once the pool has stopped: unregister every pinned buffer, also those the pool pinned that were never
+        prepared (unused, or the export failed first)."""
+        for i, pinning in enumerate(self._pinning):
+            if self._faulting[i] is not None and pinning is not None and pinning.done() and not pinning.cancelled():
+                self._pinned[i] = pinning.exception() is None and pinning.result()
+        for slot, pinned in zip(self._slots, self._pinned):
+            if pinned:
+                unregister_host(slot.data_ptr())
+        self._pinned, self._pinning, self._faulting = [], [], []
+
+    def _fault_in(self, slot: torch.Tensor) -> None:
+        """Have the pool fault ``slot`` in (:func:`fault_pieces`), then (CUDA, no waiter) pin it."""
+        pieces = [self._pool.submit(fault_in, slot[a:b]) for a, b in fault_pieces(slot.numel(), self._threads)]
+        pool_pins = self._stream is not None and not self._waits  # the pool's threads have the device current
+        self._faulting.append(pieces)
+        self._pinning.append(self._pool.submit(_pin_after, list(pieces), slot) if pool_pins else None)
 
     def _prepare(self, i: int) -> None:
-        """Before buffer ``i``'s first use: wait until it is faulted in, then (CUDA) pin it."""
+        """Before buffer ``i``'s first use: wait until it is faulted in and (CUDA) pinned."""
         pieces, self._faulting[i] = self._faulting[i], None
         for piece in pieces:
             piece.result()
         if self._stream is None:
             return
-        self._pinned[i] = register_host(self._slots[i])
+        pinning = self._pinning[i]
+        self._pinned[i] = pinning.result() if pinning is not None else register_host(self._slots[i])
         if not self._pinned[i] and not self._refused:
             self._refused = True
             warnings.warn("cudaHostRegister refused a staging buffer: this export copies pageable", stacklevel=3)

@@ -6,6 +6,8 @@ See docs/design.md, "Tensors".
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -51,9 +53,16 @@ def wrap_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 def wrap_host_local(local: torch.Tensor, param: DTensor) -> DTensor:
     """``local`` (a host tensor) as a DTensor laid out like ``param``, without moving it to the mesh's device
     (what ``DTensor.to("cpu")`` returns; ``DTensor.from_local`` would copy it back to the accelerator)."""
-    meta = TensorMeta(shape=param.size(), stride=param.stride(), dtype=local.dtype)
-    spec = DTensorSpec(mesh=param.device_mesh, placements=tuple(param.placements), tensor_meta=meta)
+    spec = _host_spec(param.device_mesh, tuple(param.placements), param.size(), param.stride(), local.dtype)
     return DTensor(local, spec, requires_grad=False)
+
+
+@functools.lru_cache(maxsize=4096)
+def _host_spec(mesh, placements: tuple, shape: torch.Size, stride: tuple, dtype: torch.dtype) -> DTensorSpec:
+    """One spec per layout, shared by the DTensors of every export (nothing mutates a DTensor's spec): building a
+    spec took 3-4 times as long as the DTensor itself (13.6 against 3.8 us per wrap on the CPU machine), and a
+    checkpoint wraps every state and model tensor."""
+    return DTensorSpec(mesh=mesh, placements=placements, tensor_meta=TensorMeta(shape=shape, stride=stride, dtype=dtype))
 
 
 def join_bf16_remainder(param_bf16: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
