@@ -43,7 +43,6 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -395,18 +394,9 @@ class CheckpointManager:
         A deferred export (:meth:`_defers`) returns before the optimizer's export is filled: the model and every
         tensor that is not a pooled export buffer are copied here, the rest (wait, finite check) runs in the
         background, and :meth:`wait` refuses the save on every rank if the export failed or holds non-finite
-        values. Call :meth:`wait_export` before the next ``optimizer.step()``.
-
-        A background export started by this call starts filling when the call returns (or when the call itself
-        waits for it): its thread runs Python between its copies and would otherwise share the interpreter lock
-        with the call's own work."""
+        values. Call :meth:`wait_export` before the next ``optimizer.step()``."""
         self.wait()  # one save in flight at most; its buffers are never touched by the next export
         held_since = time.perf_counter()  # this checkpoint holds the loop from here (the wait above: the previous)
-        held = optimizer.state_exporter.held() if isinstance(optimizer, OffloadedStateDict) else nullcontext()
-        with held:
-            return self._save(step, model, optimizer, trainer_state, held_since)
-
-    def _save(self, step: int, model, optimizer, trainer_state: dict[str, Any], held_since: float) -> ExportReport:
         path = self.root / f"step_{step:08d}"
         msd, osd, export_s, peak, export_error, deferred = self._export(model, optimizer)
         try:

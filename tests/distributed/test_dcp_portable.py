@@ -41,3 +41,7 @@ def test_async_saves_while_training_collectives_run_complete_and_load(tmp_path):
 
 def test_a_background_export_failing_on_one_rank_refuses_the_save_on_every_rank(tmp_path):
     spawn(workers.background_export_failure, 2, str(tmp_path))
+
+
+def test_host_dtensors_keep_their_own_mesh():
+    spawn(workers.host_wraps_keep_their_mesh, 2)

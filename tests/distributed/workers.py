@@ -373,3 +373,20 @@ def background_export_failure(rank: int, world: int, tmp: str) -> None:
     ckpt.close()
     dist.barrier()
     assert [s for s, _ in ckpt.complete()] == [1, 3]
+
+
+def host_wraps_keep_their_mesh(rank: int, world: int) -> None:
+    """``wrap_host_local`` shares one spec per layout, but never across mesh objects: two meshes of the same layout
+    are equal (``DeviceMesh.__eq__``) yet each wrap must carry the parameter's own (its rank coordinate places the
+    shard in a checkpoint)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from optim_factory.optimizers.export import wrap_host_local
+
+    meshes = [init_device_mesh("cpu", (world,)) for _ in range(2)]
+    assert meshes[0] == meshes[1] and meshes[0] is not meshes[1]
+    for mesh in (*meshes, meshes[0]):
+        param = distribute_tensor(torch.zeros(4 * world, 3), mesh, [Shard(0)])
+        wrapped = wrap_host_local(torch.ones(4, 3), param)
+        assert wrapped.device_mesh is mesh and wrapped.placements == param.placements
+        assert wrapped.shape == param.shape and wrapped.to_local().data_ptr() != param.to_local().data_ptr()

@@ -153,31 +153,3 @@ def test_a_step_without_wait_export_never_changes_a_state_being_exported(tmp_pat
         for k, st in sd["state"].items():
             for name, v in st.items():
                 assert_bitwise(written[f"optim.state.{names[id(params[k])]}.{name}"], v, f"step {step} {k}.{name}")
-
-
-class HoldRecorder(CheckpointManager):
-    """Whether the optimizer's background export had started filling at the end of each save call, and after."""
-
-    at_write: list[bool] = []
-    after_save: list[bool] = []
-
-    def save(self, step, model, optimizer, trainer_state):
-        self.exporter = optimizer.state_exporter
-        report = super().save(step, model, optimizer, trainer_state)
-        HoldRecorder.after_save.append(self.exporter.held_back)
-        return report
-
-    def on_phase(self, phase, step, path):
-        if phase == "write":  # the save is in flight, the save call is about to return to the loop
-            HoldRecorder.at_write.append(self.exporter.held_back)
-
-
-def test_the_background_export_starts_filling_when_the_save_call_returns(tmp_path):
-    """The export's thread would share the interpreter lock with the save call's own work: it is held back until
-    the call returns (the stager's thread and DCP's upload wait for it meanwhile, nothing deadlocks)."""
-    HoldRecorder.at_write, HoldRecorder.after_save = [], []
-    cfg = compose_config([*QUICK, f"run_dir={tmp_path}", "trainer.max_steps=30", *BACKGROUND])
-    train(cfg, manager_cls=HoldRecorder)
-    assert HoldRecorder.at_write == [True, True, True]
-    assert HoldRecorder.after_save == [False, False, False]
-    assert complete_steps(tmp_path) == [10, 20, 30]

@@ -4,9 +4,6 @@ and is never saved (issue 17, item 3)."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -163,64 +160,3 @@ def test_recipe_saves_with_background_export_round_trip_flattened(tmp_path, asyn
     loader = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
     loader.load(tmp_path / "ck" / "step_00000002", model2, opt2, {"step": 0})
     assert_state_dicts_bitwise(export_state(opt2, cpu_offload=True), expected[2], "loaded")
-
-
-def _reused_export_buffers(opt) -> list[torch.Tensor]:
-    """The host tensors of one export into reused buffers, released: the next export fills the same tensors."""
-    sd = opt.state_dict()
-    opt.wait_state_dict()
-    tensors = [v for st in sd["state"].values() for v in st.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
-    opt.release_state_dict(sd)
-    return tensors
-
-
-def test_an_export_started_in_held_starts_filling_when_the_block_ends():
-    params, opt = _slow_optimizer(state_dict_offload_reuse_buffers=True)
-    buffers = _reused_export_buffers(opt)
-    old = [b.clone() for b in buffers]
-    run_steps(opt, params, 2, 1)  # every state changes
-    reference = export_state(opt, cpu_offload=True)
-    exporter = opt.state_exporter
-    with exporter.held():
-        sd = opt.state_dict()
-        assert exporter.held_back and opt.state_dict_pending
-        time.sleep(0.2)  # unheld, the export fills these in ~30 ms (2M elements, 4 KiB chunks, this machine)
-        for before, now in zip(old, buffers, strict=True):
-            assert torch.equal(before, now), "the export filled its buffers inside held()"
-    assert not exporter.held_back
-    opt.wait_state_dict()
-    assert_state_dicts_bitwise(sd, reference, "export after held()")
-
-
-def _returns_within(fn, seconds: float) -> bool:
-    thread = threading.Thread(target=fn, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    return not thread.is_alive()
-
-
-def test_the_holder_waiting_inside_held_starts_the_export_other_threads_wait_for_the_block():
-    params, opt = _slow_optimizer(state_dict_offload_reuse_buffers=True)
-    exporter = opt.state_exporter
-    seen = {}
-
-    def holder() -> None:
-        with exporter.held():
-            opt.state_dict()
-            # another thread (the checkpoint's stager) waits until the block ends
-            seen["other thread waited"] = not _returns_within(exporter.join, 0.3) and exporter.held_back
-            # the holder waiting would wait for its own block: its wait starts the export instead
-            opt.wait_state_dict()
-            seen["holder's wait"] = not exporter.held_back and not opt.state_dict_pending
-            try:
-                with exporter.held():
-                    pass
-            except RuntimeError as exc:
-                seen["reentry"] = str(exc)
-
-    assert _returns_within(holder, 20.0), "the holder's wait inside held() never returned"
-    assert seen == {
-        "other thread waited": True,
-        "holder's wait": True,
-        "reentry": "StateExporter.held() is not reentrant",
-    }

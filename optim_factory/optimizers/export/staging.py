@@ -180,7 +180,8 @@ class Stager:
 
     @property
     def pinned_buffers(self) -> int:
-        """How many of the ring's buffers are pinned so far (each is pinned at its first use; CUDA only)."""
+        """How many of the ring's buffers were pinned for their first use so far (CUDA only; the pool pins each
+        as soon as it is faulted in, the caller waits for that before the buffer's first use)."""
         return sum(self._pinned)
 
     def __enter__(self) -> Stager:
@@ -241,8 +242,8 @@ class Stager:
     def _unpin(self) -> None:
         """Once the pool has stopped: unregister every pinned buffer, also those the pool pinned that were never
         prepared (unused, or the export failed first)."""
-        for i, pinning in enumerate(self._pinning):
-            if self._faulting[i] is not None and pinning is not None and pinning.done() and not pinning.cancelled():
+        for i, pinning in enumerate(self._pinning):  # also a buffer whose _prepare was interrupted
+            if not self._pinned[i] and pinning is not None and pinning.done() and not pinning.cancelled():
                 self._pinned[i] = pinning.exception() is None and pinning.result()
         for slot, pinned in zip(self._slots, self._pinned):
             if pinned:

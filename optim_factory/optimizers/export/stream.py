@@ -5,8 +5,6 @@ accelerator and copies them to host memory. See docs/design.md, "Streaming".
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -153,10 +151,6 @@ class StateExporter:
         self._convert_streams: dict[torch.device, Any] = {}
         self._thread: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
-        # held() closes the gate: a background export submitted meanwhile starts its pipeline when it opens
-        self._gate = threading.Event()
-        self._gate.set()
-        self._holder: int | None = None  # the thread inside held()
 
     def _streamable(
         self, optimizer: Any, param: torch.Tensor, name: str, keep_bf16: bool
@@ -231,34 +225,7 @@ class StateExporter:
         self._pending = self._thread.submit(self._stream_after, items, chunk_bytes, ready)
         return self._pending
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """A background export started in this block starts its pipeline when the block ends, or earlier when
-        this thread waits for it (:meth:`wait`, :meth:`join`). The pipeline's thread runs Python between its
-        copies: started at once, it shares the interpreter lock with the caller's own work (a checkpoint's save
-        call). Other threads that wait for it wait until then. Not reentrant."""
-        if self._holder is not None:
-            raise RuntimeError("StateExporter.held() is not reentrant")
-        self._holder = threading.get_ident()
-        self._gate.clear()
-        try:
-            yield
-        finally:
-            self._holder = None
-            self._gate.set()
-
-    @property
-    def held_back(self) -> bool:
-        """Whether a pending background export waits for :meth:`held`'s block to end."""
-        return self._pending is not None and not self._gate.is_set()
-
-    def _open_for_waiter(self) -> None:
-        """The holder itself waits for the export: start it now (else it would wait for itself)."""
-        if self._holder == threading.get_ident():
-            self._gate.set()
-
     def _stream_after(self, items: list[StreamItem], chunk_bytes: int, ready: dict[torch.device, Any]) -> None:
-        self._gate.wait()
         with contextlib.ExitStack() as stack:
             for device, event in ready.items():
                 convert = self._convert_streams.get(device)
@@ -277,14 +244,12 @@ class StateExporter:
         """Block until the pending background export (if any) has finished; re-raise its failure (once: the
         export is no longer pending afterwards)."""
         if self._pending is not None:
-            self._open_for_waiter()
             pending, self._pending = self._pending, None
             pending.result()
 
     def join(self) -> None:
         """Block until the pending background export has finished, without raising or clearing its failure."""
         if self._pending is not None:
-            self._open_for_waiter()
             self._pending.exception()
 
     def _stream_device(self, device: torch.device, chunks: list[list[Piece]]) -> None:

@@ -6,8 +6,6 @@ See docs/design.md, "Tensors".
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -53,17 +51,24 @@ def wrap_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 def wrap_host_local(local: torch.Tensor, param: DTensor) -> DTensor:
     """``local`` (a host tensor) as a DTensor laid out like ``param``, without moving it to the mesh's device
     (what ``DTensor.to("cpu")`` returns; ``DTensor.from_local`` would copy it back to the accelerator)."""
-    spec = _host_spec(param.device_mesh, tuple(param.placements), param.size(), param.stride(), local.dtype)
+    mesh = param.device_mesh
+    key = (id(mesh), tuple(param.placements), param.size(), param.stride(), local.dtype)
+    spec = _HOST_SPECS.get(key)
+    # the mesh object itself, never an equal one: equal meshes (DeviceMesh.__eq__) may differ in this rank's
+    # coordinate, e.g. after the process group was made again, and the coordinate places the shard
+    if spec is None or spec.mesh is not mesh:
+        if len(_HOST_SPECS) >= _HOST_SPECS_MAX:
+            _HOST_SPECS.clear()
+        meta = TensorMeta(shape=key[2], stride=key[3], dtype=key[4])
+        spec = _HOST_SPECS[key] = DTensorSpec(mesh=mesh, placements=key[1], tensor_meta=meta)
     return DTensor(local, spec, requires_grad=False)
 
 
-@functools.lru_cache(maxsize=4096)
-def _host_spec(mesh, placements: tuple, shape: torch.Size, stride: tuple, dtype: torch.dtype) -> DTensorSpec:
-    """One spec per layout, shared by the DTensors of every export (nothing mutates a DTensor's spec): building a
-    spec took 3-4 times as long as the DTensor itself (13.6 against 3.8 us per wrap on the CPU machine), and a
-    checkpoint wraps every state and model tensor."""
-    meta = TensorMeta(shape=shape, stride=stride, dtype=dtype)
-    return DTensorSpec(mesh=mesh, placements=placements, tensor_meta=meta)
+# One spec per layout, shared by the host DTensors of every export (torch builds new specs rather than change
+# one): building a spec took 3-4 times as long as the DTensor itself (13.6 against 3.8 us per wrap on the CPU
+# machine), and a checkpoint wraps every state and model tensor. Bounded: cleared when full.
+_HOST_SPECS: dict[tuple, DTensorSpec] = {}
+_HOST_SPECS_MAX = 4096
 
 
 def join_bf16_remainder(param_bf16: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
