@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from optim_factory import FusedAdam, PortableFusedAdam
 from optim_factory.optimizers.export import ExportOptions
 from optim_factory.optimizers.export.host_memory import host_empty, register_host, unregister_host
 from optim_factory.optimizers.export.staging import unstage_threads
@@ -85,14 +86,12 @@ def build(device: torch.device, gib: float):
     params = [
         torch.nn.Parameter(torch.randn(PARAM_NUMEL, device=device, generator=gen).to(torch.bfloat16)) for _ in range(n)
     ]
-    from optim_factory import FusedAdam, PortableFusedAdam
-
     opt = None
     if device.type == "cuda":
         try:  # TE's class; it raises ImportError when built without Transformer Engine
             opt, backend = FusedAdam(params, lr=1e-3, **kw), "te"
         except ImportError:
-            opt = None
+            pass
     if opt is None:
         opt = PortableFusedAdam(params, lr=1e-3, **kw)
     for p in params:

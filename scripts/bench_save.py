@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import json
 import os
@@ -260,15 +261,14 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
         path = root / f"step_{step:08d}"
         rss_a, pinned_a = rss_bytes(), pinned_bytes(ctx["opt"], device)
         base = gpu_base(device)
-        profiler = cProfile.Profile() if ctx.get("profile") and repeat >= 0 else None
-        t0 = time.perf_counter()
-        if profiler is not None:
-            info = profiler.runcall(mode.save, step, path)
+        if ctx.get("profile") and repeat >= 0:
+            profiles.append(cProfile.Profile())
+            save = functools.partial(profiles[-1].runcall, mode.save)
         else:
-            info = mode.save(step, path)
+            save = mode.save
+        t0 = time.perf_counter()
+        info = save(step, path)
         save_call_s = time.perf_counter() - t0
-        if profiler is not None:
-            profiles.append(profiler)
         peak_save = gpu_peak_mib(device, base)  # the allocator's counts: no device sync needed
         # the loop resumes: forward and backward of the next step, then the wait (if any) before step()
         first_s, hook_s = trainer.step(before_step=mode.hook)
@@ -501,6 +501,8 @@ def main(argv: list[str] | None = None) -> None:
         "run it apart from the table's run)",
     )
     args = ap.parse_args(argv)
+    if args.profile is not None and args.profile.exists() and not args.profile.is_dir():
+        ap.error(f"--profile={args.profile}: not a directory (the profiles go into one, made if missing)")
     if args.render is not None:
         meta, rows = read(args.render)
         out = Path(args.out)

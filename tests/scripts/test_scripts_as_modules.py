@@ -63,6 +63,17 @@ def test_bench_save_runs_every_mode_on_cpu(tmp_path):
     assert (again / "bench_save.md").read_text() == table
 
 
+def test_bench_save_refuses_a_profile_path_that_is_a_file(tmp_path):
+    a_file = tmp_path / "profile.txt"
+    a_file.write_text("")
+    cmd = [sys.executable, "-m", "scripts.bench_save", "--out", str(tmp_path), "--profile", str(a_file)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.splitlines()[-1]
+    assert last.endswith(f"--profile={a_file}: not a directory (the profiles go into one, made if missing)"), last
+    assert not (tmp_path / "bench_save.md").exists()
+
+
 def test_bench_save_lost_time_counts_blocking_and_slower_steps():
     from scripts.bench_save import lost_s
 
