@@ -161,6 +161,7 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
                 DeprecationWarning,
                 stacklevel=2,
             )
+        self._start_export_threads()
 
     # ------------------------------------------------------------------ gradients
     def zero_grad(self, set_to_none: bool | None = None) -> None:

@@ -53,3 +53,21 @@ def test_bench_first_export_modes_option_is_checked(tmp_path):
     bad = subprocess.run([*cmd, "--modes", "chunked,pinned"], cwd=ROOT, capture_output=True, text=True, env=ENV)
     assert bad.returncode == 2 and "--modes 'chunked,pinned'" in bad.stderr.strip().splitlines()[-1], bad.stderr
     assert not (tmp_path / "first_export.jsonl").exists()
+
+
+def test_trace_first_export_runs_on_cpu(tmp_path):
+    """scripts/trace_first_export.py: its timeline covers every staged byte (fresh destinations are staged on
+    CPU too), a ``tN`` variant runs N threads at most; a wrong variant is one line (exit 2) before any process."""
+    cmd = [sys.executable, "-m", "scripts.trace_first_export", "--cpu", "--gib", "0.04", "--out", str(tmp_path)]
+    proc = subprocess.run(
+        [*cmd, "--variants", "base,t1", "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, env=ENV
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert [(r["ranks"], r["variant"]) for r in rows] == [(1, "base"), (1, "t1")], rows
+    for r in rows:
+        assert r["bytes"] == 4 * 2**20 * 12 and round(r["staged_gb"] * 1e9) == r["bytes"], r
+        assert r["slices"] > 0 and 0 < r["first_pickup_s"] <= r["last_copy_end_s"] <= r["wall_s"], r
+    assert rows[1]["threads"] == 1
+    bad = subprocess.run([*cmd, "--variants", "base,fast"], cwd=ROOT, capture_output=True, text=True, env=ENV)
+    assert bad.returncode == 2 and "--variants 'base,fast'" in bad.stderr.strip().splitlines()[-1], bad.stderr

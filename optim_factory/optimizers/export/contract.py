@@ -117,7 +117,10 @@ def export_state(
     if (reuse_buffers or background) and exporter is None:
         raise ValueError("reuse_buffers or background: needs the optimizer's own exporter (it owns the buffer pool)")
     if chunk_bytes is not None and exporter is None:
-        exporter = StateExporter(options)
+        with StateExporter(options) as temporary:  # its threads end with this export
+            return export_state(
+                optimizer, cpu_offload=cpu_offload, chunk_bytes=chunk_bytes, keep_bf16=keep_bf16, exporter=temporary
+            )
     state_dict = torch.optim.Optimizer.state_dict(optimizer)
     id_map = param_index_map(optimizer, state_dict["param_groups"])
     if chunk_bytes is not None:

@@ -33,6 +33,16 @@ class OffloadedStateDict:
         self._export_options = options
         self._exporter = StateExporter(options)
 
+    def _start_export_threads(self) -> None:
+        """For a chunked export: start the threads that empty its staging buffers now, one set per device of the
+        parameters, so that no export waits for them (the optimizer calls this at the end of ``__init__``;
+        :meth:`configure_export` too)."""
+        o = self._export_options
+        if o.cpu_offload and o.chunk_bytes is not None:
+            devices = {p.device for g in self.param_groups for p in g["params"]}
+            for device in sorted((d for d in devices if d.type in ("cpu", "cuda")), key=str):
+                self._exporter.unstage_workers(device)
+
     # ------------------------------------------------------------------ options
     @property
     def export_options(self) -> ExportOptions:
@@ -45,6 +55,7 @@ class OffloadedStateDict:
             raise TypeError(f"configure_export: expected ExportOptions, got {type(options).__name__}")
         self._exporter.join()  # a pending export keeps its failure for wait_state_dict()
         self._export_options = self._exporter.options = options
+        self._start_export_threads()
 
     @property
     def state_dict_cpu_offload(self) -> bool:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "unstage_threads",
     "split_bytes",
     "fault_pieces",
+    "UnstageWorkers",
     "Stager",
 ]
 
@@ -104,12 +106,64 @@ def _pin_after(pieces: list[Future], slot: torch.Tensor) -> bool:
     return register_host(slot)
 
 
-def _hand_off(event: Any, parts: list[list[tuple[int, int, int]]], pool: ThreadPoolExecutor) -> list[Future]:
+def _hand_off(event: Any, parts: list[list[tuple[int, int, int]]], workers: UnstageWorkers) -> list[Future]:
     """Waiter: wait until the device has filled the slot, then hand its slices to the pool (which never calls
     CUDA); returns the slices' futures."""
     if event is not None:
         event.synchronize()
-    return [pool.submit(_copy, None, part) for part in parts]
+    return [workers.submit(_copy, None, part) for part in parts]
+
+
+class UnstageWorkers:
+    """The host threads that empty a :class:`Stager`'s buffers into the destinations (and fault in and pin them).
+
+    ``threads`` threads that make CUDA ``device`` current first (``None`` or not CUDA: plain threads), all started
+    here, before any export, and kept idle between exports until :meth:`close`. Started by the export itself, the
+    12 threads of an H200's first export took 15 of its 125 ms (``scripts/trace_first_export.py``,
+    benchmarks/results/2026-12-01-h200-sixth/). Several stagers may use one set of workers, one after the other
+    or at once. In a forked child the threads do not exist: :attr:`alive` is false there, make new ones.
+    """
+
+    def __init__(self, threads: int, device: torch.device | None = None) -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"UnstageWorkers threads={threads!r}: expected an int >= 1")
+        self.threads = threads
+        self.device = device if device is not None and device.type == "cuda" else None
+        self._pid = os.getpid()
+        self._executor: ThreadPoolExecutor | None = worker_threads(threads, "export-unstage", self.device)
+        gate = threading.Barrier(threads)  # every thread holds one gate job: each submit starts a new thread
+        try:
+            started = [self._executor.submit(gate.wait) for _ in range(threads)]
+            done, _ = wait(started, return_when=FIRST_EXCEPTION)
+            for job in done:
+                job.result()  # a thread that could not make the device current
+        except BaseException:
+            gate.abort()  # the threads that did start leave the gate
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+            raise
+
+    @property
+    def alive(self) -> bool:
+        """Whether work submitted now runs: not closed, and this is the process that started the threads."""
+        return self._executor is not None and os.getpid() == self._pid
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        if not self.alive:
+            raise RuntimeError("UnstageWorkers: closed, or started by another process (a fork): make new ones")
+        return self._executor.submit(fn, *args)
+
+    def close(self) -> None:
+        """Cancel the work not started yet, wait for the rest, end the threads. Idempotent."""
+        if self.alive:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        self._executor = None  # a forked child's copy: its threads never existed here
+
+    def __enter__(self) -> UnstageWorkers:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 class Stager:
@@ -119,8 +173,9 @@ class Stager:
     stream; ``None`` on CPU: synchronous), cutting it across buffers where it does not fit. A full buffer is
     *sealed*: an event is recorded after its copies and its bytes are split into slices that the thread pool
     copies into the destinations once the event has completed. Before a buffer is filled again, the caller
-    waits until its slices are done. The staging memory is allocated for one export and, with the threads,
-    released by :meth:`close`, so nothing stays allocated between exports. Used as a context manager.
+    waits until its slices are done. The staging memory is allocated for one export and released by
+    :meth:`close` (with the threads if they are the stager's own), so no memory stays allocated between
+    exports. Used as a context manager.
 
     Preparing the staging memory is fresh memory's cost: faulting it in (the kernel zeroes every page) and, for
     CUDA, pinning it (``cudaHostRegister``, one call per buffer). The pool's threads fault the buffers in, in
@@ -132,29 +187,44 @@ class Stager:
     20-24 % to 22-25 % on each of two ranks (benchmarks/results/2026-11-30-h200-fifth/). With ``waiter=True``
     the pool's threads never call CUDA: the caller pins each buffer before its first use.
 
-    ``slot_bytes`` is the size of one staging buffer. With ``waiter=True`` one extra thread waits for the sealed
-    buffers' events in order and hands their slices to the pool, so the pool's threads never call CUDA; by
-    default every pool thread waits for its slot's event itself.
+    ``threads`` is the pool: :class:`UnstageWorkers` (kept running by :meth:`close`; their device must be the
+    stream's, or ``None`` with ``waiter=True`` or on CPU) or a number of threads started for this stager alone
+    and ended by :meth:`close`. ``slot_bytes`` is the size of one staging buffer. With ``waiter=True`` one
+    extra thread waits for the sealed buffers' events in order and hands their slices to the pool, so the
+    pool's threads never call CUDA; by default every pool thread waits for its slot's event itself.
     """
 
     def __init__(
-        self, total_bytes: int, stream: Any, threads: int, *, slot_bytes: int = SLOT_BYTES, waiter: bool = False
+        self,
+        total_bytes: int,
+        stream: Any,
+        threads: int | UnstageWorkers,
+        *,
+        slot_bytes: int = SLOT_BYTES,
+        waiter: bool = False,
     ) -> None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"Stager threads={threads!r}: expected an int >= 1")
+        own = not isinstance(threads, UnstageWorkers)
+        if own and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"Stager threads={threads!r}: expected an int >= 1 or UnstageWorkers")
         if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes <= 0 or slot_bytes % _ALIGN:
             raise ValueError(f"Stager slot_bytes={slot_bytes!r}: expected a positive multiple of {_ALIGN}")
         if not isinstance(waiter, bool):
             raise ValueError(f"Stager waiter={waiter!r}: expected True or False")
         if isinstance(total_bytes, bool) or not isinstance(total_bytes, int) or total_bytes < 1:
             raise ValueError(f"Stager total_bytes={total_bytes!r}: expected an int >= 1")
+        # the pool's threads wait on events and pin (the stream's device current), except with the waiter
+        device = None if stream is None or waiter else stream.device
+        if not own and (not threads.alive or threads.device != device):
+            raise ValueError(
+                f"Stager: UnstageWorkers for device {threads.device} (alive={threads.alive}); this stager needs "
+                f"live workers for device {device}"
+            )
         # whole pages per buffer (slot_bytes rounded up): each is pinned on its own, and two registrations may not
         # share a page; the ring is at least _FAULT_GRAIN bytes, which host_empty maps on their own, page-aligned
         # (a small ring from the heap could share a page with a pinned pool buffer); untouched pages cost nothing
         slot = -(-min(slot_bytes, total_bytes) // _PAGE) * _PAGE
         slots = min(STAGING_SLOTS, max(1, -(-total_bytes // slot)))
         self._stream = stream
-        self._threads = threads
         self._memory = host_empty(torch.Size([max(slot * slots, _FAULT_GRAIN)]), torch.uint8)
         self._slots = list(self._memory[: slot * slots].split(slot))
         self._jobs: list[list[tuple[int, int, int]]] = [[] for _ in self._slots]
@@ -162,7 +232,9 @@ class Stager:
         self._current, self._used = 0, 0
         self._waits = waiter
         self._device = None if stream is None else stream.device  # threads that wait on events make it current
-        self._pool = worker_threads(threads, "export-unstage", None if waiter else self._device)
+        self._own_workers = own
+        self._workers = UnstageWorkers(threads, device) if own else threads
+        self._threads = self._workers.threads
         self._waiter: ThreadPoolExecutor | None = None  # the one thread that waits for events (waiter=True)
         # per buffer: the pool's fault-in pieces (None once the buffer was prepared), its pinning by the pool
         # (None: the caller pins it), whether it is pinned
@@ -173,8 +245,8 @@ class Stager:
         try:
             for s in self._slots:
                 self._fault_in(s)
-        except BaseException:  # e.g. no thread could be started: the ones that were go, and what they pinned
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        except BaseException:  # e.g. the workers were closed meanwhile: what was queued goes, what was pinned too
+            self._stop_ring_jobs()
             self._unpin()
             raise
 
@@ -232,12 +304,20 @@ class Stager:
             if self._waiter is not None:  # first: it may still hand slices to the pool
                 self._waiter.shutdown(wait=True)
                 self._waiter = None
-            # what is still queued: fault-ins of unused buffers, or (after a failure) copies of a failed export
-            if self._pool is not None:
-                self._pool.shutdown(wait=True, cancel_futures=True)
-                self._pool = None
+            self._stop_ring_jobs()  # fault-ins and pins of buffers never used (every copy was waited for above)
             self._unpin()
             self._slots, self._memory = [], torch.empty(0, dtype=torch.uint8)
+
+    def _stop_ring_jobs(self) -> None:
+        """Cancel the ring's fault-in and pin jobs that have not started, wait for the others; end the threads
+        if they are this stager's own."""
+        jobs = [job for pieces in self._faulting if pieces for job in pieces]
+        jobs += [job for job in self._pinning if job is not None]
+        for job in jobs:
+            job.cancel()
+        wait(jobs)
+        if self._own_workers:
+            self._workers.close()
 
     def _unpin(self) -> None:
         """Once the pool has stopped: unregister every pinned buffer, also those the pool pinned that were never
@@ -252,10 +332,10 @@ class Stager:
 
     def _fault_in(self, slot: torch.Tensor) -> None:
         """Have the pool fault ``slot`` in (:func:`fault_pieces`), then (CUDA, no waiter) pin it."""
-        pieces = [self._pool.submit(fault_in, slot[a:b]) for a, b in fault_pieces(slot.numel(), self._threads)]
+        pieces = [self._workers.submit(fault_in, slot[a:b]) for a, b in fault_pieces(slot.numel(), self._threads)]
         pool_pins = self._stream is not None and not self._waits  # the pool's threads have the device current
         self._faulting.append(pieces)
-        self._pinning.append(self._pool.submit(_pin_after, list(pieces), slot) if pool_pins else None)
+        self._pinning.append(self._workers.submit(_pin_after, list(pieces), slot) if pool_pins else None)
 
     def _prepare(self, i: int) -> None:
         """Before buffer ``i``'s first use: wait until it is faulted in and (CUDA) pinned."""
@@ -280,9 +360,9 @@ class Stager:
         if self._waits:
             if self._waiter is None:
                 self._waiter = worker_threads(1, "export-unstage-wait", self._device)
-            self._busy[i] = [self._waiter.submit(_hand_off, event, parts, self._pool)]
+            self._busy[i] = [self._waiter.submit(_hand_off, event, parts, self._workers)]
         else:
-            self._busy[i] = [self._pool.submit(_copy, event, part) for part in parts]
+            self._busy[i] = [self._workers.submit(_copy, event, part) for part in parts]
         self._jobs[i] = []
         self._current, self._used = (i + 1) % len(self._slots), 0
 

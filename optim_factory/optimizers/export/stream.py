@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from optim_factory.optimizers.export.host_memory import HostBufferPool, Slot, host_empty, worker_threads
 from optim_factory.optimizers.export.options import ExportOptions, Pinning
-from optim_factory.optimizers.export.staging import Stager, unstage_threads
+from optim_factory.optimizers.export.staging import Stager, UnstageWorkers, unstage_threads
 from optim_factory.optimizers.export.tensors import local_tensor, wrap_host_local
 
 __all__ = ["StreamItem", "Piece", "plan_chunks", "StateExporter"]
@@ -135,7 +135,9 @@ class StateExporter:
     (pool buffers) are copied into directly; pageable ones (fresh, or pool buffers not pinned yet) through a
     :class:`~optim_factory.optimizers.export.staging.Stager`: a ring of staging buffers pinned for this export
     only, emptied by :func:`~optim_factory.optimizers.export.staging.unstage_threads` host threads while the
-    device fills the next one. On CPU the same steps run, the device copies synchronously.
+    device fills the next one. On CPU the same steps run, the device copies synchronously. Those threads
+    (:meth:`unstage_workers`, one set per device) are started once and kept between exports; the optimizer
+    starts them when it is configured for a chunked export, so that no export waits for them.
 
     :meth:`stream_background` runs the same pipeline on a background thread, with the conversions on a side
     stream that first waits for the caller's stream; at most one such export is pending (:meth:`wait`).
@@ -151,6 +153,32 @@ class StateExporter:
         self._convert_streams: dict[torch.device, Any] = {}
         self._thread: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
+        self._unstagers: dict[torch.device, UnstageWorkers] = {}
+
+    def unstage_workers(self, device: torch.device) -> UnstageWorkers:
+        """The threads that empty the staging ring for states on ``device``: :func:`unstage_threads` of them,
+        started by the first call (in a forked child: again) and kept until :meth:`close`."""
+        workers = self._unstagers.get(device)
+        if workers is None or not workers.alive:
+            workers = self._unstagers[device] = UnstageWorkers(unstage_threads(), device)
+        return workers
+
+    def close(self) -> None:
+        """End this exporter's threads, after a pending export (whose failure stays for :meth:`wait`). The
+        exporter still works afterwards: threads are started again when an export needs them."""
+        self.join()
+        for workers in self._unstagers.values():
+            workers.close()
+        self._unstagers.clear()
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
+
+    def __enter__(self) -> StateExporter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def _streamable(
         self, optimizer: Any, param: torch.Tensor, name: str, keep_bf16: bool
@@ -262,7 +290,8 @@ class StateExporter:
         buffers = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)] if need else []
         staged_bytes = sum((p.stop - p.start) * p.item.dst.element_size() for c in chunks for p in c if p.item.staged)
         freed: list[Any] = [None, None]  # copy-stream events after which buffers[i] may be reused
-        with Stager(staged_bytes, copy, unstage_threads()) if staged_bytes else contextlib.nullcontext() as stager:
+        staging = Stager(staged_bytes, copy, self.unstage_workers(device)) if staged_bytes else None
+        with staging or contextlib.nullcontext() as stager:
             for i, chunk in enumerate(chunks):
                 slot = i % 2
                 converts = [p for p in chunk if p.item.converts]
