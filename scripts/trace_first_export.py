@@ -106,6 +106,7 @@ def summarize(log: list, t_start: float, t_end: float, threads: int) -> dict:
         staged = sum(e[5] for e in copies)
         copy_s = sum(e[4] - e[3] for e in copies)
         out.update(
+            copy_threads=len({e[1] for e in copies}),
             staged_gb=staged / 1e9,
             first_pickup_s=min(e[2] for e in copies) - t_start,
             last_copy_end_s=max(e[4] for e in copies) - t_start,

@@ -68,6 +68,6 @@ def test_trace_first_export_runs_on_cpu(tmp_path):
     for r in rows:
         assert r["bytes"] == 4 * 2**20 * 12 and round(r["staged_gb"] * 1e9) == r["bytes"], r
         assert r["slices"] > 0 and 0 < r["first_pickup_s"] <= r["last_copy_end_s"] <= r["wall_s"], r
-    assert rows[1]["threads"] == 1
+    assert rows[1]["threads"] == 1 and rows[1]["copy_threads"] == 1 and rows[0]["copy_threads"] >= 1
     bad = subprocess.run([*cmd, "--variants", "base,fast"], cwd=ROOT, capture_output=True, text=True, env=ENV)
     assert bad.returncode == 2 and "--variants 'base,fast'" in bad.stderr.strip().splitlines()[-1], bad.stderr

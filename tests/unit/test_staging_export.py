@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from optim_factory import PortableFusedAdam
-from optim_factory.optimizers.export import export_state
+from optim_factory.optimizers.export import ExportOptions, export_state
 from optim_factory.optimizers.export.host_memory import fault_in, host_empty
 from optim_factory.optimizers.export.staging import (
     MIN_SLICE_BYTES,
@@ -273,7 +273,8 @@ def test_large_chunked_export_is_bitwise_the_per_state_export(chunk, reuse):
 @pytest.mark.parametrize("chunk", [4 * M, 64 * M])
 def test_fresh_export_gives_host_memory_back_when_freed(chunk):
     """The no-pool export leaves nothing allocated: after ``del sd`` anonymous RSS is back at its value before
-    the first export (destinations, staging buffers, device buffers and threads all freed). Measured here
+    the first export (destinations, staging buffers and device buffers freed; the unstaging threads, started
+    with the optimizer before the baseline, are the same ones throughout). Measured here
     (72 MiB exported, 2 CPUs, RssAnon): +0.06 to +0.07 MiB after freeing (VmRSS: +0.56 to +0.90 MiB), +74.1
     to +76.1 MiB while the export is alive. Before this change (glibc-allocated destinations, kept staging
     buffers) 64 MiB chunks left +72.6 MiB (VmRSS) after freeing. The 4 MiB tolerance leaves room for the
@@ -365,18 +366,42 @@ def test_unstaging_threads_start_with_the_optimizer_and_serve_every_export():
     opt.state_exporter.close()
 
 
-def test_configure_export_starts_the_unstaging_threads_and_a_temporary_exporter_ends_its_own():
+def test_configure_export_starts_and_ends_the_unstaging_threads():
+    """configure_export to a chunked export starts the threads, to any other export ends them; CPU buffers that
+    are reused are copied into directly, so such an optimizer starts none. Broken on purpose (no close for
+    other options): the threads of the chunked export stay."""
     opt = _optimizer(4 * M, reuse=False)
     opt.state_exporter.close()
     before = _unstage_threads_alive()
-    opt.configure_export(opt.export_options)
+    chunked = opt.export_options
+    opt.configure_export(chunked)
     assert len(_unstage_threads_alive() - before) == unstage_threads()
-    opt.state_exporter.close()
-    before = _unstage_threads_alive()
-    reference = export_state(opt, cpu_offload=True)
-    # no exporter given (TE's own class): a temporary one, whose threads end with the export
-    assert_state_dicts_bitwise(export_state(opt, cpu_offload=True, chunk_bytes=4 * M), reference, "temporary")
+    opt.configure_export(ExportOptions(cpu_offload=True))  # per state: nothing streams
     assert _unstage_threads_alive() == before
+    opt.configure_export(ExportOptions(cpu_offload=True, chunk_bytes=4 * M, reuse_buffers=True))
+    assert _unstage_threads_alive() == before
+    opt.configure_export(chunked)
+    opt.state_exporter.close()
+
+
+def test_a_temporary_exporter_ends_its_threads_with_its_export(monkeypatch):
+    """export_state without the optimizer's exporter (TE's own class) uses a temporary one, whose threads end
+    with the export, not whenever it is collected. Broken on purpose (no close): its workers are still alive."""
+    import optim_factory.optimizers.export.contract as contract
+
+    workers: list[UnstageWorkers] = []
+
+    class Recording(contract.StateExporter):
+        def unstage_workers(self, device):
+            workers.append(super().unstage_workers(device))
+            return workers[-1]
+
+    monkeypatch.setattr(contract, "StateExporter", Recording)
+    opt = _optimizer(4 * M, reuse=False)
+    reference = export_state(opt, cpu_offload=True)
+    assert_state_dicts_bitwise(export_state(opt, cpu_offload=True, chunk_bytes=4 * M), reference, "temporary")
+    assert workers and not any(w.alive for w in workers)
+    opt.state_exporter.close()
 
 
 def _export_in_child(opt, reference, queue) -> None:
@@ -426,6 +451,50 @@ def test_a_stager_on_shared_workers_leaves_them_running_also_after_a_failure():
         Stager(M, None, workers)
     with pytest.raises(RuntimeError, match="closed, or started by another process"):
         workers.submit(print)
+
+
+def test_workers_closed_during_an_export_fail_it_in_one_line_without_hanging():
+    """The stager's queued ring jobs are cancelled when its workers are closed mid-export: close() must not wait
+    for them (a cancelled job never completes), and the export fails with one line saying why. Broken on
+    purpose (waiting for every ring job): close() hangs."""
+    workers = UnstageWorkers(1)
+    release = threading.Event()
+    blocker = workers.submit(release.wait)  # the only thread is busy: the ring's jobs stay queued
+    outcome: list[BaseException] = []
+
+    def export() -> None:
+        try:
+            with Stager(4 * SLOT_BYTES, None, workers) as stager:
+                probe = workers.submit(print)  # queued after the ring's jobs
+                closing = threading.Thread(target=workers.close)  # cancels what is queued, then waits for the blocker
+                closing.start()
+                while not probe.cancelled():
+                    time.sleep(0.01)
+                release.set()
+                closing.join()
+                stager.put(torch.ones(4), torch.empty(4))
+        except BaseException as e:  # noqa: BLE001 - checked below
+            outcome.append(e)
+
+    runner = threading.Thread(target=export, daemon=True)  # a daemon: a hang fails the test, not the suite
+    runner.start()
+    runner.join(timeout=60)
+    release.set()
+    assert not runner.is_alive(), "Stager.close() hung on jobs that closed workers had cancelled"
+    assert blocker.done() and len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
+    assert "UnstageWorkers were closed during an export" in str(outcome[0])
+
+
+def test_unstage_workers_name_the_device_when_a_thread_cannot_make_it_current(monkeypatch):
+    before = threading.active_count()
+
+    def refuse(device):
+        raise RuntimeError("no such device")
+
+    monkeypatch.setattr(torch.cuda, "set_device", refuse)
+    with pytest.raises(RuntimeError, match=r"UnstageWorkers device=cuda:1: a thread could not make the device"):
+        UnstageWorkers(3, torch.device("cuda", 1))
+    assert threading.active_count() == before
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.0, "4"])

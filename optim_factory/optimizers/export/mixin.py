@@ -35,13 +35,17 @@ class OffloadedStateDict:
 
     def _start_export_threads(self) -> None:
         """For a chunked export: start the threads that empty its staging buffers now, one set per device of the
-        parameters, so that no export waits for them (the optimizer calls this at the end of ``__init__``;
-        :meth:`configure_export` too)."""
+        parameters that stages (CUDA; CPU without reuse: reused CPU buffers are copied into directly), so that
+        no export waits for them; other options: end them (the optimizer calls this at the end of
+        ``__init__``; :meth:`configure_export` too)."""
         o = self._export_options
-        if o.cpu_offload and o.chunk_bytes is not None:
-            devices = {p.device for g in self.param_groups for p in g["params"]}
-            for device in sorted((d for d in devices if d.type in ("cpu", "cuda")), key=str):
-                self._exporter.unstage_workers(device)
+        if not (o.cpu_offload and o.chunk_bytes is not None):
+            self._exporter.close()  # nothing streams: no thread is needed
+            return
+        devices = {p.device for g in self.param_groups for p in g["params"]}
+        staging = [d for d in devices if d.type == "cuda" or (d.type == "cpu" and not o.reuse_buffers)]
+        for device in sorted(staging, key=str):
+            self._exporter.unstage_workers(device)
 
     # ------------------------------------------------------------------ options
     @property

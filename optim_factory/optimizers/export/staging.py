@@ -10,7 +10,8 @@ import mmap
 import os
 import threading
 import warnings
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, ThreadPoolExecutor, wait
+from concurrent.futures.thread import BrokenThreadPool
 from typing import Any
 
 import torch
@@ -99,10 +100,29 @@ def _copy(event: Any, part: list[tuple[int, int, int]]) -> None:
         ctypes.memmove(dst, src, n)
 
 
+_CLOSED_DURING_EXPORT = "UnstageWorkers were closed during an export: its staging jobs were cancelled"
+
+
+def _outcome(job: Future) -> BaseException | None:
+    """``job``'s exception (``None``: it succeeded), once it is done; a job cancelled because its workers were
+    closed gives a ``RuntimeError`` saying so."""
+    try:
+        return job.exception()
+    except CancelledError:
+        return RuntimeError(_CLOSED_DURING_EXPORT)
+
+
+def _result(job: Future) -> Any:
+    error = _outcome(job)
+    if error is not None:
+        raise error
+    return job.result()
+
+
 def _pin_after(pieces: list[Future], slot: torch.Tensor) -> bool:
     """Pool thread: pin ``slot`` once its fault-in ``pieces`` are done; whether it was pinned."""
     for piece in pieces:
-        piece.result()
+        _result(piece)
     return register_host(slot)
 
 
@@ -136,12 +156,20 @@ class UnstageWorkers:
             started = [self._executor.submit(gate.wait) for _ in range(threads)]
             done, _ = wait(started, return_when=FIRST_EXCEPTION)
             for job in done:
-                job.result()  # a thread that could not make the device current
-        except BaseException:
-            gate.abort()  # the threads that did start leave the gate
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+                job.result()
+        except BrokenThreadPool as e:  # a thread's initializer raised: it could not make the device current
+            self._stop(gate)
+            raise RuntimeError(
+                f"UnstageWorkers device={self.device}: a thread could not make the device current ({e})"
+            ) from e
+        except BaseException:  # e.g. no thread could be started
+            self._stop(gate)
             raise
+
+    def _stop(self, gate: threading.Barrier) -> None:
+        gate.abort()  # the threads that did start leave the gate
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._executor = None
 
     @property
     def alive(self) -> bool:
@@ -149,9 +177,14 @@ class UnstageWorkers:
         return self._executor is not None and os.getpid() == self._pid
 
     def submit(self, fn: Any, *args: Any) -> Future:
-        if not self.alive:
-            raise RuntimeError("UnstageWorkers: closed, or started by another process (a fork): make new ones")
-        return self._executor.submit(fn, *args)
+        executor = self._executor  # close() on another thread may clear it
+        closed = "UnstageWorkers: closed, or started by another process (a fork): make new ones"
+        if executor is None or os.getpid() != self._pid:
+            raise RuntimeError(closed)
+        try:
+            return executor.submit(fn, *args)
+        except RuntimeError as e:  # shut down meanwhile ("cannot schedule new futures after shutdown")
+            raise RuntimeError(closed) from e
 
     def close(self) -> None:
         """Cancel the work not started yet, wait for the rest, end the threads. Idempotent."""
@@ -313,9 +346,8 @@ class Stager:
         if they are this stager's own."""
         jobs = [job for pieces in self._faulting if pieces for job in pieces]
         jobs += [job for job in self._pinning if job is not None]
-        for job in jobs:
-            job.cancel()
-        wait(jobs)
+        # a job cancelled here, or by closed workers, never completes: wait() would not return for it
+        wait([job for job in jobs if not job.cancel()])
         if self._own_workers:
             self._workers.close()
 
@@ -341,11 +373,11 @@ class Stager:
         """Before buffer ``i``'s first use: wait until it is faulted in and (CUDA) pinned."""
         pieces, self._faulting[i] = self._faulting[i], None
         for piece in pieces:
-            piece.result()
+            _result(piece)
         if self._stream is None:
             return
         pinning = self._pinning[i]
-        self._pinned[i] = pinning.result() if pinning is not None else register_host(self._slots[i])
+        self._pinned[i] = _result(pinning) if pinning is not None else register_host(self._slots[i])
         if not self._pinned[i] and not self._refused:
             self._refused = True
             warnings.warn("cudaHostRegister refused a staging buffer: this export copies pageable", stacklevel=3)
@@ -370,7 +402,7 @@ class Stager:
         busy, self._busy[i] = self._busy[i], []
         while busy:  # a waiter's future yields the futures of the slices it handed to the pool
             future = busy.pop(0)
-            error = future.exception()
+            error = _outcome(future)
             if error is not None and raise_errors:
                 raise error
             busy.extend((future.result() if error is None else None) or ())
