@@ -205,17 +205,23 @@ def worker(rank: int, ranks: int, mode: str, args: dict, barrier, queue) -> None
         queue.put(dict(rank=rank, ranks=ranks, mode=mode, error=repr(e)))
 
 
-def trial(ranks: int, mode: str, args: dict) -> list[dict]:
+def spawn_ranks(ranks: int, target, args: tuple, timeout: float, env: dict[str, str] | None = None) -> list[dict]:
+    """Run ``target(rank, ranks, *args, barrier, queue)`` in ``ranks`` fresh spawned processes started together,
+    each putting one dict on ``queue``; return them sorted by ``rank``. The children get ``env`` and, with more
+    than one rank, ``LOCAL_WORLD_SIZE`` and ``OMP_NUM_THREADS=1`` as torchrun sets them (this process's own
+    environment is restored afterwards)."""
     ctx = mp.get_context("spawn")
-    saved = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")}
-    if ranks > 1:  # as torchrun sets them
-        os.environ.update(LOCAL_WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1")
+    extra = dict(env or {})
+    if ranks > 1:
+        extra.update(LOCAL_WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1")
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
     try:
         barrier, queue = ctx.Barrier(ranks), ctx.Queue()
-        procs = [ctx.Process(target=worker, args=(r, ranks, mode, args, barrier, queue)) for r in range(ranks)]
+        procs = [ctx.Process(target=target, args=(r, ranks, *args, barrier, queue)) for r in range(ranks)]
         for p in procs:
             p.start()
-        rows = [queue.get(timeout=args["timeout"]) for _ in procs]
+        rows = [queue.get(timeout=timeout) for _ in procs]
         for p in procs:
             p.join(timeout=60)
     finally:
@@ -224,10 +230,15 @@ def trial(ranks: int, mode: str, args: dict) -> list[dict]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def trial(ranks: int, mode: str, args: dict) -> list[dict]:
+    rows = spawn_ranks(ranks, worker, (mode, args), args["timeout"])
     errors = [r for r in rows if "error" in r]
     if errors:
         raise RuntimeError(f"{ranks} rank(s), {mode}: " + "; ".join(f"rank {r['rank']}: {r['error']}" for r in errors))
-    return sorted(rows, key=lambda r: r["rank"])
+    return rows
 
 
 def environment(args: dict) -> list[str]:

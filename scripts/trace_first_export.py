@@ -28,14 +28,16 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import multiprocessing as mp
-import os
 import statistics
 import threading
 import time
 from pathlib import Path
 
 import torch
+
+from optim_factory.optimizers.export import ExportOptions
+from optim_factory.optimizers.export.staging import unstage_threads
+from scripts.bench_first_export import build, link, spawn_ranks, sync
 
 M = 1 << 20
 NT_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x100000"
@@ -131,10 +133,6 @@ def summarize(log: list, t_start: float, t_end: float, threads: int) -> dict:
 
 def worker(rank: int, ranks: int, variant: str, gib: float, cuda: bool, barrier, queue) -> None:
     try:
-        from optim_factory.optimizers.export import ExportOptions
-        from optim_factory.optimizers.export.staging import unstage_threads
-        from scripts.bench_first_export import build, link, sync
-
         device = torch.device(f"cuda:{rank}" if cuda else "cpu")
         if cuda:
             torch.cuda.set_device(device)
@@ -160,27 +158,8 @@ def worker(rank: int, ranks: int, variant: str, gib: float, cuda: bool, barrier,
 
 
 def trial(ranks: int, variant: str, gib: float, cuda: bool) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    saved = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "OMP_NUM_THREADS", "GLIBC_TUNABLES")}
-    if ranks > 1:
-        os.environ.update(LOCAL_WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1")
-    if variant == "nt":
-        os.environ["GLIBC_TUNABLES"] = NT_TUNABLE
-    try:
-        barrier, queue = ctx.Barrier(ranks), ctx.Queue()
-        procs = [ctx.Process(target=worker, args=(r, ranks, variant, gib, cuda, barrier, queue)) for r in range(ranks)]
-        for p in procs:
-            p.start()
-        rows = [queue.get(timeout=300) for _ in procs]
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return sorted(rows, key=lambda r: r["rank"])
+    env = {"GLIBC_TUNABLES": NT_TUNABLE} if variant == "nt" else None  # read by glibc when the child starts
+    return spawn_ranks(ranks, worker, (variant, gib, cuda), 300, env)
 
 
 COLUMNS = (
