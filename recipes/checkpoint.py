@@ -208,6 +208,10 @@ def check_checkpoint_config(cfg: CheckpointConfig, rank: int = 0) -> None:
         return
     if cfg.resume not in ("auto", "never"):
         path = Path(cfg.resume)
+        if not path.exists():
+            raise CheckpointError(
+                f"checkpoint.resume={cfg.resume!r}: no such directory; expected auto|never|<path of a step_* directory>"
+            )
         if not (path / METADATA).is_file():
             raise CheckpointError(
                 f"checkpoint.resume={cfg.resume!r}: not a checkpoint directory (no {METADATA}); "

@@ -184,11 +184,19 @@ def existing_run(tmp_path_factory):
             "data.path='/nonexistent/tokens.bin': no such file",
         ),
         (["checkpoint.resume=/etc"], CheckpointError, "checkpoint.resume='/etc': not a checkpoint directory"),
+        (["checkpoint.resume=/nonexistent/step_1"], CheckpointError, "'/nonexistent/step_1': no such directory"),
         (["optim.lr=-1"], ValueError, "optim.lr=-1.0: must be > 0"),
         (["checkpoint.every_steps=0"], CheckpointError, "checkpoint.every_steps=0"),
         (["checkpoint.resume=never"], CheckpointError, "checkpoint.resume=never but checkpoint.dir="),
     ],
-    ids=["missing-data-file", "resume-not-a-checkpoint", "negative-lr", "every-steps-0", "never-over-existing"],
+    ids=[
+        "missing-data-file",
+        "resume-not-a-checkpoint",
+        "resume-missing",
+        "negative-lr",
+        "every-steps-0",
+        "never-over-existing",
+    ],
 )
 def test_bad_input_fails_before_training_and_touches_nothing(existing_run, overrides, error, fragment):
     before = snapshot(existing_run)
