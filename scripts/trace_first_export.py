@@ -43,8 +43,13 @@ M = 1 << 20
 NT_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x100000"
 
 
+def _threads_of(variant: str) -> int | None:
+    """N of a ``tN`` variant (``None``: not one)."""
+    return int(variant[1:]) if variant[:1] == "t" and variant[1:].isdigit() and int(variant[1:]) >= 1 else None
+
+
 def _known_variant(name: str) -> bool:
-    return name in ("base", "nt", "populate") or (name[:1] == "t" and name[1:].isdigit() and int(name[1:]) >= 1)
+    return name in ("base", "nt", "populate") or _threads_of(name) is not None
 
 
 def _instrument(variant: str, log: list) -> None:
@@ -52,8 +57,8 @@ def _instrument(variant: str, log: list) -> None:
     import optim_factory.optimizers.export.staging as st
     from optim_factory.optimizers.export.host_memory import fault_in
 
-    if variant.startswith("t") and variant[1:].isdigit():
-        st.MAX_UNSTAGE_THREADS = int(variant[1:])
+    if _threads_of(variant) is not None:
+        st.MAX_UNSTAGE_THREADS = _threads_of(variant)
     populate = variant == "populate"
 
     def copy(event, part):
@@ -62,10 +67,8 @@ def _instrument(variant: str, log: list) -> None:
             event.synchronize()
         t1 = time.perf_counter()
         for dst, src, n in part:
-            if populate:
-                start = dst - dst % 4096
-                length = -(-(dst + n - start) // 4096) * 4096
-                _populate(start, length)
+            if populate:  # the export's own fault_in (MADV_POPULATE_WRITE on the range's whole pages)
+                fault_in(torch.frombuffer((ctypes.c_char * n).from_address(dst), dtype=torch.uint8))
             ctypes.memmove(dst, src, n)
         log.append(("copy", threading.get_ident(), t0, t1, time.perf_counter(), sum(n for _, _, n in part)))
 
@@ -86,14 +89,6 @@ def _instrument(variant: str, log: list) -> None:
     st.Stager.close = timed("close", st.Stager.close)
     st.fault_in = timed("fault", fault_in)
     st.register_host = timed("pin", st.register_host)
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
-
-def _populate(start: int, length: int) -> None:
-    _LIBC.madvise(start, length, 23)  # MADV_POPULATE_WRITE (Linux 5.14+); the kernel zeroes the pages here
 
 
 def summarize(log: list, t_start: float, t_end: float, threads: int) -> dict:

@@ -157,19 +157,14 @@ class UnstageWorkers:
             done, _ = wait(started, return_when=FIRST_EXCEPTION)
             for job in done:
                 job.result()
-        except BrokenThreadPool as e:  # a thread's initializer raised: it could not make the device current
-            self._stop(gate)
-            raise RuntimeError(
-                f"UnstageWorkers device={self.device}: a thread could not make the device current ({e})"
-            ) from e
-        except BaseException:  # e.g. no thread could be started
-            self._stop(gate)
+        except BaseException as e:  # e.g. no thread could be started, or one could not make the device current
+            gate.abort()  # the threads that did start leave the gate
+            self.close()
+            if isinstance(e, BrokenThreadPool):  # a thread's initializer (set_device) raised
+                raise RuntimeError(
+                    f"UnstageWorkers device={self.device}: a thread could not make the device current ({e})"
+                ) from e
             raise
-
-    def _stop(self, gate: threading.Barrier) -> None:
-        gate.abort()  # the threads that did start leave the gate
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        self._executor = None
 
     @property
     def alive(self) -> bool:
