@@ -8,6 +8,7 @@ any work; :func:`config_error_line` turns any such error into the one line the r
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -173,6 +174,33 @@ def check_run_dir(run_dir: str) -> None:
         raise ConfigError(f"run_dir={run_dir!r}: not a directory{where}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"run_dir={run_dir!r}: {existing} is not writable")
+
+
+def unknown_flag_line(argv: list[str]) -> str | None:
+    """One line for the first argument that starts with ``-`` but is none of Hydra's own options (``--cfg``,
+    ``-m``, ...: the parser ``hydra.main`` itself uses, so the list is Hydra's), else None.
+
+    Hydra would refuse it too, but with its usage over several lines. A flag that is a config override written
+    torchtitan's way (``--optim.lr=1e-3``, ``--optim.lr 1e-3``) is answered with the override to type instead.
+    """
+    from hydra._internal.utils import get_args_parser  # hydra.main's own parser; no public accessor in 1.3
+
+    parser = get_args_parser()
+    parser.exit_on_error = False  # a misused option of Hydra's (``--cfg`` without a value) raises, not exits
+    try:
+        unknown = parser.parse_known_args(argv)[1]
+    except argparse.ArgumentError as exc:
+        return f"{exc.argument_name}: {exc.message}"
+    flag = next((a for a in unknown if a.startswith("-") and a != "-"), None)
+    if flag is None:
+        return None
+    key, eq, value = flag.lstrip("-").partition("=")
+    if not eq:
+        following = argv[argv.index(flag) + 1 :]
+        if following and not following[0].startswith("-") and "=" not in following[0]:
+            eq, value = "=", following[0]
+    hint = f"did you mean {key}{eq}{value or '...'}?" if key in known_keys() else "config overrides take no dashes"
+    return f"{flag}: not an option (see --help); {hint}"
 
 
 def _first_line(exc: BaseException) -> str:

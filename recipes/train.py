@@ -43,6 +43,7 @@ from recipes.config import (
     config_error_line,
     record_config,
     register_configs,
+    unknown_flag_line,
 )
 from recipes.data import DataError, build_data
 from recipes.distributed import LaunchError, init_distributed, pick_device, resolve_dist_env, shutdown
@@ -451,6 +452,9 @@ def main() -> None:
     with 1. The task turns its own Hydra/OmegaConf errors into ``RuntimeError`` (with traceback), so what is
     caught here comes from composing a config (also a sweep point's).
     """
+    flag_error = unknown_flag_line(sys.argv[1:])
+    if flag_error:
+        _refuse(flag_error)
     previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:

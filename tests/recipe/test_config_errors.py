@@ -15,6 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from optim_factory import ConfigError
+from recipes.config import unknown_flag_line
 from recipes.train import compose_config, preflight, train
 from tests.recipe.test_train import QUICK, ROOT, snapshot
 
@@ -140,6 +141,29 @@ def test_every_config_error_is_one_line_with_exit_code_2(args, line, tmp_path):
     run_dir = [] if args[0].startswith("run_dir=") else [f"run_dir={tmp_path / 'run'}"]
     assert refused(cli(*args, *run_dir)).startswith(line)
     assert not (tmp_path / "run").exists() and not (ROOT / "???").exists()
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (["--optim.lr=1e-3"], "--optim.lr=1e-3: not an option (see --help); did you mean optim.lr=1e-3?"),
+        (["--optim.lr", "1e-3"], "--optim.lr: not an option (see --help); did you mean optim.lr=1e-3?"),
+        (["-m", "--lr=3"], "--lr=3: not an option (see --help); config overrides take no dashes"),
+        (["--cfg"], "--cfg/-c: expected one argument"),
+        (["--cfg", "jb"], "--cfg/-c: invalid choice: 'jb' (choose from 'job', 'hydra', 'all')"),
+        (["--cfg", "job", "-m", "optim.lr=1e-3"], None),
+    ],
+    ids=["dashed-override", "dashed-key-then-value", "unknown-flag", "hydra-flag-without-value", "bad-choice", "ok"],
+)
+def test_a_flag_hydra_does_not_know_is_one_line(argv, line):
+    """Hydra refuses an unknown flag with 8 lines of usage; the recipe says which and what to type instead."""
+    assert unknown_flag_line(argv) == line
+
+
+def test_a_dashed_override_on_the_command_line_is_refused_in_one_line(tmp_path):
+    line = refused(cli("--optim.lr=1e-3", f"run_dir={tmp_path / 'run'}"))
+    assert line == "--optim.lr=1e-3: not an option (see --help); did you mean optim.lr=1e-3?"
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_run_dir_under_a_file_is_one_line(tmp_path):
