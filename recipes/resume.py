@@ -310,13 +310,14 @@ def log_changes(changes: list[Change]) -> None:
 
 
 def nothing_to_do(step: int, end: int, path: str | None, changes: list[Change]) -> str:
-    """The line for a run that has nothing left to train: plain, or naming what differs from the checkpoint."""
+    """The line for a run that has nothing left to train: plain, or (the refusal) naming what differs from the
+    checkpoint, which would take effect in no step."""
     if not changes:
         return f"nothing to do: checkpoint step {step} >= {end}"
     diff = ", ".join(f"{c.key} {_show(c.checkpoint)} -> {_show(c.config)}" for c in changes)
     return (
-        f"run finished at step {step}: nothing trained; the config differs from checkpoint {Path(path).name}'s: "
-        f"{diff}; use a new run_dir to train with it"
+        f"run finished at step {step}: the config differs from checkpoint {Path(path).name}'s ({diff}) but no step "
+        f"is left to train (trainer.max_steps, trainer.stop_at); raise trainer.max_steps or use a new run_dir"
     )
 
 

@@ -301,18 +301,20 @@ def _train(
     torch.manual_seed(cfg.trainer.seed + 1000 * rank)  # the process RNG (dropout-free model: recorded, restored)
     start, resumed_from = 0, None
     template = {"step": 0, "data_position": 0, "world_size": 0, "rng_state": torch.get_rng_state()}
+    max_steps = cfg.trainer.max_steps
+    end = min(max_steps, cfg.trainer.stop_at) if cfg.trainer.stop_at > 0 else max_steps
     resumed = ckpt.resume(model, optimizer, template)
     if resumed is not None:
         path, state = resumed
         start, resumed_from = int(state["step"]), str(path)
+        if start >= end and ckpt.resume_changes:  # keys that would change nothing: refused, nothing recorded
+            raise ConfigError(nothing_to_do(start, end, resumed_from, ckpt.resume_changes))
         torch.set_rng_state(state["rng_state"])
         log.info("resuming from checkpoint %s at step %d (saved by %d rank(s))", path, start, state["world_size"])
         for change in ckpt.resume_changes:  # logged by the manager; recorded here
             metrics.write(change.record())
-    max_steps = cfg.trainer.max_steps
-    end = min(max_steps, cfg.trainer.stop_at) if cfg.trainer.stop_at > 0 else max_steps
     if start >= end:
-        (log.warning if ckpt.resume_changes else log.info)(nothing_to_do(start, end, resumed_from, ckpt.resume_changes))
+        log.info(nothing_to_do(start, end, resumed_from, []))
 
     bar = progress_bar(total=end, initial=start, enabled=rank == 0 and cfg.trainer.progress)
     train_step = TrainStep(

@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from optim_factory import build_optimizer
+from optim_factory import ConfigError, build_optimizer
 from optim_factory.optimizers.export import join_bf16_remainder, local_tensor, split_bf16_remainder
 from recipes.checkpoint import CheckpointError, CheckpointManager, read_checkpoint
 from recipes.distributed import DistEnv, init_distributed, shutdown
@@ -302,19 +302,20 @@ def test_no_decay_patterns_change_across_a_resume(saved_cfg, resumed_cfg, tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------------- finished run
-def test_a_finished_run_started_with_another_optimizer_config_says_so(tmp_path, caplog):
-    """Observation 4: the README's next command after the quick start resumes a finished run."""
+def test_a_finished_run_started_with_another_optimizer_config_is_refused(tmp_path, caplog):
+    """Observation 4: the README's next command after the quick start resumes a finished run. A changed key
+    would take effect in no step: refused (exit 2 on the command line), nothing recorded; the same config is
+    "nothing to do"."""
     train(compose_config([*QUICK, f"run_dir={tmp_path}"]))
-    with caplog.at_level(logging.INFO, logger="recipes.train"):
-        summary = train(compose_config([*QUICK, f"run_dir={tmp_path}", "optim.exp_avg_dtype=bf16"]))
-    assert summary["start_step"] == 20 and summary["first_loss"] is None
-    lines = [r.getMessage() for r in caplog.records if r.name == "recipes.train"]
-    assert (
-        "run finished at step 20: nothing trained; the config differs from checkpoint step_00000020's: "
-        "optim.exp_avg_dtype fp32 -> bf16; use a new run_dir to train with it"
-    ) in lines, lines
-    assert not any(line.startswith("nothing to do") for line in lines)
-    caplog.clear()
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError) as err:
+        train(compose_config([*QUICK, f"run_dir={tmp_path}", "optim.exp_avg_dtype=bf16"]))
+    assert str(err.value) == (
+        "run finished at step 20: the config differs from checkpoint step_00000020's (optim.exp_avg_dtype fp32 "
+        "-> bf16) but no step is left to train (trainer.max_steps, trainer.stop_at); raise trainer.max_steps or "
+        "use a new run_dir"
+    )
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics
     with caplog.at_level(logging.INFO, logger="recipes.train"):
         train(compose_config([*QUICK, f"run_dir={tmp_path}", "trainer.progress=false"]))
     assert "nothing to do: checkpoint step 20 >= 20" in [r.getMessage() for r in caplog.records]
