@@ -1,6 +1,7 @@
 """Where the first export of a fresh process spends its time (issue 17, item 2): a timeline of the staging ring.
 
     python -m scripts.trace_first_export --out DIR [--ranks 1 2] [--variants base,t16,nt] [--repeats 2]
+    python -m scripts.trace_first_export --out DIR --ranks 2 --same-device     # two ranks on one GPU
 
 A diagnostic, not a benchmark of record (``scripts/bench_first_export.py`` is that). Each trial runs fresh
 processes as that benchmark does (same optimizer, same sizes, one per rank, started together), and records, for
@@ -126,24 +127,29 @@ def summarize(log: list, t_start: float, t_end: float, threads: int) -> dict:
     return out
 
 
-def worker(rank: int, ranks: int, variant: str, gib: float, cuda: bool, barrier, queue) -> None:
+def worker(rank: int, ranks: int, variant: str, gib: float, cuda: bool, same: bool, barrier, queue) -> None:
     try:
-        device = torch.device(f"cuda:{rank}" if cuda else "cpu")
+        device = torch.device(f"cuda:{0 if same else rank}" if cuda else "cpu")
         if cuda:
             torch.cuda.set_device(device)
         log: list = []
         _instrument(variant, log)
         params, opt, backend = build(device, gib)
         opt.configure_export(ExportOptions(True, 64 * M, False, "register"))
-        barrier.wait()
-        _, link_gbps = link(device, min(512 * M, int(gib * (1 << 30))))
+        for turn in range(ranks) if same else [rank]:  # ranks sharing a device measure its link one at a time
+            barrier.wait()
+            if turn == rank:
+                link_window = [time.time()]
+                _, link_gbps = link(device, min(512 * M, int(gib * (1 << 30))))
+                link_window.append(time.time())
         barrier.wait()
         t0 = time.perf_counter()
         sd = opt.state_dict()
         sync(device)
         t1 = time.perf_counter()
         nbytes = sum(v.numel() * v.element_size() for st in sd["state"].values() for v in st.values())
-        row = dict(rank=rank, ranks=ranks, variant=variant, backend=backend, bytes=nbytes, link_gbps=link_gbps)
+        row = dict(rank=rank, ranks=ranks, variant=variant, device=str(device), backend=backend, bytes=nbytes)
+        row.update(link_gbps=link_gbps, link_window=link_window)  # window: wall-clock seconds (time.time)
         row.update(summarize(log, t0, t1, unstage_threads()))
         row["pct_of_link"] = 100 * nbytes / (t1 - t0) / 1e9 / link_gbps
         queue.put(row)
@@ -152,9 +158,9 @@ def worker(rank: int, ranks: int, variant: str, gib: float, cuda: bool, barrier,
         queue.put(dict(rank=rank, ranks=ranks, variant=variant, error=repr(e)))
 
 
-def trial(ranks: int, variant: str, gib: float, cuda: bool) -> list[dict]:
+def trial(ranks: int, variant: str, gib: float, cuda: bool, same: bool) -> list[dict]:
     env = {"GLIBC_TUNABLES": NT_TUNABLE} if variant == "nt" else None  # read by glibc when the child starts
-    return spawn_ranks(ranks, worker, (variant, gib, cuda), 300, env)
+    return spawn_ranks(ranks, worker, (variant, gib, cuda, same), 300, env)
 
 
 COLUMNS = (
@@ -180,6 +186,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--gib", type=float, default=2.0)
     ap.add_argument("--cpu", action="store_true", help="smoke test on CPU (no device link: a host memcpy)")
+    ap.add_argument(
+        "--same-device",
+        action="store_true",
+        help="every rank on cuda:0 (two concurrent ranks on a one-GPU machine: they share its link, whose "
+        "rate each rank measures alone; not the two-GPU case, a stand-in for the host side of it)",
+    )
     args = ap.parse_args(argv)
     variants = args.variants.split(",")
     bad = [v for v in variants if not _known_variant(v)]
@@ -189,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--ranks {args.ranks}: each 1 or 2")
     if args.repeats < 1 or not args.gib > 0:
         ap.error(f"--repeats {args.repeats} --gib {args.gib}: need repeats >= 1 and gib > 0")
-    if not args.cpu and max(args.ranks) > torch.cuda.device_count():
+    if not args.cpu and (1 if args.same_device else max(args.ranks)) > torch.cuda.device_count():
         ap.error(f"--ranks {args.ranks}: needs that many CUDA devices ({torch.cuda.device_count()} here)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -200,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.repeats):
             for ranks in args.ranks:
                 for variant in variants:
-                    for row in trial(ranks, variant, args.gib, not args.cpu):
+                    for row in trial(ranks, variant, args.gib, not args.cpu, args.same_device):
                         f.write(json.dumps(row) + "\n")
                         f.flush()
                         if "error" in row:

@@ -71,3 +71,13 @@ def test_trace_first_export_runs_on_cpu(tmp_path):
     assert rows[1]["threads"] == 1 and rows[1]["copy_threads"] == 1 and rows[0]["copy_threads"] >= 1
     bad = subprocess.run([*cmd, "--variants", "base,fast"], cwd=ROOT, capture_output=True, text=True, env=ENV)
     assert bad.returncode == 2 and "--variants 'base,fast'" in bad.stderr.strip().splitlines()[-1], bad.stderr
+    (tmp_path / "trace.jsonl").unlink()
+    two = subprocess.run(  # --same-device: the ranks measure the shared link one at a time, then export together
+        [*cmd, "--ranks", "2", "--same-device", "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, env=ENV
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert [(r["ranks"], r["rank"], r["device"]) for r in rows] == [(2, 0, "cpu"), (2, 1, "cpu")], rows
+    assert all(r["link_gbps"] > 0 and r["bytes"] == 4 * 2**20 * 12 for r in rows), rows
+    first, second = sorted(r["link_window"] for r in rows)
+    assert first[1] <= second[0], rows  # one at a time
