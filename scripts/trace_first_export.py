@@ -17,7 +17,8 @@ From these it reports where the export's wall time went: the calling thread bloc
 the pool's threads idle or waiting for the device (device- or issue-bound), the copy rate per thread, and the
 time before the first and after the last staged byte.
 
-Variants (names in ``--variants``): ``base`` (the export as shipped); ``tN`` (N unstaging threads);
+Variants (names in ``--variants``): ``base`` (the export as shipped); ``tN`` (``MAX_UNSTAGE_THREADS``
+set to N: N unstaging threads, but never more than CPUs // ``LOCAL_WORLD_SIZE``; the ``threads`` column says);
 ``nt`` (glibc told to use non-temporal stores for copies of 1 MiB and more:
 ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000``, set before the child starts); ``populate``
 (each slice's destination range is populated with ``madvise(MADV_POPULATE_WRITE)`` before it is copied into).
