@@ -176,31 +176,73 @@ def check_run_dir(run_dir: str) -> None:
         raise ConfigError(f"run_dir={run_dir!r}: {existing} is not writable")
 
 
-def unknown_flag_line(argv: list[str]) -> str | None:
-    """One line for the first argument that starts with ``-`` but is none of Hydra's own options (``--cfg``,
-    ``-m``, ...: the parser ``hydra.main`` itself uses, so the list is Hydra's), else None.
+def _is_value(arg: str) -> bool:
+    """Whether a command-line argument after a dashed key reads as its value (``1e-3``, ``-1``, ``adamw``)."""
+    if "=" in arg:
+        return False
+    try:
+        float(arg)
+        return True
+    except ValueError:
+        return not arg.startswith("-")
 
-    Hydra would refuse it too, but with its usage over several lines. A flag that is a config override written
-    torchtitan's way (``--optim.lr=1e-3``, ``--optim.lr 1e-3``) is answered with the override to type instead.
+
+def command_line_error(argv: list[str], conf_dir: str) -> str | None:
+    """One line for what is wrong with the command line before Hydra sees it, else None: what Hydra would refuse
+    with its usage over several lines, or accept without a word and not do.
+
+    - An argument that starts with ``-`` but is none of Hydra's own options (``--cfg``, ``-m``, ...: the parser
+      ``hydra.main`` itself uses, so the list is Hydra's); a config override written torchtitan's way
+      (``--optim.lr=1e-3``, ``--optim.lr 1e-3``) is answered with the override to type instead. A misused option
+      of Hydra's (``--cfg`` without a value, a value outside its choices, two of its modes such as ``-m --cfg``).
+    - A key or config group given twice (Hydra keeps the last).
+    - A group's schema (``optim=fused_adam_schema``, in ``conf_dir``'s ConfigStore but not a YAML option) picked as
+      its option: it holds the library's defaults behind the option of that name, not the recipe's.
+
+    A malformed override is left to Hydra (:func:`config_error_line` words it).
     """
     from hydra._internal.utils import get_args_parser  # hydra.main's own parser; no public accessor in 1.3
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = get_args_parser()
     parser.exit_on_error = False  # a misused option of Hydra's (``--cfg`` without a value) raises, not exits
+    parser.allow_abbrev = False  # else --experiment=quick passes as an abbreviation of --experimental-rerun
     try:
-        unknown = parser.parse_known_args(argv)[1]
+        args, unknown = parser.parse_known_args(argv)
     except argparse.ArgumentError as exc:
         return f"{exc.argument_name}: {exc.message}"
+    modes = {"--run": args.run, "--multirun": args.multirun, "--cfg": args.cfg, "--info": args.info}
+    modes["--shell-completion"] = args.shell_completion
+    if sum(bool(on) for on in modes.values()) > 1:  # Hydra's rule; it raises a ValueError with a traceback
+        return f"{', '.join(m for m, on in modes.items() if on)}: only one of {', '.join(modes)} at a time"
     flag = next((a for a in unknown if a.startswith("-") and a != "-"), None)
-    if flag is None:
+    if flag is not None:
+        key, eq, value = flag.lstrip("-").partition("=")
+        if not eq:
+            following = argv[argv.index(flag) + 1 :]
+            if following and _is_value(following[0]):
+                eq, value = "=", following[0]
+        known = key in known_keys() or key.startswith("hydra.") or (Path(conf_dir) / key).is_dir()  # a group
+        hint = f"did you mean {key}{eq}{value or '...'}?" if known else "config overrides take no dashes"
+        return f"{flag}: not an option (see --help); {hint}"
+    try:
+        overrides = OverridesParser.create().parse_overrides(args.overrides)
+    except HydraException:
         return None
-    key, eq, value = flag.lstrip("-").partition("=")
-    if not eq:
-        following = argv[argv.index(flag) + 1 :]
-        if following and not following[0].startswith("-") and "=" not in following[0]:
-            eq, value = "=", following[0]
-    hint = f"did you mean {key}{eq}{value or '...'}?" if key in known_keys() else "config overrides take no dashes"
-    return f"{flag}: not an option (see --help); {hint}"
+    given: dict[str, str] = {}
+    for override in overrides:
+        key = override.key_or_group + (f"@{override.package}" if override.package else "")
+        if key in given:
+            return (
+                f"{key} is given twice ({given[key]}, {override.input_line}): only the last would take effect; "
+                "give it once"
+            )
+        given[key] = override.input_line
+        value, group = override.value(), Path(conf_dir) / override.key_or_group
+        if isinstance(value, str) and value.endswith("_schema") and group.is_dir():
+            options = sorted(p.stem for p in group.glob("*.yaml"))
+            return f"{override.input_line}: no such option; available: {', '.join(options)}"
+    return None
 
 
 def _first_line(exc: BaseException) -> str:

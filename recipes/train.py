@@ -40,10 +40,10 @@ from recipes.checkpoint import CheckpointError, CheckpointManager, ExportReport,
 from recipes.config import (
     check_config,
     check_run_dir,
+    command_line_error,
     config_error_line,
     record_config,
     register_configs,
-    unknown_flag_line,
 )
 from recipes.data import DataError, build_data
 from recipes.distributed import LaunchError, init_distributed, pick_device, resolve_dist_env, shutdown
@@ -454,9 +454,9 @@ def main() -> None:
     with 1. The task turns its own Hydra/OmegaConf errors into ``RuntimeError`` (with traceback), so what is
     caught here comes from composing a config (also a sweep point's).
     """
-    flag_error = unknown_flag_line(sys.argv[1:])
-    if flag_error:
-        _refuse(flag_error)
+    error = command_line_error(sys.argv[1:], CONFIG_DIR)
+    if error:
+        _refuse(error)
     previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:

@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from optim_factory import ConfigError
-from recipes.config import unknown_flag_line
+from recipes.config import command_line_error
 from recipes.train import compose_config, preflight, train
 from tests.recipe.test_train import QUICK, ROOT, snapshot
 
@@ -143,21 +143,59 @@ def test_every_config_error_is_one_line_with_exit_code_2(args, line, tmp_path):
     assert not (tmp_path / "run").exists() and not (ROOT / "???").exists()
 
 
+FLAG = "not an option (see --help)"
+
+
 @pytest.mark.parametrize(
     "argv,line",
     [
-        (["--optim.lr=1e-3"], "--optim.lr=1e-3: not an option (see --help); did you mean optim.lr=1e-3?"),
-        (["--optim.lr", "1e-3"], "--optim.lr: not an option (see --help); did you mean optim.lr=1e-3?"),
-        (["-m", "--lr=3"], "--lr=3: not an option (see --help); config overrides take no dashes"),
+        (["--optim.lr=1e-3"], f"--optim.lr=1e-3: {FLAG}; did you mean optim.lr=1e-3?"),
+        (["--optim.lr", "1e-3"], f"--optim.lr: {FLAG}; did you mean optim.lr=1e-3?"),
+        (["-m", "--lr=3"], f"--lr=3: {FLAG}; config overrides take no dashes"),
+        (["--experiment=quick"], f"--experiment=quick: {FLAG}; did you mean experiment=quick?"),  # no abbreviation
+        (["--optim.lr", "-1e-3"], f"--optim.lr: {FLAG}; did you mean optim.lr=-1e-3?"),
         (["--cfg"], "--cfg/-c: expected one argument"),
         (["--cfg", "jb"], "--cfg/-c: invalid choice: 'jb' (choose from 'job', 'hydra', 'all')"),
-        (["--cfg", "job", "-m", "optim.lr=1e-3"], None),
+        (
+            ["-m", "--cfg", "job"],
+            "--multirun, --cfg: only one of --run, --multirun, --cfg, --info, --shell-completion at a time",
+        ),
+        (
+            ["optim.lr=1e-3", "model=tiny", "optim.lr=2e-3"],
+            "optim.lr is given twice (optim.lr=1e-3, optim.lr=2e-3): only the last would take effect; give it once",
+        ),
+        (
+            ["experiment=lowmem", "+experiment=quick"],
+            "experiment is given twice (experiment=lowmem, "
+            "+experiment=quick): only the last would take effect; give it once",
+        ),
+        (
+            ["optim=fused_adam_schema"],
+            "optim=fused_adam_schema: no such option; available: adamw, fused_adam, fused_adam_lowmem",
+        ),
+        (["--cfg", "job", "experiment=[lowmem,quick]", "~model", "+trainer.x=1", "optim@o=adamw", "optim=adamw"], None),
+        (["-m", "optim.lr=1e-3,2e-3", "model=tiny,small", "optim.lr=[", "optim.lr=["], None),  # syntax: Hydra's
     ],
-    ids=["dashed-override", "dashed-key-then-value", "unknown-flag", "hydra-flag-without-value", "bad-choice", "ok"],
+    ids=[
+        "dashed-override",
+        "dashed-key-then-value",
+        "unknown-flag",
+        "dashed-group",
+        "dashed-key-then-negative-value",
+        "hydra-flag-without-value",
+        "bad-choice",
+        "two-modes",
+        "key-twice",
+        "group-twice",
+        "schema-option",
+        "ok",
+        "ok-sweep",
+    ],
 )
-def test_a_flag_hydra_does_not_know_is_one_line(argv, line):
-    """Hydra refuses an unknown flag with 8 lines of usage; the recipe says which and what to type instead."""
-    assert unknown_flag_line(argv) == line
+def test_a_command_line_hydra_would_take_silently_or_in_many_lines_is_one_line(argv, line):
+    """Hydra refuses an unknown flag with 8 lines of usage and two modes with a traceback, and keeps the last of
+    a key given twice without a word: the recipe says which argument and what to type instead."""
+    assert command_line_error(argv, str(CONF)) == line
 
 
 def test_a_dashed_override_on_the_command_line_is_refused_in_one_line(tmp_path):
