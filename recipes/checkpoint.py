@@ -648,9 +648,7 @@ class CheckpointManager:
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=self.options
         )
         resume.restore_hyperparameters(optimizer, hyperparameters)  # the config's, not the checkpoint's
-        if self.rank == 0:
-            resume.log_changes(changes)
-        self.resume_changes = changes
+        self.resume_changes = changes  # logged by the caller once it accepts them (recipes.resume.log_changes)
         self.verified = Path(path)
         return state["trainer"]
 

@@ -317,7 +317,8 @@ def nothing_to_do(step: int, end: int, path: str | None, changes: list[Change]) 
     diff = ", ".join(f"{c.key} {_show(c.checkpoint)} -> {_show(c.config)}" for c in changes)
     return (
         f"run finished at step {step}: the config differs from checkpoint {Path(path).name}'s ({diff}) but no step "
-        f"is left to train (trainer.max_steps, trainer.stop_at); raise trainer.max_steps or use a new run_dir"
+        f"is left to train (trainer.max_steps, trainer.stop_at); raise trainer.max_steps above {step} or use a new "
+        "run_dir"
     )
 
 

@@ -50,10 +50,11 @@ from recipes.distributed import LaunchError, init_distributed, pick_device, reso
 from recipes.evaluate import check_eval_config, evaluate
 from recipes.model import build_model
 from recipes.progress import ConsoleHandler, progress_bar
-from recipes.resume import nothing_to_do
+from recipes.resume import log_changes, nothing_to_do
 from recipes.stop_signal import StopSignal
 
 log = logging.getLogger("recipes.train")
+FILE_ONLY = "file_only"  # a log record's attribute (``extra``): train.log only, not the console
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
@@ -96,6 +97,7 @@ def _setup_logging(rank: int, run_dir: str) -> None:
     fmt = logging.Formatter(f"[%(asctime)s][rank{rank}][%(name)s][%(levelname)s] %(message)s", "%H:%M:%S")
     console = ConsoleHandler()
     console.setFormatter(fmt)
+    console.addFilter(lambda record: not getattr(record, FILE_ONLY, False))
     _HANDLERS.add(console)
     root.addHandler(console)
     if rank == 0:
@@ -268,21 +270,33 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
     overrides its :meth:`~CheckpointManager.on_phase`, as ``scripts/fault_train.py`` does).
     """
     env, device, data, optim = preflight(cfg)
-    if env.rank == 0:
-        record_config(cfg, cfg.run_dir, sys.argv[1:])
+    record = record_config(cfg, cfg.run_dir, sys.argv[1:]) if env.rank == 0 else None
     _setup_logging(env.rank, cfg.run_dir)
-    if cfg.trainer.threads > 0:
-        torch.set_num_threads(cfg.trainer.threads)
-    mesh = init_distributed(env, device)
     try:
-        return _train(cfg, env, device, data, mesh, optim, manager_cls)
-    finally:
-        shutdown()
+        if cfg.trainer.threads > 0:
+            torch.set_num_threads(cfg.trainer.threads)
+        mesh = init_distributed(env, device)
+        try:
+            return _train(cfg, env, device, data, mesh, optim, manager_cls, record)
+        finally:
+            shutdown()
+    except USER_ERRORS as exc:  # after logging started: train.log ends with why (stderr gets it once, from main)
+        log.error("%s", exc, extra={FILE_ONLY: True})
+        raise
 
 
 def _train(
-    cfg: DictConfig, env, device, data, mesh, optim: ValidatedOptim, manager_cls: type[CheckpointManager]
+    cfg: DictConfig,
+    env,
+    device,
+    data,
+    mesh,
+    optim: ValidatedOptim,
+    manager_cls: type[CheckpointManager],
+    record: Path | None,
 ) -> dict[str, Any]:
+    """The job after its checks; ``record``: this launch's ``launches/`` file (rank 0), removed if the resume
+    refuses the launch (launches/ holds accepted launches only)."""
     rank, world = env.rank, env.world_size
     metrics = MetricsWriter(cfg.run_dir, rank)
     model = shard_model(build_model(cfg.model, seed=cfg.trainer.seed, device=device), mesh)
@@ -303,15 +317,23 @@ def _train(
     template = {"step": 0, "data_position": 0, "world_size": 0, "rng_state": torch.get_rng_state()}
     max_steps = cfg.trainer.max_steps
     end = min(max_steps, cfg.trainer.stop_at) if cfg.trainer.stop_at > 0 else max_steps
-    resumed = ckpt.resume(model, optimizer, template)
+    try:
+        resumed = ckpt.resume(model, optimizer, template)
+        if resumed is not None and int(resumed[1]["step"]) >= end and ckpt.resume_changes:
+            # keys that would change nothing: refused, nothing recorded
+            raise ConfigError(nothing_to_do(int(resumed[1]["step"]), end, str(resumed[0]), ckpt.resume_changes))
+    except USER_ERRORS:
+        if record is not None:
+            record.unlink(missing_ok=True)
+        raise
     if resumed is not None:
         path, state = resumed
         start, resumed_from = int(state["step"]), str(path)
-        if start >= end and ckpt.resume_changes:  # keys that would change nothing: refused, nothing recorded
-            raise ConfigError(nothing_to_do(start, end, resumed_from, ckpt.resume_changes))
         torch.set_rng_state(state["rng_state"])
+        if rank == 0:
+            log_changes(ckpt.resume_changes)
         log.info("resuming from checkpoint %s at step %d (saved by %d rank(s))", path, start, state["world_size"])
-        for change in ckpt.resume_changes:  # logged by the manager; recorded here
+        for change in ckpt.resume_changes:
             metrics.write(change.record())
     if start >= end:
         log.info(nothing_to_do(start, end, resumed_from, []))

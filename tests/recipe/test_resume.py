@@ -302,20 +302,27 @@ def test_no_decay_patterns_change_across_a_resume(saved_cfg, resumed_cfg, tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------------- finished run
-def test_a_finished_run_started_with_another_optimizer_config_is_refused(tmp_path, caplog):
+def test_a_finished_run_started_with_another_optimizer_config_is_refused(tmp_path, caplog, capsys):
     """Observation 4: the README's next command after the quick start resumes a finished run. A changed key
     would take effect in no step: refused (exit 2 on the command line), nothing recorded; the same config is
     "nothing to do"."""
     train(compose_config([*QUICK, f"run_dir={tmp_path}"]))
     metrics = (tmp_path / "metrics.jsonl").read_text()
-    with pytest.raises(ConfigError) as err:
+    launches = sorted((tmp_path / "launches").iterdir())
+    with pytest.raises(ConfigError) as err, caplog.at_level(logging.INFO):
         train(compose_config([*QUICK, f"run_dir={tmp_path}", "optim.exp_avg_dtype=bf16"]))
-    assert str(err.value) == (
+    line = (
         "run finished at step 20: the config differs from checkpoint step_00000020's (optim.exp_avg_dtype fp32 "
-        "-> bf16) but no step is left to train (trainer.max_steps, trainer.stop_at); raise trainer.max_steps or "
-        "use a new run_dir"
+        "-> bf16) but no step is left to train (trainer.max_steps, trainer.stop_at); raise trainer.max_steps above "
+        "20 or use a new run_dir"
     )
+    assert str(err.value) == line
     assert (tmp_path / "metrics.jsonl").read_text() == metrics
+    assert sorted((tmp_path / "launches").iterdir()) == launches  # the refused launch's record is gone
+    assert (tmp_path / "train.log").read_text().splitlines()[-1].endswith(f"[recipes.train][ERROR] {line}")
+    assert not [r for r in caplog.records if r.name == "recipes.resume"]  # no change logged as if applied
+    assert "no step is left" not in capsys.readouterr().err  # the console gets the line once, from main()
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="recipes.train"):
         train(compose_config([*QUICK, f"run_dir={tmp_path}", "trainer.progress=false"]))
     assert "nothing to do: checkpoint step 20 >= 20" in [r.getMessage() for r in caplog.records]
