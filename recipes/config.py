@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -242,6 +243,49 @@ def command_line_error(argv: list[str], conf_dir: str) -> str | None:
         if isinstance(value, str) and value.endswith("_schema") and group.is_dir():
             options = sorted(p.stem for p in group.glob("*.yaml"))
             return f"{override.input_line}: no such option; available: {', '.join(options)}"
+    return None
+
+
+def shared_run_dir_error(argv: list[str], compose: Callable[[list[str]], DictConfig], most: int = 256) -> str | None:
+    """For a ``-m`` sweep: one line when two of its jobs would train in the same ``run_dir`` (the later would
+    resume the earlier's checkpoints, or be refused as a finished run with another config), else None.
+
+    The jobs are the overrides' product, as Hydra's basic sweeper makes them; ``compose`` composes one job's
+    config (``recipes.train.compose_config``). A sweep of more than ``most`` jobs, or whose jobs do not compose
+    here (a ``run_dir`` with ``${hydra:job.num}``, a bad override: Hydra reports that), is not checked.
+    """
+    import itertools
+
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    args = get_args_parser().parse_known_args(argv)[0]
+    if not args.multirun:
+        return None
+    try:
+        overrides = OverridesParser.create().parse_overrides(args.overrides)
+        choices = [
+            [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+            if o.is_sweep_override()
+            else [o.input_line]
+            for o in overrides
+        ]
+        jobs = [list(job) for job in itertools.islice(itertools.product(*choices), most + 1)]
+        if len(jobs) > most:
+            return None
+        run_dirs = [str(compose(job).run_dir) for job in jobs]
+    except (HydraException, OmegaConfBaseException, ConfigError):
+        return None
+    first: dict[str, int] = {}
+    for num, run_dir in enumerate(run_dirs):
+        if run_dir in first:
+            other = first[run_dir]
+            return (
+                f"-m: jobs {other} ({' '.join(jobs[other]) or 'no overrides'}) and {num} ({' '.join(jobs[num])}) would "
+                f"both train in run_dir={run_dir}, the later resuming the earlier's checkpoints; give each job its "
+                "own, e.g. 'run_dir=runs/sweep/${hydra:job.num}'"
+            )
+        first[run_dir] = num
     return None
 
 

@@ -44,6 +44,7 @@ from recipes.config import (
     config_error_line,
     record_config,
     register_configs,
+    shared_run_dir_error,
 )
 from recipes.data import DataError, build_data
 from recipes.distributed import LaunchError, init_distributed, pick_device, resolve_dist_env, shutdown
@@ -476,7 +477,7 @@ def main() -> None:
     with 1. The task turns its own Hydra/OmegaConf errors into ``RuntimeError`` (with traceback), so what is
     caught here comes from composing a config (also a sweep point's).
     """
-    error = command_line_error(sys.argv[1:], CONFIG_DIR)
+    error = command_line_error(sys.argv[1:], CONFIG_DIR) or shared_run_dir_error(sys.argv[1:], compose_config)
     if error:
         _refuse(error)
     previous = os.environ.get("HYDRA_FULL_ERROR")

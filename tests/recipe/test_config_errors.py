@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from optim_factory import ConfigError
-from recipes.config import command_line_error
+from recipes.config import command_line_error, shared_run_dir_error
 from recipes.train import compose_config, preflight, train
 from tests.recipe.test_train import QUICK, ROOT, snapshot
 
@@ -196,6 +196,43 @@ def test_a_command_line_hydra_would_take_silently_or_in_many_lines_is_one_line(a
     """Hydra refuses an unknown flag with 8 lines of usage and two modes with a traceback, and keeps the last of
     a key given twice without a word: the recipe says which argument and what to type instead."""
     assert command_line_error(argv, str(CONF)) == line
+
+
+@pytest.mark.parametrize(
+    "argv,shared",
+    [
+        (
+            ["-m", "experiment=quick", "optim.lr=1e-3,3e-3", "run_dir=/r"],
+            "jobs 0 (experiment=quick optim.lr=0.001 "
+            "run_dir=/r) and 1 (experiment=quick optim.lr=0.003 run_dir=/r) would both train in run_dir=/r",
+        ),
+        (
+            ["-m", "trainer.max_steps=range(10,30,10)"],
+            "jobs 0 (trainer.max_steps=10) and 1 (trainer.max_steps=20) would both train in run_dir=runs/default",
+        ),
+        (["-m", "experiment=quick,lowmem"], None),  # runs/quick, runs/lowmem
+        (["-m", "optim.lr=1e-3,3e-3", "run_dir=/r/lr${optim.lr}"], None),
+        (["-m", "optim.lr=1e-3,3e-3", "run_dir=/r/${hydra:job.num}"], None),  # composes only under Hydra's launcher
+        (["-m", "optim.lr=1e-3"], None),
+        (["optim.lr=1e-3,3e-3"], None),  # not a sweep without -m (Hydra refuses the value)
+    ],
+    ids=["same-run-dir", "default-run-dir", "experiments", "interpolated", "job-num", "one-job", "no-m"],
+)
+def test_a_sweep_whose_jobs_share_a_run_dir_is_refused_before_any_job(argv, shared):
+    """The second job would resume the first's checkpoints (or be refused once it finished): seen by the new-user
+    trial of 2026-12-01 (``-m trainer.max_steps=10,20 run_dir=X`` continued job 0's run without a word)."""
+    line = shared_run_dir_error(argv, compose_config)
+    assert line == (
+        None
+        if shared is None
+        else f"-m: {shared}, the later resuming the earlier's checkpoints; give "
+        "each job its own, e.g. 'run_dir=runs/sweep/${hydra:job.num}'"
+    )
+
+
+def test_a_shared_run_dir_sweep_on_the_command_line_is_one_line(tmp_path):
+    line = refused(cli("-m", "experiment=quick", "optim.lr=1e-3,3e-3", f"run_dir={tmp_path / 'run'}"))
+    assert line.startswith("-m: jobs 0 (") and not (tmp_path / "run").exists()
 
 
 def test_a_dashed_override_on_the_command_line_is_refused_in_one_line(tmp_path):
