@@ -204,5 +204,6 @@ def unknown_key_line(key: str, known: list[str]) -> str:
     """``optim.state_dict_cpu_ofload: not a config key; did you mean optim.state_dict_cpu_offload?``"""
     parent, _, leaf = key.rpartition(".")
     siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}  # same node only
-    near = difflib.get_close_matches(leaf, list(siblings), n=1)
-    return f"{key}: not a config key" + (f"; did you mean {siblings[near[0]]}?" if near else "")
+    near = [siblings[k] for k in difflib.get_close_matches(leaf, list(siblings), n=1)]
+    near = near or [k for k in known if k.rpartition(".")[2] == leaf][:2]  # the same name elsewhere: lr -> optim.lr
+    return f"{key}: not a config key" + (f"; did you mean {' or '.join(near)}?" if near else "")

@@ -161,9 +161,16 @@ def check_config(cfg: DictConfig) -> None:
         key = min(missing, key=lambda k: (k.count("."), k))
         raise ConfigError(f"{key}: missing value (it has no default; set {key}=...)")
     unknown = _unknown_keys(cfg, "")
+    optim_schema = OmegaConf.get_type(cfg.optim) if isinstance(cfg.get("optim"), DictConfig) else None
     if unknown:
-        optim_schema = OmegaConf.get_type(cfg.optim) if isinstance(cfg.get("optim"), DictConfig) else None
-        raise ConfigError(unknown_key_line(unknown[0], known_keys(optim_schema)))
+        line = _another_optimizers(unknown[0], optim_schema) or unknown_key_line(unknown[0], known_keys(optim_schema))
+        raise ConfigError(line)
+    name = cfg.optim.get("name") if optim_schema in OPTIM_SCHEMAS.values() else None
+    if name in OPTIM_SCHEMAS and OPTIM_SCHEMAS[name] is not optim_schema:  # optim.name=adamw on fused_adam's keys
+        raise ConfigError(
+            f"optim.name={name}: the optimizer is chosen by its config group (optim={name}); optim.name "
+            "follows the group"
+        )
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -315,8 +322,21 @@ def config_error_line(exc: BaseException, overrides: list[str] = ()) -> str:
         return f"bad override: {_first_line(exc)}"
     cause = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
     if isinstance(cause, OmegaConfBaseException):
-        return omegaconf_error_line(cause, "", known_keys())
+        schema = getattr(cause, "object_type", None)  # the node's schema: an optimizer's names only its keys
+        line = omegaconf_error_line(cause, "", known_keys(schema if schema in OPTIM_SCHEMAS.values() else None))
+        key = getattr(cause, "full_key", None)
+        return _another_optimizers(key, schema) or line
     return _first_line(exc)
+
+
+def _another_optimizers(key: str | None, schema: type | None) -> str | None:
+    """``optim.exp_avg_dtype: not a key of optim=adamw; a key of optim=fused_adam`` when ``key`` is not a key of
+    the optimizer schema ``schema`` but another optimizer's (None otherwise)."""
+    names = {s: n for n, s in OPTIM_SCHEMAS.items()}
+    others = [n for n, s in OPTIM_SCHEMAS.items() if s is not schema and key in schema_keys(s, "optim.")]
+    if schema not in names or key in schema_keys(schema, "optim.") or not others:
+        return None
+    return f"{key}: not a key of optim={names[schema]}; a key of {' and '.join(f'optim={n}' for n in others)}"
 
 
 def record_config(cfg: DictConfig, run_dir: str, argv: list[str]) -> Path:

@@ -241,6 +241,33 @@ def test_a_dashed_override_on_the_command_line_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    "overrides,line",
+    [
+        (
+            ["optim=adamw", "optim.exp_avg_dtype=bf16"],
+            "optim.exp_avg_dtype: not a key of optim=adamw; a key of optim=fused_adam",
+        ),  # was: 'not a config key; did you mean optim.exp_avg_dtype?'
+        (
+            ["optim=adamw", "+optim.exp_avg_dtype=bf16"],
+            "optim.exp_avg_dtype: not a key of optim=adamw; a key of optim=fused_adam",
+        ),
+        (["lr=1e-3"], "lr: not a config key; did you mean optim.lr?"),
+        (
+            ["optim.name=adamw"],
+            "optim.name=adamw: the optimizer is chosen by its config group (optim=adamw); optim.name follows the group",
+        ),  # was: 'optim.backend: not a config key', a key the user never typed
+    ],
+    ids=["another-optimizers-key", "another-optimizers-key-added", "key-of-a-group", "name-instead-of-group"],
+)
+def test_a_key_in_the_wrong_place_names_where_it_belongs(overrides, line, tmp_path):
+    """Seen by the new-user trial of 2026-12-01."""
+    with pytest.raises(ConfigError) as err:
+        preflight(compose_config([*overrides, f"run_dir={tmp_path / 'run'}"]))
+    assert str(err.value) == line
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_run_dir_under_a_file_is_one_line(tmp_path):
     (tmp_path / "file").write_text("x")
     line = refused(cli(*QUICK, f"run_dir={tmp_path / 'file' / 'run'}"))
