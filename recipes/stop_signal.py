@@ -12,6 +12,7 @@ checkpoint is of the step just done, and a non-finite step is never saved.
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,8 @@ _STOP, _BAD_NOW, _BAD_BEFORE = range(3)
 
 
 class StopSignal:
-    """SIGTERM / SIGUSR1 (Slurm preemption, time limit, torchrun shutting down) ask the loop to stop cleanly.
+    """SIGTERM / SIGUSR1 (Slurm preemption, time limit, torchrun shutting down) and a first SIGINT (Ctrl-C) ask the
+    loop to stop cleanly; a second SIGINT stops at once (``KeyboardInterrupt``, no checkpoint).
 
     The loop checks after every step (:meth:`should_stop`); all ranks agree (a max all-reduce), save a checkpoint at
     that step, wait for in-flight saves and return. A requeued job then resumes from it. ``overlap=False`` makes
@@ -33,10 +35,11 @@ class StopSignal:
     +4.4 % per step against +0.3 % overlapped on 2 H200s, docs/recipe.md).
     """
 
-    SIGNALS = ("SIGTERM", "SIGUSR1")
+    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
     def __init__(self, *, overlap: bool = True) -> None:
-        self.received: str | None = None
+        self.received: str | None = None  # the first stop signal's name
+        self._interrupted = False  # a SIGINT arrived
         self.overlap = overlap
         self.flag_lag = 0  # the non-finite flag reported by the last check is from that many steps before it
         self._deferred: Callable[[], int] | None = None  # reads the previous check's flag (kept, not read yet)
@@ -52,7 +55,13 @@ class StopSignal:
                     pass
 
     def _handle(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if name == "SIGINT":
+            if self._interrupted:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
+            self._interrupted = True
+            os.write(2, b"\nSIGINT: stopping after this step with a checkpoint (Ctrl-C again: at once, without)\n")
+        self.received = self.received or name
 
     def should_stop(self, world: int, nonfinite: torch.Tensor | None = None, *, now: bool = True) -> tuple[bool, bool]:
         """(a stop signal arrived on some rank, a non-finite flag was true on some rank), agreed by all ranks.

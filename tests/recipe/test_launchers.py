@@ -63,7 +63,9 @@ def test_two_torchrun_nodes_with_c10d_rendezvous_train_and_resume(tmp_path):
     assert complete_steps(tmp_path) == [10, 20]
 
 
-def test_sigterm_finishes_the_step_saves_and_the_next_launch_resumes(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_or_ctrl_c_finishes_the_step_saves_and_the_next_launch_resumes(sig, tmp_path):
+    """SIGINT (Ctrl-C) as SIGTERM: was a KeyboardInterrupt traceback and no checkpoint (the new-user trial)."""
     cmd = [
         sys.executable,
         "recipes/train.py",
@@ -78,13 +80,13 @@ def test_sigterm_finishes_the_step_saves_and_the_next_launch_resumes(tmp_path):
     for line in proc.stderr:
         lines.append(line)
         if "step 3/" in line:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             break
     rest, _ = proc.communicate(timeout=120)[1], None
     log = "".join(lines) + (rest or "")
     assert proc.returncode == 0, log[-3000:]
     stopped = [ln for ln in log.splitlines() if "stopping at step" in ln]
-    assert stopped and "SIGTERM" in stopped[0], log[-3000:]
+    assert stopped and sig.name in stopped[0], log[-3000:]
     step = int(stopped[0].split("stopping at step ")[1].split()[0])
     assert complete_steps(tmp_path) == [step]
     again = subprocess.run(

@@ -4,6 +4,9 @@ check, the same on every rank; steps that save and a stop read everything at onc
 
 from __future__ import annotations
 
+import signal
+
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -75,3 +78,23 @@ def _two_ranks(rank: int, world: int) -> None:
 
 def test_two_ranks_agree_a_check_or_two_later_between_checkpoints_and_at_once_when_saving():
     spawn(_two_ranks, 2)
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    """The first SIGINT asks for a clean stop (as SIGTERM); the second raises KeyboardInterrupt where the loop is."""
+    stop = StopSignal()
+    try:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.received == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        stop.restore()
+    first = StopSignal()
+    try:
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)
+        assert first.received == "SIGTERM"  # the first reason is kept
+    finally:
+        first.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
