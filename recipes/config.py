@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -320,6 +321,10 @@ def config_error_line(exc: BaseException, overrides: list[str] = ()) -> str:
             except HydraException:  # the parser raises OverrideParseException or, on a syntax error, HydraException
                 return f"{override}: not a valid override ({_first_line(exc)})"
         return f"bad override: {_first_line(exc)}"
+    ambiguous = re.fullmatch(r"Ambiguous value for argument '(([^=]*)=(.*))'", _first_line(exc))
+    if ambiguous:  # Hydra's next lines say how to read a comma; the one line says it with the user's values
+        override, key, value = ambiguous.groups()
+        return f"{override}: a comma makes a sweep (add -m); a list is written {key}=[{value}]"
     cause = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
     if isinstance(cause, OmegaConfBaseException):
         schema = getattr(cause, "object_type", None)  # the node's schema: an optimizer's names only its keys

@@ -313,7 +313,10 @@ def nothing_to_do(step: int, end: int, path: str | None, changes: list[Change]) 
     """The line for a run that has nothing left to train: plain, or (the refusal) naming what differs from the
     checkpoint, which would take effect in no step."""
     if not changes:
-        return f"nothing to do: checkpoint step {step} >= {end}"
+        return (
+            f"nothing to do: checkpoint step {step} >= {end} (to train on, raise trainer.max_steps, or "
+            "trainer.stop_at if set)"
+        )
     diff = ", ".join(f"{c.key} {_show(c.checkpoint)} -> {_show(c.config)}" for c in changes)
     return (
         f"run finished at step {step}: the config differs from checkpoint {Path(path).name}'s ({diff}) but no step "

@@ -132,10 +132,14 @@ def test_a_rejected_run_changes_nothing_on_disk(tmp_path):
         (["optim.exp_avg_dtype=fp64"], "optim.exp_avg_dtype='fp64': expected one of fp32|fp16|bf16|fp8"),
         (["optim.lr=fast"], "optim.lr='fast': Value 'fast' of type 'str' could not be converted to Float"),
         (["optim.lr=["], "optim.lr=[: not a valid override"),
+        (
+            ["optim.betas=0.9,0.95"],
+            "optim.betas=0.9,0.95: a comma makes a sweep (add -m); a list is written optim.betas=[0.9,0.95]",
+        ),  # was Hydra's first line: 'Ambiguous value for argument ...
         (["run_dir=???"], "run_dir: missing value (it has no default; set run_dir=...)"),
         (["checkpoint.every_steps=0"], "checkpoint.every_steps=0: must be >= 1"),
     ],
-    ids=["enum", "type", "syntax", "missing", "checkpoint"],
+    ids=["enum", "type", "syntax", "comma", "missing", "checkpoint"],
 )
 def test_every_config_error_is_one_line_with_exit_code_2(args, line, tmp_path):
     run_dir = [] if args[0].startswith("run_dir=") else [f"run_dir={tmp_path / 'run'}"]

@@ -325,7 +325,10 @@ def test_a_finished_run_started_with_another_optimizer_config_is_refused(tmp_pat
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="recipes.train"):
         train(compose_config([*QUICK, f"run_dir={tmp_path}", "trainer.progress=false"]))
-    assert "nothing to do: checkpoint step 20 >= 20" in [r.getMessage() for r in caplog.records]
+    assert (
+        "nothing to do: checkpoint step 20 >= 20 (to train on, raise trainer.max_steps, or trainer.stop_at if set)"
+        in [r.getMessage() for r in caplog.records]
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- the table
