@@ -238,6 +238,18 @@ def _fused_adam_kwargs(c: DictConfig, chunk_bytes: int | None) -> dict[str, Any]
     )
 
 
+def _states(kwargs: Mapping[str, Any], bf16_params: bool) -> str:
+    """``master fp32, exp_avg bf16, exp_avg_sq fp32`` from a FusedAdam's constructor arguments (remainders only
+    where there are BF16 parameters: the only ones they apply to)."""
+    name = {parse_dtype(m): m.value for m in StateDtype}  # the config's spelling of each torch dtype
+    master = "none"
+    if kwargs["master_weights"]:
+        master = name[kwargs["master_weight_dtype"]]
+        if kwargs["store_param_remainders"] and bf16_params:
+            master = "int16 remainders (BF16 parameters)"
+    return f"master {master}, exp_avg {name[kwargs['exp_avg_dtype']]}, exp_avg_sq {name[kwargs['exp_avg_sq_dtype']]}"
+
+
 def build_optimizer(cfg: Any, model: Any) -> torch.optim.Optimizer:
     """Build the optimizer that ``cfg`` describes for ``model``.
 
@@ -270,7 +282,8 @@ def build_optimizer(cfg: Any, model: Any) -> torch.optim.Optimizer:
                 UserWarning,
                 stacklevel=2,
             )
-        if c.store_param_remainders and not any(p.dtype == torch.bfloat16 for p in params):
+        bf16_params = any(p.dtype == torch.bfloat16 for p in params)
+        if c.store_param_remainders and not bf16_params:
             warnings.warn(
                 "optim.store_param_remainders=true has no effect: no parameter is BF16",
                 UserWarning,
@@ -282,6 +295,7 @@ def build_optimizer(cfg: Any, model: Any) -> torch.optim.Optimizer:
             from optim_factory.optimizers.portable import PortableFusedAdam as cls
         opt = cls(groups, **v.kwargs)
         log.info("optimizer: %s (%s)", cls.__name__, why)
+        log.info("optimizer states: %s; state_dict: %s", _states(v.kwargs, bf16_params), opt.export_options.describe())
     for i, s in enumerate(summaries):
         log.info(s.line(i))
     return opt

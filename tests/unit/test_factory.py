@@ -130,6 +130,48 @@ def test_backend_choice_is_logged(caplog):
     assert sum(r.getMessage().startswith("param group") for r in caplog.records) == 2
 
 
+@pytest.mark.parametrize(
+    "cfg,line",
+    [
+        ({}, "master none, exp_avg fp32, exp_avg_sq fp32; state_dict: on the device, FP32 (TE's export)"),
+        (
+            {"exp_avg_dtype": "bf16", "state_dict_cpu_offload": True},
+            "master none, exp_avg bf16, exp_avg_sq fp32; state_dict: to CPU, one state at a time",
+        ),
+        (
+            {
+                "master_weights": True,
+                "store_param_remainders": True,
+                "exp_avg_sq_dtype": "fp8",
+                "state_dict_cpu_offload": True,
+                "state_dict_offload_chunk_bytes": "64MiB",
+                "state_dict_offload_reuse_buffers": True,
+                "state_dict_keep_bf16": True,
+                "state_dict_offload_background": True,
+            },
+            "master fp32, exp_avg fp32, exp_avg_sq fp8; state_dict: to CPU in chunks of 64 MiB, reused "
+            "host buffers (pinning register), BF16 kept, in the background",
+        ),
+        (
+            {"master_weights": True, "state_dict_cpu_offload": True, "state_dict_offload_chunk_bytes": 1 << 20},
+            "master fp32, exp_avg fp32, exp_avg_sq fp32; state_dict: to CPU in chunks of 1 MiB, fresh host memory",
+        ),
+    ],
+    ids=["default", "offload-bf16", "everything-fp32-params", "chunked"],
+)
+def test_the_states_and_the_export_in_effect_are_logged(cfg, line, caplog):
+    """What the built optimizer keeps and exports, from what it was built with (the new-user trial found no line
+    saying that BF16 moments or the offload were in effect)."""
+    with caplog.at_level(logging.INFO, logger="optim_factory.factory"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no GPU here: the offload warns that it saves no memory
+        build_optimizer(cfg, tiny_model())
+        if cfg.get("store_param_remainders"):  # the same with BF16 parameters: remainders
+            build_optimizer(cfg, tiny_model().to(torch.bfloat16))
+            said = [r.getMessage() for r in caplog.records]
+            assert any(m.startswith("optimizer states: master int16 remainders (BF16 parameters),") for m in said)
+    assert f"optimizer states: {line}" in [r.getMessage() for r in caplog.records]
+
+
 @pytest.mark.skipif(te_fused_adam.TE_AVAILABLE, reason="checks the message without Transformer Engine")
 def test_backend_te_without_te_names_the_fix():
     with pytest.raises(ConfigError) as info:

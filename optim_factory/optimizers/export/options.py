@@ -100,6 +100,21 @@ class ExportOptions:
             )
         object.__setattr__(self, "pinning", pinning)
 
+    def describe(self) -> str:
+        """What ``state_dict()`` does, in a few words (the factory logs it)."""
+        if not self.cpu_offload:
+            return "on the device, FP32 (TE's export)" + (", BF16 kept" if self.keep_bf16 else "")
+        if self.chunk_bytes is None:
+            how = ["to CPU, one state at a time"]
+        else:
+            how = [f"to CPU in chunks of {self.chunk_bytes / (1 << 20):g} MiB"]
+            how.append(
+                f"reused host buffers (pinning {self.pinning.value})" if self.reuse_buffers else "fresh host memory"
+            )
+        how += ["BF16 kept"] if self.keep_bf16 else []
+        how += ["in the background"] if self.background else []
+        return ", ".join(how)
+
     @classmethod
     def from_kwargs(
         cls,
