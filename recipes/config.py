@@ -196,6 +196,18 @@ def _is_value(arg: str) -> bool:
         return not arg.startswith("-")
 
 
+def _hydra_args(argv: list[str], *, strict: bool = False) -> tuple[argparse.Namespace, list[str]]:
+    """``argv`` read by the parser ``hydra.main`` itself uses (so the options are Hydra's): (options, the rest).
+    ``strict``: no abbreviated options, and a misused one raises ``argparse.ArgumentError`` instead of exiting."""
+    from hydra._internal.utils import get_args_parser  # hydra.main's own parser; no public accessor in 1.3
+
+    parser = get_args_parser()
+    if strict:
+        parser.exit_on_error = False  # a misused option of Hydra's (``--cfg`` without a value) raises, not exits
+        parser.allow_abbrev = False  # else --experiment=quick passes as an abbreviation of --experimental-rerun
+    return parser.parse_known_args(argv)
+
+
 def command_line_error(argv: list[str], conf_dir: str) -> str | None:
     """One line for what is wrong with the command line before Hydra sees it, else None: what Hydra would refuse
     with its usage over several lines, or accept without a word and not do.
@@ -210,14 +222,10 @@ def command_line_error(argv: list[str], conf_dir: str) -> str | None:
 
     A malformed override is left to Hydra (:func:`config_error_line` words it).
     """
-    from hydra._internal.utils import get_args_parser  # hydra.main's own parser; no public accessor in 1.3
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parser = get_args_parser()
-    parser.exit_on_error = False  # a misused option of Hydra's (``--cfg`` without a value) raises, not exits
-    parser.allow_abbrev = False  # else --experiment=quick passes as an abbreviation of --experimental-rerun
     try:
-        args, unknown = parser.parse_known_args(argv)
+        args, unknown = _hydra_args(argv, strict=True)
     except argparse.ArgumentError as exc:
         return f"{exc.argument_name}: {exc.message}"
     modes = {"--run": args.run, "--multirun": args.multirun, "--cfg": args.cfg, "--info": args.info}
@@ -259,16 +267,19 @@ def shared_run_dir_error(argv: list[str], compose: Callable[[list[str]], DictCon
     resume the earlier's checkpoints, or be refused as a finished run with another config), else None.
 
     The jobs are the overrides' product, as Hydra's basic sweeper makes them; ``compose`` composes one job's
-    config (``recipes.train.compose_config``). A sweep of more than ``most`` jobs, or whose jobs do not compose
-    here (a ``run_dir`` with ``${hydra:job.num}``, a bad override: Hydra reports that), is not checked.
+    config (``recipes.train.compose_config``, the project's ``train.yaml``). Not checked: a sweep of more than
+    ``most`` jobs, one with another primary config (``-cd``/``-cn``/``-cp``), one with ``${now:...}`` in an
+    override (each job resolves it when it starts), and one whose jobs do not compose here (``${hydra:job.num}``,
+    a bad override, ``hydra.sweeper.params``): Hydra runs or reports those as before.
     """
     import itertools
 
-    from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    args = get_args_parser().parse_known_args(argv)[0]
-    if not args.multirun:
+    args = _hydra_args(argv)[0]
+    if not args.multirun or args.config_dir or args.config_name or args.config_path:
+        return None
+    if any("${now:" in a for a in args.overrides):
         return None
     try:
         overrides = OverridesParser.create().parse_overrides(args.overrides)
@@ -282,18 +293,19 @@ def shared_run_dir_error(argv: list[str], compose: Callable[[list[str]], DictCon
         if len(jobs) > most:
             return None
         run_dirs = [str(compose(job).run_dir) for job in jobs]
-    except (HydraException, OmegaConfBaseException, ConfigError):
+    except Exception:  # noqa: BLE001  (not this check's to report: Hydra does, or runs the sweep)
         return None
-    first: dict[str, int] = {}
+    first: dict[Path, int] = {}
     for num, run_dir in enumerate(run_dirs):
-        if run_dir in first:
-            other = first[run_dir]
+        place = Path(run_dir).resolve()  # runs/x and ./runs/x are one directory
+        if place in first:
+            other = first[place]
             return (
                 f"-m: jobs {other} ({' '.join(jobs[other]) or 'no overrides'}) and {num} ({' '.join(jobs[num])}) would "
                 f"both train in run_dir={run_dir}, the later resuming the earlier's checkpoints; give each job its "
                 "own, e.g. 'run_dir=runs/sweep/${hydra:job.num}'"
             )
-        first[run_dir] = num
+        first[place] = num
     return None
 
 
@@ -324,7 +336,10 @@ def config_error_line(exc: BaseException, overrides: list[str] = ()) -> str:
     ambiguous = re.fullmatch(r"Ambiguous value for argument '(([^=]*)=(.*))'", _first_line(exc))
     if ambiguous:  # Hydra's next lines say how to read a comma; the one line says it with the user's values
         override, key, value = ambiguous.groups()
-        return f"{override}: a comma makes a sweep (add -m); a list is written {key}=[{value}]"
+        keys, leaf = known_keys(), key.lstrip("+~")
+        is_value = leaf in keys and not any(k.startswith(f"{leaf}.") for k in keys)  # not a group (optim=a,b)
+        list_hint = f"; a list is written {key}=[{value}]" if is_value else ""
+        return f"{override}: a comma makes a sweep (add -m){list_hint}"
     cause = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
     if isinstance(cause, OmegaConfBaseException):
         schema = getattr(cause, "object_type", None)  # the node's schema: an optimizer's names only its keys

@@ -219,8 +219,28 @@ def test_a_command_line_hydra_would_take_silently_or_in_many_lines_is_one_line(a
         (["-m", "optim.lr=1e-3,3e-3", "run_dir=/r/${hydra:job.num}"], None),  # composes only under Hydra's launcher
         (["-m", "optim.lr=1e-3"], None),
         (["optim.lr=1e-3,3e-3"], None),  # not a sweep without -m (Hydra refuses the value)
+        (["-m", "-cn", "train", "optim.lr=1e-3,3e-3"], None),  # another primary config: not composed here
+        (["-m", "optim.lr=1e-3,3e-3", "run_dir=/r/${now:%Y-%m-%d}"], None),  # resolved when each job starts
+        (["-m", "hydra.sweeper.params.optim.lr=1e-3,1e-4"], None),  # Hydra's one line, not a traceback
+        (
+            ["-m", "optim.lr=1e-3,3e-3", "run_dir=/r/lr${optim.lr}/../same"],
+            "jobs 0 (optim.lr=0.001 run_dir=/r/lr${optim.lr}/../same) and 1 (optim.lr=0.003 "
+            "run_dir=/r/lr${optim.lr}/../same) would both train in run_dir=/r/lr0.003/../same",
+        ),
     ],
-    ids=["same-run-dir", "default-run-dir", "experiments", "interpolated", "job-num", "one-job", "no-m"],
+    ids=[
+        "same-run-dir",
+        "default-run-dir",
+        "experiments",
+        "interpolated",
+        "job-num",
+        "one-job",
+        "no-m",
+        "config-name",
+        "now",
+        "sweeper-params",
+        "same-directory-two-spellings",
+    ],
 )
 def test_a_sweep_whose_jobs_share_a_run_dir_is_refused_before_any_job(argv, shared):
     """The second job would resume the first's checkpoints (or be refused once it finished): seen by the new-user
@@ -261,8 +281,15 @@ def test_a_dashed_override_on_the_command_line_is_refused_in_one_line(tmp_path):
             ["optim.name=adamw"],
             "optim.name=adamw: the optimizer is chosen by its config group (optim=adamw); optim.name follows the group",
         ),  # was: 'optim.backend: not a config key', a key the user never typed
+        (["optim=adamw,fused_adam"], "optim=adamw,fused_adam: a comma makes a sweep (add -m)"),  # a group: no list
     ],
-    ids=["another-optimizers-key", "another-optimizers-key-added", "key-of-a-group", "name-instead-of-group"],
+    ids=[
+        "another-optimizers-key",
+        "another-optimizers-key-added",
+        "key-of-a-group",
+        "name-instead-of-group",
+        "comma-in-a-group",
+    ],
 )
 def test_a_key_in_the_wrong_place_names_where_it_belongs(overrides, line, tmp_path):
     """Seen by the new-user trial of 2026-12-01."""

@@ -207,12 +207,15 @@ REFUSED = [
 def test_refused_changes(overrides, key, old, new, tmp_path):
     _save(tmp_path)
     before = snapshot(tmp_path / "checkpoints")
+    launches = sorted((tmp_path / "launches").iterdir())
     with pytest.raises(ResumeRefused) as info:
         train(compose_config([*QUICK, f"run_dir={tmp_path}", "checkpoint.fallback=true", *overrides]))
     text = str(info.value)
     assert "\n" not in text and f"{key} is {old} in the checkpoint and {new} in the config" in text, text
     assert "use a new run_dir" in text and STEP10 in text
     assert snapshot(tmp_path / "checkpoints") == before
+    assert sorted((tmp_path / "launches").iterdir()) == launches  # the refused launch's record is removed
+    assert (tmp_path / "train.log").read_text().splitlines()[-1].endswith(f"[ERROR] {text}")
 
 
 def test_a_refusal_reads_nothing_into_the_model_and_never_falls_back(tmp_path):

@@ -133,7 +133,7 @@ def test_backend_choice_is_logged(caplog):
 @pytest.mark.parametrize(
     "cfg,line",
     [
-        ({}, "master none, exp_avg fp32, exp_avg_sq fp32; state_dict: on the device, FP32 (TE's export)"),
+        ({}, "master none, exp_avg fp32, exp_avg_sq fp32; state_dict: on the device, FP32"),
         (
             {"exp_avg_dtype": "bf16", "state_dict_cpu_offload": True},
             "master none, exp_avg bf16, exp_avg_sq fp32; state_dict: to CPU, one state at a time",

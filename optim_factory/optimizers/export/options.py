@@ -103,7 +103,7 @@ class ExportOptions:
     def describe(self) -> str:
         """What ``state_dict()`` does, in a few words (the factory logs it)."""
         if not self.cpu_offload:
-            return "on the device, FP32 (TE's export)" + (", BF16 kept" if self.keep_bf16 else "")
+            return "on the device, FP32" + (", BF16 kept" if self.keep_bf16 else "")
         if self.chunk_bytes is None:
             how = ["to CPU, one state at a time"]
         else:
