@@ -360,16 +360,24 @@ def _another_optimizers(key: str | None, schema: type | None) -> str | None:
 
 
 def record_config(cfg: DictConfig, run_dir: str, argv: list[str]) -> Path:
-    """Write the resolved config of an accepted launch to ``<run_dir>/launches/<time>-<pid>.yaml``.
+    """Write the resolved config of an accepted launch to ``<run_dir>/launches/<time>-<pid>[-<n>].yaml``.
 
     A new file per launch, written only after every check passed: a later launch, rejected or not, never
-    overwrites the record of an earlier one.
+    overwrites the record of an earlier one, also in the same process and second (``-<n>``: a Hydra sweep's
+    jobs, tests).
     """
     import time
 
     folder = Path(run_dir) / "launches"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.yaml"
-    header = f"# python recipes/train.py {' '.join(argv)}\n"
-    path.write_text(header + OmegaConf.to_yaml(cfg))
-    return path
+    stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    text = f"# python recipes/train.py {' '.join(argv)}\n" + OmegaConf.to_yaml(cfg)
+    n = 0
+    while True:
+        path = folder / (f"{stem}.yaml" if n == 0 else f"{stem}-{n}.yaml")
+        try:
+            with open(path, "x") as f:  # created here, never an earlier launch's file
+                f.write(text)
+            return path
+        except FileExistsError:
+            n += 1

@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from optim_factory import ConfigError
-from recipes.config import command_line_error, shared_run_dir_error
+from recipes.config import command_line_error, record_config, shared_run_dir_error
 from recipes.train import compose_config, preflight, train
 from tests.recipe.test_train import QUICK, ROOT, snapshot
 
@@ -312,3 +312,14 @@ def test_an_unwritable_run_dir_is_one_line(tmp_path):
     line = refused(cli(*QUICK, f"run_dir={locked / 'run'}"))
     assert line == f"run_dir='{locked / 'run'}': {locked} is not writable"
     assert list(Path(locked).iterdir()) == []
+
+
+def test_launches_in_one_process_and_second_get_a_record_each(tmp_path):
+    """Two launches of one process within a second (a sweep's jobs, tests) once shared a name: the second
+    overwrote the first, and a refused second launch then removed both (seen in CI)."""
+    cfg = compose_config([f"run_dir={tmp_path}"])
+    paths = [record_config(cfg, str(tmp_path), [f"optim.lr={lr}"]) for lr in (1, 2, 3)]
+    assert len(set(paths)) == 3 and sorted((tmp_path / "launches").iterdir()) == sorted(paths)
+    assert [p.read_text().splitlines()[0] for p in paths] == [
+        f"# python recipes/train.py optim.lr={v}" for v in (1, 2, 3)
+    ]
