@@ -404,30 +404,86 @@ def test_a_temporary_exporter_ends_its_threads_with_its_export(monkeypatch):
     opt.state_exporter.close()
 
 
-def _export_in_child(opt, reference, queue) -> None:
+def _export_in_child(opt, reference, mode, queue) -> None:
     torch.set_num_threads(1)  # torch's OpenMP pool does not survive a fork (its next parallel copy hangs)
+    if mode == "prepared":
+        opt.prepare_state_dict()  # the pool's background thread allocates the buffers
     sd = opt.state_dict()
+    opt.wait_state_dict()  # "background": the exporter's background thread fills the dictionary
     states = reference["state"]
     queue.put(all(torch.equal(sd["state"][k][n], states[k][n]) for k in states for n in states[k]))
 
 
-def test_a_forked_child_exports_with_threads_of_its_own():
+@pytest.mark.parametrize("mode", ["fresh", "background", "prepared"])
+def test_a_forked_child_exports_with_threads_of_its_own(mode):
     """A fork copies the exporter but not its threads: the child's export starts threads of its own instead of
-    queueing work that no thread runs. Broken on purpose (workers alive whatever the process): the child hangs."""
+    queueing work that no thread runs. Each mode needs other threads: "fresh" the unstaging workers,
+    "background" the exporter's background thread, "prepared" the buffer pool's thread. Broken on purpose
+    (the threads kept whatever the process), each mode's child hangs."""
     import multiprocessing as mp
 
-    opt = _optimizer(4 * M, reuse=False)
+    opt = _optimizer(4 * M, reuse=mode == "prepared")
     reference = export_state(opt, cpu_offload=True)
+    if mode == "background":
+        opt.configure_export(ExportOptions(True, chunk_bytes=4 * M, background=True))
+    # the parent's threads exist before the fork: an export (and a preparation) ran here first
+    opt.prepare_state_dict()
+    opt.release_state_dict(opt.state_dict())
+    opt.wait_state_dict()
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    child = ctx.Process(target=_export_in_child, args=(opt, reference, queue), daemon=True)
+    child = ctx.Process(target=_export_in_child, args=(opt, reference, mode, queue), daemon=True)
     child.start()
     child.join(timeout=60)
     hung = child.is_alive()
     if hung:
         child.kill()
-    assert not hung, "the forked child's export did not finish"
+    assert not hung, f"the forked child's {mode} export did not finish"
     assert child.exitcode == 0 and queue.get(timeout=5) is True
+    opt.state_exporter.close()
+
+
+def _wait_in_child(opt, queue) -> None:
+    try:
+        opt.wait_state_dict()
+        queue.put("returned")
+    except RuntimeError as e:
+        queue.put(str(e))
+
+
+def test_a_child_forked_during_a_background_export_is_told_instead_of_waiting_forever(monkeypatch):
+    """The export's thread stays in the parent: the child's wait raises at once (broken on purpose, waiting on
+    the parent's future: the child hangs); the parent's export completes as usual."""
+    import multiprocessing as mp
+
+    from optim_factory.optimizers.export import mixin
+
+    gate = threading.Event()
+
+    class Gated(mixin.StateExporter):
+        def _stream_after(self, *args):
+            gate.wait(60)
+            return super()._stream_after(*args)
+
+    monkeypatch.setattr(mixin, "StateExporter", Gated)
+    opt = _optimizer(4 * M, reuse=False)
+    reference = export_state(opt, cpu_offload=True)
+    opt.configure_export(ExportOptions(True, chunk_bytes=4 * M, background=True))
+    sd = opt.state_dict()
+    assert opt.state_dict_pending
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_wait_in_child, args=(opt, queue), daemon=True)
+    child.start()
+    child.join(timeout=60)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+    gate.set()
+    assert not hung, "the forked child waited for the parent's export"
+    assert "forked" in queue.get(timeout=5)
+    opt.wait_state_dict()
+    assert_state_dicts_bitwise(sd, reference, "the parent's background export")
     opt.state_exporter.close()
 
 

@@ -21,7 +21,16 @@ from torch.distributed.tensor import DTensor
 
 from optim_factory.optimizers.export.options import Pinning
 
-__all__ = ["host_empty", "fault_in", "register_host", "unregister_host", "worker_threads", "HostBufferPool", "Slot"]
+__all__ = [
+    "host_empty",
+    "fault_in",
+    "register_host",
+    "unregister_host",
+    "worker_threads",
+    "ProcessThreads",
+    "HostBufferPool",
+    "Slot",
+]
 
 _HUGE = 2 << 20  # a transparent huge page; tensors at least this large get their own mapping
 _MAPPED = sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
@@ -136,6 +145,33 @@ def worker_threads(workers: int, name: str, device: torch.device | None = None) 
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name, **on_device)
 
 
+class ProcessThreads:
+    """A :func:`worker_threads` pool started by its first :meth:`submit`, and again by the first submit in a
+    forked child: a fork copies this object but not the threads, so the child's work would wait in a queue
+    that no thread empties. The threads make the ``device`` of the submit that starts them current."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._workers, self._name = workers, name
+        self._executor: ThreadPoolExecutor | None = None
+        self._pid = 0
+
+    def submit(self, device: torch.device | None, fn: Any, *args: Any) -> Future:
+        if self._executor is None or self._pid != os.getpid():
+            self._executor, self._pid = worker_threads(self._workers, self._name, device), os.getpid()
+        return self._executor.submit(fn, *args)
+
+    @property
+    def started(self) -> bool:
+        """Whether this process has started the threads (and not shut them down)."""
+        return self._executor is not None and self._pid == os.getpid()
+
+    def shutdown(self) -> None:
+        """Wait for the submitted work, end the threads (started again by the next submit). Idempotent."""
+        if self.started:
+            self._executor.shutdown(wait=True)
+        self._executor = None
+
+
 def unregister_host(ptr: int) -> None:
     """Undo :func:`register_host` for the memory starting at ``ptr`` (nothing once CUDA has shut down)."""
     try:
@@ -183,7 +219,7 @@ class HostBufferPool:
         self._free: dict[Slot, list[torch.Tensor]] = {}
         self._leased: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._buffers: dict[int, _Buffer] = {}  # id(tensor) -> record, dropped when the tensor is freed
-        self._pinner: ThreadPoolExecutor | None = None
+        self._pinner = ProcessThreads(1, "export-pin")
         self._preparing: Future | None = None
         self._registered = [0]  # bytes pinned with cudaHostRegister and not yet unpinned
 
@@ -245,11 +281,9 @@ class HostBufferPool:
         self._buffers[id(buf)].registered = True
 
     def _background(self, fn, *args) -> Future:
-        if self._pinner is None:
-            # the first caller's current device (the exporter's: the rank's GPU where the job set it)
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
-            self._pinner = worker_threads(1, "export-pin", device)
-        return self._pinner.submit(fn, *args)
+        # the first caller's current device (the exporter's: the rank's GPU where the job set it)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
+        return self._pinner.submit(device, fn, *args)
 
     def prepare(self, slots: Iterable[Slot]) -> Future:
         """Allocate, first-touch and pin (per the slot's pinning) a free buffer for every slot that has none,
@@ -283,7 +317,7 @@ class HostBufferPool:
 
     def wait_pinning(self) -> None:
         """Block until the buffers released so far are pinned (benchmarks and tests)."""
-        if self._pinner is not None:
+        if self._pinner.started:
             self.pinning_done().result()
 
     def registered_bytes(self) -> int:

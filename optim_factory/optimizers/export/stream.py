@@ -5,14 +5,15 @@ accelerator and copies them to host memory. See docs/design.md, "Streaming".
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import Future, ThreadPoolExecutor
+import os
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from optim_factory.optimizers.export.host_memory import HostBufferPool, Slot, host_empty, worker_threads
+from optim_factory.optimizers.export.host_memory import HostBufferPool, ProcessThreads, Slot, host_empty
 from optim_factory.optimizers.export.options import ExportOptions, Pinning
 from optim_factory.optimizers.export.staging import Stager, UnstageWorkers, unstage_threads
 from optim_factory.optimizers.export.tensors import local_tensor, wrap_host_local
@@ -151,8 +152,9 @@ class StateExporter:
         self.pool = HostBufferPool()
         self._copy_streams: dict[torch.device, Any] = {}
         self._convert_streams: dict[torch.device, Any] = {}
-        self._thread: ThreadPoolExecutor | None = None
+        self._thread = ProcessThreads(1, "export-stream")
         self._pending: Future | None = None
+        self._pending_pid = 0  # the process whose thread runs the pending export
         self._unstagers: dict[torch.device, UnstageWorkers] = {}
 
     def unstage_workers(self, device: torch.device) -> UnstageWorkers:
@@ -170,9 +172,7 @@ class StateExporter:
         for workers in self._unstagers.values():
             workers.close()
         self._unstagers.clear()
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-            self._thread = None
+        self._thread.shutdown()
 
     def __enter__(self) -> StateExporter:
         return self
@@ -246,11 +246,10 @@ class StateExporter:
             device = item.source.device
             if device.type == "cuda" and device not in ready:
                 ready[device] = torch.cuda.current_stream(device).record_event()
-        if self._thread is None:
-            # the states' GPU current on the thread: leaving ``torch.cuda.stream(...)`` restores the thread's
-            # device, and restoring a new thread's device 0 (cudaSetDevice) creates a context on GPU 0
-            self._thread = worker_threads(1, "export-stream", next(iter(ready), None))
-        self._pending = self._thread.submit(self._stream_after, items, chunk_bytes, ready)
+        # the states' GPU current on the thread: leaving ``torch.cuda.stream(...)`` restores the thread's
+        # device, and restoring a new thread's device 0 (cudaSetDevice) creates a context on GPU 0
+        self._pending = self._thread.submit(next(iter(ready), None), self._stream_after, items, chunk_bytes, ready)
+        self._pending_pid = os.getpid()
         return self._pending
 
     def _stream_after(self, items: list[StreamItem], chunk_bytes: int, ready: dict[torch.device, Any]) -> None:
@@ -273,12 +272,21 @@ class StateExporter:
         export is no longer pending afterwards)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
+            if self._orphaned(pending):
+                raise RuntimeError(
+                    "a background export was running when this process was forked: its thread and the rest of "
+                    "its dictionary stayed in the parent"
+                )
             pending.result()
 
     def join(self) -> None:
         """Block until the pending background export has finished, without raising or clearing its failure."""
-        if self._pending is not None:
+        if self._pending is not None and not self._orphaned(self._pending):
             self._pending.exception()
+
+    def _orphaned(self, pending: Future) -> bool:
+        """Whether ``pending`` never finishes here: started in the parent of this forked process, not done then."""
+        return self._pending_pid != os.getpid() and not pending.done()
 
     def _stream_device(self, device: torch.device, chunks: list[list[Piece]]) -> None:
         cuda = device.type == "cuda"
