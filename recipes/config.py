@@ -263,8 +263,9 @@ def command_line_error(argv: list[str], conf_dir: str) -> str | None:
 
 
 def shared_run_dir_error(argv: list[str], compose: Callable[[list[str]], DictConfig], most: int = 256) -> str | None:
-    """For a ``-m`` sweep: one line when two of its jobs would train in the same ``run_dir`` (the later would
-    resume the earlier's checkpoints, or be refused as a finished run with another config), else None.
+    """For a ``-m`` sweep: one line when two of its jobs would train in the same ``run_dir`` or save in the same
+    ``checkpoint.dir`` (the later would resume the earlier's checkpoints, or be refused as a finished run with
+    another config; ``keep_last`` would remove the other's), else None.
 
     The jobs are the overrides' product, as Hydra's basic sweeper makes them; ``compose`` composes one job's
     config (``recipes.train.compose_config``, the project's ``train.yaml``). Not checked: a sweep of more than
@@ -292,21 +293,30 @@ def shared_run_dir_error(argv: list[str], compose: Callable[[list[str]], DictCon
         jobs = [list(job) for job in itertools.islice(itertools.product(*choices), most + 1)]
         if len(jobs) > most:
             return None
-        run_dirs = [str(compose(job).run_dir) for job in jobs]
+        configs = [compose(job) for job in jobs]
+        places = {key: [str(OmegaConf.select(c, key, throw_on_missing=True)) for c in configs] for key in _PER_JOB}
     except Exception:  # noqa: BLE001  (not this check's to report: Hydra does, or runs the sweep)
         return None
-    first: dict[Path, int] = {}
-    for num, run_dir in enumerate(run_dirs):
-        place = Path(run_dir).resolve()  # runs/x and ./runs/x are one directory
-        if place in first:
-            other = first[place]
-            return (
-                f"-m: jobs {other} ({' '.join(jobs[other]) or 'no overrides'}) and {num} ({' '.join(jobs[num])}) would "
-                f"both train in run_dir={run_dir}, the later resuming the earlier's checkpoints; give each job its "
-                "own, e.g. 'run_dir=runs/sweep/${hydra:job.num}'"
-            )
-        first[place] = num
+    for key, (what, example) in _PER_JOB.items():
+        first: dict[Path, int] = {}
+        for num, place in enumerate(places[key]):
+            resolved = Path(place).resolve()  # runs/x and ./runs/x are one directory
+            if resolved in first:
+                other = first[resolved]
+                return (
+                    f"-m: jobs {other} ({' '.join(jobs[other]) or 'no overrides'}) and {num} ({' '.join(jobs[num])}) "
+                    f"would both {what} in {key}={place}, the later resuming the earlier's checkpoints; give each job "
+                    f"its own, e.g. '{example}'"
+                )
+            first[resolved] = num
     return None
+
+
+# what a sweep's jobs must not share: the key, what a job does there, an override that gives each job its own
+_PER_JOB = {
+    "run_dir": ("train", "run_dir=runs/sweep/${hydra:job.num}"),
+    "checkpoint.dir": ("save", "checkpoint.dir=${run_dir}/checkpoints"),
+}
 
 
 def _first_line(exc: BaseException) -> str:

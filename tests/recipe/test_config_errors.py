@@ -254,6 +254,34 @@ def test_a_sweep_whose_jobs_share_a_run_dir_is_refused_before_any_job(argv, shar
     )
 
 
+@pytest.mark.parametrize(
+    "argv,shared",
+    [
+        (
+            ["-m", "optim.lr=1e-3,3e-3", "run_dir=/r/lr${optim.lr}", "checkpoint.dir=/c"],
+            "jobs 0 (optim.lr=0.001 run_dir=/r/lr${optim.lr} checkpoint.dir=/c) and 1 (optim.lr=0.003 "
+            "run_dir=/r/lr${optim.lr} checkpoint.dir=/c) would both save in checkpoint.dir=/c",
+        ),
+        (  # two spellings of one directory
+            ["-m", "checkpoint.dir=c,./c", "run_dir=/r/x${checkpoint.dir}"],
+            "jobs 0 (checkpoint.dir=c run_dir=/r/x${checkpoint.dir}) and 1 (checkpoint.dir=./c "
+            "run_dir=/r/x${checkpoint.dir}) would both save in checkpoint.dir=./c",
+        ),
+        (["-m", "optim.lr=1e-3,3e-3", "run_dir=/r/lr${optim.lr}", "checkpoint.dir=/c/${optim.lr}"], None),
+    ],
+    ids=["explicit", "two-spellings", "interpolated"],
+)
+def test_a_sweep_whose_jobs_share_a_checkpoint_dir_is_refused_before_any_job(argv, shared):
+    """Different run_dirs, one checkpoint.dir: the later job would resume the earlier's checkpoints."""
+    line = shared_run_dir_error(argv, compose_config)
+    assert line == (
+        None
+        if shared is None
+        else f"-m: {shared}, the later resuming the earlier's checkpoints; give "
+        "each job its own, e.g. 'checkpoint.dir=${run_dir}/checkpoints'"
+    )
+
+
 def test_a_shared_run_dir_sweep_on_the_command_line_is_one_line(tmp_path):
     line = refused(cli("-m", "experiment=quick", "optim.lr=1e-3,3e-3", f"run_dir={tmp_path / 'run'}"))
     assert line.startswith("-m: jobs 0 (") and not (tmp_path / "run").exists()
