@@ -4,8 +4,10 @@
     torchrun --nproc_per_node=2 -m scripts.bench_save --out DIR --width 256 --layers 2 --tokens 64   # CPU, gloo
 
 An FSDP2 model (``--layers`` Linear+GELU blocks of ``--width``; BF16 parameters) with FusedAdam (TE's if
-importable on CUDA, else PortableFusedAdam): FP32 master, BF16 moments. The default size gives each of 2 ranks
-2.2 GB of FP32-equivalent optimizer state (3 states x 4 B x 184M local parameters). Training uses one fixed batch.
+importable on CUDA, else PortableFusedAdam): FP32 master, BF16 moments. ``--store-param-remainders`` keeps the FP32
+master as TE's ``store_param_remainders`` (the BF16 parameter and the missing 16 bits: 2 bytes instead of 4).
+The default size gives each of 2 ranks 2.2 GB of FP32-equivalent optimizer state (3 states x 4 B x 184M local
+parameters). Training uses one fixed batch.
 
 Modes (one optimizer; ``configure_export`` switches the export between them):
 
@@ -79,7 +81,7 @@ MODES = (
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # as the recipe and torchtitan save optimizers
 
 
-def build(width: int, layers: int, device: torch.device, mesh):
+def build(width: int, layers: int, device: torch.device, mesh, remainders: bool = False):
     from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE
 
     torch.manual_seed(0)
@@ -92,7 +94,14 @@ def build(width: int, layers: int, device: torch.device, mesh):
         from optim_factory import FusedAdam as cls
     else:
         from optim_factory import PortableFusedAdam as cls
-    opt = cls(model.parameters(), lr=1e-5, master_weights=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    opt = cls(
+        model.parameters(),
+        lr=1e-5,
+        master_weights=True,
+        exp_avg_dtype="bf16",
+        exp_avg_sq_dtype="bf16",
+        store_param_remainders=remainders,
+    )
     return model, opt, cls.__name__
 
 
@@ -401,7 +410,8 @@ def render(summary: dict, meta: dict) -> str:
         "",
         *meta["environment"],
         f"- model: {meta['layers']} x Linear({meta['width']}, {meta['width']}) + GELU, FSDP2 over {meta['world']} "
-        f"rank(s), {meta['optimizer']}, BF16 params, FP32 master, BF16 moments; {meta['fp32_state_gb']:.2f} GB of "
+        f"rank(s), {meta['optimizer']}, BF16 params, FP32 master{_MASTER[meta.get('master', 'fp32')]}, BF16 moments; "
+        f"{meta['fp32_state_gb']:.2f} GB of "
         f"FP32-equivalent optimizer state per rank; chunk {meta['chunk'] >> 20} MiB; {meta['repeats']} measured "
         "checkpoints per mode after one warm-up (medians; per checkpoint the slowest rank)",
         "- DCP's `DefaultStager` for (a) and (b): "
@@ -426,6 +436,10 @@ def render(summary: dict, meta: dict) -> str:
         f"- [{'x' if ok else ' '}] {text}" for ok, text in goals(summary, meta)
     ]
     return "\n".join(lines) + "\n"
+
+
+# how the table names the FP32 master's storage (--store-param-remainders)
+_MASTER = {"fp32": "", "remainders": " stored as BF16 parameter + int16 remainder (store_param_remainders)"}
 
 
 def goals(summary: dict, meta: dict) -> list[tuple[bool, str]]:
@@ -485,6 +499,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--chunk", default="64MiB")
+    ap.add_argument(
+        "--store-param-remainders",
+        action="store_true",
+        help="keep the FP32 master as TE's store_param_remainders=True: the BF16 parameter's missing 16 bits "
+        "(int16, 2 bytes per parameter in memory and in the checkpoint instead of 4)",
+    )
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument(
@@ -521,7 +541,7 @@ def main(argv: list[str] | None = None) -> None:
     mesh = init_distributed(env, device)
     rank, world = dist.get_rank(), dist.get_world_size()
     scratch = Path(args.scratch or tempfile.gettempdir()) / "bench_save"
-    model, opt, opt_name = build(args.width, args.layers, device, mesh)
+    model, opt, opt_name = build(args.width, args.layers, device, mesh, remainders=args.store_param_remainders)
     trainer = Trainer(model, opt, args.tokens, args.width, device)
     for _ in range(3):
         trainer.step()
@@ -560,6 +580,7 @@ def main(argv: list[str] | None = None) -> None:
             world=world,
             optimizer=opt_name,
             chunk=ctx["chunk"],
+            master="remainders" if args.store_param_remainders else "fp32",
             repeats=args.repeats,
             fp32_state_gb=local * 12 / 1e9,
             stager_reusable=reusable,

@@ -63,6 +63,22 @@ def test_bench_save_runs_every_mode_on_cpu(tmp_path):
     assert (again / "bench_save.md").read_text() == table
 
 
+def test_bench_save_with_param_remainders_exports_the_master_as_int16(tmp_path):
+    """--store-param-remainders: the FP32 master is exported as its int16 remainder, so (d) exports 6 of (c)'s 10
+    bytes per parameter (remainder 2 + BF16 moments 2 + 2 against 2 + FP32 moments 4 + 4: 0.6). Broken on purpose
+    (the flag ignored): an FP32 master, 8 of 12 bytes (0.667)."""
+    args = ["--device", "cpu", "--width", "64", "--layers", "2", "--tokens", "16", "--repeats", "1"]
+    args += ["--modes", "c-ours,d-ours-keep-bf16", "--store-param-remainders"]
+    cmd = [sys.executable, "-m", "scripts.bench_save", *args, "--out", str(tmp_path), "--scratch", str(tmp_path / "s")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(ln) for ln in (tmp_path / "bench_save.jsonl").read_text().splitlines()]
+    assert rows[0]["meta"]["master"] == "remainders"
+    optim = {r["mode"]: r["optim_bytes"] for r in rows[1:] if r["repeat"] == 0}
+    assert optim["d-ours-keep-bf16"] / optim["c-ours"] == pytest.approx(0.6, abs=0.005)  # steps: a few bytes more
+    assert "stored as BF16 parameter + int16 remainder" in (tmp_path / "bench_save.md").read_text()
+
+
 def test_bench_save_refuses_a_profile_path_that_is_a_file(tmp_path):
     a_file = tmp_path / "profile.txt"
     a_file.write_text("")
