@@ -185,7 +185,27 @@ def validate_optim_config(cfg: Any) -> ValidatedOptim:
         )
     except ValueError as exc:
         raise ConfigError(f"optim.{exc}") from None
+    _warn_without_effect(c)
     return ValidatedOptim(c, MappingProxyType(_fused_adam_kwargs(c, chunk)))
+
+
+def _warn_without_effect(c: Any) -> None:
+    """Options that a valid FusedAdam config can hold without any effect (TE accepts them too): a warning each."""
+    moments = {k: parse_dtype(getattr(c, k).value, k) for k in ("exp_avg_dtype", "exp_avg_sq_dtype")}
+    if c.state_dict_keep_bf16 and torch.bfloat16 not in moments.values():
+        warnings.warn(
+            "optim.state_dict_keep_bf16=true has no effect: no optimizer state is BF16 "
+            f"(exp_avg_dtype={c.exp_avg_dtype.value}, exp_avg_sq_dtype={c.exp_avg_sq_dtype.value})",
+            UserWarning,
+            stacklevel=3,
+        )
+    default_master = OmegaConf.get_type(c).__dataclass_fields__["master_weight_dtype"].default  # the schema's
+    if not c.master_weights and c.master_weight_dtype != default_master:
+        warnings.warn(
+            f"optim.master_weight_dtype={c.master_weight_dtype.value} has no effect without optim.master_weights=true",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 # ------------------------------------------------------------------------------------------------- backends

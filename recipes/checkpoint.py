@@ -175,7 +175,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
         manifest = json.loads(marker.read_text())
     except FileNotFoundError:
         raise CheckpointError(
-            f"checkpoint {path}: no {MARKER} (DCP did not finish it, or it was not written by this recipe); "
+            f"checkpoint {path}: no {MARKER} (its save did not finish, or it was not written by this recipe); "
             f"{FALLBACK_HINT}"
         ) from None
     except (OSError, ValueError) as exc:
@@ -204,7 +204,15 @@ def check_checkpoint_config(cfg: CheckpointConfig, rank: int = 0) -> None:
         raise CheckpointError(f"checkpoint.every_steps={cfg.every_steps}: must be >= 1")
     if cfg.keep_last < 0:
         raise CheckpointError(f"checkpoint.keep_last={cfg.keep_last}: must be >= 0 (0 keeps all)")
+    root = Path(cfg.dir)
     if not cfg.enabled:
+        existing = _step_names(root)
+        if existing:  # this launch would neither resume them nor save: it would train from step 0 beside them
+            raise CheckpointError(
+                f"checkpoint.enabled=false but checkpoint.dir={cfg.dir!r} holds {len(existing)} checkpoint(s) (e.g. "
+                f"{existing[-1]}), which this launch would neither resume nor replace; use checkpoint.enabled=true "
+                "to resume them, or a run_dir without checkpoints"
+            )
         return
     if cfg.resume not in ("auto", "never"):
         path = Path(cfg.resume)
@@ -217,7 +225,7 @@ def check_checkpoint_config(cfg: CheckpointConfig, rank: int = 0) -> None:
                 f"checkpoint.resume={cfg.resume!r}: not a checkpoint directory (no {METADATA}); "
                 "expected auto|never|<path of a step_* directory>"
             )
-    root = Path(cfg.dir)
+        _check_nothing_newer(cfg, path, root)
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / f".write-probe-{rank}-{os.getpid()}"
@@ -226,12 +234,35 @@ def check_checkpoint_config(cfg: CheckpointConfig, rank: int = 0) -> None:
     except OSError as exc:
         raise CheckpointError(f"checkpoint.dir={cfg.dir!r}: not writable ({exc.strerror or exc})") from None
     if cfg.resume == "never":
-        existing = [p.name for p in root.iterdir() if STEP_DIR.match(p.name)]
+        existing = _step_names(root)
         if existing:
             raise CheckpointError(
                 f"checkpoint.resume=never but checkpoint.dir={cfg.dir!r} already holds {len(existing)} checkpoint(s) "
-                f"(e.g. {sorted(existing)[-1]}); use resume=auto or another checkpoint.dir"
+                f"(e.g. {existing[-1]}); use resume=auto or another checkpoint.dir"
             )
+
+
+def _step_names(root: Path) -> list[str]:
+    """The names of the step directories in ``root``, sorted (none if it does not exist)."""
+    return sorted(p.name for p in root.iterdir() if STEP_DIR.match(p.name)) if root.is_dir() else []
+
+
+def _check_nothing_newer(cfg: CheckpointConfig, path: Path, root: Path) -> None:
+    """An explicit ``checkpoint.resume`` path must be at least as new as every complete checkpoint in
+    ``checkpoint.dir``: a later ``resume=auto`` (a requeue, a plain relaunch) would otherwise jump to those, and
+    ``keep_last`` would keep them before this run's own."""
+    match = STEP_DIR.match(path.name)
+    if match is None:
+        return
+    newer = [n for n in _step_names(root) if int(STEP_DIR.match(n).group(1)) > int(match.group(1))]
+    newer = [n for n in newer if is_complete(root / n)]
+    if newer:
+        raise CheckpointError(
+            f"checkpoint.resume={cfg.resume!r} but checkpoint.dir={cfg.dir!r} holds newer complete checkpoints "
+            f"({', '.join(newer)}), which a later resume=auto would continue instead of this run; use "
+            f"checkpoint.resume=auto to continue the newest, or another checkpoint.dir (e.g. run_dir=<new>) to "
+            f"train on from {path.name}"
+        )
 
 
 class CheckpointManager:
@@ -326,7 +357,7 @@ class CheckpointManager:
         if self.cfg.resume != "auto":
             return [Path(self.cfg.resume)]
         for step, path in self.incomplete():
-            log.warning("ignoring incomplete checkpoint %s (step %d): DCP did not finish it", path, step)
+            log.warning("ignoring incomplete checkpoint %s (step %d): its save did not finish", path, step)
         return [p for _, p in reversed(self.complete())]
 
     def resume(self, model, optimizer, trainer_state: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
@@ -342,6 +373,13 @@ class CheckpointManager:
                 return path, self.load(path, model, optimizer, trainer_state)
             except CheckpointError as exc:
                 if not exc.older_may_load or not (self.cfg.fallback and i + 1 < len(candidates)):
+                    if exc.older_may_load and self.cfg.fallback:  # the hint's advice is taken: say why it did not help
+                        why = (
+                            "checkpoint.fallback applies to resume=auto, not to a given path"
+                            if self.cfg.resume != "auto"
+                            else "no older complete checkpoint is left to fall back to"
+                        )
+                        raise CheckpointError(str(exc).replace(FALLBACK_HINT, why)) from exc
                     raise
                 log.warning("%s; checkpoint.fallback=true: trying the older %s", exc, candidates[i + 1])
         return None

@@ -227,7 +227,11 @@ def build_data(cfg: DataConfig, vocab_size: int, world_size: int) -> AdditionTas
                 f"data.holdout_fraction={cfg.holdout_fraction}: only for data.kind=tokens; the addition task "
                 "holds out data.eval_size problems"
             )
+        if cfg.path is not None:
+            raise DataError(f"data.path={cfg.path!r}: only for data=tokens (add data=tokens to train on the file)")
         return AdditionTask(cfg.digits, cfg.seq_len, cfg.global_batch_size, cfg.seed, cfg.eval_size)
+    if cfg.digits != DataConfig.digits:
+        raise DataError(f"data.digits={cfg.digits}: only for the addition task (data=addition)")
     if not 0 <= cfg.holdout_fraction <= 0.5:
         raise DataError(f"data.holdout_fraction={cfg.holdout_fraction}: expected 0 (no held-out split) .. 0.5")
     if cfg.eval_size < 1:

@@ -72,6 +72,12 @@ RESUME_RULES: tuple[Rule, ...] = (
         Rule(f"model.{k}", REFUSED, "the model's architecture or shapes change", T_REFUSED)
         for k in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len", "tie_embeddings", "dtype")
     ),
+    Rule(
+        "trainer.seed",
+        REFUSED,
+        "the weights and the random state are the checkpoint's: the seed only starts a new run",
+        T_REFUSED,
+    ),
     *(
         Rule(f"optim.{k}", CONFIG, "hyperparameter: the config's value is used", T_HYPER)
         for k in ("lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode")

@@ -245,6 +245,19 @@ def check_model_and_trainer(model: DictConfig, trainer: DictConfig) -> None:
     for key, low in (("max_steps", 1), ("log_every", 1), ("warmup_steps", 0), ("threads", 0), ("grad_clip", 0)):
         if not trainer[key] >= low:  # also refuses NaN
             raise ConfigError(f"trainer.{key}={trainer[key]}: must be >= {low}")
+    if not 0 <= trainer.stop_at <= trainer.max_steps:  # beyond max_steps it would stop nothing
+        raise ConfigError(
+            f"trainer.stop_at={trainer.stop_at}: must be between 0 (off) and trainer.max_steps={trainer.max_steps}"
+        )
+
+
+def _finish_saves(ckpt: CheckpointManager) -> None:
+    """The loop failed: an async save in flight is finished and marked complete where it can be (its state is
+    from a finished step), so the failure costs only the steps after it; its own failure is logged."""
+    try:
+        ckpt.close()
+    except Exception as exc:  # noqa: BLE001  (the loop's failure is the one raised)
+        log.warning("the checkpoint in flight when training failed was not completed: %s", exc)
 
 
 def preflight(cfg: DictConfig):
@@ -252,6 +265,11 @@ def preflight(cfg: DictConfig):
     dirs. Nothing is written before the last check (the checkpoint dir's, which creates it)."""
     check_config(cfg)
     optim = validate_optim_config(cfg.optim)
+    if cfg.optim.get("use_decoupled_grad", False):
+        raise ConfigError(
+            "optim.use_decoupled_grad=true: FusedAdam would read param.decoupled_grad, which this recipe's loop "
+            "never sets (it sets .grad): no parameter would be updated"
+        )
     env = resolve_dist_env(os.environ)
     device = pick_device(cfg.trainer.device, env.local_rank)
     data = build_data(cfg.data, cfg.model.vocab_size, env.world_size)
@@ -399,6 +417,10 @@ def _train(
                     " (checkpoint saved); a new launch resumes here" if cfg.checkpoint.enabled else "",
                 )
                 break
+    except Exception:
+        if world == 1:  # with several ranks, marking a save complete needs every rank's agreement
+            _finish_saves(ckpt)
+        raise
     finally:
         stop.restore()  # also when a step or a save raises
     bar.close()

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from optim_factory import ConfigError
 from recipes.config import command_line_error, record_config, shared_run_dir_error
-from recipes.train import compose_config, preflight, train
+from recipes.train import USER_ERRORS, compose_config, preflight, train
 from tests.recipe.test_train import QUICK, ROOT, snapshot
 
 CONF = ROOT / "conf"
@@ -138,13 +138,41 @@ def test_a_rejected_run_changes_nothing_on_disk(tmp_path):
         ),  # was Hydra's first line: 'Ambiguous value for argument ...
         (["run_dir=???"], "run_dir: missing value (it has no default; set run_dir=...)"),
         (["checkpoint.every_steps=0"], "checkpoint.every_steps=0: must be >= 1"),
+        (["optim.use_decoupled_grad=true"], "optim.use_decoupled_grad=true: FusedAdam would read"),
     ],
-    ids=["enum", "type", "syntax", "comma", "missing", "checkpoint"],
+    ids=["enum", "type", "syntax", "comma", "missing", "checkpoint", "decoupled-grad"],
 )
 def test_every_config_error_is_one_line_with_exit_code_2(args, line, tmp_path):
     run_dir = [] if args[0].startswith("run_dir=") else [f"run_dir={tmp_path / 'run'}"]
     assert refused(cli(*args, *run_dir)).startswith(line)
     assert not (tmp_path / "run").exists() and not (ROOT / "???").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides,line",
+    [
+        (  # was: trained 20 steps without updating a weight (loss 2.80 -> 2.81, accuracy 0)
+            ["optim.use_decoupled_grad=true"],
+            "optim.use_decoupled_grad=true: FusedAdam would read param.decoupled_grad, which this recipe's loop never "
+            "sets (it sets .grad): no parameter would be updated",
+        ),
+        (  # was: ran to max_steps without a word
+            ["trainer.max_steps=20", "trainer.stop_at=100"],
+            "trainer.stop_at=100: must be between 0 (off) and trainer.max_steps=20",
+        ),
+        (  # was: trained on the addition task, the file never opened
+            ["data.path=/nonexistent/file.bin"],
+            "data.path='/nonexistent/file.bin': only for data=tokens (add data=tokens to train on the file)",
+        ),
+        (["data=tokens", "data.digits=3"], "data.digits=3: only for the addition task (data=addition)"),
+    ],
+    ids=["decoupled-grad", "stop-at", "path-without-tokens", "digits-with-tokens"],
+)
+def test_a_key_that_would_have_no_effect_is_refused(overrides, line, tmp_path):
+    with pytest.raises(USER_ERRORS) as info:  # ConfigError, DataError: each one line, exit 2 from the command line
+        preflight(compose_config([*QUICK, *overrides, f"run_dir={tmp_path / 'run'}"]))
+    assert str(info.value) == line
+    assert not (tmp_path / "run").exists()
 
 
 FLAG = "not an option (see --help)"

@@ -102,8 +102,59 @@ def test_corrupted_metadata_is_refused(run_dir):
 def test_fallback_goes_only_to_a_checkpoint_that_verifies(run_dir):
     for step_dir in (STEP20, "step_00000010"):
         _shard(run_dir, step_dir).unlink()
-    with pytest.raises(CheckpointError, match=r"step_00000010 is damaged: __0_0.distcp: missing"):
+    with pytest.raises(CheckpointError, match=r"step_00000010 is damaged: __0_0.distcp: missing") as info:
         _run(run_dir, "trainer.max_steps=25", "checkpoint.fallback=true")
+    # the hint is not "set checkpoint.fallback=true" (it is set): it says why it did not help
+    assert str(info.value).endswith("; no older complete checkpoint is left to fall back to"), info.value
+
+
+def test_a_given_path_that_is_damaged_says_fallback_does_not_apply_to_it(run_dir):
+    _shard(run_dir).unlink()
+    given = f"checkpoint.resume={run_dir / 'checkpoints' / STEP20}"
+    with pytest.raises(CheckpointError) as info:
+        _run(run_dir, "trainer.max_steps=25", "checkpoint.fallback=true", given)
+    assert str(info.value).endswith("; checkpoint.fallback applies to resume=auto, not to a given path"), info.value
+
+
+def test_a_given_path_older_than_a_complete_checkpoint_is_refused(run_dir):
+    """Seen: resume=<step 10> with complete 20 beside it trained on, and the next resume=auto jumped to 20, the
+    branch's own steps dropped (keep_last deleted them first). Broken on purpose (no check): training starts."""
+    before = snapshot(run_dir)
+    given = run_dir / "checkpoints" / "step_00000010"
+    with pytest.raises(CheckpointError) as info:
+        _run(run_dir, "trainer.max_steps=25", f"checkpoint.resume={given}")
+    assert str(info.value) == (
+        f"checkpoint.resume='{given}' but checkpoint.dir='{run_dir / 'checkpoints'}' holds newer complete checkpoints "
+        f"({STEP20}), which a later resume=auto would continue instead of this run; use checkpoint.resume=auto to "
+        "continue the newest, or another checkpoint.dir (e.g. run_dir=<new>) to train on from step_00000010"
+    )
+    assert snapshot(run_dir) == before  # refused before anything is written (no launch record either)
+    _run(run_dir.parent / "branch", "trainer.max_steps=25", f"checkpoint.resume={given}")  # a branch of its own
+
+
+def test_checkpointing_off_beside_checkpoints_is_refused(run_dir):
+    """Seen: checkpoint.enabled=false in a run_dir with checkpoints trained from step 0 and appended a second
+    history to metrics.jsonl."""
+    before = snapshot(run_dir)
+    with pytest.raises(CheckpointError, match=r"^checkpoint.enabled=false but checkpoint.dir=.* holds 2 checkpoint"):
+        _run(run_dir, "checkpoint.enabled=false")
+    assert snapshot(run_dir) == before
+
+
+def test_a_crash_of_a_one_process_run_completes_the_save_in_flight(tmp_path, monkeypatch):
+    """Seen: an exception at step 7 left the async save of step 5 (written) without its marker; the next launch
+    removed it and started at step 0. Broken on purpose (no finishing): step 5 is incomplete."""
+    import recipes.train
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("evaluation failed")
+
+    monkeypatch.setattr(recipes.train, "evaluate", fail)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        _run(tmp_path, "checkpoint.async_save=true", "checkpoint.every_steps=5", "trainer.eval_every=7")
+    assert complete_steps(tmp_path) == [5]
+    summary = _run(tmp_path, "checkpoint.async_save=true", "checkpoint.every_steps=5", "trainer.eval_every=0")
+    assert summary["start_step"] == 5
 
 
 @pytest.mark.parametrize("async_save", [False, True])

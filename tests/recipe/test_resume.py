@@ -200,6 +200,7 @@ REFUSED = [
     (["model.dtype=bf16"], "model.dtype", "fp32", "bf16"),
     (["model.tie_embeddings=true"], "model.tie_embeddings", "False", "True"),
     (["checkpoint.flatten_optimizer_state_dict=false"], "checkpoint.flatten_optimizer_state_dict", "True", "False"),
+    (["trainer.seed=7"], "trainer.seed", "0", "7"),  # was: logged as applied, changed nothing (bitwise the same)
 ]
 
 

@@ -48,7 +48,31 @@ def _mutations():
     def int16(sd):  # remainders belong to the master of a BF16 parameter only
         sd["state"][1]["exp_avg"] = torch.zeros(5, dtype=torch.int16)
 
+    def no_step(sd):  # was: loaded, the bias correction restarted at step 1 under the moments of step 2
+        for g in sd["param_groups"]:
+            del g["step"]
+
+    def group_value(key, value):
+        def damage(sd):  # was: loaded (lr=nan left non-finite weights after one step)
+            sd["param_groups"][0][key] = value
+
+        return damage
+
+    def layout(make):
+        def damage(sd):  # was: passed the checks, then failed half-way, leaving the optimizer half-loaded
+            sd["state"][1]["exp_avg"] = make()
+
+        return damage
+
     return [
+        ("no step", no_step, ["group 0 has states but no 'step'", "restart at step 1"]),
+        ("lr nan", group_value("lr", float("nan")), ["group 0", "Invalid learning rate: nan"]),
+        ("lr negative", group_value("lr", -1.0), ["group 0", "Invalid learning rate: -1.0"]),
+        ("beta2", group_value("betas", (0.9, 1.5)), ["group 0", "beta parameter at index 1: 1.5"]),
+        ("eps", group_value("eps", -1.0), ["group 0", "Invalid epsilon value: -1.0"]),
+        ("weight decay", group_value("weight_decay", "x"), ["group 0", "Invalid weight_decay value: 'x'"]),
+        ("sparse", layout(lambda: torch.zeros(5).to_sparse()), ["parameter 1", "exp_avg", "torch.sparse_coo"]),
+        ("meta", layout(lambda: torch.empty(5, device="meta")), ["parameter 1", "exp_avg", "on meta", "dense"]),
         ("shape", shape, ["group 0, parameter 0", "exp_avg", "(1, 3)", "(4, 3)"]),
         ("one moment", one_moment, ["group 0, parameter 1", "exp_avg", "not the other moment"]),
         ("unknown state", unknown, ["group 0, parameter 1", "momentum_buffer", "unknown state"]),
@@ -85,6 +109,32 @@ def test_param_names_are_named_in_errors():
     _, opt = _trained()
     with pytest.raises(ValueError, match=r"group 0, parameter 0 \(lm_head.weight\): exp_avg has shape"):
         opt.load_state_dict(sd)
+
+
+def test_states_of_other_parameters_are_refused_by_name():
+    """Two parameters of one shape, their names swapped in the dictionary: was loaded, each state on the other
+    parameter (and the optimizer's own names overwritten)."""
+
+    def named():
+        params = make_params(torch.float32, shapes=[(4, 3), (4, 3)])
+        opt = PortableFusedAdam(list(zip(["encoder.weight", "decoder.weight"], params)), **HP)
+        run_steps(opt, params, 0, 2)
+        return params, opt
+
+    _, saved = named()
+    sd = deep_clone(saved.state_dict())
+    sd["param_groups"][0]["param_names"] = ["decoder.weight", "encoder.weight"]
+    params, opt = named()
+    before = LiveSnapshot.take(opt)
+    with pytest.raises(ValueError) as info:
+        opt.load_state_dict(sd)
+    assert str(info.value) == (
+        "load_state_dict: group 0, parameter 0 is 'decoder.weight' in the state dict and 'encoder.weight' in the "
+        "optimizer: the states would load into another parameter"
+    )
+    LiveSnapshot.take(opt).assert_same(before)
+    assert opt.param_groups[0]["param_names"] == ["encoder.weight", "decoder.weight"]
+    opt.load_state_dict(deep_clone(saved.state_dict()))  # the same names load
 
 
 def test_torch_adamw_state_dict_is_refused_in_one_line():

@@ -169,10 +169,16 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
     """Check a whole state dict against ``optimizer`` before anything is loaded; raise one ``ValueError`` line
     naming the group, the parameter (index, and name where the dictionary has ``param_names``) and the mismatch.
 
-    Checked: the dictionary's structure; group count and sizes; the keys FusedAdam's groups need; state names
-    (``exp_avg``, ``exp_avg_sq``, ``master_param``); every state's local shape against its parameter's local
-    shape; dtypes that convert (FP32, BF16, FP16; int16 remainders only for the master of a BF16 parameter).
+    Checked: the dictionary's structure; group count and sizes; the keys FusedAdam's groups need, and their values
+    by the constructor's rules (``lr``, ``betas``, ``eps``, ``weight_decay``); a ``step`` in every group that has
+    states (without it the bias correction would restart at step 1 under moments of a later step); the
+    parameter names where both sides have them (the states would otherwise land on other parameters of the same
+    shape); state names (``exp_avg``, ``exp_avg_sq``, ``master_param``); every state's local shape against its
+    parameter's local shape; dense tensors with data (not sparse, not on the meta device); dtypes that convert
+    (FP32, BF16, FP16; int16 remainders only for the master of a BF16 parameter).
     """
+    from optim_factory.optimizers.rules import check_hyperparameters  # rules imports this package's options
+
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
         raise ValueError(f"load_state_dict: expected a dict with 'state' and 'param_groups', got {keys}")
@@ -195,6 +201,22 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
                 f"load_state_dict: group {g} has {len(saved['params'])} parameter(s) in the state dict, "
                 f"{len(live['params'])} in the optimizer"
             )
+        try:
+            check_hyperparameters(saved["lr"], saved["betas"], saved["eps"], saved["weight_decay"])
+        except ValueError as exc:
+            raise ValueError(f"load_state_dict: group {g}: {exc}") from None
+        names, live_names = saved.get("param_names"), live.get("param_names")
+        if names is not None and live_names is not None and list(names) != list(live_names):
+            i = next((i for i, (a, b) in enumerate(zip(names, live_names)) if a != b), min(len(names), len(live_names)))
+            theirs, ours = (n[i] if i < len(n) else None for n in (names, live_names))
+            raise ValueError(
+                f"load_state_dict: group {g}, parameter {i} is {theirs!r} in the state dict and {ours!r} in the "
+                "optimizer: the states would load into another parameter"
+            )
+        if "step" not in saved and any(state.get(key) for key in saved["params"]):
+            raise ValueError(
+                f"load_state_dict: group {g} has states but no 'step': the bias correction would restart at step 1"
+            )
         for i, (key, param) in enumerate(zip(saved["params"], live["params"])):
             values = state.get(key, {})
             if not isinstance(values, dict):
@@ -215,6 +237,10 @@ def _check_state(optimizer: Any, where: str, name: str, value: Any, param: torch
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"load_state_dict: {where}: expected a tensor, got {type(value).__name__}")
     local, live = local_tensor(value), local_tensor(param)
+    if local.layout != torch.strided or local.is_meta:
+        raise ValueError(
+            f"load_state_dict: {where} is {local.layout} on {local.device}: expected a dense tensor with data"
+        )
     if local.shape != live.shape:
         raise ValueError(
             f"load_state_dict: {where} has shape {tuple(local.shape)}, the parameter's (local) shape is "
