@@ -65,7 +65,15 @@ from torch.distributed.tensor import DTensor
 from optim_factory.optimizers.export import OffloadedStateDict
 from recipes.config import CheckpointConfig
 from recipes.host_copies import HostCopies
-from recipes.integrity import ALGORITHM, ChecksumFileSystemWriter, all_finite, file_problem, local_tensors
+from recipes.integrity import (
+    ALGORITHM,
+    ChecksumFileSystemWriter,
+    all_finite,
+    file_problem,
+    local_tensors,
+    manifest_problem,
+    seal_manifest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +190,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: {MARKER} is unreadable ({one_line(exc)}); {FALLBACK_HINT}") from None
     if not isinstance(manifest, dict):
         raise CheckpointError(f"checkpoint {path}: {MARKER} is not a JSON object; {FALLBACK_HINT}")
+    problem = manifest_problem(manifest)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged: {MARKER}: {problem}; {FALLBACK_HINT}")
     return manifest
 
 
@@ -593,7 +604,7 @@ class CheckpointManager:
             }
             marker = path / MARKER
             tmp = path / (MARKER + ".tmp")
-            tmp.write_text(json.dumps(manifest))
+            tmp.write_text(seal_manifest(manifest))
             os.replace(tmp, marker)
         self.verified = path
         if self.rank == 0:

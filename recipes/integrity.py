@@ -15,6 +15,7 @@ torch that wrote around them would fail the save loudly instead of writing unver
 
 from __future__ import annotations
 
+import json
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 ALGORITHM = "xxh3_64"  # the manifest's key for each file's hash (hex digest)
+MANIFEST_DIGEST = "manifest_xxh3_64"  # the manifest's hash of its own other keys (sorted JSON)
 READ_CHUNK = 16 * 2**20
 HASH_CHUNK = 2**20  # fits in L2: the write's copy reads what the hash just read (measured: docs/reliability.md)
 
@@ -179,3 +181,22 @@ def all_finite(tensors) -> bool:
         if t.is_floating_point() and t.element_size() > 1 and t.numel():
             per_device.setdefault(t.device, []).extend(torch.aminmax(t.detach()))
     return all(bool(torch.isfinite(torch.stack(ext)).all()) for ext in per_device.values())
+
+
+def seal_manifest(manifest: dict[str, Any]) -> str:
+    """The text of a manifest with a hash of its own content (:data:`MANIFEST_DIGEST`), so that a changed byte in
+    ``COMPLETE.json`` (its config, its step) is found before anything trusts it, like a changed byte in a file."""
+    digest = xxhash.xxh3_64_hexdigest(json.dumps(manifest, sort_keys=True).encode())
+    return json.dumps({**manifest, MANIFEST_DIGEST: digest}, sort_keys=True)
+
+
+def manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """What is wrong with a read manifest's own hash, if anything (``None`` also for a manifest written before
+    manifests were hashed, which has none; its files' checksums still verify the data)."""
+    digest = manifest.get(MANIFEST_DIGEST)
+    if digest is None:
+        return None
+    body = json.dumps({k: v for k, v in manifest.items() if k != MANIFEST_DIGEST}, sort_keys=True)
+    if xxhash.xxh3_64_hexdigest(body.encode()) != digest:
+        return "its own checksum does not match (changed after it was written)"
+    return None

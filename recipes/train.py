@@ -11,6 +11,7 @@ anything is written: a config error is one line on stderr and exit code 2, and l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -52,6 +53,7 @@ from recipes.evaluate import check_eval_config, evaluate
 from recipes.model import build_model
 from recipes.progress import ConsoleHandler, progress_bar
 from recipes.resume import log_changes, nothing_to_do
+from recipes.run_lock import RunDirLock
 from recipes.stop_signal import StopSignal
 
 log = logging.getLogger("recipes.train")
@@ -289,19 +291,20 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
     overrides its :meth:`~CheckpointManager.on_phase`, as ``scripts/fault_train.py`` does).
     """
     env, device, data, optim = preflight(cfg)
-    record = record_config(cfg, cfg.run_dir, sys.argv[1:]) if env.rank == 0 else None
-    _setup_logging(env.rank, cfg.run_dir)
-    try:
-        if cfg.trainer.threads > 0:
-            torch.set_num_threads(cfg.trainer.threads)
-        mesh = init_distributed(env, device)
+    with RunDirLock(cfg.run_dir) if env.rank == 0 else contextlib.nullcontext():  # one launch per run_dir at once
+        record = record_config(cfg, cfg.run_dir, sys.argv[1:]) if env.rank == 0 else None
+        _setup_logging(env.rank, cfg.run_dir)
         try:
-            return _train(cfg, env, device, data, mesh, optim, manager_cls, record)
-        finally:
-            shutdown()
-    except USER_ERRORS as exc:  # after logging started: train.log ends with why (stderr gets it once, from main)
-        log.error("%s", exc, extra={FILE_ONLY: True})
-        raise
+            if cfg.trainer.threads > 0:
+                torch.set_num_threads(cfg.trainer.threads)
+            mesh = init_distributed(env, device)
+            try:
+                return _train(cfg, env, device, data, mesh, optim, manager_cls, record)
+            finally:
+                shutdown()
+        except USER_ERRORS as exc:  # after logging started: train.log ends with why (stderr gets it once, from main)
+            log.error("%s", exc, extra={FILE_ONLY: True})
+            raise
 
 
 def _train(

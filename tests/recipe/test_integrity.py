@@ -16,6 +16,7 @@ import xxhash
 from omegaconf import OmegaConf
 
 from recipes.checkpoint import FALLBACK_HINT, MARKER, CheckpointError, is_complete, read_checkpoint, read_manifest
+from recipes.integrity import MANIFEST_DIGEST
 from recipes.train import compose_config, train
 from tests.recipe.test_launchers import complete_steps
 from tests.recipe.test_train import QUICK, run_cli, snapshot
@@ -181,12 +182,34 @@ def test_each_checkpoint_keeps_the_config_that_produced_it(tmp_path):
     assert read_manifest(ck / STEP20)["config"]["optim"]["weight_decay"] == 0.07
 
 
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ('"d_ff": 256', '"d_ff": 257'),
+        ('"step": 20', '"step": 31'),
+        ('"exp_avg_dtype": "fp32"', '"exp_avg_dtype": "fp22"'),
+    ],
+    ids=["architecture", "step", "invalid-value"],
+)
+def test_a_changed_byte_in_the_manifest_is_refused_before_its_config_is_trusted(run_dir, old, new):
+    """Seen: d_ff 256 -> 257 in COMPLETE.json refused the resume as a config change (even with fallback), a step
+    edit was ignored, an invalid dtype was "converted". Broken on purpose (manifest unhashed): those again."""
+    marker = run_dir / "checkpoints" / STEP20 / MARKER
+    text = marker.read_text()
+    assert text.count(old) == 1, old
+    marker.write_text(text.replace(old, new))
+    msg = _assert_refused(run_dir, "COMPLETE.json: its own checksum does not match")
+    assert "d_ff" not in msg and "fp22" not in msg
+    summary = _run(run_dir, "trainer.max_steps=25", "checkpoint.fallback=true")  # an older one that verifies
+    assert summary["start_step"] == 10
+
+
 def test_checkpoint_without_checksums_loads_with_a_warning(run_dir, caplog):
     """Checkpoints written before checksums were recorded (b6e5845: no ``files`` in the manifest) are accepted,
     with one warning naming the checkpoint; a damaged one of them fails as DCP finds it."""
     marker = run_dir / "checkpoints" / STEP20 / MARKER
     manifest = json.loads(marker.read_text())
-    for key in ("files", "checksum", "config"):
+    for key in ("files", "checksum", "config", MANIFEST_DIGEST):  # as written then
         del manifest[key]
     marker.write_text(json.dumps(manifest))
     with caplog.at_level(logging.WARNING, logger="recipes.checkpoint"):

@@ -1,0 +1,66 @@
+"""One launch at a time per ``run_dir``: the job's rank 0 holds an exclusive lock on ``<run_dir>/.lock``.
+
+Two launches training in one ``run_dir`` at once overwrite each other's checkpoints and interleave their
+``metrics.jsonl`` (seen: both exited 0, the first reporting checkpoints that held the second's state). The lock
+is ``flock`` on a file of the run directory: the kernel drops it when the holding process ends, however it ends,
+so a crashed launch never leaves the directory locked. Where ``flock`` is unavailable (not Linux/macOS) there is
+no lock. On a network file system ``flock`` may be local to one host (NFS before v4, some FUSE mounts).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from optim_factory.errors import ConfigError
+
+try:
+    import fcntl
+except ImportError:  # no flock: no lock
+    fcntl = None
+
+LOCK_NAME = ".lock"
+
+
+class RunDirLock:
+    """``with RunDirLock(run_dir):`` holds the lock (or raises one :class:`ConfigError` line naming the holder)."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.path = Path(run_dir) / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        if fcntl is None or self._fd is not None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ConfigError(
+                f"run_dir={self.run_dir!r}: another launch is training in it ({holder}); wait for it to end, or "
+                "use another run_dir"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        """Unlock (closing the file drops the lock); the file stays. Idempotent."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+    def __enter__(self) -> RunDirLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
