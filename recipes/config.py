@@ -369,6 +369,15 @@ def _another_optimizers(key: str | None, schema: type | None) -> str | None:
     return f"{key}: not a key of optim={names[schema]}; a key of {' and '.join(f'optim={n}' for n in others)}"
 
 
+LAUNCHES = "launches"  # <run_dir>/launches/: one resolved config per accepted launch
+
+
+def earlier_launches(run_dir: str) -> list[Path]:
+    """The records of the launches accepted so far in ``run_dir`` (:func:`record_config`), oldest first."""
+    folder = Path(run_dir) / LAUNCHES
+    return sorted(folder.glob("*.yaml")) if folder.is_dir() else []
+
+
 def record_config(cfg: DictConfig, run_dir: str, argv: list[str]) -> Path:
     """Write the resolved config of an accepted launch to ``<run_dir>/launches/<time>-<pid>[-<n>].yaml``.
 
@@ -378,7 +387,7 @@ def record_config(cfg: DictConfig, run_dir: str, argv: list[str]) -> Path:
     """
     import time
 
-    folder = Path(run_dir) / "launches"
+    folder = Path(run_dir) / LAUNCHES
     folder.mkdir(parents=True, exist_ok=True)
     stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     text = f"# python recipes/train.py {' '.join(argv)}\n" + OmegaConf.to_yaml(cfg)

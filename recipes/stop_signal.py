@@ -37,8 +37,9 @@ class StopSignal:
 
     SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
-    def __init__(self, *, overlap: bool = True) -> None:
+    def __init__(self, *, overlap: bool = True, saves: bool = True) -> None:
         self.received: str | None = None  # the first stop signal's name
+        self.saves = saves  # a stop saves a checkpoint (what the first Ctrl-C's line says)
         self._interrupted = False  # a SIGINT arrived
         self.overlap = overlap
         self.flag_lag = 0  # the non-finite flag reported by the last check is from that many steps before it
@@ -60,7 +61,12 @@ class StopSignal:
             if self._interrupted:
                 raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
             self._interrupted = True
-            os.write(2, b"\nSIGINT: stopping after this step with a checkpoint (Ctrl-C again: at once, without)\n")
+            how = (
+                b"with a checkpoint (Ctrl-C again: at once, without)"
+                if self.saves
+                else b"(checkpointing is off: nothing is saved; Ctrl-C again: at once)"
+            )
+            os.write(2, b"\nSIGINT: stopping after this step " + how + b"\n")
         self.received = self.received or name
 
     def should_stop(self, world: int, nonfinite: torch.Tensor | None = None, *, now: bool = True) -> tuple[bool, bool]:

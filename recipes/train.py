@@ -43,6 +43,7 @@ from recipes.config import (
     check_run_dir,
     command_line_error,
     config_error_line,
+    earlier_launches,
     record_config,
     register_configs,
     shared_run_dir_error,
@@ -281,6 +282,12 @@ def preflight(cfg: DictConfig):
     check_model_and_trainer(cfg.model, cfg.trainer)
     check_run_dir(cfg.run_dir)
     check_checkpoint_config(cfg.checkpoint, env.rank)
+    if not cfg.checkpoint.enabled and (earlier := earlier_launches(cfg.run_dir)):
+        raise ConfigError(
+            f"checkpoint.enabled=false but run_dir={cfg.run_dir!r} holds {len(earlier)} earlier launch(es) "
+            "(launches/): without checkpoints this launch would train from step 0 again and append a second "
+            "history to its metrics.jsonl; use another run_dir"
+        )
     return env, device, data, optim
 
 
@@ -379,7 +386,7 @@ def _train(
         metrics, bar, world=world, start=start, end=end, max_steps=max_steps, every=cfg.trainer.log_every
     )
     last_eval = None
-    stop, stopped_at = StopSignal(), None
+    stop, stopped_at = StopSignal(saves=cfg.checkpoint.enabled), None
     model.train()
     try:
         for step in range(start, end):
@@ -442,6 +449,7 @@ def _train(
         # (rank 0 only: it writes the completion markers and applies keep_last, other ranks would race it)
         "kept_checkpoints": [str(p) for _, p in ckpt.complete()] if rank == 0 else None,
         "stopped_at": stopped_at,
+        "stopped_by": (stop.received or "a signal on another rank") if stopped_at is not None else None,
     }
     metrics.write({"kind": "summary", **summary})
     log.info("done: %s", json.dumps(summary))
@@ -479,7 +487,7 @@ def _task(cfg: DictConfig) -> None:
     except OmegaConfBaseException as exc:  # e.g. an interpolation to a missing key
         _refuse(config_error_line(exc))
     try:
-        train(cfg)
+        summary = train(cfg)
     except USER_ERRORS as exc:
         _refuse(str(exc))
     except (HydraException, OmegaConfBaseException) as exc:  # a bug in the task, not a config error: main()
@@ -491,7 +499,10 @@ def _task(cfg: DictConfig) -> None:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        # a plain run stopped by Ctrl-C did not finish: 130 as for any interrupted command (`train && next` stops);
+        # torchrun's workers exit 0 (the agent reports the interrupt), as do stops on SIGTERM/SIGUSR1 (requeues)
+        interrupted = summary["stopped_by"] == "SIGINT" and "TORCHELASTIC_RUN_ID" not in os.environ
+        os._exit(130 if interrupted else 0)
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ import torch
 import xxhash
 from omegaconf import OmegaConf
 
+from optim_factory import ConfigError
 from recipes.checkpoint import FALLBACK_HINT, MARKER, CheckpointError, is_complete, read_checkpoint, read_manifest
 from recipes.integrity import MANIFEST_DIGEST
 from recipes.train import compose_config, train
@@ -140,6 +141,16 @@ def test_checkpointing_off_beside_checkpoints_is_refused(run_dir):
     with pytest.raises(CheckpointError, match=r"^checkpoint.enabled=false but checkpoint.dir=.* holds 2 checkpoint"):
         _run(run_dir, "checkpoint.enabled=false")
     assert snapshot(run_dir) == before
+
+
+def test_checkpointing_off_after_an_earlier_launch_is_refused(tmp_path):
+    """Seen: a second launch with checkpoint.enabled=false trained from step 0 and appended a second step 1.. to
+    metrics.jsonl. The first launch into a fresh run_dir trains."""
+    _run(tmp_path, "checkpoint.enabled=false", "trainer.max_steps=3")
+    before = snapshot(tmp_path)
+    with pytest.raises(ConfigError, match=r"^checkpoint.enabled=false but run_dir=.* holds 1 earlier launch\(es\)"):
+        _run(tmp_path, "checkpoint.enabled=false", "trainer.max_steps=3")
+    assert snapshot(tmp_path) == before
 
 
 def test_a_crash_of_a_one_process_run_completes_the_save_in_flight(tmp_path, monkeypatch):

@@ -98,3 +98,14 @@ def test_a_second_ctrl_c_stops_at_once():
     finally:
         first.restore()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_the_first_ctrl_c_says_what_the_stop_does(capfd):
+    """Was "with a checkpoint" also where checkpointing is off (the new-user trial of 2026-12-01)."""
+    for saves, words in [(True, "stopping after this step with a checkpoint"), (False, "checkpointing is off")]:
+        stop = StopSignal(saves=saves)
+        try:
+            signal.raise_signal(signal.SIGINT)
+        finally:
+            stop.restore()
+        assert words in capfd.readouterr().err
