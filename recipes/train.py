@@ -339,7 +339,7 @@ def _train(
         run_config=OmegaConf.to_container(cfg, resolve=True),  # stored in every checkpoint's manifest
         waits_before_step=True,  # TrainStep calls ckpt.wait_export before optimizer.step()
     )
-    log.info("launcher=%s world_size=%d device=%s run_dir=%s", env.launcher, world, device, cfg.run_dir)
+    log.info("launcher=%s world_size=%d device=%s run_dir=%s", env.launcher, world, device, Path(cfg.run_dir).resolve())
 
     torch.manual_seed(cfg.trainer.seed + 1000 * rank)  # the process RNG (dropout-free model: recorded, restored)
     start, resumed_from = 0, None
