@@ -103,12 +103,21 @@ def test_a_user_pattern_that_matches_nothing_is_a_warning(caplog):
     ]
 
 
-def test_named_pairs_get_the_dimension_and_name_rules_only():
-    """Without the module, an embedding's 2-D weight cannot be told from a linear one: only 1-D and names."""
+def test_named_pairs_get_the_dimension_and_name_rules_only(caplog):
+    """Without the module, an embedding's 2-D weight cannot be told from a linear one: only 1-D and names, with
+    a warning that says so (was said only in the docs)."""
     model = GPT2Style()
-    opt = build_optimizer({"weight_decay": 0.1}, list(model.named_parameters()))
+    with caplog.at_level(logging.INFO, logger="optim_factory"):
+        opt = build_optimizer({"weight_decay": 0.1}, list(model.named_parameters()))
     decay, _ = names_by_decay(opt, model)
     assert decay == DECAYED | {"wte.weight", "wpe.weight", "segments.weight"}
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and warned[0].startswith("optim.param_groups.no_decay_auto: given (name, parameter) pairs")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="optim_factory"):
+        build_optimizer({"weight_decay": 0.1}, model)  # the module: the rule applies, no warning
+        build_optimizer({"weight_decay": 0.0}, list(model.named_parameters()))  # nothing decays anyway
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
 def test_switch_off_leaves_the_name_patterns_alone():
