@@ -271,8 +271,8 @@ def _check_nothing_newer(cfg: CheckpointConfig, path: Path, root: Path) -> None:
         raise CheckpointError(
             f"checkpoint.resume={cfg.resume!r} but checkpoint.dir={cfg.dir!r} holds newer complete checkpoints "
             f"({', '.join(newer)}), which a later resume=auto would continue instead of this run; use "
-            f"checkpoint.resume=auto to continue the newest, or another checkpoint.dir (e.g. run_dir=<new>) to "
-            f"train on from {path.name}"
+            f"checkpoint.resume=auto to continue the newest, another checkpoint.dir (e.g. run_dir=<new>) to "
+            f"train on from {path.name}, or remove the newer ones to rewind this run"
         )
 
 

@@ -128,7 +128,8 @@ def test_a_given_path_older_than_a_complete_checkpoint_is_refused(run_dir):
     assert str(info.value) == (
         f"checkpoint.resume='{given}' but checkpoint.dir='{run_dir / 'checkpoints'}' holds newer complete checkpoints "
         f"({STEP20}), which a later resume=auto would continue instead of this run; use checkpoint.resume=auto to "
-        "continue the newest, or another checkpoint.dir (e.g. run_dir=<new>) to train on from step_00000010"
+        "continue the newest, another checkpoint.dir (e.g. run_dir=<new>) to train on from step_00000010, or remove "
+        "the newer ones to rewind this run"
     )
     assert snapshot(run_dir) == before  # refused before anything is written (no launch record either)
     _run(run_dir.parent / "branch", "trainer.max_steps=25", f"checkpoint.resume={given}")  # a branch of its own
