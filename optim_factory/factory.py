@@ -33,6 +33,7 @@ from optim_factory.errors import ConfigError, config_error
 from optim_factory.optimizers.export import ExportOptions, Pinning, local_tensor
 from optim_factory.optimizers.rules import (
     OptionError,
+    check_export_effect,
     check_hyperparameters,
     check_state_dtypes,
     parse_bytes,
@@ -163,7 +164,7 @@ def validate_optim_config(cfg: Any) -> ValidatedOptim:
     if c.amsgrad:
         raise config_error("amsgrad", c.amsgrad, "FusedAdam does not support AMSGrad; use optim=adamw for it")
     try:  # the optimizers' own dtype / capturable / master-weight rules (one source: optimizers/rules.py)
-        check_state_dtypes(
+        dtypes = check_state_dtypes(
             master_weights=c.master_weights,
             master_weight_dtype=c.master_weight_dtype,
             exp_avg_dtype=c.exp_avg_dtype,
@@ -175,7 +176,7 @@ def validate_optim_config(cfg: Any) -> ValidatedOptim:
         raise config_error(exc.key, exc.value, exc.allowed) from None
     try:  # the optimizers' own rules for the export options, checked before anything is built
         chunk = parse_bytes(c.state_dict_offload_chunk_bytes, "state_dict_offload_chunk_bytes")
-        ExportOptions(
+        export = ExportOptions(
             c.state_dict_cpu_offload,
             chunk,
             c.state_dict_offload_reuse_buffers,
@@ -185,27 +186,8 @@ def validate_optim_config(cfg: Any) -> ValidatedOptim:
         )
     except ValueError as exc:
         raise ConfigError(f"optim.{exc}") from None
-    _warn_without_effect(c)
+    check_export_effect(export, dtypes.exp_avg_dtype, dtypes.exp_avg_sq_dtype)
     return ValidatedOptim(c, MappingProxyType(_fused_adam_kwargs(c, chunk)))
-
-
-def _warn_without_effect(c: Any) -> None:
-    """Options that a valid FusedAdam config can hold without any effect (TE accepts them too): a warning each."""
-    moments = {k: parse_dtype(getattr(c, k).value, k) for k in ("exp_avg_dtype", "exp_avg_sq_dtype")}
-    if c.state_dict_keep_bf16 and torch.bfloat16 not in moments.values():
-        warnings.warn(
-            "optim.state_dict_keep_bf16=true has no effect: no optimizer state is BF16 "
-            f"(exp_avg_dtype={c.exp_avg_dtype.value}, exp_avg_sq_dtype={c.exp_avg_sq_dtype.value})",
-            UserWarning,
-            stacklevel=3,
-        )
-    default_master = OmegaConf.get_type(c).__dataclass_fields__["master_weight_dtype"].default  # the schema's
-    if not c.master_weights and c.master_weight_dtype != default_master:
-        warnings.warn(
-            f"optim.master_weight_dtype={c.master_weight_dtype.value} has no effect without optim.master_weights=true",
-            UserWarning,
-            stacklevel=3,
-        )
 
 
 # ------------------------------------------------------------------------------------------------- backends

@@ -77,11 +77,13 @@ def _no_decay_reasons(
     """
     pg = cfg.param_groups
     by_type: dict[int, str] = {}
-    if pg.no_decay_auto and module is None and cfg.weight_decay != 0:
+    own_patterns = [p for p in pg.no_decay if p not in DEFAULT_NO_DECAY]
+    if pg.no_decay_auto and module is None and cfg.weight_decay != 0 and not own_patterns:
         log.warning(
             "optim.param_groups.no_decay_auto: given (name, parameter) pairs, not the model, the embedding and "
             "normalization rule cannot apply (a 2-D embedding decays like a linear weight); only the 1-D and "
-            "no_decay name rules do: pass the nn.Module, or name them in optim.param_groups.no_decay"
+            "no_decay name rules do: pass the nn.Module, or name them in optim.param_groups.no_decay (which ends "
+            "this warning)"
         )
     if pg.no_decay_auto and module is not None:
         types = _no_decay_module_types()

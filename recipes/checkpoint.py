@@ -216,14 +216,7 @@ def check_checkpoint_config(cfg: CheckpointConfig, rank: int = 0) -> None:
     if cfg.keep_last < 0:
         raise CheckpointError(f"checkpoint.keep_last={cfg.keep_last}: must be >= 0 (0 keeps all)")
     root = Path(cfg.dir)
-    if not cfg.enabled:
-        existing = _step_names(root)
-        if existing:  # this launch would neither resume them nor save: it would train from step 0 beside them
-            raise CheckpointError(
-                f"checkpoint.enabled=false but checkpoint.dir={cfg.dir!r} holds {len(existing)} checkpoint(s) (e.g. "
-                f"{existing[-1]}), which this launch would neither resume nor replace; use checkpoint.enabled=true "
-                "to resume them, or a run_dir without checkpoints"
-            )
+    if not cfg.enabled:  # an earlier launch's run_dir is refused by the recipe (its launches/, read by rank 0)
         return
     if cfg.resume not in ("auto", "never"):
         path = Path(cfg.resume)

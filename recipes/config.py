@@ -295,11 +295,14 @@ def shared_run_dir_error(argv: list[str], compose: Callable[[list[str]], DictCon
             return None
         configs = [compose(job) for job in jobs]
         places = {key: [str(OmegaConf.select(c, key, throw_on_missing=True)) for c in configs] for key in _PER_JOB}
+        saving = [bool(c.checkpoint.enabled) for c in configs]  # a job that saves nothing shares no checkpoint.dir
     except Exception:  # noqa: BLE001  (not this check's to report: Hydra does, or runs the sweep)
         return None
     for key, (what, example) in _PER_JOB.items():
         first: dict[Path, int] = {}
         for num, place in enumerate(places[key]):
+            if key == "checkpoint.dir" and not saving[num]:
+                continue
             resolved = Path(place).resolve()  # runs/x and ./runs/x are one directory
             if resolved in first:
                 other = first[resolved]

@@ -9,6 +9,8 @@ no lock. On a network file system ``flock`` may be local to one host (NFS before
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import socket
 from pathlib import Path
@@ -21,10 +23,15 @@ except ImportError:  # no flock: no lock
     fcntl = None
 
 LOCK_NAME = ".lock"
+# flock refused by the file system itself (Lustre mounted noflock, NFSv3 without lockd, some FUSE mounts): no lock
+_NO_FLOCK = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL}
+
+log = logging.getLogger(__name__)
 
 
 class RunDirLock:
-    """``with RunDirLock(run_dir):`` holds the lock (or raises one :class:`ConfigError` line naming the holder)."""
+    """``acquire()`` takes the lock or raises one :class:`ConfigError` line naming the holder; ``release()`` (or
+    the end of the process) drops it. Also a context manager."""
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
@@ -45,6 +52,16 @@ class RunDirLock:
                 f"run_dir={self.run_dir!r}: another launch is training in it ({holder}); wait for it to end, or "
                 "use another run_dir"
             ) from None
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in _NO_FLOCK:
+                raise
+            log.warning(
+                "run_dir=%s: this file system refuses flock (%s): no lock against a second launch",
+                self.run_dir,
+                exc.strerror,
+            )
+            return
         except BaseException:
             os.close(fd)
             raise

@@ -11,7 +11,6 @@ anything is written: a config error is one line on stderr and exit code 2, and l
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -282,12 +281,6 @@ def preflight(cfg: DictConfig):
     check_model_and_trainer(cfg.model, cfg.trainer)
     check_run_dir(cfg.run_dir)
     check_checkpoint_config(cfg.checkpoint, env.rank)
-    if not cfg.checkpoint.enabled and (earlier := earlier_launches(cfg.run_dir)):
-        raise ConfigError(
-            f"checkpoint.enabled=false but run_dir={cfg.run_dir!r} holds {len(earlier)} earlier launch(es) "
-            "(launches/): without checkpoints this launch would train from step 0 again and append a second "
-            "history to its metrics.jsonl; use another run_dir"
-        )
     return env, device, data, optim
 
 
@@ -298,20 +291,54 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
     overrides its :meth:`~CheckpointManager.on_phase`, as ``scripts/fault_train.py`` does).
     """
     env, device, data, optim = preflight(cfg)
-    with RunDirLock(cfg.run_dir) if env.rank == 0 else contextlib.nullcontext():  # one launch per run_dir at once
-        record = record_config(cfg, cfg.run_dir, sys.argv[1:]) if env.rank == 0 else None
-        _setup_logging(env.rank, cfg.run_dir)
+    lock = RunDirLock(cfg.run_dir)  # one launch per run_dir at once (rank 0 holds it)
+    refusal = _run_dir_refusal(cfg, lock) if env.rank == 0 else None
+    try:
+        if cfg.trainer.threads > 0:
+            torch.set_num_threads(cfg.trainer.threads)
+        mesh = init_distributed(env, device)
         try:
-            if cfg.trainer.threads > 0:
-                torch.set_num_threads(cfg.trainer.threads)
-            mesh = init_distributed(env, device)
+            refusal = _from_rank0(refusal, env.world_size)  # every rank refuses, none waits in a collective
+            if refusal is not None:
+                raise ConfigError(refusal)
+            record = record_config(cfg, cfg.run_dir, sys.argv[1:]) if env.rank == 0 else None
+            _setup_logging(env.rank, cfg.run_dir)
             try:
                 return _train(cfg, env, device, data, mesh, optim, manager_cls, record)
-            finally:
-                shutdown()
-        except USER_ERRORS as exc:  # after logging started: train.log ends with why (stderr gets it once, from main)
-            log.error("%s", exc, extra={FILE_ONLY: True})
-            raise
+            except USER_ERRORS as exc:  # after logging started: train.log ends with why (stderr: once, from main)
+                log.error("%s", exc, extra={FILE_ONLY: True})
+                raise
+        finally:
+            shutdown()
+    finally:
+        lock.release()
+
+
+def _run_dir_refusal(cfg: DictConfig, lock: RunDirLock) -> str | None:
+    """Rank 0's checks of what other launches leave in ``run_dir``, then the lock (one line, or None; a refusal
+    writes nothing): read by one rank, since this launch's own record (written by rank 0 after them) would
+    refuse a later rank's."""
+    earlier = earlier_launches(cfg.run_dir)
+    if not cfg.checkpoint.enabled and earlier:
+        return (
+            f"checkpoint.enabled=false but run_dir={cfg.run_dir!r} holds {len(earlier)} earlier launch(es) "
+            "(launches/): without checkpoints this launch would train from step 0 again, resuming nothing, and "
+            "append a second history to its metrics.jsonl; use another run_dir"
+        )
+    try:
+        lock.acquire()
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def _from_rank0(value: Any, world: int) -> Any:
+    """Rank 0's ``value`` on every rank (one broadcast; none with one rank)."""
+    if world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _train(
@@ -418,7 +445,7 @@ def _train(
                     "rng_state": torch.get_rng_state(),
                 }
                 ckpt.save(done, model, optimizer, trainer_state)
-            if stopping:
+            if stopping and done < end:  # a stop at the last step is the end of the run
                 stopped_at = done
                 log.warning(
                     "stopping at step %d on %s%s",

@@ -227,6 +227,12 @@ def check_state_dtypes(
             raise OptionError(
                 "store_param_remainders", True, "Capturable mode doesn't support storing param remainders"
             )
+    if not master_weights and master != torch.float32:  # TE's default: only a chosen other dtype is reported
+        warnings.warn(
+            f"master_weight_dtype={_spelled(master_weight_dtype)} has no effect without master_weights=True",
+            UserWarning,
+            stacklevel=1,  # one location: shown once per process, however many callers check the same config
+        )
     effective = store_param_remainders and master_weights and master == torch.float32
     if store_param_remainders and not effective:
         warnings.warn(
@@ -239,6 +245,11 @@ def check_state_dtypes(
 
 def _spelled(value: Any) -> str:
     return value if isinstance(value, str) else str(value)
+
+
+def _short(dtype: torch.dtype) -> str:
+    """The first spelling of ``dtype`` in :data:`DTYPE_SPELLINGS` (``fp32``, ``bf16`` ...)."""
+    return next(name for name, d in DTYPE_SPELLINGS.items() if d == dtype)
 
 
 # ------------------------------------------------------------------------------------------- all together
@@ -320,6 +331,18 @@ def check_adam_options(
 _ADAM_ARGUMENTS = tuple(inspect.signature(check_adam_options).parameters)
 
 
+def check_export_effect(export: ExportOptions, exp_avg_dtype: torch.dtype, exp_avg_sq_dtype: torch.dtype) -> None:
+    """Export options that a valid FusedAdam accepts without any effect: a ``UserWarning`` each (moment dtypes as
+    :func:`check_state_dtypes` returns them)."""
+    if export.keep_bf16 and torch.bfloat16 not in (exp_avg_dtype, exp_avg_sq_dtype):
+        warnings.warn(
+            "state_dict_keep_bf16=True has no effect: no optimizer state is BF16 (exp_avg_dtype="
+            f"{_short(exp_avg_dtype)}, exp_avg_sq_dtype={_short(exp_avg_sq_dtype)})",
+            UserWarning,
+            stacklevel=1,  # one location: shown once per process, however many callers check the same config
+        )
+
+
 def check_constructor(arguments: dict[str, Any]) -> tuple[AdamOptions, ExportOptions]:
     """Both FusedAdam constructors' checks, from their arguments (``locals()`` of ``__init__``, whose names are
     TE 2.20's plus the export options): the Adam options (:func:`check_adam_options`) and the frozen
@@ -333,4 +356,5 @@ def check_constructor(arguments: dict[str, Any]) -> tuple[AdamOptions, ExportOpt
         arguments["state_dict_keep_bf16"],
         arguments["state_dict_offload_background"],
     )
+    check_export_effect(export, adam.exp_avg_dtype, adam.exp_avg_sq_dtype)
     return adam, export

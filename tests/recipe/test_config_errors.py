@@ -296,8 +296,12 @@ def test_a_sweep_whose_jobs_share_a_run_dir_is_refused_before_any_job(argv, shar
             "run_dir=/r/x${checkpoint.dir}) would both save in checkpoint.dir=./c",
         ),
         (["-m", "optim.lr=1e-3,3e-3", "run_dir=/r/lr${optim.lr}", "checkpoint.dir=/c/${optim.lr}"], None),
+        (
+            ["-m", "optim.lr=1e-3,3e-3", "run_dir=/r/lr${optim.lr}", "checkpoint.dir=/c", "checkpoint.enabled=false"],
+            None,
+        ),
     ],
-    ids=["explicit", "two-spellings", "interpolated"],
+    ids=["explicit", "two-spellings", "interpolated", "not-saving"],
 )
 def test_a_sweep_whose_jobs_share_a_checkpoint_dir_is_refused_before_any_job(argv, shared):
     """Different run_dirs, one checkpoint.dir: the later job would resume the earlier's checkpoints."""

@@ -139,7 +139,7 @@ def test_checkpointing_off_beside_checkpoints_is_refused(run_dir):
     """Seen: checkpoint.enabled=false in a run_dir with checkpoints trained from step 0 and appended a second
     history to metrics.jsonl."""
     before = snapshot(run_dir)
-    with pytest.raises(CheckpointError, match=r"^checkpoint.enabled=false but checkpoint.dir=.* holds 2 checkpoint"):
+    with pytest.raises(ConfigError, match=r"^checkpoint.enabled=false but run_dir=.* holds 1 earlier launch\(es\)"):
         _run(run_dir, "checkpoint.enabled=false")
     assert snapshot(run_dir) == before
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 
 import pytest
@@ -11,7 +13,7 @@ from optim_factory import ConfigError
 from recipes.run_lock import RunDirLock
 from recipes.train import compose_config, train
 from tests.recipe.test_config_errors import cli, refused
-from tests.recipe.test_train import QUICK, snapshot
+from tests.recipe.test_train import QUICK, run_cli, snapshot
 
 
 def test_a_second_launch_into_a_run_dir_in_use_is_refused_and_changes_nothing(tmp_path):
@@ -39,3 +41,39 @@ def test_a_launch_from_another_process_is_one_line_with_exit_code_2(tmp_path):
         line = refused(cli(*QUICK, "trainer.max_steps=8", f"run_dir={run_dir}"))
         assert (sorted(map(str, run_dir.rglob("*"))), snapshot(run_dir)) == before
     assert line.startswith(f"run_dir='{run_dir}': another launch is training in it (pid {os.getpid()} on ")
+
+
+def test_every_rank_refuses_a_run_dir_in_use_and_none_waits(tmp_path):
+    """Only rank 0 takes the lock: it shares its verdict after the process group is up, so both ranks give the
+    line (before, rank 0 alone refused and the others waited in the rendezvous)."""
+    run_dir = tmp_path / "run"
+    with RunDirLock(str(run_dir)):
+        proc = run_cli([*QUICK, "trainer.max_steps=4", f"run_dir={run_dir}"], torchrun=2, timeout=180)
+    assert proc.returncode != 0
+    refusals = [ln for ln in proc.stderr.splitlines() if "another launch is training in it" in ln]
+    assert len(refusals) == 2, proc.stderr[-3000:]
+
+
+def test_two_ranks_without_checkpoints_start_in_a_fresh_run_dir(tmp_path):
+    """Was a race: rank 1 read rank 0's launch record as an earlier launch and refused checkpoint.enabled=false."""
+    run_dir = tmp_path / "run"
+    over = [*QUICK, "trainer.max_steps=4", "checkpoint.enabled=false", f"run_dir={run_dir}"]
+    proc = run_cli(over, torchrun=2, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = run_cli(over, torchrun=2, timeout=180)  # now an earlier launch is there: both ranks refuse
+    refusals = [ln for ln in again.stderr.splitlines() if "holds 1 earlier launch(es)" in ln]
+    assert again.returncode != 0 and len(refusals) == 2, again.stderr[-3000:]
+
+
+def test_a_file_system_without_flock_trains_without_the_lock(tmp_path, monkeypatch, caplog):
+    import recipes.run_lock
+
+    def refuse(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(recipes.run_lock.fcntl, "flock", refuse)
+    run_dir = tmp_path / "run"
+    with caplog.at_level(logging.WARNING, logger="recipes.run_lock"):
+        summary = train(compose_config([*QUICK, "trainer.max_steps=2", "trainer.progress=false", f"run_dir={run_dir}"]))
+    assert summary["end_step"] == 2
+    assert any("refuses flock (No locks available)" in r.getMessage() for r in caplog.records)

@@ -109,3 +109,21 @@ def test_the_first_ctrl_c_says_what_the_stop_does(capfd):
         finally:
             stop.restore()
         assert words in capfd.readouterr().err
+
+
+def test_a_ctrl_c_during_the_last_step_is_the_end_of_the_run(tmp_path, monkeypatch):
+    """Was reported as a stop ("a new launch resumes here", exit 130) although every step was done."""
+    import recipes.train
+    from recipes.train import compose_config, train
+
+    real = recipes.train.evaluate
+
+    def evaluate_then_ctrl_c(*args):
+        out = real(*args)
+        signal.raise_signal(signal.SIGINT)  # before the last step's stop check
+        return out
+
+    monkeypatch.setattr(recipes.train, "evaluate", evaluate_then_ctrl_c)
+    over = ["experiment=quick", "trainer.threads=1", "trainer.max_steps=4", "trainer.eval_every=4"]
+    summary = train(compose_config([*over, f"run_dir={tmp_path}"]))  # its one evaluation: at the last step
+    assert summary["end_step"] == 4 and summary["stopped_at"] is None and summary["stopped_by"] is None

@@ -187,10 +187,16 @@ def test_warnings_for_options_without_effect():
         build_optimizer({"master_weights": True, "store_param_remainders": True}, tiny_model())
     with pytest.warns(UserWarning, match="no effect without master_weights"):
         validate_optim_config({"store_param_remainders": True})
-    with pytest.warns(UserWarning, match="state_dict_keep_bf16=true has no effect: no optimizer state is BF16"):
+    keep = r"state_dict_keep_bf16=True has no effect: no optimizer state is BF16 \(exp_avg_dtype=fp32, "
+    with pytest.warns(UserWarning, match=keep):
         validate_optim_config({"state_dict_keep_bf16": True})  # FP32 moments: nothing to keep
-    with pytest.warns(UserWarning, match="master_weight_dtype=fp16 has no effect without optim.master_weights=true"):
+    with pytest.warns(UserWarning, match="master_weight_dtype=fp16 has no effect without master_weights=True"):
         validate_optim_config({"master_weight_dtype": "fp16"})
+    # the constructors' own rules (one source): also without the factory
+    with pytest.warns(UserWarning, match=keep):
+        PortableFusedAdam(tiny_model().parameters(), state_dict_keep_bf16=True)
+    with pytest.warns(UserWarning, match="master_weight_dtype=fp16 has no effect without master_weights=True"):
+        PortableFusedAdam(tiny_model().parameters(), master_weight_dtype="fp16")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # where they take effect: no warning
         validate_optim_config({"state_dict_keep_bf16": True, "exp_avg_dtype": "bf16"})

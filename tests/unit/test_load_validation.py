@@ -52,6 +52,11 @@ def _mutations():
         for g in sd["param_groups"]:
             del g["step"]
 
+    def no_step_and_not_a_dict(sd):  # was: "Boolean value of Tensor ... is ambiguous" from the step check
+        no_step(sd)
+        for key in sd["state"]:
+            sd["state"][key] = torch.zeros(2)  # bool() of it raises: the check must not take it
+
     def group_value(key, value):
         def damage(sd):  # was: loaded (lr=nan left non-finite weights after one step)
             sd["param_groups"][0][key] = value
@@ -66,6 +71,7 @@ def _mutations():
 
     return [
         ("no step", no_step, ["group 0 has states but no 'step'", "restart at step 1"]),
+        ("not a dict", no_step_and_not_a_dict, ["group 0, parameter 0", "expected a dict of states"]),
         ("lr nan", group_value("lr", float("nan")), ["group 0", "Invalid learning rate: nan"]),
         ("lr negative", group_value("lr", -1.0), ["group 0", "Invalid learning rate: -1.0"]),
         ("beta2", group_value("betas", (0.9, 1.5)), ["group 0", "beta parameter at index 1: 1.5"]),
@@ -129,12 +135,17 @@ def test_states_of_other_parameters_are_refused_by_name():
     with pytest.raises(ValueError) as info:
         opt.load_state_dict(sd)
     assert str(info.value) == (
-        "load_state_dict: group 0, parameter 0 is 'decoder.weight' in the state dict and 'encoder.weight' in the "
+        "load_state_dict: group 0, parameter 0 is 'decoder.weight' in the state dict, parameter 1 in the "
         "optimizer: the states would load into another parameter"
     )
     LiveSnapshot.take(opt).assert_same(before)
     assert opt.param_groups[0]["param_names"] == ["encoder.weight", "decoder.weight"]
     opt.load_state_dict(deep_clone(saved.state_dict()))  # the same names load
+    # a wrapper's prefix (DDP's module., torch.compile's _orig_mod.): loaded by position, as torch loads, with a word
+    renamed = deep_clone(saved.state_dict())
+    renamed["param_groups"][0]["param_names"] = ["_orig_mod.encoder.weight", "_orig_mod.decoder.weight"]
+    with pytest.warns(UserWarning, match=r"names its parameters differently \(parameter 0: '_orig_mod.encoder"):
+        opt.load_state_dict(renamed)
 
 
 def test_torch_adamw_state_dict_is_refused_in_one_line():

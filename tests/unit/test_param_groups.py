@@ -117,6 +117,8 @@ def test_named_pairs_get_the_dimension_and_name_rules_only(caplog):
     with caplog.at_level(logging.INFO, logger="optim_factory"):
         build_optimizer({"weight_decay": 0.1}, model)  # the module: the rule applies, no warning
         build_optimizer({"weight_decay": 0.0}, list(model.named_parameters()))  # nothing decays anyway
+        named = {"weight_decay": 0.1, "param_groups": {"no_decay": ["wte", "wpe", *DEFAULT_NO_DECAY]}}
+        build_optimizer(named, list(model.named_parameters()))  # the advice taken: the embeddings by name
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 

@@ -21,6 +21,7 @@ Both work on any optimizer with Transformer Engine's FusedAdam state API (``get_
 
 from __future__ import annotations
 
+import warnings
 from itertools import chain
 from typing import Any
 
@@ -205,15 +206,8 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
             check_hyperparameters(saved["lr"], saved["betas"], saved["eps"], saved["weight_decay"])
         except ValueError as exc:
             raise ValueError(f"load_state_dict: group {g}: {exc}") from None
-        names, live_names = saved.get("param_names"), live.get("param_names")
-        if names is not None and live_names is not None and list(names) != list(live_names):
-            i = next((i for i, (a, b) in enumerate(zip(names, live_names)) if a != b), min(len(names), len(live_names)))
-            theirs, ours = (n[i] if i < len(n) else None for n in (names, live_names))
-            raise ValueError(
-                f"load_state_dict: group {g}, parameter {i} is {theirs!r} in the state dict and {ours!r} in the "
-                "optimizer: the states would load into another parameter"
-            )
-        if "step" not in saved and any(state.get(key) for key in saved["params"]):
+        _check_names(g, saved.get("param_names"), live.get("param_names"))
+        if "step" not in saved and any(isinstance(v, dict) and v for v in map(state.get, saved["params"])):
             raise ValueError(
                 f"load_state_dict: group {g} has states but no 'step': the bias correction would restart at step 1"
             )
@@ -226,6 +220,29 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
             moments = [n for n in ("exp_avg", "exp_avg_sq") if values.get(n) is not None]
             if len(moments) == 1:
                 raise ValueError(f"load_state_dict: {_where(g, i, saved)}: has {moments[0]} but not the other moment")
+
+
+def _check_names(g: int, names: Any, live_names: Any) -> None:
+    """Where both sides name their parameters: a name at another index than the optimizer's is refused (the
+    states would load into another parameter); other differences (a wrapper's prefix such as ``module.`` or
+    ``_orig_mod.``) load by position, as torch's optimizers load, with a warning."""
+    if names is None or live_names is None or list(names) == list(live_names):
+        return
+    where = {n: i for i, n in enumerate(live_names)}
+    for i, name in enumerate(names):
+        j = where.get(name)
+        if j is not None and j != i:
+            raise ValueError(
+                f"load_state_dict: group {g}, parameter {i} is {name!r} in the state dict, parameter {j} in the "
+                "optimizer: the states would load into another parameter"
+            )
+    i = next((i for i, (a, b) in enumerate(zip(names, live_names)) if a != b), 0)
+    warnings.warn(
+        f"load_state_dict: group {g} names its parameters differently (parameter {i}: {names[i]!r} in the state "
+        f"dict, {live_names[i]!r} in the optimizer): loaded by position",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _check_state(optimizer: Any, where: str, name: str, value: Any, param: torch.Tensor) -> None:
