@@ -367,6 +367,13 @@ def _train(
         waits_before_step=True,  # TrainStep calls ckpt.wait_export before optimizer.step()
     )
     log.info("launcher=%s world_size=%d device=%s run_dir=%s", env.launcher, world, device, Path(cfg.run_dir).resolve())
+    if cfg.trainer.warmup_steps > cfg.trainer.max_steps:
+        log.warning(
+            "trainer.warmup_steps=%d > trainer.max_steps=%d: the learning rate peaks at %.0f %% of optim.lr",
+            cfg.trainer.warmup_steps,
+            cfg.trainer.max_steps,
+            100 * cfg.trainer.max_steps / cfg.trainer.warmup_steps,
+        )
 
     torch.manual_seed(cfg.trainer.seed + 1000 * rank)  # the process RNG (dropout-free model: recorded, restored)
     start, resumed_from = 0, None
@@ -506,6 +513,12 @@ def _refuse(message: str) -> None:
     sys.exit(2)
 
 
+def _which_job(message: str) -> str:
+    """``message`` prefixed, in a ``-m`` sweep, with the job that refused (the sweep stops there)."""
+    hydra_cfg = HydraConfig.get()
+    return f"-m job {hydra_cfg.job.num}: {message}" if hydra_cfg.mode == RunMode.MULTIRUN else message
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def _task(cfg: DictConfig) -> None:
     """Hydra's task function: one job (one process of a run, or one point of a ``-m`` sweep)."""
@@ -516,7 +529,7 @@ def _task(cfg: DictConfig) -> None:
     try:
         summary = train(cfg)
     except USER_ERRORS as exc:
-        _refuse(str(exc))
+        _refuse(_which_job(str(exc)))
     except (HydraException, OmegaConfBaseException) as exc:  # a bug in the task, not a config error: main()
         raise RuntimeError(f"{type(exc).__name__} in the training job") from exc  # must not report it as one
     if "TORCHELASTIC_RUN_ID" in os.environ or HydraConfig.get().mode == RunMode.RUN:

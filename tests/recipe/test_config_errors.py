@@ -6,6 +6,7 @@ before any work, and a rejected run changes nothing on disk.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -317,6 +318,26 @@ def test_a_sweep_whose_jobs_share_a_checkpoint_dir_is_refused_before_any_job(arg
 def test_a_shared_run_dir_sweep_on_the_command_line_is_one_line(tmp_path):
     line = refused(cli("-m", "experiment=quick", "optim.lr=1e-3,3e-3", f"run_dir={tmp_path / 'run'}"))
     assert line.startswith("-m: jobs 0 (") and not (tmp_path / "run").exists()
+
+
+def test_a_refused_sweep_job_is_named(tmp_path):
+    """Seen: a sweep re-run with another grid refused job 0 as a finished run with a changed key, without saying
+    which job (the later jobs never ran)."""
+    sweep = [*QUICK, "trainer.max_steps=2", "trainer.progress=false", f"run_dir={tmp_path}/" + "${hydra:job.num}"]
+    first = cli("-m", *sweep, "optim.lr=1e-3,2e-3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = cli("-m", *sweep, "optim.lr=3e-3,4e-3")  # refused after its logging started: the last line
+    assert again.returncode == 2, again.stderr[-3000:]
+    line = again.stderr.strip().splitlines()[-1].removeprefix("error: ")
+    assert line.startswith("-m job 0: run finished at step 2: ") and "optim.lr 0.001 -> 0.003" in line, line
+
+
+def test_a_warmup_longer_than_the_run_is_a_warning(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="recipes.train"):
+        train(compose_config([*QUICK, "trainer.max_steps=1", "trainer.progress=false", f"run_dir={tmp_path}"]))
+    assert "trainer.warmup_steps=2 > trainer.max_steps=1: the learning rate peaks at 50 % of optim.lr" in [
+        r.getMessage() for r in caplog.records
+    ]
 
 
 def test_a_dashed_override_on_the_command_line_is_refused_in_one_line(tmp_path):
