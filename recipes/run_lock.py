@@ -10,7 +10,6 @@ no lock. On a network file system ``flock`` may be local to one host (NFS before
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import socket
 from pathlib import Path
@@ -26,16 +25,22 @@ LOCK_NAME = ".lock"
 # flock refused by the file system itself (Lustre mounted noflock, NFSv3 without lockd, some FUSE mounts): no lock
 _NO_FLOCK = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL}
 
-log = logging.getLogger(__name__)
+
+def _flock(fd: int) -> None:
+    """Take the exclusive lock on ``fd`` without waiting (``BlockingIOError`` when another holds it)."""
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 class RunDirLock:
-    """``acquire()`` takes the lock or raises one :class:`ConfigError` line naming the holder; ``release()`` (or
-    the end of the process) drops it. Also a context manager."""
+    """``acquire()`` takes the lock or raises one :class:`ConfigError` line naming the holder; ``note_holder()``
+    then writes this process into the file (for the next launch's message); ``release()`` (or the end of the
+    process) drops it. Where the file system refuses ``flock``, :attr:`unavailable` says why and nothing is
+    locked (the caller logs it once its logging is set up). Also a context manager (acquire + note_holder)."""
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
         self.path = Path(run_dir) / LOCK_NAME
+        self.unavailable: str | None = None
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -44,7 +49,7 @@ class RunDirLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock(fd)
         except BlockingIOError:
             holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
             os.close(fd)
@@ -56,18 +61,18 @@ class RunDirLock:
             os.close(fd)
             if exc.errno not in _NO_FLOCK:
                 raise
-            log.warning(
-                "run_dir=%s: this file system refuses flock (%s): no lock against a second launch",
-                self.run_dir,
-                exc.strerror,
-            )
+            self.unavailable = f"this file system refuses flock ({exc.strerror}): no lock against a second launch"
             return
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
-        self._fd = fd
+        self._fd = fd  # held from here: release() drops it whatever follows
+
+    def note_holder(self) -> None:
+        """Write this process into the held lock's file (what a refused launch names)."""
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
 
     def release(self) -> None:
         """Unlock (closing the file drops the lock); the file stays. Idempotent."""
@@ -77,6 +82,7 @@ class RunDirLock:
 
     def __enter__(self) -> RunDirLock:
         self.acquire()
+        self.note_holder()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -292,8 +292,8 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
     """
     env, device, data, optim = preflight(cfg)
     lock = RunDirLock(cfg.run_dir)  # one launch per run_dir at once (rank 0 holds it)
-    refusal = _run_dir_refusal(cfg, lock) if env.rank == 0 else None
     try:
+        refusal = _run_dir_refusal(cfg, lock) if env.rank == 0 else None
         if cfg.trainer.threads > 0:
             torch.set_num_threads(cfg.trainer.threads)
         mesh = init_distributed(env, device)
@@ -303,6 +303,8 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
                 raise ConfigError(refusal)
             record = record_config(cfg, cfg.run_dir, sys.argv[1:]) if env.rank == 0 else None
             _setup_logging(env.rank, cfg.run_dir)
+            if lock.unavailable:
+                log.warning("run_dir=%s: %s", cfg.run_dir, lock.unavailable)
             try:
                 return _train(cfg, env, device, data, mesh, optim, manager_cls, record)
             except USER_ERRORS as exc:  # after logging started: train.log ends with why (stderr: once, from main)
@@ -315,20 +317,23 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
 
 
 def _run_dir_refusal(cfg: DictConfig, lock: RunDirLock) -> str | None:
-    """Rank 0's checks of what other launches leave in ``run_dir``, then the lock (one line, or None; a refusal
-    writes nothing): read by one rank, since this launch's own record (written by rank 0 after them) would
-    refuse a later rank's."""
-    earlier = earlier_launches(cfg.run_dir)
-    if not cfg.checkpoint.enabled and earlier:
-        return (
-            f"checkpoint.enabled=false but run_dir={cfg.run_dir!r} holds {len(earlier)} earlier launch(es) "
-            "(launches/): without checkpoints this launch would train from step 0 again, resuming nothing, and "
-            "append a second history to its metrics.jsonl; use another run_dir"
-        )
+    """Rank 0's checks of ``run_dir`` against other launches, the lock first (one line, or None; a refusal writes
+    nothing): read by one rank, since this launch's own record (written by rank 0 after them) would refuse a
+    later rank's. Any failure is a line too: the other ranks learn it after the process group is up."""
     try:
         lock.acquire()
+        earlier = earlier_launches(cfg.run_dir)
+        if not cfg.checkpoint.enabled and earlier:
+            return (
+                f"checkpoint.enabled=false but run_dir={cfg.run_dir!r} holds {len(earlier)} earlier launch(es) "
+                "(launches/): without checkpoints this launch would train from step 0 again, resuming nothing, "
+                "and append a second history to its metrics.jsonl; use another run_dir"
+            )
+        lock.note_holder()
     except ConfigError as exc:
         return str(exc)
+    except OSError as exc:
+        return f"run_dir={cfg.run_dir!r}: cannot take its lock ({exc.strerror or exc})"
     return None
 
 
@@ -367,9 +372,9 @@ def _train(
         waits_before_step=True,  # TrainStep calls ckpt.wait_export before optimizer.step()
     )
     log.info("launcher=%s world_size=%d device=%s run_dir=%s", env.launcher, world, device, Path(cfg.run_dir).resolve())
-    if cfg.trainer.warmup_steps > cfg.trainer.max_steps:
+    if cfg.trainer.warmup_steps > cfg.trainer.max_steps and rank == 0:
         log.warning(
-            "trainer.warmup_steps=%d > trainer.max_steps=%d: the learning rate peaks at %.0f %% of optim.lr",
+            "trainer.warmup_steps=%d > trainer.max_steps=%d: the learning rate peaks at %.3g %% of optim.lr",
             cfg.trainer.warmup_steps,
             cfg.trainer.max_steps,
             100 * cfg.trainer.max_steps / cfg.trainer.warmup_steps,
@@ -514,7 +519,8 @@ def _refuse(message: str) -> None:
 
 
 def _which_job(message: str) -> str:
-    """``message`` prefixed, in a ``-m`` sweep, with the job that refused (the sweep stops there)."""
+    """``message`` prefixed, in a ``-m`` sweep, with the job that refused (with the basic launcher the sweep
+    stops there; the submitit launcher's other jobs, processes of their own, run on)."""
     hydra_cfg = HydraConfig.get()
     return f"-m job {hydra_cfg.job.num}: {message}" if hydra_cfg.mode == RunMode.MULTIRUN else message
 

@@ -135,9 +135,9 @@ def test_a_given_path_older_than_a_complete_checkpoint_is_refused(run_dir):
     _run(run_dir.parent / "branch", "trainer.max_steps=25", f"checkpoint.resume={given}")  # a branch of its own
 
 
-def test_checkpointing_off_beside_checkpoints_is_refused(run_dir):
+def test_checkpointing_off_in_a_run_dir_with_checkpoints_is_refused_by_its_launches(run_dir):
     """Seen: checkpoint.enabled=false in a run_dir with checkpoints trained from step 0 and appended a second
-    history to metrics.jsonl."""
+    history to metrics.jsonl. The launch that wrote them is on record (launches/): refused by that."""
     before = snapshot(run_dir)
     with pytest.raises(ConfigError, match=r"^checkpoint.enabled=false but run_dir=.* holds 1 earlier launch\(es\)"):
         _run(run_dir, "checkpoint.enabled=false")

@@ -71,9 +71,30 @@ def test_a_file_system_without_flock_trains_without_the_lock(tmp_path, monkeypat
     def refuse(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(recipes.run_lock.fcntl, "flock", refuse)
+    monkeypatch.setattr(recipes.run_lock, "_flock", lambda fd: refuse(fd, None))
     run_dir = tmp_path / "run"
-    with caplog.at_level(logging.WARNING, logger="recipes.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="recipes.train"):  # logged once the run's logging is set up
         summary = train(compose_config([*QUICK, "trainer.max_steps=2", "trainer.progress=false", f"run_dir={run_dir}"]))
     assert summary["end_step"] == 2
     assert any("refuses flock (No locks available)" in r.getMessage() for r in caplog.records)
+    assert "refuses flock (No locks available)" in (run_dir / "train.log").read_text()
+
+
+def test_a_run_dir_in_use_is_named_also_for_a_launch_without_checkpoints(tmp_path):
+    """The lock is taken before the earlier-launch check: a launch training now is named as such (was: "holds 1
+    earlier launch(es)")."""
+    run_dir = tmp_path / "run"
+    cfg = [*QUICK, "trainer.max_steps=2", "trainer.progress=false", f"run_dir={run_dir}"]
+    train(compose_config(cfg))
+    with RunDirLock(str(run_dir)), pytest.raises(ConfigError, match="another launch is training in it"):
+        train(compose_config([*cfg, "checkpoint.enabled=false"]))
+
+
+def test_a_lock_that_cannot_be_taken_is_one_line(tmp_path):
+    """An OSError of rank 0's lock (here: .lock is a directory) is a refusal every rank gives, not a traceback on
+    rank 0 alone."""
+    run_dir = tmp_path / "run"
+    (run_dir / ".lock").mkdir(parents=True)
+    with pytest.raises(ConfigError) as info:
+        train(compose_config([*QUICK, "trainer.max_steps=2", "trainer.progress=false", f"run_dir={run_dir}"]))
+    assert str(info.value) == f"run_dir='{run_dir}': cannot take its lock (Is a directory)"

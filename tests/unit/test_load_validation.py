@@ -135,8 +135,8 @@ def test_states_of_other_parameters_are_refused_by_name():
     with pytest.raises(ValueError) as info:
         opt.load_state_dict(sd)
     assert str(info.value) == (
-        "load_state_dict: group 0, parameter 0 is 'decoder.weight' in the state dict, parameter 1 in the "
-        "optimizer: the states would load into another parameter"
+        "load_state_dict: group 0, parameter 0 is 'decoder.weight' in the state dict, parameter 1 ('decoder.weight') "
+        "in the optimizer: the states would load into another parameter"
     )
     LiveSnapshot.take(opt).assert_same(before)
     assert opt.param_groups[0]["param_names"] == ["encoder.weight", "decoder.weight"]
@@ -146,6 +146,15 @@ def test_states_of_other_parameters_are_refused_by_name():
     renamed["param_groups"][0]["param_names"] = ["_orig_mod.encoder.weight", "_orig_mod.decoder.weight"]
     with pytest.warns(UserWarning, match=r"names its parameters differently \(parameter 0: '_orig_mod.encoder"):
         opt.load_state_dict(renamed)
+    # a prefix and a permutation together: still refused (the names without wrapper parts are compared)
+    both = deep_clone(saved.state_dict())
+    both["param_groups"][0]["param_names"] = ["module.decoder.weight", "module.encoder.weight"]
+    with pytest.raises(ValueError, match=r"parameter 0 is 'module.decoder.weight' in the state dict, parameter 1"):
+        opt.load_state_dict(both)
+    short = deep_clone(saved.state_dict())
+    short["param_groups"][0]["param_names"] = []
+    with pytest.raises(ValueError, match=r"group 0 has 0 param_names for 2 parameters"):
+        opt.load_state_dict(short)
 
 
 def test_torch_adamw_state_dict_is_refused_in_one_line():

@@ -206,7 +206,7 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
             check_hyperparameters(saved["lr"], saved["betas"], saved["eps"], saved["weight_decay"])
         except ValueError as exc:
             raise ValueError(f"load_state_dict: group {g}: {exc}") from None
-        _check_names(g, saved.get("param_names"), live.get("param_names"))
+        _check_names(g, saved.get("param_names"), live.get("param_names"), len(live["params"]))
         if "step" not in saved and any(isinstance(v, dict) and v for v in map(state.get, saved["params"])):
             raise ValueError(
                 f"load_state_dict: group {g} has states but no 'step': the bias correction would restart at step 1"
@@ -222,26 +222,40 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
                 raise ValueError(f"load_state_dict: {_where(g, i, saved)}: has {moments[0]} but not the other moment")
 
 
-def _check_names(g: int, names: Any, live_names: Any) -> None:
-    """Where both sides name their parameters: a name at another index than the optimizer's is refused (the
-    states would load into another parameter); other differences (a wrapper's prefix such as ``module.`` or
-    ``_orig_mod.``) load by position, as torch's optimizers load, with a warning."""
+# the parts of a parameter name that wrappers add (DDP, torch.compile, FSDP1, activation checkpointing)
+_WRAPPER_PARTS = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def _unwrapped(name: Any) -> Any:
+    if not isinstance(name, str):
+        return name
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def _check_names(g: int, names: Any, live_names: Any, count: int) -> None:
+    """Where both sides name their parameters: a name (without wrapper parts such as ``module.``) at another
+    index than the optimizer's is refused (the states would load into another parameter); names that differ
+    otherwise load by position, as torch's optimizers load, with a warning."""
     if names is None or live_names is None or list(names) == list(live_names):
         return
-    where = {n: i for i, n in enumerate(live_names)}
+    if len(names) != count:
+        raise ValueError(f"load_state_dict: group {g} has {len(names)} param_names for {count} parameters")
+    where = {_unwrapped(n): i for i, n in enumerate(live_names)}
     for i, name in enumerate(names):
-        j = where.get(name)
+        j = where.get(_unwrapped(name))
         if j is not None and j != i:
             raise ValueError(
-                f"load_state_dict: group {g}, parameter {i} is {name!r} in the state dict, parameter {j} in the "
-                "optimizer: the states would load into another parameter"
+                f"load_state_dict: group {g}, parameter {i} is {name!r} in the state dict, parameter {j} "
+                f"({live_names[j]!r}) in the optimizer: the states would load into another parameter"
             )
-    i = next((i for i, (a, b) in enumerate(zip(names, live_names)) if a != b), 0)
+    i = next(i for i, (a, b) in enumerate(zip(names, live_names)) if a != b)
     warnings.warn(
         f"load_state_dict: group {g} names its parameters differently (parameter {i}: {names[i]!r} in the state "
         f"dict, {live_names[i]!r} in the optimizer): loaded by position",
         UserWarning,
-        stacklevel=4,
+        stacklevel=5,  # the caller of load_state_dict
     )
 
 
