@@ -285,6 +285,13 @@ def build_optimizer(cfg: Any, model: Any) -> torch.optim.Optimizer:
                 stacklevel=2,
             )
         bf16_params = any(p.dtype == torch.bfloat16 for p in params)
+        if c.master_weights and not any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
+            warnings.warn(
+                "optim.master_weights=true has no effect: no parameter is BF16 or FP16 (the FP32 parameters are "
+                "their own master; a model cast to BF16 after the optimizer was built is not covered)",
+                UserWarning,
+                stacklevel=2,
+            )
         if c.store_param_remainders and not bf16_params:
             warnings.warn(
                 "optim.store_param_remainders=true has no effect: no parameter is BF16",

@@ -35,6 +35,7 @@ still being written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -425,7 +426,10 @@ class CheckpointManager:
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
         t0 = time.perf_counter()
-        osd = get_optimizer_state_dict(model, optimizer, options=self.options)
+        # a background export returns unfilled here: waited for below (its failure recorded, not raised) or, deferred,
+        # before the next step() (wait_export) and by the stager
+        with optimizer.deferred_state_dict() if isinstance(optimizer, OffloadedStateDict) else contextlib.nullcontext():
+            osd = get_optimizer_state_dict(model, optimizer, options=self.options)
         export_error = None if deferred else _export_failure(optimizer)
         if on_cuda and not deferred:
             torch.cuda.synchronize(self.device)

@@ -129,6 +129,9 @@ def run_trial(mode: str, index: int, rng: random.Random, work: Path, reference: 
     return trial
 
 
+MODES = ("sync", "async")  # checkpoint.async_save=false / true
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=20, help="trials per mode")
@@ -138,13 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write every trial here")
     ap.add_argument("--overrides", default="", help="extra recipe overrides, space-separated")
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    if (
+        args.trials < 1 or not modes or not set(modes) <= set(MODES)
+    ):  # was: any other mode ran sync saves under its name
+        ap.error(f"--trials={args.trials} --modes={args.modes!r}: trials >= 1, modes from {','.join(MODES)}")
     OVERRIDES[:] = args.overrides.split()
     rng = random.Random(args.seed)
     trials: list[Trial] = []
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="fault-injection-") as tmp:
         work = Path(tmp)
-        for mode in args.modes.split(","):
+        for mode in modes:
             ref_dir = work / f"{mode}-reference"
             ref = launch(ref_dir, mode)
             _, err = ref.communicate(timeout=300)
@@ -170,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "| resumes | failures |",
         "|---|---|---|---|---|---|---|",
     ]
-    for mode in args.modes.split(","):
+    for mode in modes:
         ts = [t for t in trials if t.mode == mode]
         lines.append(
             f"| {mode} | {len(ts)} | {sum(t.killed for t in ts)} | {sum(t.killed_in_save for t in ts)} | "

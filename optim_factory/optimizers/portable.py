@@ -39,7 +39,7 @@ from optim_factory.optimizers.export import (
     wrap_like,
 )
 from optim_factory.optimizers.kernel_math import adam_update, bias_corrections
-from optim_factory.optimizers.rules import check_constructor
+from optim_factory.optimizers.rules import CheckedParamGroups, check_constructor
 
 __all__ = ["PortableFusedAdam", "FP8_STORAGE_DTYPE"]
 
@@ -55,7 +55,7 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
+class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Optimizer):
     """Adam/AdamW with TE FusedAdam's low-precision states, in pure PyTorch.
 
     Args:
@@ -138,7 +138,9 @@ class PortableFusedAdam(OffloadedStateDict, torch.optim.Optimizer):
             for group in self.param_groups:
                 if group["params"]:
                     lr_value = torch.as_tensor(group["lr"], dtype=torch.float32)
-                    group["lr"] = lr_value.to(device=local_tensor(group["params"][0]).device)
+                    # a tensor of its own per group: on the CPU .to() would hand every group the defaults' tensor,
+                    # and an in-place lr update (LR schedulers' fill_) of one group would change them all
+                    group["lr"] = lr_value.to(device=local_tensor(group["params"][0]).device, copy=True)
             self._step_supports_amp_scaling = True
         self._dummy_overflow_buf = torch.zeros([1], dtype=torch.int, device=self._device)
 

@@ -45,6 +45,7 @@ __all__ = [
     "check_flags",
     "check_state_dtypes",
     "check_adam_options",
+    "CheckedParamGroups",
     "DTYPE_SPELLINGS",
 ]
 
@@ -155,6 +156,23 @@ def check_hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> t
     _check_non_negative("eps", eps, "Invalid epsilon value")
     _check_non_negative("weight_decay", weight_decay, "Invalid weight_decay value")
     return lr, (out[0], out[1])
+
+
+class CheckedParamGroups:
+    """Both FusedAdam classes inherit this: every parameter group (the constructor's, and each
+    ``add_param_group``) passes :func:`check_hyperparameters` once torch has filled its defaults; a refused group
+    is not added. Before, a group's ``lr=-0.1`` or ``lr=nan`` trained to NaN, and its checkpoint was then refused
+    at load (which checks the same rules)."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)  # type: ignore[misc]
+        group = self.param_groups[-1]  # type: ignore[attr-defined]
+        try:
+            check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        except OptionError as exc:
+            self.param_groups.pop()  # type: ignore[attr-defined]
+            index = len(self.param_groups)  # type: ignore[attr-defined]
+            raise OptionError(exc.key, exc.value, exc.allowed, f"param group {index}: {exc}") from None
 
 
 def check_flags(**flags: Any) -> None:

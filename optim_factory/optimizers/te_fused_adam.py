@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from optim_factory.optimizers.export import OffloadedStateDict, Pinning
-from optim_factory.optimizers.rules import check_constructor
+from optim_factory.optimizers.rules import CheckedParamGroups, check_constructor
 
 __all__ = ["FusedAdam", "TE_AVAILABLE", "te_import_error"]
 
@@ -39,7 +39,7 @@ def te_import_error() -> str | None:
     return None if _TE_ERROR is None else f"{type(_TE_ERROR).__name__}: {_TE_ERROR}"
 
 
-class FusedAdam(OffloadedStateDict, _TEFusedAdam):  # type: ignore[misc,valid-type]
+class FusedAdam(OffloadedStateDict, CheckedParamGroups, _TEFusedAdam):  # type: ignore[misc,valid-type]
     """``transformer_engine.pytorch.optimizers.FusedAdam`` plus the keyword-only export options.
 
     ``state_dict_cpu_offload`` (default ``False``: ``state_dict()`` is TE's own) exports to CPU, one converted

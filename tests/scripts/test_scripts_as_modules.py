@@ -161,3 +161,12 @@ def test_bench_host_copy_two_concurrent_ranks_on_cpu(tmp_path):
     )
     assert all(r["bytes_ok"] and r["ranks"] == 2 for r in rows)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["host_copy_2rank.jsonl", "host_copy_2rank.md"]
+
+
+@pytest.mark.parametrize("args", [["--modes", "bogus"], ["--modes", "sync,Async"], ["--trials", "0"]])
+def test_fault_injection_refuses_what_it_would_not_test(args):
+    """Was exit 0: an unknown mode ran sync saves under its own name, and 0 trials passed having tested nothing."""
+    cmd = [sys.executable, "-m", "scripts.fault_injection", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines()[-1].endswith("trials >= 1, modes from sync,async"), proc.stderr

@@ -41,7 +41,7 @@ def test_background_export_is_bitwise_the_synchronous_export(name, dtype, kw, re
     run_steps(opt, params, 0, 3)
     before = LiveSnapshot.take(opt)
     for round_ in range(2):
-        sd = opt.state_dict()
+        sd = _deferred(opt)
         assert opt.state_dict_pending
         opt.wait_state_dict()
         assert not opt.state_dict_pending
@@ -49,6 +49,12 @@ def test_background_export_is_bitwise_the_synchronous_export(name, dtype, kw, re
         assert_state_dicts_bitwise(sd, reference, f"{name} reuse={reuse} keep_bf16={keep_bf16} round {round_}")
         opt.release_state_dict(sd)
     LiveSnapshot.take(opt).assert_same(before)
+
+
+def _deferred(opt) -> dict:
+    """``state_dict()`` as the recipe's manager calls it: inside ``deferred_state_dict()``, returning unfilled."""
+    with opt.deferred_state_dict():
+        return opt.state_dict()
 
 
 def _slow_optimizer(**extra):
@@ -61,7 +67,7 @@ def _slow_optimizer(**extra):
 def test_step_waits_for_an_in_flight_export():
     params, opt = _slow_optimizer()
     reference = export_state(opt, cpu_offload=True)  # the states at this step boundary
-    sd = opt.state_dict()  # returns at once; the background thread fills sd
+    sd = _deferred(opt)  # returns at once; the background thread fills sd
     assert opt.state_dict_pending
     run_steps(opt, params, 2, 1)  # step() changes every state: it must wait for the export first
     assert not opt.state_dict_pending, "step() ran without waiting for the background export"
@@ -71,12 +77,12 @@ def test_step_waits_for_an_in_flight_export():
 def test_load_state_dict_and_the_next_export_wait_too():
     params, opt = _slow_optimizer()
     reference = export_state(opt, cpu_offload=True)
-    sd = opt.state_dict()
+    sd = _deferred(opt)
     opt.load_state_dict(reference)  # overwrites every state in place: must wait for the export first
     assert not opt.state_dict_pending
     assert_state_dicts_bitwise(sd, reference, "export overlapped by load_state_dict()")
-    first = opt.state_dict()
-    second = opt.state_dict()  # waits for the first one (one export in flight at most)
+    first = _deferred(opt)
+    second = _deferred(opt)  # waits for the first one (one export in flight at most)
     opt.wait_state_dict()
     assert_state_dicts_bitwise(first, reference, "first of two exports")
     assert_state_dicts_bitwise(second, reference, "second of two exports")
@@ -93,11 +99,11 @@ def _break_a_state(opt) -> tuple[torch.Tensor, int]:
 def test_a_failed_background_export_raises_once_on_wait_or_step():
     params, opt = _slow_optimizer()
     state, nbytes = _break_a_state(opt)
-    opt.state_dict()  # returns: the failure happens on the background thread
+    _deferred(opt)  # returns: the failure happens on the background thread
     with pytest.raises(RuntimeError, match="storage"):
         opt.wait_state_dict()
     opt.wait_state_dict()  # raised once; nothing pending any more
-    opt.state_dict()
+    _deferred(opt)
     with pytest.raises(RuntimeError, match="storage"):
         run_steps(opt, params, 2, 1)  # step() raises before it changes anything
     state.untyped_storage().resize_(nbytes)
@@ -121,7 +127,7 @@ def test_a_failed_background_export_is_not_saved(tmp_path):
 def test_dcp_async_save_through_the_stager_gets_finished_tensors(tmp_path):
     params, opt = _slow_optimizer(state_dict_offload_reuse_buffers=True)
     reference = export_state(opt, cpu_offload=True)
-    sd = opt.state_dict()  # still being filled when DCP's async save stages it
+    sd = _deferred(opt)  # still being filled when DCP's async save stages it
     dcp.async_save({"optim": sd}, checkpoint_id=str(tmp_path / "ck"), async_stager=ExportBufferStager(opt)).result()
     opt.release_state_dict(sd)
     written = read_checkpoint(tmp_path / "ck", tmp_path)
@@ -160,3 +166,26 @@ def test_recipe_saves_with_background_export_round_trip_flattened(tmp_path, asyn
     loader = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
     loader.load(tmp_path / "ck" / "step_00000002", model2, opt2, {"step": 0})
     assert_state_dicts_bitwise(export_state(opt2, cpu_offload=True), expected[2], "loaded")
+
+
+def test_a_plain_reader_never_gets_unfilled_tensors(tmp_path):
+    """Outside ``deferred_state_dict()`` the export is waited for before ``state_dict()`` returns. Seen before:
+    ``torch.save(opt.state_dict())`` and ``dcp.save(get_optimizer_state_dict(...))`` of a background export wrote
+    all-zero moments without a word. Broken on purpose (no wait): both read back zeros."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = torch.nn.Linear(512, 512)
+    opt = PortableFusedAdam(model.parameters(), **HP, exp_avg_dtype=torch.bfloat16, **SLOW)
+    run_steps(opt, list(model.parameters()), 0, 2)
+    reference = export_state(opt, cpu_offload=True)
+    sd = opt.state_dict()
+    assert not opt.state_dict_pending
+    torch.save(sd, tmp_path / "opt.pt")
+    assert_state_dicts_bitwise(torch.load(tmp_path / "opt.pt"), reference, "torch.save of state_dict()")
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(tmp_path / "ck"))
+    written = read_checkpoint(tmp_path / "ck", tmp_path)
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = list(model.parameters())
+    for k, st in reference["state"].items():
+        for name, v in st.items():
+            assert_bitwise(written[f"optim.state.{names[id(params[k])]}.{name}"], v, f"dcp.save {k}.{name}")

@@ -218,3 +218,28 @@ def test_te_defaults_equal_ours():
     for name, p in theirs.items():
         if p.default is not inspect.Parameter.empty:
             assert ours[name].default == p.default, name
+
+
+def test_every_param_group_is_checked_and_a_refused_one_is_not_added():
+    """Seen: a group's lr=-0.1 or betas=(0.9, 1.0) (or add_param_group's lr=nan) trained to NaN without a word, and
+    the optimizer's own checkpoint was then refused at load. Broken on purpose (no group check): accepted."""
+    w, b, c = (torch.nn.Parameter(torch.randn(4)) for _ in range(3))
+    with pytest.raises(ValueError, match=r"^param group 1: Invalid learning rate: -0.1"):
+        PortableFusedAdam([{"params": [w]}, {"params": [b], "lr": -0.1}], lr=1e-2)
+    with pytest.raises(ValueError, match=r"^param group 1: Invalid beta parameter at index 1: 1.0"):
+        PortableFusedAdam([{"params": [w]}, {"params": [b], "betas": (0.9, 1.0)}], lr=1e-2)
+    opt = PortableFusedAdam([w], lr=1e-2)
+    with pytest.raises(ValueError, match=r"^param group 1: Invalid learning rate: nan"):
+        opt.add_param_group({"params": [c], "lr": float("nan")})
+    assert len(opt.param_groups) == 1  # not added
+    opt.add_param_group({"params": [c], "lr": 1e-3})
+    assert [g["lr"] for g in opt.param_groups] == [1e-2, 1e-3]
+
+
+def test_capturable_groups_each_get_their_own_lr_tensor():
+    """On the CPU every group shared the defaults' lr tensor: LambdaLR's per-group factors collapsed into one."""
+    a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+    opt = PortableFusedAdam([{"params": [a]}, {"params": [b]}], lr=1e-2, capturable=True)
+    assert opt.param_groups[0]["lr"] is not opt.param_groups[1]["lr"]
+    torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1.0, lambda s: 0.0])
+    assert [float(g["lr"]) for g in opt.param_groups] == [pytest.approx(1e-2), 0.0]  # FP32 tensors

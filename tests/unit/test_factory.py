@@ -185,6 +185,8 @@ def test_warnings_for_options_without_effect():
         build_optimizer({"state_dict_cpu_offload": True}, tiny_model())
     with pytest.warns(UserWarning, match="no parameter is BF16"):
         build_optimizer({"master_weights": True, "store_param_remainders": True}, tiny_model())
+    with pytest.warns(UserWarning, match="master_weights=true has no effect: no parameter is BF16 or FP16"):
+        build_optimizer({"master_weights": True}, tiny_model())  # FP32 parameters
     with pytest.warns(UserWarning, match="no effect without master_weights"):
         validate_optim_config({"store_param_remainders": True})
     keep = r"state_dict_keep_bf16=True has no effect: no optimizer state is BF16 \(exp_avg_dtype=fp32, "

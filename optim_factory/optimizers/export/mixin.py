@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -28,10 +30,12 @@ class OffloadedStateDict:
 
     _export_options: ExportOptions
     _exporter: StateExporter
+    _deferring: int  # > 0 inside deferred_state_dict()
 
     def _init_export(self, options: ExportOptions) -> None:
         self._export_options = options
         self._exporter = StateExporter(options)
+        self._deferring = 0
 
     def _start_export_threads(self) -> None:
         """For a chunked export: start the threads that empty its staging buffers now, one set per device of the
@@ -98,15 +102,17 @@ class OffloadedStateDict:
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state dict, exported as the options say (see :func:`export_state`).
 
-        With ``state_dict_offload_background`` it returns once the host tensors are allocated, before they hold
-        their values: call :meth:`wait_state_dict` before reading them (``step()`` and ``load_state_dict()``
-        wait too). A pending export is waited for first (its failure raises here).
+        With ``state_dict_offload_background``, inside :meth:`deferred_state_dict` it returns once the host
+        tensors are allocated, before they hold their values: the caller calls :meth:`wait_state_dict` before
+        reading them (``step()`` and ``load_state_dict()`` wait too). Anywhere else it waits for them before it
+        returns, so a plain reader (``torch.save``, ``dcp.save`` of ``get_optimizer_state_dict``) never reads
+        unfilled tensors. A pending export is waited for first (its failure raises here).
         """
         self.wait_state_dict()
         o = self._export_options
         if not (o.cpu_offload or o.keep_bf16):
             return self._on_device_state_dict()
-        return export_state(
+        exported = export_state(
             self,
             cpu_offload=o.cpu_offload,
             chunk_bytes=o.chunk_bytes,
@@ -115,6 +121,21 @@ class OffloadedStateDict:
             exporter=self._exporter,
             background=o.background,
         )
+        if o.background and not self._deferring:
+            self.wait_state_dict()  # nobody asked to wait later: filled before anyone can read it
+        return exported
+
+    @contextlib.contextmanager
+    def deferred_state_dict(self) -> Iterator[None]:
+        """``with opt.deferred_state_dict(): sd = get_optimizer_state_dict(model, opt)``: a background export
+        (``state_dict_offload_background``) started inside returns unfilled, so that the caller's next forward and
+        backward overlap it; the caller promises to wait (:meth:`wait_state_dict`, or ``step()``) before reading
+        the tensors. The recipe's checkpoint manager and ``ExportBufferStager`` do. Re-entrant."""
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
 
     def wait_state_dict(self) -> None:
         """Block until a background export (``state_dict_offload_background``) has filled its host tensors; re-raise
