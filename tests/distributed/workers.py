@@ -180,7 +180,8 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
                     base = torch.cuda.memory_allocated()
                     torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
-                got = get_optimizer_state_dict(model, opt, options=flat)
+                with opt.deferred_state_dict():  # a background export returns unfilled: the async save overlaps it
+                    got = get_optimizer_state_dict(model, opt, options=flat)
                 path = f"{tmp}/chunked-{cfg}-{background}"
                 save = reuse and round_ == 1
                 if save and background:  # DCP stages the export while it is being filled: the stager waits

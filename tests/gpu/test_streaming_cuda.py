@@ -119,7 +119,14 @@ def test_cuda_background_export_overlaps_kernels_and_step_waits(backend, record)
     for round_ in range(2):
         reference = export_state(opt, cpu_offload=True)
         sd: dict = {}
-        peak = peak_of(lambda sd=sd, r=round_: (sd.update(opt.state_dict()), forward_backward_step(3 + r)))
+
+        def export_then_step(sd=sd, r=round_) -> None:
+            with opt.deferred_state_dict():  # returns unfilled: the kernels below overlap the export
+                sd.update(opt.state_dict())
+            assert opt.state_dict_pending
+            forward_backward_step(3 + r)
+
+        peak = peak_of(export_then_step)
         assert not opt.state_dict_pending  # step() waited for it
         record(test="cuda_background", backend=backend, round=round_, peak_bytes=peak - without, chunk_bytes=CHUNK)
         assert peak <= without + 2 * CHUNK + (1 << 20), (peak, without)
