@@ -469,7 +469,8 @@ def test_a_child_forked_during_a_background_export_is_told_instead_of_waiting_fo
     opt = _optimizer(4 * M, reuse=False)
     reference = export_state(opt, cpu_offload=True)
     opt.configure_export(ExportOptions(True, chunk_bytes=4 * M, background=True))
-    sd = opt.state_dict()
+    with opt.deferred_state_dict():  # returns unfilled: the export is held at the gate
+        sd = opt.state_dict()
     assert opt.state_dict_pending
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
