@@ -239,17 +239,19 @@ def check_checkpoint_config(cfg: CheckpointConfig, rank: int = 0) -> None:
     except OSError as exc:
         raise CheckpointError(f"checkpoint.dir={cfg.dir!r}: not writable ({exc.strerror or exc})") from None
     if cfg.resume == "never":
-        existing = _step_names(root)
+        existing = step_dirs(root)
         if existing:
             raise CheckpointError(
                 f"checkpoint.resume=never but checkpoint.dir={cfg.dir!r} already holds {len(existing)} checkpoint(s) "
-                f"(e.g. {existing[-1]}); use resume=auto or another checkpoint.dir"
+                f"(e.g. {existing[-1][1].name}); use resume=auto or another checkpoint.dir"
             )
 
 
-def _step_names(root: Path) -> list[str]:
-    """The names of the step directories in ``root``, sorted (none if it does not exist)."""
-    return sorted(p.name for p in root.iterdir() if STEP_DIR.match(p.name)) if root.is_dir() else []
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every ``step_*`` directory in ``root``, by step (none if ``root`` does not exist)."""
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
 
 
 def _check_nothing_newer(cfg: CheckpointConfig, path: Path, root: Path) -> None:
@@ -259,8 +261,7 @@ def _check_nothing_newer(cfg: CheckpointConfig, path: Path, root: Path) -> None:
     match = STEP_DIR.match(path.name)
     if match is None:
         return
-    newer = [n for n in _step_names(root) if int(STEP_DIR.match(n).group(1)) > int(match.group(1))]
-    newer = [n for n in newer if is_complete(root / n)]
+    newer = [p.name for step, p in step_dirs(root) if step > int(match.group(1)) and is_complete(p)]
     if newer:
         raise CheckpointError(
             f"checkpoint.resume={cfg.resume!r} but checkpoint.dir={cfg.dir!r} holds newer complete checkpoints "
@@ -328,7 +329,7 @@ class CheckpointManager:
         slowest arrives. The collectives run on the gloo save group when there is one (NCCL's would also wait for
         the device)."""
         if self._in_the_way is None:
-            names = [[p.name for _, p in self._step_dirs()] if self.rank == 0 else None]
+            names = [[p.name for _, p in step_dirs(self.root)] if self.rank == 0 else None]
             if dist.is_initialized():
                 dist.broadcast_object_list(names, src=0, group=self._save_group)
             self._in_the_way = set(names[0])
@@ -343,17 +344,11 @@ class CheckpointManager:
             dist.barrier(group=self._save_group)
 
     # ------------------------------------------------------------------ discovery
-    def _step_dirs(self) -> list[tuple[int, Path]]:
-        if not self.root.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-        return sorted(found)
-
     def complete(self) -> list[tuple[int, Path]]:
-        return [(s, p) for s, p in self._step_dirs() if is_complete(p)]
+        return [(s, p) for s, p in step_dirs(self.root) if is_complete(p)]
 
     def incomplete(self) -> list[tuple[int, Path]]:
-        return [(s, p) for s, p in self._step_dirs() if not is_complete(p)]
+        return [(s, p) for s, p in step_dirs(self.root) if not is_complete(p)]
 
     def resume_candidates(self) -> list[Path]:
         """Checkpoints to try, newest first, per ``checkpoint.resume`` (empty: start fresh)."""

@@ -183,11 +183,16 @@ def all_finite(tensors) -> bool:
     return all(bool(torch.isfinite(torch.stack(ext)).all()) for ext in per_device.values())
 
 
+def _manifest_digest(manifest: dict[str, Any]) -> str:
+    """The hash of a manifest's keys but :data:`MANIFEST_DIGEST` (their sorted JSON)."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_DIGEST}
+    return xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True).encode())
+
+
 def seal_manifest(manifest: dict[str, Any]) -> str:
     """The text of a manifest with a hash of its own content (:data:`MANIFEST_DIGEST`), so that a changed byte in
     ``COMPLETE.json`` (its config, its step) is found before anything trusts it, like a changed byte in a file."""
-    digest = xxhash.xxh3_64_hexdigest(json.dumps(manifest, sort_keys=True).encode())
-    return json.dumps({**manifest, MANIFEST_DIGEST: digest}, sort_keys=True)
+    return json.dumps({**manifest, MANIFEST_DIGEST: _manifest_digest(manifest)}, sort_keys=True)
 
 
 def manifest_problem(manifest: dict[str, Any]) -> str | None:
@@ -196,7 +201,6 @@ def manifest_problem(manifest: dict[str, Any]) -> str | None:
     digest = manifest.get(MANIFEST_DIGEST)
     if digest is None:
         return None
-    body = json.dumps({k: v for k, v in manifest.items() if k != MANIFEST_DIGEST}, sort_keys=True)
-    if xxhash.xxh3_64_hexdigest(body.encode()) != digest:
+    if _manifest_digest(manifest) != digest:
         return "its own checksum does not match (changed after it was written)"
     return None

@@ -42,6 +42,7 @@ __all__ = [
     "parse_dtype",
     "parse_bytes",
     "check_hyperparameters",
+    "check_group",
     "check_flags",
     "check_state_dtypes",
     "check_adam_options",
@@ -158,6 +159,11 @@ def check_hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> t
     return lr, (out[0], out[1])
 
 
+def check_group(group: dict[str, Any]) -> None:
+    """:func:`check_hyperparameters` of a parameter group's ``lr``, ``betas``, ``eps`` and ``weight_decay``."""
+    check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+
+
 class CheckedParamGroups:
     """Both FusedAdam classes inherit this: every parameter group (the constructor's, and each
     ``add_param_group``) passes :func:`check_hyperparameters` once torch has filled its defaults; a refused group
@@ -166,9 +172,8 @@ class CheckedParamGroups:
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)  # type: ignore[misc]
-        group = self.param_groups[-1]  # type: ignore[attr-defined]
         try:
-            check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            check_group(self.param_groups[-1])  # type: ignore[attr-defined]
         except OptionError as exc:
             self.param_groups.pop()  # type: ignore[attr-defined]
             index = len(self.param_groups)  # type: ignore[attr-defined]

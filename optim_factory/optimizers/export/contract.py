@@ -178,7 +178,7 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
     parameter's local shape; dense tensors with data (not sparse, not on the meta device); dtypes that convert
     (FP32, BF16, FP16; int16 remainders only for the master of a BF16 parameter).
     """
-    from optim_factory.optimizers.rules import check_hyperparameters  # rules imports this package's options
+    from optim_factory.optimizers.rules import check_group  # rules imports this package's options
 
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
@@ -203,7 +203,7 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
                 f"{len(live['params'])} in the optimizer"
             )
         try:
-            check_hyperparameters(saved["lr"], saved["betas"], saved["eps"], saved["weight_decay"])
+            check_group(saved)
         except ValueError as exc:
             raise ValueError(f"load_state_dict: group {g}: {exc}") from None
         _check_names(g, saved.get("param_names"), live.get("param_names"), len(live["params"]))
