@@ -63,13 +63,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from optim_factory.optimizers.export import OffloadedStateDict
+from optim_factory.optimizers.export import OffloadedStateDict, all_finite
 from recipes.config import CheckpointConfig
 from recipes.host_copies import HostCopies
 from recipes.integrity import (
     ALGORITHM,
     ChecksumFileSystemWriter,
-    all_finite,
     file_problem,
     local_tensors,
     manifest_problem,

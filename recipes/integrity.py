@@ -173,16 +173,6 @@ def local_tensors(obj: Any):
             yield from local_tensors(v)
 
 
-def all_finite(tensors) -> bool:
-    """Whether every floating-point value in ``tensors`` is finite: per tensor its min and max (NaN propagates
-    into both, +-inf shows in one; no temporaries), one sync per device."""
-    per_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.is_floating_point() and t.element_size() > 1 and t.numel():
-            per_device.setdefault(t.device, []).extend(torch.aminmax(t.detach()))
-    return all(bool(torch.isfinite(torch.stack(ext)).all()) for ext in per_device.values())
-
-
 def _manifest_digest(manifest: dict[str, Any]) -> str:
     """The hash of a manifest's keys but :data:`MANIFEST_DIGEST` (their sorted JSON)."""
     body = {k: v for k, v in manifest.items() if k != MANIFEST_DIGEST}

@@ -8,7 +8,7 @@
 2. ``dcp.save`` of a state dict of FP32 tensors (``--gb`` GB in 64 MiB tensors) into ``--dir`` through DCP's
    ``FileSystemWriter`` and through :class:`recipes.integrity.ChecksumFileSystemWriter`, alternating, each
    ``--repeats`` times (files fsynced, as DCP does by default); the median seconds of each and their ratio.
-3. The save-time finite check (:func:`recipes.integrity.all_finite`) and a verification read
+3. The save-time finite check (:func:`optim_factory.optimizers.export.all_finite`) and a verification read
    (:func:`recipes.integrity.file_problem` of every file) of the same state, for reference.
 """
 
@@ -31,7 +31,8 @@ import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from recipes.integrity import ChecksumFileSystemWriter, all_finite, file_problem  # noqa: E402
+from optim_factory.optimizers.export import all_finite  # noqa: E402
+from recipes.integrity import ChecksumFileSystemWriter, file_problem  # noqa: E402
 
 TENSOR = 64 * 2**20  # bytes per tensor
 

@@ -299,3 +299,43 @@ def test_factory_builds_te_subclass_launching_te_kernels():
     theirs = TEFusedAdam(twin, lr=1e-3, weight_decay=0.0, **kw)
     k_ours, k_theirs = _kernels(ours, list(model.parameters())), _kernels(theirs, twin)
     assert k_ours and k_ours == k_theirs, (k_ours, k_theirs)
+
+
+def test_te_deepcopy_exports_and_steps_as_the_original():
+    """tests/unit/test_copy.py on TE's class: a deep copy keeps TE's attributes, the options and its own exporter."""
+    import copy
+
+    params = make_params(torch.bfloat16, shapes=SHAPES, device=DEV)
+    opt = te_cls()(
+        params,
+        **HP,
+        master_weights=True,
+        exp_avg_dtype=torch.bfloat16,
+        exp_avg_sq_dtype=torch.bfloat16,
+        state_dict_cpu_offload=True,
+        state_dict_offload_chunk_bytes=CHUNK,
+        state_dict_offload_reuse_buffers=True,
+    )
+    run_steps(opt, params, 0, 2)
+    twin = copy.deepcopy(opt)
+    assert twin.export_options == opt.export_options and twin.state_exporter is not opt.state_exporter
+    assert_state_dicts_bitwise(twin.state_dict(), opt.state_dict(), "after the copy")
+    twin_params = [p for g in twin.param_groups for p in g["params"]]
+    run_steps(opt, params, 2, 2)
+    run_steps(twin, twin_params, 2, 2)
+    assert_state_dicts_bitwise(twin.state_dict(), opt.state_dict(), "after two more steps each")
+
+
+def test_te_load_refuses_non_finite_states_and_changes_nothing():
+    """tests/unit/test_load_validation.py's NaN case on TE's class, states on the GPU and on the host."""
+    params = make_params(torch.float32, shapes=SHAPES, device=DEV)
+    opt = te_cls()(params, **HP, exp_avg_dtype=torch.bfloat16)
+    run_steps(opt, params, 0, 2)
+    for device in (DEV, "cpu"):
+        sd = deep_clone(opt.state_dict())
+        sd["state"][2]["exp_avg_sq"] = sd["state"][2]["exp_avg_sq"].to(device, copy=True)
+        sd["state"][2]["exp_avg_sq"].view(-1)[7] = float("nan")
+        before = LiveSnapshot.take(opt)
+        with pytest.raises(ValueError, match="group 0, parameter 2: exp_avg_sq holds NaN or inf"):
+            opt.load_state_dict(sd)
+        LiveSnapshot.take(opt).assert_same(before)

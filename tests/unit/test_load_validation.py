@@ -63,6 +63,13 @@ def _mutations():
 
         return damage
 
+    def non_finite(key, name, value, dtype=torch.float32):
+        def damage(sd):  # was: loaded, and the next step trained the parameter to NaN
+            sd["state"][key][name] = sd["state"][key][name].to(dtype, copy=True)
+            sd["state"][key][name].view(-1)[-1] = value
+
+        return damage
+
     def layout(make):
         def damage(sd):  # was: passed the checks, then failed half-way, leaving the optimizer half-loaded
             sd["state"][1]["exp_avg"] = make()
@@ -79,6 +86,9 @@ def _mutations():
         ("weight decay", group_value("weight_decay", "x"), ["group 0", "Invalid weight_decay value: 'x'"]),
         ("sparse", layout(lambda: torch.zeros(5).to_sparse()), ["parameter 1", "exp_avg", "torch.sparse_coo"]),
         ("meta", layout(lambda: torch.empty(5, device="meta")), ["parameter 1", "exp_avg", "on meta", "dense"]),
+        ("nan", non_finite(1, "exp_avg_sq", float("nan")), ["group 0, parameter 1: exp_avg_sq", "NaN or inf"]),
+        ("inf", non_finite(0, "exp_avg", float("-inf")), ["group 0, parameter 0: exp_avg", "NaN or inf"]),
+        ("bf16 nan", non_finite(0, "exp_avg", float("nan"), torch.bfloat16), ["parameter 0: exp_avg", "NaN or inf"]),
         ("shape", shape, ["group 0, parameter 0", "exp_avg", "(1, 3)", "(4, 3)"]),
         ("one moment", one_moment, ["group 0, parameter 1", "exp_avg", "not the other moment"]),
         ("unknown state", unknown, ["group 0, parameter 1", "momentum_buffer", "unknown state"]),

@@ -14,6 +14,7 @@ from optim_factory.optimizers.export.mixin import OffloadedStateDict
 from optim_factory.optimizers.export.options import MIN_CHUNK_BYTES, ExportOptions, Pinning
 from optim_factory.optimizers.export.stream import StateExporter, plan_chunks
 from optim_factory.optimizers.export.tensors import (
+    all_finite,
     join_bf16_remainder,
     local_tensor,
     split_bf16_remainder,
@@ -38,4 +39,5 @@ __all__ = [
     "wrap_host_local",
     "join_bf16_remainder",
     "split_bf16_remainder",
+    "all_finite",
 ]

@@ -32,6 +32,7 @@ from optim_factory.optimizers.export.options import ExportOptions
 from optim_factory.optimizers.export.stream import StateExporter, StreamItem
 from optim_factory.optimizers.export.tensors import (
     aliases,
+    all_finite,
     join_bf16_remainder,
     local_tensor,
     split_bf16_remainder,
@@ -176,7 +177,9 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
     parameter names where both sides have them (the states would otherwise land on other parameters of the same
     shape); state names (``exp_avg``, ``exp_avg_sq``, ``master_param``); every state's local shape against its
     parameter's local shape; dense tensors with data (not sparse, not on the meta device); dtypes that convert
-    (FP32, BF16, FP16; int16 remainders only for the master of a BF16 parameter).
+    (FP32, BF16, FP16; int16 remainders only for the master of a BF16 parameter); last, finite values (NaN or
+    inf in a state is a diverged run's: loading it would train on NaN; one min/max pass per state, one sync
+    per device).
     """
     from optim_factory.optimizers.rules import check_group  # rules imports this package's options
 
@@ -190,6 +193,7 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
             f"{len(live_groups)}"
         )
     state = state_dict["state"]
+    checked: list[tuple[str, torch.Tensor]] = []  # (where, local tensor) of every state, for the finite check
     for g, (saved, live) in enumerate(zip(saved_groups, live_groups)):
         missing = [k for k in _GROUP_KEYS if k not in saved]
         if missing:
@@ -217,9 +221,14 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
                 raise ValueError(f"load_state_dict: {_where(g, i, saved)}: expected a dict of states")
             for name, value in values.items():
                 _check_state(optimizer, f"{_where(g, i, saved)}: {name}", name, value, param)
+                if value is not None:
+                    checked.append((f"{_where(g, i, saved)}: {name}", local_tensor(value)))
             moments = [n for n in ("exp_avg", "exp_avg_sq") if values.get(n) is not None]
             if len(moments) == 1:
                 raise ValueError(f"load_state_dict: {_where(g, i, saved)}: has {moments[0]} but not the other moment")
+    if not all_finite(t for _, t in checked):
+        where = next(where for where, t in checked if not all_finite([t]))
+        raise ValueError(f"load_state_dict: {where} holds NaN or inf values (a diverged run's state): not loaded")
 
 
 # the parts of a parameter name that wrappers add (DDP, torch.compile, FSDP1, activation checkpointing)

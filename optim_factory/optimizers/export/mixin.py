@@ -37,6 +37,22 @@ class OffloadedStateDict:
         self._exporter = StateExporter(options)
         self._deferring = 0
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy`` and pickle copy: every attribute (torch's ``Optimizer.__getstate__`` keeps only
+        ``defaults``, ``state`` and ``param_groups``: a copy had neither its options nor its exporter, and its first
+        ``step()`` or ``state_dict()`` raised ``AttributeError``) but the exporter (threads, pinned host buffers)
+        and torch's hooks (which torch does not copy either); :meth:`__setstate__` gives the copy its own exporter."""
+        return {
+            k: v
+            for k, v in self.__dict__.items()
+            if k != "_exporter" and not (k.startswith("_optimizer_") and k.endswith("_hooks"))
+        } | {"_deferring": 0}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        torch.optim.Optimizer.__setstate__(self, state)
+        self._exporter = StateExporter(self._export_options)
+        self._start_export_threads()
+
     def _start_export_threads(self) -> None:
         """For a chunked export: start the threads that empty its staging buffers now, one set per device of the
         parameters that stages (CUDA; CPU without reuse: reused CPU buffers are copied into directly), so that

@@ -20,6 +20,7 @@ __all__ = [
     "wrap_host_local",
     "join_bf16_remainder",
     "split_bf16_remainder",
+    "all_finite",
 ]
 
 
@@ -92,3 +93,14 @@ def split_bf16_remainder(master: torch.Tensor, param_bf16: torch.Tensor, remaind
     high = torch.bitwise_right_shift(bits, 16) + (rem < 0).to(torch.int32)  # round up
     remainder.copy_(rem)
     param_bf16.view(torch.int16).copy_(_to_int16_bits(high))
+
+
+def all_finite(tensors) -> bool:
+    """Whether every floating-point value in ``tensors`` (local tensors) is finite: per tensor its min and max (NaN
+    propagates into both, +-inf shows in one; no temporaries), one sync per device. FP8 bytes (one-byte
+    storage) are not read. The one finite check of the project: the recipe's save and the load check use it."""
+    per_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.is_floating_point() and t.element_size() > 1 and t.numel():
+            per_device.setdefault(t.device, []).extend(torch.aminmax(t.detach()))
+    return all(bool(torch.isfinite(torch.stack(ext)).all()) for ext in per_device.values())
