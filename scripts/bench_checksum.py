@@ -33,6 +33,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from optim_factory.optimizers.export import all_finite  # noqa: E402
 from recipes.integrity import ChecksumFileSystemWriter, file_problem  # noqa: E402
+from scripts import cli_args  # noqa: E402
 
 TENSOR = 64 * 2**20  # bytes per tensor
 
@@ -59,9 +60,9 @@ def throughput(buf: bytes) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gb", type=float, default=1.07, help="state size in GB (10^9 bytes)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dir", default=None, help="where to save (default: a temporary directory)")
+    ap.add_argument("--gb", type=cli_args.positive_float, default=1.07, help="state size in GB (10^9 bytes)")
+    ap.add_argument("--repeats", type=cli_args.positive_int, default=3)
+    ap.add_argument("--dir", type=cli_args.out_dir, default=None, help="where to save (default: a temporary directory)")
     args = ap.parse_args(argv)
 
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs")

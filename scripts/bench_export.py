@@ -48,6 +48,7 @@ import torch
 
 from optim_factory.optimizers.export import ExportOptions
 from recipes.checkpoint import state_bytes
+from scripts import cli_args
 
 ROOT = Path(__file__).resolve().parent.parent  # the fresh processes run ``-m scripts.bench_export`` from here
 
@@ -292,7 +293,7 @@ def fresh_process(case: str, dtype_name: str, backend: str, device: torch.device
 
 def run_fresh(case: str, dtype_name: str, args, mode: str, alloc_conf: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "scripts.bench_export", "--_fresh", mode, "--cases", case, "--dtypes", dtype_name]
-    cmd += ["--fresh", str(args.fresh), "--backend", args.backend, "--device", args.device]
+    cmd += ["--fresh", str(args.fresh), "--backend", args.backend, "--device", str(args.device)]
     cmd += ["--chunk-mib", str(args.chunk_mib)]
     env = dict(os.environ)
     if alloc_conf:
@@ -423,19 +424,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cases", default=",".join(c for c in CASES if c != "1x1G"), help=f"of {','.join(CASES)}")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {','.join(DTYPES)}")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--chunk-mib", type=float, default=64.0, help="chunk budget of the chunked modes (MiB)")
-    ap.add_argument("--fresh", type=int, default=0, help="also run N exports in a fresh process per chunked mode")
+    ap.add_argument("--repeats", type=cli_args.positive_int, default=5)
+    ap.add_argument(
+        "--chunk-mib", type=cli_args.positive_float, default=64.0, help="chunk budget of the chunked modes (MiB)"
+    )
+    ap.add_argument(
+        "--fresh",
+        type=cli_args.non_negative_int,
+        default=0,
+        help="also run N exports in a fresh process per chunked mode",
+    )
     ap.add_argument(
         "--fresh-alloc-conf",
         default="pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
         help="with --fresh: one more chunked+reuse-alloc process under this PYTORCH_CUDA_ALLOC_CONF ('' skips it)",
     )
     ap.add_argument("--backend", choices=("te", "portable"), default="te")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--out", help="also write the markdown table here")
-    ap.add_argument("--jsonl", help="also append every row as JSON here")
-    ap.add_argument("--png", help="also plot GPU peak vs parameter count here")
+    ap.add_argument("--device", type=cli_args.device, default="cuda")
+    ap.add_argument("--out", type=cli_args.out_file, help="also write the markdown table here")
+    ap.add_argument("--jsonl", type=cli_args.out_file, help="also append every row as JSON here")
+    ap.add_argument("--png", type=cli_args.out_file, help="also plot GPU peak vs parameter count here")
     ap.add_argument("--_fresh", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for name, known, what in (
@@ -448,6 +456,8 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"{what}: unknown {bad}; allowed: {','.join(known)}")
     if args.png and importlib.util.find_spec("matplotlib") is None:
         ap.error(f"--png {args.png}: needs matplotlib (pip install matplotlib), or leave --png out")
+    if args.backend == "te":
+        cli_args.require_te(ap, "--backend te")
     device = torch.device(args.device)
     chunk = int(args.chunk_mib * M)
     if args._fresh:
@@ -474,13 +484,15 @@ def main(argv: list[str] | None = None) -> None:
     text = render(rows, fresh, bw, environment(device, args.backend), argv)
     print(text)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
     if args.jsonl:
+        args.jsonl.parent.mkdir(parents=True, exist_ok=True)
         with open(args.jsonl, "a") as f:
             for r in [*rows, *({"fresh": True, **x} for x in fresh)]:
                 f.write(json.dumps({**r, "pinned_gbps": bw.get("pinned")}) + "\n")
     if args.png:
+        args.png.parent.mkdir(parents=True, exist_ok=True)
         plot(rows, args.png)
 
 

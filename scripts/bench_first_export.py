@@ -46,6 +46,7 @@ from optim_factory import FusedAdam, PortableFusedAdam
 from optim_factory.optimizers.export import ExportOptions
 from optim_factory.optimizers.export.host_memory import host_empty, register_host, unregister_host
 from optim_factory.optimizers.export.staging import unstage_threads
+from scripts import cli_args
 
 M = 1 << 20
 PARAM_NUMEL = 4 * M
@@ -302,12 +303,18 @@ def render(rows: list[dict], env: list[str], command: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="directory for first_export.jsonl and first_export.md")
+    ap.add_argument(
+        "--out", type=cli_args.out_dir, required=True, help="directory for first_export.jsonl and first_export.md"
+    )
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--ranks", type=int, choices=(1, 2), help="only this many concurrent ranks (default: 1, then 2)")
-    ap.add_argument("--gib", type=float, help="GiB of FP32 export per rank (default 2 on CUDA, 0.1 on CPU)")
-    ap.add_argument("--chunk-mib", type=int, default=64)
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds a trial's processes may take")
+    ap.add_argument(
+        "--gib", type=cli_args.positive_float, help="GiB of FP32 export per rank (default 2 on CUDA, 0.1 on CPU)"
+    )
+    ap.add_argument("--chunk-mib", type=cli_args.positive_int, default=64)
+    ap.add_argument(
+        "--timeout", type=cli_args.positive_float, default=300.0, help="seconds a trial's processes may take"
+    )
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {','.join(MODES)}")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")

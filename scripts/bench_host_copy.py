@@ -56,6 +56,7 @@ from optim_factory.optimizers.export.host_memory import (
     worker_threads,
 )
 from optim_factory.optimizers.export.staging import SLOT_BYTES, Stager, unstage_threads
+from scripts import cli_args
 from scripts.bench_first_export import link, rss, sync
 
 M = 1 << 20
@@ -308,11 +309,13 @@ def render(rows: list[dict], env: list[str], command: str, ranks: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="directory for host_copy_<N>rank.jsonl and .md")
+    ap.add_argument("--out", type=cli_args.out_dir, required=True, help="directory for host_copy_<N>rank.jsonl and .md")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--mib", type=int, help="MiB copied per rank (default 2048 on CUDA, 80 on CPU)")
-    ap.add_argument("--chunk-mib", type=int, help="MiB per device copy (default 64 on CUDA, 16 on CPU)")
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--mib", type=cli_args.positive_int, help="MiB copied per rank (default 2048 on CUDA, 80 on CPU)")
+    ap.add_argument(
+        "--chunk-mib", type=cli_args.positive_int, help="MiB per device copy (default 64 on CUDA, 16 on CPU)"
+    )
+    ap.add_argument("--trials", type=cli_args.positive_int, default=3)
     ap.add_argument("--variants", help="comma-separated variant names (default: all; see the table)")
     args = ap.parse_args(argv)
     args.mib = args.mib if args.mib is not None else (2048 if args.device == "cuda" else 80)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from optim_factory.optimizers.export import ExportOptions
+from scripts import cli_args
 
 VARIANTS = {"fp32 export": False, "bf16 kept": True}
 
@@ -105,12 +106,16 @@ def measure(opt, keep: bool, root: Path, repeats: int, device: torch.device) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=["te", "portable"], default="te")
-    ap.add_argument("--tensors", type=int, default=64)
+    ap.add_argument("--tensors", type=cli_args.positive_int, default=64)
     ap.add_argument("--numel", default="4M", help="elements per parameter (K/M/G suffixes)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", required=True, help="folder for bench_keep_bf16.md and .jsonl")
-    ap.add_argument("--scratch", default=None, help="where checkpoints are written (default: a temp dir)")
+    ap.add_argument("--repeats", type=cli_args.positive_int, default=3)
+    ap.add_argument("--out", type=cli_args.out_dir, required=True, help="folder for bench_keep_bf16.md and .jsonl")
+    ap.add_argument(
+        "--scratch", type=cli_args.out_dir, default=None, help="where checkpoints are written (default: a temp dir)"
+    )
     args = ap.parse_args()
+    if args.backend == "te":
+        cli_args.require_te(ap, "--backend te")
     device = torch.device("cuda" if args.backend == "te" or torch.cuda.is_available() else "cpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

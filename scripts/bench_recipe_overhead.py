@@ -67,6 +67,7 @@ from recipes.train import (
     preflight,
     shard_model,
 )
+from scripts import cli_args
 
 LOOPS = ("bare", "bare+stop", "recipe", "recipe+clip")  # the default
 # the stop check as it was (waiting for its all-reduce every step), and its two parts alone (what bare+stop costs,
@@ -229,23 +230,25 @@ def _token_file(folder: Path, vocab: int) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="folder for bench_recipe_overhead.jsonl and .md (rank 0)")
+    ap.add_argument(
+        "--out", type=cli_args.out_dir, required=True, help="folder for bench_recipe_overhead.jsonl and .md (rank 0)"
+    )
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--preset", choices=["auto", "gpu", "cpu"], default="auto", help="auto: gpu on CUDA, else cpu")
-    ap.add_argument("--warmup", type=int, default=10, help="steps of each loop before timing")
+    ap.add_argument("--warmup", type=cli_args.positive_int, default=10, help="steps of each loop before timing")
     ap.add_argument(
-        "--steps", type=int, default=25, help="steps per timed block (the recipe's log_every: one log each)"
+        "--steps",
+        type=cli_args.positive_int,
+        default=25,
+        help="steps per timed block (the recipe's log_every: one log each)",
     )
-    ap.add_argument("--repeats", type=int, default=10, help="timed blocks of each loop")
-    ap.add_argument("--probe", type=int, default=2000, help="calls of the stop check timed alone")
+    ap.add_argument("--repeats", type=cli_args.positive_int, default=10, help="timed blocks of each loop")
+    ap.add_argument("--probe", type=cli_args.positive_int, default=2000, help="calls of the stop check timed alone")
     ap.add_argument(
         "--loops", default=",".join(LOOPS), help=f"loops to time, bare first (from {','.join(LOOPS + PARTS)})"
     )
     ap.add_argument("overrides", nargs="*", help="recipe overrides, after the preset's (e.g. model.n_layers=6)")
     args = ap.parse_args()
-    for key in ("warmup", "steps", "repeats", "probe"):
-        if getattr(args, key) < 1:
-            ap.error(f"--{key}={getattr(args, key)}: must be >= 1")
     loops_run = tuple(args.loops.split(","))
     if loops_run[0] != "bare" or not set(loops_run) <= set(LOOPS + PARTS) or len(set(loops_run)) != len(loops_run):
         ap.error(f"--loops={args.loops!r}: distinct loops from {','.join(LOOPS + PARTS)}, bare first")

@@ -67,6 +67,7 @@ from optim_factory.optimizers.rules import parse_bytes
 from recipes.checkpoint import CheckpointManager, state_bytes
 from recipes.config import CheckpointConfig
 from recipes.distributed import init_distributed, pick_device, resolve_dist_env, shutdown
+from scripts import cli_args
 from scripts.bench_export import environment, sync
 
 MODES = (
@@ -491,13 +492,18 @@ def read(path: Path) -> tuple[dict, list[dict]]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", type=cli_args.out_dir, required=True)
     ap.add_argument("--render", type=Path, help="only write --out/bench_save.md again from this bench_save.jsonl")
-    ap.add_argument("--scratch", default=None, help="local directory for the checkpoints (default: a temp dir)")
+    ap.add_argument(
+        "--scratch",
+        type=cli_args.out_dir,
+        default=None,
+        help="local directory for the checkpoints (default: a temp dir)",
+    )
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--width", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=22)
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--width", type=cli_args.positive_int, default=4096)
+    ap.add_argument("--layers", type=cli_args.positive_int, default=22)
+    ap.add_argument("--tokens", type=cli_args.positive_int, default=8192)
     ap.add_argument("--chunk", default="64MiB")
     ap.add_argument(
         "--store-param-remainders",
@@ -505,7 +511,7 @@ def main(argv: list[str] | None = None) -> None:
         help="keep the FP32 master as TE's store_param_remainders=True: the BF16 parameter's missing 16 bits "
         "(int16, 2 bytes per parameter in memory and in the checkpoint instead of 4)",
     )
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=cli_args.positive_int, default=2)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument(
         "--stager",
@@ -516,13 +522,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "--profile",
-        type=Path,
+        type=cli_args.out_dir,
         help="cProfile the measured save calls; one text file per mode and rank in this directory (slower calls: "
         "run it apart from the table's run)",
     )
     args = ap.parse_args(argv)
-    if args.profile is not None and args.profile.exists() and not args.profile.is_dir():
-        ap.error(f"--profile={args.profile}: not a directory (the profiles go into one, made if missing)")
     if args.render is not None:
         meta, rows = read(args.render)
         out = Path(args.out)

@@ -19,13 +19,13 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from optim_factory import PortableFusedAdam
 from optim_factory.optimizers import kernel_math
 from optim_factory.optimizers.export import join_bf16_remainder
+from scripts import cli_args
 
 FP8 = torch.uint8  # TE's spelling of FP8 E4M3 moments
 BF16_MOMENTS = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
@@ -162,14 +162,16 @@ def reference_class(against: str):
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", type=Path, default=None, help="directory for compare.md and compare.jsonl")
-    ap.add_argument("--steps", type=int, default=25, help="optimizer steps per run (default 25)")
+    ap.add_argument("--out", type=cli_args.out_dir, default=None, help="directory for compare.md and compare.jsonl")
+    ap.add_argument("--steps", type=cli_args.positive_int, default=25, help="optimizer steps per run (default 25)")
     ap.add_argument(
         "--configs", default="all", help="comma-separated names, or 'all': " + ", ".join(c.name for c in CONFIGS)
     )
     ap.add_argument("--against", choices=("te", "portable"), default="te", help="reference optimizer (default te)")
-    ap.add_argument("--device", default="cuda", help="default cuda")
-    ap.add_argument("--max-rel", type=float, default=1e-6, help="largest allowed max|a-b|/max|b| (default 1e-6)")
+    ap.add_argument("--device", type=cli_args.device, default="cuda", help="default cuda")
+    ap.add_argument(
+        "--max-rel", type=cli_args.positive_float, default=1e-6, help="largest allowed max|a-b|/max|b| (default 1e-6)"
+    )
     ap.add_argument("--bitwise", action="store_true", help="require every tensor to be bitwise equal")
     ap.add_argument("--small", action="store_true", help="small tensors (a quick smoke run)")
     args = ap.parse_args(argv)
@@ -178,8 +180,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         unknown = sorted(set(args.configs.split(",")) - names)
         if unknown:
             ap.error(f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(sorted(names))}")
-    if args.steps < 1:
-        ap.error(f"--steps: {args.steps} is not a positive integer")
+    if args.against == "te":
+        cli_args.require_te(ap, "--against te")
     return args
 
 

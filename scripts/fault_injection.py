@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from recipes.checkpoint import SAVE_PHASES, is_complete, read_checkpoint
+from scripts import cli_args
 
 ROOT = Path(__file__).resolve().parent.parent  # the trainer runs ``-m scripts.fault_train`` from here
 STEPS, EVERY = 20, 4
@@ -134,18 +135,16 @@ MODES = ("sync", "async")  # checkpoint.async_save=false / true
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trials", type=int, default=20, help="trials per mode")
+    ap.add_argument("--trials", type=cli_args.positive_int, default=20, help="trials per mode")
     ap.add_argument("--modes", default="sync,async")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="write the markdown table here")
-    ap.add_argument("--json", help="write every trial here")
+    ap.add_argument("--out", type=cli_args.out_file, help="write the markdown table here")
+    ap.add_argument("--json", type=cli_args.out_file, help="write every trial here")
     ap.add_argument("--overrides", default="", help="extra recipe overrides, space-separated")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
-    if (
-        args.trials < 1 or not modes or not set(modes) <= set(MODES)
-    ):  # was: any other mode ran sync saves under its name
-        ap.error(f"--trials={args.trials} --modes={args.modes!r}: trials >= 1, modes from {','.join(MODES)}")
+    if not modes or not set(modes) <= set(MODES):  # was: any other mode ran sync saves under its name
+        ap.error(f"--modes={args.modes!r}: modes from {','.join(MODES)}")
     OVERRIDES[:] = args.overrides.split()
     rng = random.Random(args.seed)
     trials: list[Trial] = []
@@ -187,10 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(t) for t in trials], indent=1))
+    for path, content in ((args.out, text), (args.json, json.dumps([asdict(t) for t in trials], indent=1))):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(content)
     return 0 if all(t.ok for t in trials) else 1
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from scripts import cli_args
 from scripts.bench_save import read, summarize
 
 PANELS = (  # summary key, axis label, divisor
@@ -62,10 +63,11 @@ def plot(meta: dict, rows: list[dict], out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("jsonl", type=Path)
-    ap.add_argument("--out", type=Path, default=None, help="PNG path (default: next to the JSON lines)")
+    ap.add_argument("--out", type=cli_args.out_file, default=None, help="PNG path (default: next to the JSON lines)")
     args = ap.parse_args(argv)
     meta, rows = read(args.jsonl)
     out = args.out or args.jsonl.with_suffix(".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
     plot(meta, rows, out)
     print(out)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from optim_factory.optimizers.export import host_empty
+from scripts import cli_args
 from scripts.bench_export import M, build, configure, sync
 
 
@@ -95,15 +96,23 @@ def stall(backend: str, device: torch.device) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gib", type=float, default=2.0)
+    ap.add_argument("--gib", type=cli_args.positive_float, help="the table's size (default 2; not with --stall)")
     ap.add_argument("--stall", action="store_true", help="measure optimizer steps during background pinning")
-    ap.add_argument("--backend", choices=("te", "portable"), default="portable")
-    ap.add_argument("--device", default="cuda", help="with --stall (cpu: a smoke run of the script)")
+    ap.add_argument("--backend", choices=("te", "portable"), help="with --stall (default portable)")
+    ap.add_argument("--device", type=cli_args.device, help="with --stall (default cuda; cpu: a smoke run)")
     args = ap.parse_args()
-    if args.stall:
-        stall(args.backend, torch.device(args.device))
+    if args.stall:  # was: --gib was ignored by --stall (a fixed case), --device and --backend by the table
+        if args.gib is not None:
+            ap.error("--gib sizes the table; --stall measures the fixed 64x4M case: leave one out")
+        if args.backend == "te":
+            cli_args.require_te(ap, "--backend te")
+        stall(args.backend or "portable", args.device or cli_args.device("cuda"))
         return
-    n = int(args.gib * 2**30)
+    if args.backend is not None or args.device is not None:
+        ap.error("--backend and --device go with --stall; the table always runs on cuda")
+    if not torch.cuda.is_available():
+        ap.error(f"the table needs a CUDA device (this torch, {torch.__version__}, sees none)")
+    n = int((args.gib or 2.0) * 2**30)
     gb = n / 1e9
     torch.cuda.init()
     dev = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(7)

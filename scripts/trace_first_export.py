@@ -39,6 +39,7 @@ import torch
 
 from optim_factory.optimizers.export import ExportOptions
 from optim_factory.optimizers.export.staging import unstage_threads
+from scripts import cli_args
 from scripts.bench_first_export import build, link, spawn_ranks, sync
 
 M = 1 << 20
@@ -181,11 +182,11 @@ COLUMNS = (
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--ranks", type=int, nargs="+", default=[1])
+    ap.add_argument("--out", type=cli_args.out_dir, required=True)
+    ap.add_argument("--ranks", type=cli_args.positive_int, nargs="+", default=[1])
     ap.add_argument("--variants", default="base")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--gib", type=float, default=2.0)
+    ap.add_argument("--repeats", type=cli_args.positive_int, default=2)
+    ap.add_argument("--gib", type=cli_args.positive_float, default=2.0)
     ap.add_argument("--cpu", action="store_true", help="smoke test on CPU (no device link: a host memcpy)")
     ap.add_argument(
         "--same-device",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -86,7 +87,7 @@ def test_bench_save_refuses_a_profile_path_that_is_a_file(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.splitlines()[-1]
-    assert last.endswith(f"--profile={a_file}: not a directory (the profiles go into one, made if missing)"), last
+    assert last.endswith(f"argument --profile: {a_file} exists and is not a directory"), last
     assert not (tmp_path / "bench_save.md").exists()
 
 
@@ -163,10 +164,55 @@ def test_bench_host_copy_two_concurrent_ranks_on_cpu(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["host_copy_2rank.jsonl", "host_copy_2rank.md"]
 
 
-@pytest.mark.parametrize("args", [["--modes", "bogus"], ["--modes", "sync,Async"], ["--trials", "0"]])
-def test_fault_injection_refuses_what_it_would_not_test(args):
+@pytest.mark.parametrize(
+    "args,ending",
+    [
+        (["--modes", "bogus"], "modes from sync,async"),
+        (["--modes", "sync,Async"], "modes from sync,async"),
+        (["--trials", "0"], "argument --trials: '0' is not a positive integer"),
+    ],
+)
+def test_fault_injection_refuses_what_it_would_not_test(args, ending):
     """Was exit 0: an unknown mode ran sync saves under its own name, and 0 trials passed having tested nothing."""
     cmd = [sys.executable, "-m", "scripts.fault_injection", *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.splitlines()[-1].endswith("trials >= 1, modes from sync,async"), proc.stderr
+    assert proc.stderr.splitlines()[-1].endswith(ending), proc.stderr
+
+
+# (script, arguments, the end of its one error line); {tmp} is the test's folder, {file} a file in it. Before
+# (2026-12-01), each ran into a traceback: an empty median for 0 repeats, a CUDA call on a CPU machine, or a
+# write at the very end of the run into a path that was a file or a folder (the results lost)
+BAD_ARGUMENTS = [
+    ("bench_checksum", ["--repeats", "0"], "argument --repeats: '0' is not a positive integer"),
+    ("bench_checksum", ["--gb", "-1"], "argument --gb: '-1' is not a positive number"),
+    ("bench_export", ["--repeats", "0", "--device", "cpu"], "argument --repeats: '0' is not a positive integer"),
+    (
+        "bench_export",
+        ["--device", "cpu", "--out", "{tmp}"],
+        "argument --out: {tmp} is a directory, expected a file name",
+    ),
+    ("bench_export", ["--device", "cuda:7"], "argument --device: cuda:7: "),
+    ("bench_keep_bf16", ["--out", "{file}"], "argument --out: {file} exists and is not a directory"),
+    ("bench_save", ["--out", "{tmp}", "--width", "0"], "argument --width: '0' is not a positive integer"),
+    ("probe_host_memory", ["--stall", "--gib", "1"], "--gib sizes the table; --stall measures the fixed 64x4M case"),
+    ("compare_backends", ["--max-rel", "nan", "--device", "cpu"], "argument --max-rel: 'nan' is not a positive number"),
+    ("fault_injection", ["--json", "{file}/x.json"], "argument --json: {file}/x.json: {file} is not a directory"),
+    ("bench_export", ["--device", "cpu"], "--backend te needs Transformer Engine, which does not import here"),
+    ("compare_backends", ["--device", "cpu"], "--against te needs Transformer Engine, which does not import here"),
+]
+
+
+@pytest.mark.parametrize("script,args,ending", BAD_ARGUMENTS, ids=[f"{s}{' '.join(a)}" for s, a, _ in BAD_ARGUMENTS])
+def test_bad_arguments_are_one_line_before_any_work(tmp_path, script, args, ending):
+    if "Transformer Engine" in ending and importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine imports here")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    fill = dict(tmp=tmp_path, file=a_file)
+    cmd = [sys.executable, "-m", f"scripts.{script}", *(a.format(**fill) for a in args)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stderr.splitlines()[-1].startswith(f"{script}.py: error: ")
+    assert ending.format(**fill) in proc.stderr.splitlines()[-1], proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing written
