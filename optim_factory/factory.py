@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from optim_factory.config import (
     OPTIM_SCHEMAS,
     AdamWConfig,
+    GroupOverride,
     StateDtype,
     omegaconf_error_line,
     schema_keys,
@@ -94,6 +95,8 @@ def _to_schema(cfg: Any) -> DictConfig:
     if name not in OPTIM_SCHEMAS:
         raise config_error("name", name, f"expected one of {'|'.join(OPTIM_SCHEMAS)}")
     schema = OPTIM_SCHEMAS[name]
+    _refuse_placeholders(cfg, "optim")
+    _check_overrides(cfg.get("param_groups"))
     try:
         node = OmegaConf.merge(OmegaConf.structured(schema), _spell_dtypes(cfg))
         OmegaConf.to_object(node)  # raises on missing mandatory values (an override without its pattern)
@@ -101,6 +104,35 @@ def _to_schema(cfg: Any) -> DictConfig:
         raise ConfigError(omegaconf_error_line(exc, "optim.", schema_keys(schema))) from None
     OmegaConf.set_readonly(node, True)
     return node
+
+
+def _refuse_placeholders(value: Any, key: str) -> None:
+    """OmegaConf's ``???`` (a mandatory value) anywhere in the input: merged into the schema it kept the default
+    without a word (``{"lr": "???"}`` built lr=1e-3); refused, naming the key."""
+    if isinstance(value, str) and value == "???":
+        raise ConfigError(f"{key}: missing value (???: mandatory, never given; set {key}=...)")
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _refuse_placeholders(v, f"{key}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _refuse_placeholders(v, f"{key}[{i}]")
+
+
+def _check_overrides(param_groups: Any) -> None:
+    """``param_groups.overrides``, item by item, so that an error names its item (OmegaConf's merge named only the
+    leaf: ``optim.lr_mul: not a config key``, or ``optim.?=None`` for a mapping instead of a list)."""
+    if not isinstance(param_groups, Mapping) or param_groups.get("overrides") is None:
+        return
+    key = "optim.param_groups.overrides"
+    overrides = param_groups["overrides"]
+    if not isinstance(overrides, (list, tuple)):
+        raise ConfigError(f"{key}={overrides!r}: expected a list of {{pattern, lr_mult, weight_decay_mult}} mappings")
+    for i, item in enumerate(overrides):
+        try:
+            OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GroupOverride), item))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(omegaconf_error_line(exc, f"{key}[{i}].", schema_keys(GroupOverride))) from None
 
 
 def _spell_dtypes(cfg: Mapping) -> dict:
@@ -129,13 +161,14 @@ def _check_number(key: str, value: Any, *, positive: bool = False, lo: float | N
 
 
 def _check_patterns(key: str, patterns: Iterable[str]) -> None:
+    """Each pattern a valid regular expression; ``key`` holds ``{i}`` where the index goes."""
     for i, pattern in enumerate(patterns):
         if not isinstance(pattern, str) or not pattern:
-            raise config_error(f"{key}[{i}]", pattern, "expected a non-empty regular expression")
+            raise config_error(key.format(i=i), pattern, "expected a non-empty regular expression")
         try:
             re.compile(pattern)
         except re.error as exc:
-            raise config_error(f"{key}[{i}]", pattern, f"not a valid regular expression ({exc})") from None
+            raise config_error(key.format(i=i), pattern, f"not a valid regular expression ({exc})") from None
 
 
 def validate_optim_config(cfg: Any) -> ValidatedOptim:
@@ -152,8 +185,8 @@ def validate_optim_config(cfg: Any) -> ValidatedOptim:
         check_hyperparameters(c.lr, list(c.betas), c.eps, c.weight_decay)
     except OptionError as exc:
         raise config_error(exc.key, exc.value, exc.allowed) from None
-    _check_patterns("param_groups.no_decay", c.param_groups.no_decay)
-    _check_patterns("param_groups.overrides.pattern", [o.pattern for o in c.param_groups.overrides])
+    _check_patterns("param_groups.no_decay[{i}]", c.param_groups.no_decay)
+    _check_patterns("param_groups.overrides[{i}].pattern", [o.pattern for o in c.param_groups.overrides])
     for i, o in enumerate(c.param_groups.overrides):
         _check_number(f"param_groups.overrides[{i}].lr_mult", o.lr_mult, positive=True)
         _check_number(f"param_groups.overrides[{i}].weight_decay_mult", o.weight_decay_mult, lo=0.0)

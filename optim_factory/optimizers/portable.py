@@ -26,6 +26,7 @@ from __future__ import annotations
 import struct
 import warnings
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -136,11 +137,7 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
         self._device = local_tensor(first).device if first is not None else torch.device("cpu")
         if capturable:
             for group in self.param_groups:
-                if group["params"]:
-                    lr_value = torch.as_tensor(group["lr"], dtype=torch.float32)
-                    # a tensor of its own per group: on the CPU .to() would hand every group the defaults' tensor,
-                    # and an in-place lr update (LR schedulers' fill_) of one group would change them all
-                    group["lr"] = lr_value.to(device=local_tensor(group["params"][0]).device, copy=True)
+                self._own_lr_tensor(group)
             self._step_supports_amp_scaling = True
         self._dummy_overflow_buf = torch.zeros([1], dtype=torch.int, device=self._device)
 
@@ -163,6 +160,7 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
                 DeprecationWarning,
                 stacklevel=2,
             )
+        self._check_param_groups()
         self._start_export_threads()
 
     # ------------------------------------------------------------------ gradients
@@ -217,6 +215,22 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
             # and FP8 states unscale with it: the reciprocal of the reciprocal, at times one ulp off ``scale``
             scale.copy_(torch.where(rscale > 0, rscale.reciprocal(), scale))
         scaled.copy_(values)
+
+    @staticmethod
+    def _own_lr_tensor(group: dict[str, Any]) -> None:
+        """A capturable group's ``lr`` as a tensor of its own on its parameters' device: on the CPU ``.to()`` would
+        hand every group the defaults' tensor, and an in-place lr update (LR schedulers' ``fill_``) of one group
+        would change them all (the defaults' too)."""
+        if group["params"]:
+            lr_value = torch.as_tensor(group["lr"], dtype=torch.float32)
+            group["lr"] = lr_value.to(device=local_tensor(group["params"][0]).device, copy=True)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, checked (:class:`CheckedParamGroups`); a capturable optimizer's new group gets its own ``lr``
+        tensor, as the constructor's groups do (was: every added group shared the defaults' tensor)."""
+        super().add_param_group(param_group)
+        if getattr(self, "capturable", False):  # set after the constructor's groups, which __init__ gives theirs
+            self._own_lr_tensor(self.param_groups[-1])
 
     def get_unscaled_state(self, param: torch.Tensor, state_name: str, skip_unscale: bool = False) -> torch.Tensor:
         """The state as FP32 (int16 for remainder masters), as a local tensor on the parameter's device.
@@ -292,6 +306,7 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
             with torch.enable_grad():
                 loss = closure()
 
+        self._check_step_inputs()
         for group in self.param_groups:
             if "step" in group:
                 group["step"] += 1 if not self.capturable else (self._dummy_overflow_buf != 1).to(torch.int)
@@ -313,13 +328,28 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
                     inv_scale = grad_scaler._get_scale_async().double().reciprocal().float()
                 if bool(self._dummy_overflow_buf.item() == 1):
                     continue  # the capturable kernels return early on overflow
-            has_fp16 = has_bf16 = False
             for p in group["params"]:
                 state = self.state[p]
                 remainder = self.store_param_remainders and p.dtype == torch.bfloat16
                 if len(state) == 0:
                     self.initialize_state(p, remainder)
-                grad = getattr(p, "decoupled_grad", None) if self.use_decoupled_grad else p.grad
+                grad = self._grad(p)
+                if grad is None:
+                    continue
+                self._update_param(group, p, local_tensor(grad), remainder, inv_scale)
+        return loss
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        return getattr(p, "decoupled_grad", None) if self.use_decoupled_grad else p.grad
+
+    def _check_step_inputs(self) -> None:
+        """TE's refusals of a step's inputs (its messages), all before anything changes: TE collects a group's
+        tensors before its kernels run, and the update here goes parameter by parameter, so a refusal after the
+        first update left the earlier parameters stepped, the step counted and the states made."""
+        for group in self.param_groups:
+            has_fp16 = has_bf16 = False
+            for p in group["params"]:
+                grad = self._grad(p)
                 if grad is None:
                     continue
                 if grad.is_sparse:
@@ -336,8 +366,6 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
                             "FusedAdam doesn't support a mix of FP16/BF16 weights + Store param remainder."
                         )
                     raise RuntimeError("FusedAdam does not support a mix of float16 and bfloat16 model weights.")
-                self._update_param(group, p, local_tensor(grad), remainder, inv_scale)
-        return loss
 
     def _update_param(
         self,

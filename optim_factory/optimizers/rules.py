@@ -24,6 +24,7 @@ keeps catching it.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 import re
@@ -43,10 +44,12 @@ __all__ = [
     "parse_bytes",
     "check_hyperparameters",
     "check_group",
+    "GROUP_KEYS",
     "check_flags",
     "check_state_dtypes",
     "check_adam_options",
     "CheckedParamGroups",
+    "check_group_params",
     "DTYPE_SPELLINGS",
 ]
 
@@ -159,25 +162,109 @@ def check_hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> t
     return lr, (out[0], out[1])
 
 
+# the keys FusedAdam reads from a parameter group (``step`` is its own count; ``param_names`` torch's); any other
+# key is the caller's (an LR scheduler's ``initial_lr``, a tag) and left alone, unless it is one of these misspelled
+GROUP_KEYS = ("params", "param_names", "lr", "betas", "eps", "weight_decay", "bias_correction", "step")
+
+
+def _check_step(step: Any) -> None:
+    """A group's ``step``: a count >= 0 (an int, or the one-element tensor of capturable groups)."""
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_complex():
+        count = float(step)
+    elif isinstance(step, int) and not isinstance(step, bool):
+        count = float(step)
+    else:
+        raise OptionError("step", step, "expected the group's step count (an int >= 0)")
+    if not (count >= 0 and count == int(count)):
+        raise OptionError("step", step, "expected the group's step count (an int >= 0)")
+
+
 def check_group(group: dict[str, Any]) -> None:
-    """:func:`check_hyperparameters` of a parameter group's ``lr``, ``betas``, ``eps`` and ``weight_decay``."""
+    """A parameter group by the constructor's rules: :func:`check_hyperparameters` of its ``lr``, ``betas``, ``eps``
+    and ``weight_decay``; ``bias_correction`` a ``bool``; ``step`` (a loaded group's) a count >= 0; no
+    optimizer-wide option (``adam_w_mode``, ``amsgrad``, ``master_weights`` ...: FusedAdam reads them from its
+    constructor only, so a group's value did nothing); no misspelling of a group key (``weight_decy``). Other keys
+    are the caller's and stay."""
     check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    check_flags(bias_correction=group["bias_correction"])
+    if "step" in group:
+        _check_step(group["step"])
+    for key in group:
+        if key in GROUP_KEYS:
+            continue
+        if key in _ADAM_ARGUMENTS:
+            raise OptionError(
+                key, group[key], "optimizer-wide in FusedAdam: pass it to the constructor, not in a param group"
+            )
+        near = difflib.get_close_matches(key, GROUP_KEYS, n=1, cutoff=0.8)
+        if near:
+            raise OptionError(key, group[key], f"not a FusedAdam param group key; did you mean {near[0]}?")
+
+
+_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # TE's Float8Tensor reports one of these
+
+
+def check_group_params(group: dict[str, Any], state_dtypes: dict[str, torch.dtype] | None) -> None:
+    """The parameters of a group as FusedAdam's ``step()`` needs them, checked when the group is added (TE 2.20
+    raises in ``step()``, after it counted the step and made the states; the portable twin had updated the
+    earlier parameters): FP32, FP16 or BF16 (FP8 tensors report one of these), not FP16 and BF16 in one group; and,
+    once the state dtypes are known (``state_dtypes``: ``name_to_dtype_map``), no 0-dimensional parameter with
+    FP16 or FP8 states (their scale has shape [1], which TE's unscaling cannot multiply into a 0-d state)."""
+    dtypes = set()
+    for i, p in enumerate(group["params"]):
+        if p.dtype not in _PARAM_DTYPES:
+            raise OptionError(
+                "params", p.dtype, "expected fp32, fp16, bf16 (or TE's fp8) parameters",
+                f"parameter {i} has dtype {p.dtype}: FusedAdam updates fp32, fp16, bf16 and fp8 parameters",
+            )  # fmt: skip
+        dtypes.add(p.dtype)
+        scaled = [n for n, d in (state_dtypes or {}).items() if d in (torch.float16, torch.uint8)]
+        if p.dtype == torch.float32:  # no master: an FP32 parameter is its own
+            scaled = [n for n in scaled if n != "master_param"]
+        if p.dim() == 0 and scaled:
+            raise OptionError(
+                "params", tuple(p.shape), "expected a parameter with at least one dimension",
+                f"parameter {i} is 0-dimensional: FusedAdam cannot unscale its FP16/FP8 states ({', '.join(scaled)}; "
+                "TE's scale has shape [1]); reshape it to (1,) or keep those states in bf16/fp32",
+            )  # fmt: skip
+    if {torch.float16, torch.bfloat16} <= dtypes:
+        raise OptionError(
+            "params", "fp16+bf16", "one of fp16 and bf16 per group",
+            "FusedAdam does not support a mix of float16 and bfloat16 model weights (in one param group)",
+        )  # fmt: skip
 
 
 class CheckedParamGroups:
     """Both FusedAdam classes inherit this: every parameter group (the constructor's, and each
-    ``add_param_group``) passes :func:`check_hyperparameters` once torch has filled its defaults; a refused group
-    is not added. Before, a group's ``lr=-0.1`` or ``lr=nan`` trained to NaN, and its checkpoint was then refused
-    at load (which checks the same rules)."""
+    ``add_param_group``) passes :func:`check_group` and :func:`check_group_params` once torch has filled its
+    defaults; a refused group is not added. Before, a group's ``lr=-0.1`` or ``lr=nan`` trained to NaN, and its
+    checkpoint was then refused at load (which checks the same rules). The constructors call
+    :meth:`_check_param_groups` once their state dtypes are known (the 0-d rule needs them)."""
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)  # type: ignore[misc]
+        index = len(self.param_groups) - 1  # type: ignore[attr-defined]
         try:
             check_group(self.param_groups[-1])  # type: ignore[attr-defined]
+            check_group_params(self.param_groups[-1], self._state_dtypes())  # type: ignore[attr-defined]
         except OptionError as exc:
             self.param_groups.pop()  # type: ignore[attr-defined]
-            index = len(self.param_groups)  # type: ignore[attr-defined]
             raise OptionError(exc.key, exc.value, exc.allowed, f"param group {index}: {exc}") from None
+
+    def _state_dtypes(self) -> dict[str, torch.dtype] | None:
+        """The dtype of each state this optimizer keeps (``None`` inside the constructor, before they are set)."""
+        dtypes = getattr(self, "name_to_dtype_map", None)
+        if dtypes is None or self.master_weights:  # type: ignore[attr-defined]
+            return dtypes
+        return {name: dtype for name, dtype in dtypes.items() if name != "master_param"}
+
+    def _check_param_groups(self) -> None:
+        """The end of both constructors: :func:`check_group_params` with the state dtypes, for every group."""
+        for index, group in enumerate(self.param_groups):  # type: ignore[attr-defined]
+            try:
+                check_group_params(group, self._state_dtypes())
+            except OptionError as exc:
+                raise OptionError(exc.key, exc.value, exc.allowed, f"param group {index}: {exc}") from None
 
 
 def check_flags(**flags: Any) -> None:

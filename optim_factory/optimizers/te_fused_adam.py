@@ -105,6 +105,7 @@ class FusedAdam(OffloadedStateDict, CheckedParamGroups, _TEFusedAdam):  # type: 
             raise ImportError(f"{TE_INSTALL_HINT} (import failed: {te_import_error()})")
         self._init_export(export_options)
         super().__init__(params, **options.te_kwargs(), set_grad_none=set_grad_none)
+        self._check_param_groups()
         self._start_export_threads()
 
     def step(self, *args, **kwargs):

@@ -339,3 +339,15 @@ def test_te_load_refuses_non_finite_states_and_changes_nothing():
         with pytest.raises(ValueError, match="group 0, parameter 2: exp_avg_sq holds NaN or inf"):
             opt.load_state_dict(sd)
         LiveSnapshot.take(opt).assert_same(before)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["te-export", "offload"])
+def test_te_state_dict_post_hook_sees_the_export(offload):
+    """tests/unit/test_state_dict_hooks.py on TE's class (whose own state_dict ran the hooks on the stored states)."""
+    params = make_params(torch.float32, shapes=SHAPES, device=DEV)
+    opt = te_cls()(params, **HP, exp_avg_dtype=torch.float16, state_dict_cpu_offload=offload)
+    run_steps(opt, params, 0, 2)
+    seen = []
+    opt.register_state_dict_post_hook(lambda o, sd: seen.append(sd["state"][0]["exp_avg"].dtype))
+    sd = opt.state_dict()
+    assert seen == [torch.float32] and sd["state"][0]["exp_avg"].dtype == torch.float32

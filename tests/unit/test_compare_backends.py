@@ -94,7 +94,7 @@ def test_cli_writes_table_and_jsonl(tmp_path, capsys):
 
 def test_cli_refuses_unknown_configuration_and_has_help(capsys):
     with pytest.raises(SystemExit) as e:
-        cb.parse_args(["--configs", "fp32,bf16-moment"])
+        cb.parse_args(["--configs", "fp32,bf16-moment", "--device", "cpu", "--against", "portable"])
     assert e.value.code == 2 and "bf16-moment" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         cb.parse_args(["--help"])

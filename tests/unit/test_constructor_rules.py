@@ -243,3 +243,98 @@ def test_capturable_groups_each_get_their_own_lr_tensor():
     assert opt.param_groups[0]["lr"] is not opt.param_groups[1]["lr"]
     torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1.0, lambda s: 0.0])
     assert [float(g["lr"]) for g in opt.param_groups] == [pytest.approx(1e-2), 0.0]  # FP32 tensors
+
+
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        ({"amsgrad": True}, "amsgrad=True: optimizer-wide in FusedAdam"),  # constructor's amsgrad=True is refused
+        ({"adam_w_mode": False}, "adam_w_mode=False: optimizer-wide in FusedAdam"),  # was: ignored
+        ({"weight_decy": 0.1}, "weight_decy=0.1: not a FusedAdam param group key; did you mean weight_decay?"),
+        ({"bias_correction": "no"}, "bias_correction='no': expected True or False"),  # was: truthy, correction on
+        ({"step": -1}, "step=-1: expected the group's step count"),
+    ],
+)
+def test_a_group_key_that_would_do_nothing_is_refused(extra, words):
+    """Seen (2026-12-01): each of these was accepted in a param group and changed nothing (or the opposite)."""
+    w, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(ValueError) as info:
+        PortableFusedAdam([{"params": [w]}, {"params": [b], **extra}], lr=1e-2)
+    assert str(info.value).startswith(f"param group 1: {words}"), str(info.value)
+    opt = PortableFusedAdam([w], lr=1e-2)
+    with pytest.raises(ValueError, match="^param group 1: "):
+        opt.add_param_group({"params": [b], **extra})
+    assert len(opt.param_groups) == 1
+
+
+def test_the_callers_own_group_keys_stay():
+    w = torch.nn.Parameter(torch.randn(4))
+    opt = PortableFusedAdam([{"params": [w], "name": "decoder", "lr_scale": 0.5}], lr=1e-2)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # adds initial_lr
+    assert opt.param_groups[0]["name"] == "decoder" and opt.param_groups[0]["initial_lr"] == 1e-2
+
+
+def test_parameters_step_cannot_update_are_refused_when_added():
+    """Seen: a float64 parameter (or FP16 and BF16 in one group) was accepted; step() then updated the earlier
+    parameters, counted the step and made the states before it raised (TE: the count and the states)."""
+    w = torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(ValueError, match=r"^param group 0: parameter 1 has dtype torch.float64: FusedAdam updates"):
+        PortableFusedAdam([w, torch.nn.Parameter(torch.randn(3, dtype=torch.float64))])
+    half, bf16 = (torch.nn.Parameter(torch.randn(3, dtype=d)) for d in (torch.float16, torch.bfloat16))
+    with pytest.raises(ValueError, match=r"^param group 0: FusedAdam does not support a mix of float16 and bfloat16"):
+        PortableFusedAdam([half, bf16])
+    PortableFusedAdam([{"params": [half]}, {"params": [bf16]}])  # one dtype per group: as TE
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(exp_avg_dtype="fp16"),
+        dict(exp_avg_sq_dtype="fp8"),
+        dict(master_weights=True, master_weight_dtype="fp16", p_dtype=torch.bfloat16),
+    ],
+)
+def test_a_0d_parameter_with_scaled_states_is_refused(options):
+    """Seen: a 0-d parameter (a logit scale) with FP16/FP8 states raised in step() ("output with shape [] doesn't
+    match the broadcast shape [1]", TE's unscaling too), after the other parameters were updated."""
+    options = dict(options)
+    dtype = options.pop("p_dtype", torch.float32)
+    w, scalar = torch.nn.Parameter(torch.randn(4, dtype=dtype)), torch.nn.Parameter(torch.tensor(2.0, dtype=dtype))
+    with pytest.raises(ValueError, match=r"^param group 0: parameter 1 is 0-dimensional: FusedAdam cannot unscale"):
+        PortableFusedAdam([w, scalar], **options)
+    opt = PortableFusedAdam([w], **options)
+    with pytest.raises(ValueError, match=r"^param group 1: parameter 0 is 0-dimensional"):
+        opt.add_param_group({"params": [scalar]})
+    assert len(opt.param_groups) == 1
+
+
+def test_a_0d_parameter_with_unscaled_states_steps():
+    scalar = torch.nn.Parameter(torch.tensor(2.0))
+    with pytest.warns(UserWarning, match="master_weight_dtype=fp16 has no effect"):  # no master: nothing scaled
+        opt = PortableFusedAdam([scalar], lr=0.1, exp_avg_dtype="bf16", master_weight_dtype="fp16")
+    scalar.grad = torch.tensor(1.0)
+    opt.step()
+    assert float(scalar.detach()) == pytest.approx(1.9)
+
+
+def test_capturable_groups_added_later_get_their_own_lr_tensor():
+    """Seen: add_param_group's groups shared the defaults' lr tensor (the constructor's had their own)."""
+    a, b, c = (torch.nn.Parameter(torch.randn(4)) for _ in range(3))
+    opt = PortableFusedAdam([a], lr=1e-2, capturable=True)
+    opt.add_param_group({"params": [b]})
+    opt.add_param_group({"params": [c]})
+    torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1.0, lambda s: 1.0, lambda s: 2.0])
+    assert [float(g["lr"]) for g in opt.param_groups] == [pytest.approx(1e-2), pytest.approx(1e-2), pytest.approx(2e-2)]
+    assert float(opt.defaults["lr"]) == pytest.approx(1e-2)
+
+
+def test_a_refused_step_changes_nothing():
+    """A parameter made float64 after the optimizer was built: step() refuses before the first update (was: the
+    earlier parameter stepped, the step counted, the states made)."""
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt = PortableFusedAdam([a, b], lr=0.1)
+    b.data = b.data.double()
+    a.grad, b.grad = torch.ones(3), torch.ones(3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="FusedAdam only support model weights in fp32, fp16, bf16 and fp8"):
+        opt.step()
+    assert torch.equal(a, torch.ones(3)) and not opt.state and "step" not in opt.param_groups[0]

@@ -253,7 +253,15 @@ MALFORMED = [
         "optim.param_groups.overrides[0].weight_decay_mult=-1.0",
     ),
     ({"param_groups": {"overrides": [{"pattern": "blocks"}, {"pattern": "qkv"}]}}, "patterns overlap on parameter"),
-    ({"param_groups": {"overrides": [{"pattern": "[a-"}]}}, "optim.param_groups.overrides.pattern[0]='[a-'"),
+    ({"param_groups": {"overrides": [{"pattern": "[a-"}]}}, "optim.param_groups.overrides[0].pattern='[a-'"),
+    # seen 2026-12-01: the merge named the leaf only (optim.lr_mul), or optim.?=None; ??? kept the default
+    (
+        {"param_groups": {"overrides": [{"pattern": "blocks", "lr_mul": 2}]}},
+        "overrides[0].lr_mul: not a config key; did you mean optim.param_groups.overrides[0].lr_mult?",
+    ),
+    ({"param_groups": {"overrides": {"pattern": "blocks"}}}, "optim.param_groups.overrides={'pattern': 'blocks'}: "),
+    ({"lr": "???"}, "optim.lr: missing value (???: mandatory, never given; set optim.lr=...)"),
+    ({"param_groups": {"no_decay": ["bias", "???"]}}, "optim.param_groups.no_decay[1]: missing value"),
     ({"param_groups": {"unknown": 1}}, "unknown"),
     ({"name": "adamw", "exp_avg_dtype": "bf16"}, "exp_avg_dtype"),
     ({"name": "adamw", "lr": -3.0}, "optim.lr=-3.0"),

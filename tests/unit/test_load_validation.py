@@ -70,6 +70,15 @@ def _mutations():
 
         return damage
 
+    def stray(key):
+        def damage(sd):  # was: loaded, the states of parameter 0 dropped without a word, its step kept
+            sd["state"][key] = sd["state"].pop(0)
+
+        return damage
+
+    def state_list(sd):  # was: AttributeError with a traceback
+        sd["state"] = list(sd["state"].values())
+
     def layout(make):
         def damage(sd):  # was: passed the checks, then failed half-way, leaving the optimizer half-loaded
             sd["state"][1]["exp_avg"] = make()
@@ -89,6 +98,15 @@ def _mutations():
         ("nan", non_finite(1, "exp_avg_sq", float("nan")), ["group 0, parameter 1: exp_avg_sq", "NaN or inf"]),
         ("inf", non_finite(0, "exp_avg", float("-inf")), ["group 0, parameter 0: exp_avg", "NaN or inf"]),
         ("bf16 nan", non_finite(0, "exp_avg", float("nan"), torch.bfloat16), ["parameter 0: exp_avg", "NaN or inf"]),
+        ("step negative", group_value("step", -3), ["group 0", "step=-3", "step count"]),  # was: NaN weights
+        ("step str", group_value("step", "2"), ["group 0", "step='2'", "step count"]),  # was: TypeError in step()
+        ("step float", group_value("step", 2.5), ["group 0", "step=2.5", "step count"]),
+        ("step zero", group_value("step", 0), ["group 0 has states but a zero 'step'"]),
+        ("bias correction", group_value("bias_correction", "no"), ["group 0", "bias_correction='no'"]),
+        ("amsgrad", group_value("amsgrad", True), ["group 0", "amsgrad=True: optimizer-wide"]),
+        ("stray key", stray(7), ["states for 7, which no parameter group lists"]),
+        ("string key", stray("0"), ["states for '0', which no parameter group lists"]),
+        ("state list", state_list, ["'state' is a list, expected a dict"]),
         ("shape", shape, ["group 0, parameter 0", "exp_avg", "(1, 3)", "(4, 3)"]),
         ("one moment", one_moment, ["group 0, parameter 1", "exp_avg", "not the other moment"]),
         ("unknown state", unknown, ["group 0, parameter 1", "momentum_buffer", "unknown state"]),

@@ -171,9 +171,10 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
     """Check a whole state dict against ``optimizer`` before anything is loaded; raise one ``ValueError`` line
     naming the group, the parameter (index, and name where the dictionary has ``param_names``) and the mismatch.
 
-    Checked: the dictionary's structure; group count and sizes; the keys FusedAdam's groups need, and their values
-    by the constructor's rules (``lr``, ``betas``, ``eps``, ``weight_decay``); a ``step`` in every group that has
-    states (without it the bias correction would restart at step 1 under moments of a later step); the
+    Checked: the dictionary's structure; group count and sizes; the keys FusedAdam's groups need, and the groups by
+    the constructor's rules (``rules.check_group``: hyperparameters, ``bias_correction``, ``step``, no
+    optimizer-wide keys); a non-zero ``step`` in every group that has states (without it the bias correction would
+    restart at step 1 under moments of a later step); no states for an index no group lists (dropped before); the
     parameter names where both sides have them (the states would otherwise land on other parameters of the same
     shape); state names (``exp_avg``, ``exp_avg_sq``, ``master_param``); every state's local shape against its
     parameter's local shape; dense tensors with data (not sparse, not on the meta device); dtypes that convert
@@ -193,6 +194,10 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
             f"{len(live_groups)}"
         )
     state = state_dict["state"]
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"load_state_dict: 'state' is a {type(state).__name__}, expected a dict (parameter index -> its states)"
+        )
     checked: list[tuple[str, torch.Tensor]] = []  # (where, local tensor) of every state, for the finite check
     for g, (saved, live) in enumerate(zip(saved_groups, live_groups)):
         missing = [k for k in _GROUP_KEYS if k not in saved]
@@ -211,9 +216,11 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
         except ValueError as exc:
             raise ValueError(f"load_state_dict: group {g}: {exc}") from None
         _check_names(g, saved.get("param_names"), live.get("param_names"), len(live["params"]))
-        if "step" not in saved and any(isinstance(v, dict) and v for v in map(state.get, saved["params"])):
+        has_states = any(isinstance(v, dict) and v for v in map(state.get, saved["params"]))
+        if has_states and ("step" not in saved or float(saved["step"]) == 0):
             raise ValueError(
-                f"load_state_dict: group {g} has states but no 'step': the bias correction would restart at step 1"
+                f"load_state_dict: group {g} has states but {'no' if 'step' not in saved else 'a zero'} 'step': "
+                "the bias correction would restart at step 1"
             )
         for i, (key, param) in enumerate(zip(saved["params"], live["params"])):
             values = state.get(key, {})
@@ -226,6 +233,13 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
             moments = [n for n in ("exp_avg", "exp_avg_sq") if values.get(n) is not None]
             if len(moments) == 1:
                 raise ValueError(f"load_state_dict: {_where(g, i, saved)}: has {moments[0]} but not the other moment")
+    listed = set(chain.from_iterable(g["params"] for g in saved_groups))
+    stray = [key for key in state if key not in listed]
+    if stray:  # was: dropped without a word, the group's step kept: the next update was not the saved run's
+        raise ValueError(
+            f"load_state_dict: the state dict has states for {', '.join(map(repr, stray[:3]))}"
+            f"{' ...' if len(stray) > 3 else ''}, which no parameter group lists (they would be dropped)"
+        )
     if not all_finite(t for _, t in checked):
         where = next(where for where, t in checked if not all_finite([t]))
         raise ValueError(f"load_state_dict: {where} holds NaN or inf values (a diverged run's state): not loaded")

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -125,21 +126,51 @@ class OffloadedStateDict:
         unfilled tensors. A pending export is waited for first (its failure raises here).
         """
         self.wait_state_dict()
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # type: ignore[attr-defined]
+            pre_hook(self)
         o = self._export_options
-        if not (o.cpu_offload or o.keep_bf16):
-            return self._on_device_state_dict()
-        exported = export_state(
-            self,
-            cpu_offload=o.cpu_offload,
-            chunk_bytes=o.chunk_bytes,
-            reuse_buffers=o.reuse_buffers,
-            keep_bf16=o.keep_bf16,
-            exporter=self._exporter,
-            background=o.background,
-        )
+        with self._torch_hooks_held():
+            if not (o.cpu_offload or o.keep_bf16):
+                exported = self._on_device_state_dict()
+            else:
+                exported = export_state(
+                    self,
+                    cpu_offload=o.cpu_offload,
+                    chunk_bytes=o.chunk_bytes,
+                    reuse_buffers=o.reuse_buffers,
+                    keep_bf16=o.keep_bf16,
+                    exporter=self._exporter,
+                    background=o.background,
+                )
         if o.background and not self._deferring:
             self.wait_state_dict()  # nobody asked to wait later: filled before anyone can read it
+        for post_hook in self._optimizer_state_dict_post_hooks.values():  # type: ignore[attr-defined]
+            result = post_hook(self, exported)
+            if result is not None:
+                exported = result
         return exported
+
+    @contextlib.contextmanager
+    def _torch_hooks_held(self) -> Iterator[None]:
+        """torch's ``Optimizer.state_dict``/``load_state_dict``, which the export and the load call inside, without
+        the optimizer's state-dict hooks: this class runs them itself around the whole operation, so that a
+        post-hook sees (and may change) the exported dictionary, not the stored one, and a load pre-hook's
+        dictionary is the one loaded (before, TE's order and ours: post-hooks saw scaled FP16 storage and their
+        changes were overwritten; load pre-hooks saw no states; load post-hooks ran before any state was set).
+        The hook registries are torch's attributes of this optimizer, swapped for empty ones and put back."""
+        names = (
+            "_optimizer_state_dict_pre_hooks",
+            "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks",
+            "_optimizer_load_state_dict_post_hooks",
+        )
+        held = {name: self.__dict__[name] for name in names}
+        try:
+            for name in names:
+                self.__dict__[name] = collections.OrderedDict()
+            yield
+        finally:
+            self.__dict__.update(held)
 
     @contextlib.contextmanager
     def deferred_state_dict(self) -> Iterator[None]:
@@ -169,7 +200,16 @@ class OffloadedStateDict:
         """Load CPU or GPU, plain or DTensor states, one state at a time (see :func:`load_exported_state`).
         A pending background export is waited for first (its failure raises here, nothing is loaded)."""
         self.wait_state_dict()
-        load_exported_state(self, state_dict)
+        if isinstance(state_dict, dict):  # as torch: a pre-hook may change the top level, not the caller's
+            state_dict = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():  # type: ignore[attr-defined]
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        with self._torch_hooks_held():
+            load_exported_state(self, state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():  # type: ignore[attr-defined]
+            post_hook(self)
 
     def release_state_dict(self, state_dict: Any) -> int:
         """Give the pooled host buffers of an exported ``state_dict`` back for reuse; return how many.
@@ -194,5 +234,6 @@ class OffloadedStateDict:
         if not (self._export_options.cpu_offload and self._export_options.reuse_buffers):
             return None
         self._exporter.join()
-        packed = torch.optim.Optimizer.state_dict(self)
+        with self._torch_hooks_held():  # the packing only: the user's hooks are for the export
+            packed = torch.optim.Optimizer.state_dict(self)
         return self._exporter.prepare(self, param_index_map(self, packed["param_groups"]))
