@@ -215,9 +215,16 @@ def check_checkpoint_config(cfg: CheckpointConfig, rank: int = 0) -> None:
         raise CheckpointError(f"checkpoint.every_steps={cfg.every_steps}: must be >= 1")
     if cfg.keep_last < 0:
         raise CheckpointError(f"checkpoint.keep_last={cfg.keep_last}: must be >= 0 (0 keeps all)")
-    root = Path(cfg.dir)
     if not cfg.enabled:  # an earlier launch's run_dir is refused by the recipe (its launches/, read by rank 0)
+        if cfg.resume not in ("auto", "never"):  # was: ignored, even a path that does not exist
+            raise CheckpointError(
+                f"checkpoint.resume={cfg.resume!r} with checkpoint.enabled=false: nothing would be loaded; "
+                "drop checkpoint.resume, or set checkpoint.enabled=true"
+            )
         return
+    if not str(cfg.dir).strip():  # was: step directories in the current directory
+        raise CheckpointError(f"checkpoint.dir={cfg.dir!r}: empty; expected a directory (e.g. <run_dir>/checkpoints)")
+    root = Path(cfg.dir)
     if cfg.resume not in ("auto", "never"):
         path = Path(cfg.resume)
         if not path.exists():
@@ -257,10 +264,15 @@ def _check_nothing_newer(cfg: CheckpointConfig, path: Path, root: Path) -> None:
     """An explicit ``checkpoint.resume`` path must be at least as new as every complete checkpoint in
     ``checkpoint.dir``: a later ``resume=auto`` (a requeue, a plain relaunch) would otherwise jump to those, and
     ``keep_last`` would keep them before this run's own."""
-    match = STEP_DIR.match(path.name)
-    if match is None:
-        return
-    newer = [p.name for step, p in step_dirs(root) if step > int(match.group(1)) and is_complete(p)]
+    try:  # the step its manifest records: a symlink or a copy need not be named step_*
+        step = int(read_manifest(path)["step"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        match = STEP_DIR.match(path.resolve().name)
+        if match is None:
+            return  # no step to compare: the load refuses a checkpoint without a manifest
+        step = int(match.group(1))
+    here = path.resolve()
+    newer = [p.name for s, p in step_dirs(root) if s > step and is_complete(p) and p.resolve() != here]
     if newer:
         raise CheckpointError(
             f"checkpoint.resume={cfg.resume!r} but checkpoint.dir={cfg.dir!r} holds newer complete checkpoints "
@@ -704,7 +716,11 @@ class CheckpointManager:
         files = manifest.get("files")
         world = dist.get_world_size() if dist.is_initialized() else 1
         problem = None
-        if files is None:
+        named = STEP_DIR.match(Path(path).name)
+        if named is not None and int(named.group(1)) != manifest.get("step"):
+            # renamed: resume=auto and keep_last go by the name, the run by the manifest's step
+            problem = f"its name says step {int(named.group(1))}, its {MARKER} step {manifest.get('step')} (renamed?)"
+        elif files is None:
             if self.rank == 0:
                 log.warning(
                     "checkpoint %s has no checksums (written before they were recorded): loading it unverified", path

@@ -176,6 +176,8 @@ def check_config(cfg: DictConfig) -> None:
 
 def check_run_dir(run_dir: str) -> None:
     """``run_dir`` is a directory, or can be created as one, and is writable: checked without creating anything."""
+    if not str(run_dir).strip():  # was: the current directory, and ${run_dir}/checkpoints at the file system's root
+        raise ConfigError(f"run_dir={run_dir!r}: empty; expected a directory (e.g. run_dir=runs/my_run)")
     path = Path(run_dir)
     existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
     if not existing.is_dir():
@@ -256,10 +258,20 @@ def command_line_error(argv: list[str], conf_dir: str) -> str | None:
             )
         given[key] = override.input_line
         value, group = override.value(), Path(conf_dir) / override.key_or_group
-        if isinstance(value, str) and value.endswith("_schema") and group.is_dir():
-            options = sorted(p.stem for p in group.glob("*.yaml"))
-            return f"{override.input_line}: no such option; available: {', '.join(options)}"
+        if group.is_dir() and override.key_or_group not in _optional_groups(conf_dir):
+            options = ", ".join(sorted(p.stem for p in group.glob("*.yaml")))
+            if override.is_delete():  # was: accepted, and the job ran with the group's default option
+                return f"{override.input_line}: a config group cannot be removed; pick one of its options: {options}"
+            if value is None or (isinstance(value, str) and value.endswith("_schema")):  # null: Hydra's traceback
+                return f"{override.input_line}: no such option; available: {options}"
     return None
+
+
+def _optional_groups(conf_dir: str) -> set[str]:
+    """The config groups ``train.yaml``'s defaults list leaves empty (``experiment: null``): null or removed, they
+    mean "none", as by default."""
+    defaults = OmegaConf.to_container(OmegaConf.load(Path(conf_dir) / "train.yaml")).get("defaults", [])
+    return {k for d in defaults if isinstance(d, dict) for k, v in d.items() if v is None}
 
 
 def shared_run_dir_error(argv: list[str], compose: Callable[[list[str]], DictConfig], most: int = 256) -> str | None:

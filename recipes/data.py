@@ -125,6 +125,12 @@ class AdditionTask:
         mine = self.global_batch(step)[rank_share(self.global_batch_size, rank, world)]
         return mine[:, :-1], mine[:, 1:]
 
+    @property
+    def eval_positions(self) -> int:
+        """Positions the evaluation feeds the model: the prompt (``2 * digits + 2``) and all but the last answer
+        token (greedy decoding), ``3 * digits + 2``."""
+        return 3 * self.digits + 2
+
     def eval_problems(self, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of the held-out problems: prompts ``"aa+bb="`` and answers ``"ccc"`` as tokens."""
         d = self.digits

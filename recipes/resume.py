@@ -51,11 +51,12 @@ class Rule:
 
 
 T_HYPER_LOG = "tests/recipe/test_resume.py::test_hyperparameter_changes_are_logged_and_recorded"
-T_REFUSED, T_HYPER, T_GROUPS, T_LAYOUT = (
+T_REFUSED, T_HYPER, T_GROUPS, T_LAYOUT, T_ADAMW = (
     "test_refused_changes",
     "test_hyperparameters_follow_the_config",
     "test_no_decay_patterns_change_across_a_resume",
     "test_layout_converts",
+    "test_adamw_group_keys_follow_the_config_or_are_refused",
 )
 
 # The first matching row applies. docs/reliability.md renders this table (tests check that it does).
@@ -78,10 +79,17 @@ RESUME_RULES: tuple[Rule, ...] = (
         "the weights and the random state are the checkpoint's: the seed only starts a new run",
         T_REFUSED,
     ),
+    Rule(
+        "optim.amsgrad",
+        REFUSED,
+        "AdamW's state gains or loses max_exp_avg_sq (was: logged as applied; True -> False kept it, then failed)",
+        T_ADAMW,
+    ),
     *(
         Rule(f"optim.{k}", CONFIG, "hyperparameter: the config's value is used", T_HYPER)
         for k in ("lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode")
     ),
+    Rule("optim.foreach", CONFIG, "AdamW's implementation: the config's value is used", T_ADAMW),
     Rule(
         "optim.param_groups.*",
         CONFIG,
@@ -280,7 +288,9 @@ def finish_masters(state: dict[str, Any], fixups: list[MasterFixup]) -> None:
         f.tree[f.key] = wrap_host_local(value, param) if isinstance(param, DTensor) else value
 
 
-HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
+# the group values the config sets (DCP's load puts the checkpoint's back; restore_hyperparameters undoes that):
+# FusedAdam's, and AdamW's foreach (was: logged "False -> True (from the config)", the checkpoint's kept)
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "foreach")
 
 
 def capture_hyperparameters(optimizer: torch.optim.Optimizer) -> list[tuple[list, dict[str, Any]]]:
@@ -315,19 +325,19 @@ def log_changes(changes: list[Change]) -> None:
         log.info(c.line())
 
 
-def nothing_to_do(step: int, end: int, path: str | None, changes: list[Change]) -> str:
+def nothing_to_do(
+    step: int, end: int, path: str | None, changes: list[Change], limit: str = "trainer.max_steps"
+) -> str:
     """The line for a run that has nothing left to train: plain, or (the refusal) naming what differs from the
-    checkpoint, which would take effect in no step."""
+    checkpoint, which would take effect in no step. ``limit``: the key whose value ``end`` is (``trainer.stop_at``
+    when it ends the run before ``trainer.max_steps``): the one to raise (was: max_steps, also when stop_at
+    ended the run)."""
     if not changes:
-        return (
-            f"nothing to do: checkpoint step {step} >= {end} (to train on, raise trainer.max_steps, or "
-            "trainer.stop_at if set)"
-        )
+        return f"nothing to do: checkpoint step {step} >= {end} (to train on, raise {limit})"
     diff = ", ".join(f"{c.key} {_show(c.checkpoint)} -> {_show(c.config)}" for c in changes)
     return (
         f"run finished at step {step}: the config differs from checkpoint {Path(path).name}'s ({diff}) but no step "
-        f"is left to train (trainer.max_steps, trainer.stop_at); raise trainer.max_steps above {step} or use a new "
-        "run_dir"
+        f"is left to train ({limit}={end}); raise {limit} above {step} or use a new run_dir"
     )
 
 

@@ -11,6 +11,7 @@ anything is written: a config error is one line on stderr and exit code 2, and l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -36,7 +37,7 @@ from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.fsdp import fully_shard
 
 from optim_factory.factory import ConfigError, ValidatedOptim, build_optimizer, validate_optim_config
-from recipes.checkpoint import CheckpointError, CheckpointManager, ExportReport, check_checkpoint_config
+from recipes.checkpoint import CheckpointError, CheckpointManager, ExportReport, check_checkpoint_config, step_dirs
 from recipes.config import (
     check_config,
     check_run_dir,
@@ -66,6 +67,7 @@ class TrainingDiverged(RuntimeError):
 
 
 USER_ERRORS = (ConfigError, CheckpointError, DataError, LaunchError, TrainingDiverged)
+DEFAULT_THREADS = torch.get_num_threads()  # torch's own count in this process (trainer.threads=0)
 
 
 class MetricsWriter:
@@ -275,7 +277,7 @@ def preflight(cfg: DictConfig):
     env = resolve_dist_env(os.environ)
     device = pick_device(cfg.trainer.device, env.local_rank)
     data = build_data(cfg.data, cfg.model.vocab_size, env.world_size)
-    check_eval_config(cfg.trainer, data)
+    check_eval_config(cfg.trainer, data, cfg.model.max_seq_len)
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len}: must be <= model.max_seq_len={cfg.model.max_seq_len}")
     check_model_and_trainer(cfg.model, cfg.trainer)
@@ -291,11 +293,13 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
     overrides its :meth:`~CheckpointManager.on_phase`, as ``scripts/fault_train.py`` does).
     """
     env, device, data, optim = preflight(cfg)
-    lock = RunDirLock(cfg.run_dir)  # one launch per run_dir at once (rank 0 holds it)
+    locks = [RunDirLock(cfg.run_dir)]  # one launch per run_dir and per checkpoint.dir at once (rank 0 holds them)
+    if cfg.checkpoint.enabled and Path(cfg.checkpoint.dir).resolve() != Path(cfg.run_dir).resolve():
+        locks.append(RunDirLock(cfg.checkpoint.dir, "checkpoint.dir", holder_file=False))  # (flock: one per file)
     try:
-        refusal = _run_dir_refusal(cfg, lock) if env.rank == 0 else None
-        if cfg.trainer.threads > 0:
-            torch.set_num_threads(cfg.trainer.threads)
+        refusal = _run_dir_refusal(cfg, locks) if env.rank == 0 else None
+        # 0: torch's default, also for a sweep's job after one that set a count (was: that job's count stayed)
+        torch.set_num_threads(cfg.trainer.threads if cfg.trainer.threads > 0 else DEFAULT_THREADS)
         mesh = init_distributed(env, device)
         try:
             refusal = _from_rank0(refusal, env.world_size)  # every rank refuses, none waits in a collective
@@ -303,8 +307,9 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
                 raise ConfigError(refusal)
             record = record_config(cfg, cfg.run_dir, sys.argv[1:]) if env.rank == 0 else None
             _setup_logging(env.rank, cfg.run_dir)
-            if lock.unavailable:
-                log.warning("run_dir=%s: %s", cfg.run_dir, lock.unavailable)
+            for lock in locks:
+                if lock.unavailable:
+                    log.warning("%s=%s: %s", lock.key, lock.run_dir, lock.unavailable)
             try:
                 return _train(cfg, env, device, data, mesh, optim, manager_cls, record)
             except USER_ERRORS as exc:  # after logging started: train.log ends with why (stderr: once, from main)
@@ -313,15 +318,22 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
         finally:
             shutdown()
     finally:
-        lock.release()
+        for lock in locks:
+            lock.release()
 
 
-def _run_dir_refusal(cfg: DictConfig, lock: RunDirLock) -> str | None:
+def _run_dir_refusal(cfg: DictConfig, locks: list[RunDirLock]) -> str | None:
     """Rank 0's checks of ``run_dir`` against other launches, the lock first (one line, or None; a refusal writes
     nothing): read by one rank, since this launch's own record (written by rank 0 after them) would refuse a
     later rank's. Any failure is a line too: the other ranks learn it after the process group is up."""
+    for lock in locks:
+        try:
+            lock.acquire()
+        except ConfigError as exc:
+            return str(exc)
+        except OSError as exc:
+            return f"{lock.key}={lock.run_dir!r}: cannot take its lock ({exc.strerror or exc})"
     try:
-        lock.acquire()
         earlier = earlier_launches(cfg.run_dir)
         if not cfg.checkpoint.enabled and earlier:
             return (
@@ -329,12 +341,31 @@ def _run_dir_refusal(cfg: DictConfig, lock: RunDirLock) -> str | None:
                 "(launches/): without checkpoints this launch would train from step 0 again, resuming nothing, "
                 "and append a second history to its metrics.jsonl; use another run_dir"
             )
-        lock.note_holder()
-    except ConfigError as exc:
-        return str(exc)
+        moved = _checkpoints_elsewhere(cfg, earlier)
+        if moved:
+            return moved
+        for lock in locks:
+            lock.note_holder()
     except OSError as exc:
-        return f"run_dir={cfg.run_dir!r}: cannot take its lock ({exc.strerror or exc})"
+        return f"run_dir={cfg.run_dir!r}: cannot read its launches or note this one ({exc.strerror or exc})"
     return None
+
+
+def _checkpoints_elsewhere(cfg: DictConfig, earlier: list[Path]) -> str | None:
+    """A ``checkpoint.dir`` changed since the last launch in this run_dir, the new one empty and the old one not:
+    ``resume=auto`` would train from step 0 again without a word and append a second history to metrics.jsonl
+    (seen in a bug hunt, 2026-12-01). The refusal, or None."""
+    ckpt = cfg.checkpoint
+    if not (ckpt.enabled and earlier and ckpt.resume == "auto") or step_dirs(Path(ckpt.dir)):
+        return None
+    previous = OmegaConf.load(earlier[-1]).get("checkpoint", {}).get("dir")
+    if not previous or Path(previous).resolve() == Path(ckpt.dir).resolve() or not step_dirs(Path(previous)):
+        return None
+    return (
+        f"checkpoint.dir={ckpt.dir!r} holds no checkpoint, but the last launch in run_dir={cfg.run_dir!r} saved into "
+        f"{previous!r}: this launch would train from step 0 again and append a second history to its metrics.jsonl; "
+        f"keep checkpoint.dir={previous}, pass checkpoint.resume=<one of its step_* folders>, or use another run_dir"
+    )
 
 
 def _from_rank0(value: Any, world: int) -> Any:
@@ -344,6 +375,18 @@ def _from_rank0(value: Any, world: int) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+@contextlib.contextmanager
+def _unrecorded_if_refused(record: Path | None):
+    """A refusal inside removes this launch's ``launches/`` record: launches/ holds accepted launches only (a
+    refused one left there made a later ``checkpoint.enabled=false`` in the run_dir refused as a second launch)."""
+    try:
+        yield
+    except USER_ERRORS:
+        if record is not None:
+            record.unlink(missing_ok=True)
+        raise
 
 
 def _train(
@@ -361,7 +404,8 @@ def _train(
     rank, world = env.rank, env.world_size
     metrics = MetricsWriter(cfg.run_dir, rank)
     model = shard_model(build_model(cfg.model, seed=cfg.trainer.seed, device=device), mesh)
-    optimizer = build_optimizer(optim, model)
+    with _unrecorded_if_refused(record):  # the checks that need the model (backend, override patterns)
+        optimizer = build_optimizer(optim, model)
     base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
     ckpt = manager_cls(
         cfg.checkpoint,
@@ -385,15 +429,13 @@ def _train(
     template = {"step": 0, "data_position": 0, "world_size": 0, "rng_state": torch.get_rng_state()}
     max_steps = cfg.trainer.max_steps
     end = min(max_steps, cfg.trainer.stop_at) if cfg.trainer.stop_at > 0 else max_steps
-    try:
+    limit = "trainer.stop_at" if end < max_steps else "trainer.max_steps"  # the key that ends this run
+    with _unrecorded_if_refused(record):
         resumed = ckpt.resume(model, optimizer, template)
         if resumed is not None and int(resumed[1]["step"]) >= end and ckpt.resume_changes:
             # keys that would change nothing: refused, nothing recorded
-            raise ConfigError(nothing_to_do(int(resumed[1]["step"]), end, str(resumed[0]), ckpt.resume_changes))
-    except USER_ERRORS:
-        if record is not None:
-            record.unlink(missing_ok=True)
-        raise
+            step = int(resumed[1]["step"])
+            raise ConfigError(nothing_to_do(step, end, str(resumed[0]), ckpt.resume_changes, limit))
     if resumed is not None:
         path, state = resumed
         start, resumed_from = int(state["step"]), str(path)
@@ -404,7 +446,7 @@ def _train(
         for change in ckpt.resume_changes:
             metrics.write(change.record())
     if start >= end:
-        log.info(nothing_to_do(start, end, resumed_from, []))
+        log.info(nothing_to_do(start, end, resumed_from, [], limit))
 
     bar = progress_bar(total=end, initial=start, enabled=rank == 0 and cfg.trainer.progress)
     train_step = TrainStep(
@@ -538,17 +580,27 @@ def _task(cfg: DictConfig) -> None:
         _refuse(_which_job(str(exc)))
     except (HydraException, OmegaConfBaseException) as exc:  # a bug in the task, not a config error: main()
         raise RuntimeError(f"{type(exc).__name__} in the training job") from exc  # must not report it as one
-    if "TORCHELASTIC_RUN_ID" in os.environ or HydraConfig.get().mode == RunMode.RUN:
-        # A torchrun worker, or a plain run, whose job is done: skip interpreter teardown, where gloo's threads can
-        # abort the process ("terminate called without an active exception", exit -6) after a successful run.
-        # Not in a -m sweep: the launcher (basic: this process; submitit: its job) still has work after a job.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # a plain run stopped by Ctrl-C did not finish: 130 as for any interrupted command (`train && next` stops);
-        # torchrun's workers exit 0 (the agent reports the interrupt), as do stops on SIGTERM/SIGUSR1 (requeues)
-        interrupted = summary["stopped_by"] == "SIGINT" and "TORCHELASTIC_RUN_ID" not in os.environ
-        os._exit(130 if interrupted else 0)
+    hydra_cfg = HydraConfig.get()
+    in_process_sweep = hydra_cfg.mode == RunMode.MULTIRUN and hydra_cfg.launcher._target_.endswith(".BasicLauncher")
+    if in_process_sweep and summary["stopped_at"] is not None:
+        # a signal (Ctrl-C, a requeue's SIGTERM) stops the sweep, not only its job: the basic launcher runs the
+        # jobs in this process and went on to the next ones (seen: a Ctrl-C'd sweep trained on and exited 0)
+        print(
+            f"-m job {hydra_cfg.job.num} stopped at step {summary['stopped_at']} by {summary['stopped_by']}: the sweep "
+            "stops here (run the same command again to resume it)",
+            file=sys.stderr,
+        )
+    elif "TORCHELASTIC_RUN_ID" not in os.environ and hydra_cfg.mode != RunMode.RUN:
+        return  # a sweep's finished job: the launcher (basic: this process; submitit: its job) has more to do
+    # A torchrun worker, a plain run or a stopped sweep, whose work is done: skip interpreter teardown, where gloo's
+    # threads can abort the process ("terminate called without an active exception", exit -6) after a success.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # a run stopped by Ctrl-C did not finish: 130 as for any interrupted command (`train && next` stops);
+    # torchrun's workers exit 0 (the agent reports the interrupt), as do stops on SIGTERM/SIGUSR1 (requeues)
+    interrupted = summary["stopped_by"] == "SIGINT" and "TORCHELASTIC_RUN_ID" not in os.environ
+    os._exit(130 if interrupted else 0)
 
 
 def main() -> None:

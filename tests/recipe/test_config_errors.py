@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from optim_factory import ConfigError
@@ -206,7 +207,20 @@ FLAG = "not an option (see --help)"
             ["optim=fused_adam_schema"],
             "optim=fused_adam_schema: no such option; available: adamw, fused_adam, fused_adam_lowmem",
         ),
-        (["--cfg", "job", "experiment=[lowmem,quick]", "~model", "+trainer.x=1", "optim@o=adamw", "optim=adamw"], None),
+        (
+            [
+                "--cfg",
+                "job",
+                "experiment=[lowmem,quick]",
+                "+trainer.x=1",
+                "optim@o=adamw",
+                "optim=adamw",
+            ],
+            None,
+        ),
+        (["~experiment", "model=small"], None),  # an optional group (train.yaml: experiment: null) may go
+        (["~model"], "~model: a config group cannot be removed; pick one of its options: small, tiny"),  # was: ignored
+        (["model=null"], "model=null: no such option; available: small, tiny"),  # was: Hydra's traceback
         (["-m", "optim.lr=1e-3,2e-3", "model=tiny,small", "optim.lr=[", "optim.lr=["], None),  # syntax: Hydra's
     ],
     ids=[
@@ -222,6 +236,9 @@ FLAG = "not an option (see --help)"
         "group-twice",
         "schema-option",
         "ok",
+        "optional-group-removed",
+        "group-removed",
+        "group-null",
         "ok-sweep",
     ],
 )
@@ -404,3 +421,53 @@ def test_launches_in_one_process_and_second_get_a_record_each(tmp_path):
     assert [p.read_text().splitlines()[0] for p in paths] == [
         f"# python recipes/train.py optim.lr={v}" for v in (1, 2, 3)
     ]
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        # seen (2026-12-01): the current directory was the run_dir, and ${run_dir}/checkpoints the root's /checkpoints
+        (["run_dir="], "run_dir='': empty; expected a directory (e.g. run_dir=runs/my_run)"),
+        (["checkpoint.dir="], "checkpoint.dir='': empty; expected a directory (e.g. <run_dir>/checkpoints)"),
+        # seen: the path was ignored, even one that does not exist, and the run trained from step 0
+        (
+            ["checkpoint.enabled=false", "checkpoint.resume=/nonexistent/step_00000020"],
+            "checkpoint.resume='/nonexistent/step_00000020' with checkpoint.enabled=false: nothing would be loaded; "
+            "drop checkpoint.resume, or set checkpoint.enabled=true",
+        ),
+    ],
+)
+def test_a_checkpoint_location_that_would_be_ignored_or_misplaced_is_refused(tmp_path, args, line):
+    run_dir = [] if args[0].startswith("run_dir=") else [f"run_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "train.py"), *QUICK, *run_dir, *args],
+        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert refused(proc) == line
+    assert list(tmp_path.iterdir()) == []  # nothing written (here: the working directory)
+
+
+def test_a_refusal_that_needs_the_model_leaves_no_launch_record(tmp_path):
+    """Seen (2026-12-01): an override pattern matching no parameter (refused once the model exists) left its
+    launches/ record, so a later checkpoint.enabled=false in that run_dir was refused as a second launch. Broken on
+    purpose (no unlink around build_optimizer): the record stays."""
+    run_dir = tmp_path / "run"
+    over = [*QUICK, f"run_dir={run_dir}", "trainer.max_steps=2", "trainer.progress=false"]
+    with pytest.raises(ConfigError, match="matches no trainable parameter"):
+        train(compose_config([*over, "optim.param_groups.overrides=[{pattern: nomatch, lr_mult: 2}]"]))
+    assert not list((run_dir / "launches").glob("*.yaml"))
+    assert train(compose_config([*over, "checkpoint.enabled=false"]))["end_step"] == 2
+
+
+def test_threads_0_is_torch_s_default_also_after_a_job_that_set_a_count(tmp_path):
+    """Seen (2026-12-01): in a -m sweep (one process), trainer.threads=0 after a job with threads=1 kept 1."""
+    from recipes.train import DEFAULT_THREADS
+
+    over = [*QUICK, "trainer.max_steps=1", "trainer.progress=false", "checkpoint.enabled=false"]
+    try:
+        train(compose_config([*over, f"run_dir={tmp_path / 'a'}", "trainer.threads=1"]))
+        assert torch.get_num_threads() == 1
+        train(compose_config([*over, f"run_dir={tmp_path / 'b'}", "trainer.threads=0"]))
+        assert torch.get_num_threads() == DEFAULT_THREADS
+    finally:
+        torch.set_num_threads(DEFAULT_THREADS)

@@ -123,3 +123,20 @@ def test_token_file_reports_held_out_loss(tmp_path):
     assert [r["step"] for r in evals] == [5, 10, 15, 20] and {"kind": "eval", **summary["eval"]} == evals[-1]
     assert all("accuracy" not in r and r["eval_examples"] == 8 for r in evals)
     assert abs(evals[-1]["eval_loss"] - math.log(16)) < 0.3  # uniform random tokens: about log(16) = 2.77
+
+
+def test_an_evaluation_longer_than_the_model_s_positions_is_refused_before_training(tmp_path):
+    """Seen (2026-12-01): model.max_seq_len=7 data.seq_len=7 trained, then the first evaluation raised an
+    IndexError in the position embedding (3 * digits + 2 = 8 positions), before that step's save: every relaunch
+    lost the same steps. Broken on purpose (no check): the traceback."""
+    from recipes.data import DataError
+
+    over = [*QUICK, f"run_dir={tmp_path}", "model.max_seq_len=7", "data.seq_len=7", "trainer.eval_every=10"]
+    with pytest.raises(DataError) as info:
+        train(compose_config(over))
+    assert str(info.value) == (
+        "trainer.eval_every=10 with data.digits=2: an evaluation feeds 8 positions (3 * digits + 2), "
+        "model.max_seq_len=7; raise model.max_seq_len, lower data.digits, or set trainer.eval_every=0"
+    )
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+    assert train(compose_config([*over, "model.max_seq_len=8", "trainer.max_steps=2"]))["end_step"] == 2

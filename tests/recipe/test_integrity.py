@@ -135,6 +135,35 @@ def test_a_given_path_older_than_a_complete_checkpoint_is_refused(run_dir):
     _run(run_dir.parent / "branch", "trainer.max_steps=25", f"checkpoint.resume={given}")  # a branch of its own
 
 
+@pytest.mark.parametrize("how", ["symlink", "copy"])
+def test_a_given_path_not_named_by_its_step_is_compared_by_its_manifest(run_dir, how):
+    """Seen (2026-12-01): resume=<a symlink to step 10, or a copy of it> skipped the check above (it read the step
+    from the folder's name), trained again over the complete steps 15/20, and every requeue rewound there again.
+    Broken on purpose (the step from the name only): training starts."""
+    given = run_dir / "latest_good"
+    if how == "symlink":
+        given.symlink_to(run_dir / "checkpoints" / "step_00000010")
+    else:
+        shutil.copytree(run_dir / "checkpoints" / "step_00000010", given)
+    before = snapshot(run_dir)
+    with pytest.raises(CheckpointError, match=rf"holds newer complete checkpoints \({STEP20}\)"):
+        _run(run_dir, "trainer.max_steps=25", f"checkpoint.resume={given}")
+    assert snapshot(run_dir) == before
+
+
+def test_a_renamed_checkpoint_is_refused_as_damaged(run_dir):
+    """Seen: step_00000020 renamed step_00000030 resumed "at step 20" without a word (resume=auto and keep_last go
+    by the name). Broken on purpose (no name check): the run trains from step 20."""
+    checkpoints = run_dir / "checkpoints"
+    (checkpoints / STEP20).rename(checkpoints / "step_00000030")
+    with pytest.raises(CheckpointError) as info:
+        _run(run_dir, "trainer.max_steps=40")
+    assert str(info.value).startswith(
+        f"checkpoint {checkpoints / 'step_00000030'} is damaged: its name says step 30, its COMPLETE.json step 20 "
+        "(renamed?); "
+    ), info.value
+
+
 def test_checkpointing_off_in_a_run_dir_with_checkpoints_is_refused_by_its_launches(run_dir):
     """Seen: checkpoint.enabled=false in a run_dir with checkpoints trained from step 0 and appended a second
     history to metrics.jsonl. The launch that wrote them is on record (launches/): refused by that."""

@@ -111,6 +111,38 @@ def test_sigterm_or_ctrl_c_finishes_the_step_saves_and_the_next_launch_resumes(s
     assert complete_steps(tmp_path) == [step, step + 2]
 
 
+def test_ctrl_c_stops_a_sweep_not_only_its_job(tmp_path):
+    """Seen (2026-12-01): Ctrl-C in a -m sweep (basic launcher: the jobs run in this process) stopped job 0 with a
+    checkpoint, then jobs 1 and 2 started and trained to the end, exit 0. Broken on purpose (a stopped job returns
+    to the launcher): job 1 starts."""
+    cmd = [
+        sys.executable,
+        "recipes/train.py",
+        "-m",
+        *QUICK,
+        f"run_dir={tmp_path}/job${{hydra:job.num}}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        "trainer.max_steps=100000",
+        "trainer.log_every=1",
+        "checkpoint.every_steps=50000",
+        "optim.lr=1e-3,2e-3",
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "step 3/" in line:
+                proc.send_signal(signal.SIGINT)
+                break
+        log = "".join(lines) + proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()  # a sweep that went on would train for ever
+    assert proc.returncode == 130, log[-3000:]
+    assert "-m job 0 stopped at step" in log and "by SIGINT: the sweep stops here" in log, log[-3000:]
+    assert len(complete_steps(tmp_path / "job0")) == 1 and not (tmp_path / "job1").exists()
+
+
 @pytest.mark.parametrize("launcher", ["submitit_local", "laptop"])
 def test_hydra_submitit_local_launcher_runs_a_job(launcher, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")

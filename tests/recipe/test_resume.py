@@ -239,6 +239,22 @@ def test_a_refusal_reads_nothing_into_the_model_and_never_falls_back(tmp_path):
         shutdown()
 
 
+def test_adamw_group_keys_follow_the_config_or_are_refused(tmp_path, resume_live):
+    """Seen (2026-12-01) with optim=adamw: foreach False -> True was logged "(from the config)" but the checkpoint's
+    False stayed in every group; amsgrad True -> False was logged the same, then the first step failed
+    (KeyError: 'max_exp_avg_sq'). Broken on purpose (foreach not restored; no amsgrad row): both fail."""
+    _save(tmp_path, "optim=adamw", "optim.foreach=false")
+    _, _, opt, ckpt = resume_live(tmp_path, "optim=adamw", "optim.foreach=true")
+    assert [g["foreach"] for g in opt.param_groups] == [True] * len(opt.param_groups)
+    changed = {c.key: (c.checkpoint, c.config, c.action) for c in ckpt.resume_changes}
+    assert changed["optim.foreach"] == (False, True, "config")
+    shutdown()
+    amsgrad = tmp_path / "amsgrad"
+    _save(amsgrad, "optim=adamw", "optim.amsgrad=true")
+    with pytest.raises(ResumeRefused, match="optim.amsgrad is True in the checkpoint and False in the config"):
+        train(compose_config([*QUICK, f"run_dir={amsgrad}", "optim=adamw", "optim.amsgrad=false"]))
+
+
 # ---------------------------------------------------------------------------------------------------- config wins
 HYPER = [
     "optim.weight_decay=0.05",
@@ -318,8 +334,8 @@ def test_a_finished_run_started_with_another_optimizer_config_is_refused(tmp_pat
         train(compose_config([*QUICK, f"run_dir={tmp_path}", "optim.exp_avg_dtype=bf16"]))
     line = (
         "run finished at step 20: the config differs from checkpoint step_00000020's (optim.exp_avg_dtype fp32 "
-        "-> bf16) but no step is left to train (trainer.max_steps, trainer.stop_at); raise trainer.max_steps above "
-        "20 or use a new run_dir"
+        "-> bf16) but no step is left to train (trainer.max_steps=20); raise trainer.max_steps above 20 or use a new "
+        "run_dir"
     )
     assert str(err.value) == line
     assert (tmp_path / "metrics.jsonl").read_text() == metrics
@@ -330,10 +346,21 @@ def test_a_finished_run_started_with_another_optimizer_config_is_refused(tmp_pat
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="recipes.train"):
         train(compose_config([*QUICK, f"run_dir={tmp_path}", "trainer.progress=false"]))
-    assert (
-        "nothing to do: checkpoint step 20 >= 20 (to train on, raise trainer.max_steps, or trainer.stop_at if set)"
-        in [r.getMessage() for r in caplog.records]
-    )
+    assert "nothing to do: checkpoint step 20 >= 20 (to train on, raise trainer.max_steps)" in [
+        r.getMessage() for r in caplog.records
+    ]
+
+
+def test_a_finished_run_names_stop_at_when_stop_at_ended_it(tmp_path):
+    """Seen (2026-12-01): stopped by trainer.stop_at=10, started again with max_steps 20 -> 30 and the same stop_at,
+    the refusal said "raise trainer.max_steps above 10" (it was 30 already). Broken on purpose (always max_steps)."""
+    over = [*QUICK, f"run_dir={tmp_path}", "trainer.stop_at=10"]
+    train(compose_config(over))
+    with pytest.raises(ConfigError) as err:
+        train(compose_config([*over, "trainer.max_steps=30"]))
+    assert str(err.value).endswith(
+        "but no step is left to train (trainer.stop_at=10); raise trainer.stop_at above 10 or use a new run_dir"
+    ), err.value
 
 
 # ---------------------------------------------------------------------------------------------------- the table

@@ -98,3 +98,38 @@ def test_a_lock_that_cannot_be_taken_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as info:
         train(compose_config([*QUICK, "trainer.max_steps=2", "trainer.progress=false", f"run_dir={run_dir}"]))
     assert str(info.value) == f"run_dir='{run_dir}': cannot take its lock (Is a directory)"
+
+
+def test_a_second_launch_into_a_checkpoint_dir_in_use_is_refused(tmp_path):
+    """Seen (2026-12-01): two launches, each with its own run_dir but one checkpoint.dir, ran at once: the second
+    removed the first's checkpoint in progress, overwrote its steps and then failed; the first exited 0 reporting
+    checkpoints that held the second's state. Broken on purpose (no checkpoint.dir lock): the second trains."""
+    shared = tmp_path / "shared"
+    cfg = [*QUICK, "trainer.max_steps=4", "trainer.progress=false", f"checkpoint.dir={shared}"]
+    with RunDirLock(str(shared), "checkpoint.dir", holder_file=False):  # the first launch, training
+        with pytest.raises(ConfigError) as info:
+            train(compose_config([*cfg, f"run_dir={tmp_path / 'second'}"]))
+        assert str(info.value) == (
+            f"checkpoint.dir='{shared}': another launch is training in it (another process); wait for it to end, or "
+            "use another checkpoint.dir"
+        )
+        assert not (tmp_path / "second" / "launches").exists() and not list(shared.iterdir())  # nothing written
+    assert train(compose_config([*cfg, f"run_dir={tmp_path / 'second'}"]))["end_step"] == 4
+
+
+def test_a_checkpoint_dir_moved_away_from_the_run_s_checkpoints_is_refused(tmp_path):
+    """Seen: checkpoint.dir changed in a run_dir with a finished launch trained from step 0 again without a word and
+    appended a second history to metrics.jsonl."""
+    run_dir = tmp_path / "run"
+    cfg = [*QUICK, "trainer.max_steps=4", "trainer.progress=false", f"run_dir={run_dir}"]
+    train(compose_config(cfg))
+    before = snapshot(run_dir)
+    with pytest.raises(ConfigError) as info:
+        train(compose_config([*cfg, f"checkpoint.dir={run_dir / 'ck2'}"]))
+    assert str(info.value).startswith(
+        f"checkpoint.dir='{run_dir / 'ck2'}' holds no checkpoint, but the last launch in run_dir='{run_dir}' "
+        f"saved into '{run_dir / 'checkpoints'}': this launch would train from step 0 again"
+    ), info.value
+    assert {k: v for k, v in snapshot(run_dir).items() if k != ".lock"} == {
+        k: v for k, v in before.items() if k != ".lock"
+    }
