@@ -458,10 +458,16 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--png {args.png}: needs matplotlib (pip install matplotlib), or leave --png out")
     if args.backend == "te":
         cli_args.require_te(ap, "--backend te")
+    try:
+        ExportOptions(cpu_offload=True, chunk_bytes=int(args.chunk_mib * M))
+    except ValueError as exc:
+        ap.error(f"--chunk-mib {args.chunk_mib}: {exc}")
+    if args.fresh == 1:  # was: ran 2 without a word
+        ap.error("--fresh 1: a fresh process measures its first export against later ones; use 0 or >= 2")
     device = torch.device(args.device)
     chunk = int(args.chunk_mib * M)
     if args._fresh:
-        fresh_process(args.cases, args.dtypes, args.backend, device, args._fresh, max(2, args.fresh), chunk)
+        fresh_process(args.cases, args.dtypes, args.backend, device, args._fresh, args.fresh, chunk)
         return
     bw = d2h_bandwidth(device)
     if device.type == "cuda":

@@ -31,8 +31,15 @@ VARIANTS = {"fp32 export": False, "bf16 kept": True}
 
 
 def _size(text: str) -> int:
+    """``--numel``: a positive count with an optional K/M/G suffix (was: a traceback for 0 or 1X)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+    try:
+        n = int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive count (e.g. 4M, 65536)")
+    return n
 
 
 def _sync(device: torch.device) -> None:
@@ -107,7 +114,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=["te", "portable"], default="te")
     ap.add_argument("--tensors", type=cli_args.positive_int, default=64)
-    ap.add_argument("--numel", default="4M", help="elements per parameter (K/M/G suffixes)")
+    ap.add_argument("--numel", type=_size, default="4M", help="elements per parameter (K/M/G suffixes)")
     ap.add_argument("--repeats", type=cli_args.positive_int, default=3)
     ap.add_argument("--out", type=cli_args.out_dir, required=True, help="folder for bench_keep_bf16.md and .jsonl")
     ap.add_argument(
@@ -119,7 +126,7 @@ def main() -> None:
     device = torch.device("cuda" if args.backend == "te" or torch.cuda.is_available() else "cpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    opt = build(args.backend, args.tensors, _size(args.numel), device)
+    opt = build(args.backend, args.tensors, args.numel, device)
     rows = {}
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"

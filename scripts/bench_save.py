@@ -476,11 +476,24 @@ def goals(summary: dict, meta: dict) -> list[tuple[bool, str]]:
     return out
 
 
+def _chunk_bytes(text: str) -> int:
+    """``--chunk``: a size the export accepts (``64MiB``), checked as the optimizer checks it."""
+    try:
+        chunk = parse_bytes(text, "--chunk")
+        ExportOptions(cpu_offload=True, chunk_bytes=chunk)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return chunk
+
+
 def read(path: Path) -> tuple[dict, list[dict]]:
     """The metadata and the rows of a ``bench_save.jsonl``."""
     meta, rows = {}, []
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise SystemExit(f"{path}:{n}: not JSON (expected the JSON lines of scripts.bench_save)") from None
         if "meta" in record:
             meta = record["meta"]
         else:
@@ -504,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--width", type=cli_args.positive_int, default=4096)
     ap.add_argument("--layers", type=cli_args.positive_int, default=22)
     ap.add_argument("--tokens", type=cli_args.positive_int, default=8192)
-    ap.add_argument("--chunk", default="64MiB")
+    ap.add_argument("--chunk", type=_chunk_bytes, default="64MiB", help="chunk size (B, KiB, MiB, GiB)")
     ap.add_argument(
         "--store-param-remainders",
         action="store_true",
@@ -557,7 +570,7 @@ def main(argv: list[str] | None = None) -> None:
         rank=rank,
         trainer=trainer,
         scratch=scratch,
-        chunk=parse_bytes(args.chunk, "--chunk"),
+        chunk=args.chunk,
         group=dist.new_group(backend="gloo"),
         profile=args.profile,
     )

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["positive_int", "non_negative_int", "positive_float", "out_dir", "out_file", "device", "require_te"]
+__all__ = [
+    "positive_int",
+    "non_negative_int",
+    "positive_float",
+    "out_dir",
+    "out_file",
+    "in_file",
+    "device",
+    "require_te",
+]
 
 
 def _number(text: str, kind: type, minimum: float, what: str) -> int | float:
@@ -93,3 +102,11 @@ def require_te(ap: argparse.ArgumentParser, option: str) -> None:
 
     if not TE_AVAILABLE:
         ap.error(f"{option} needs Transformer Engine, which does not import here ({te_import_error()}): use portable")
+
+
+def in_file(text: str) -> Path:
+    """A file to read: it exists and is a file."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: {'not a file' if path.exists() else 'no such file'}")
+    return path

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from recipes.checkpoint import SAVE_PHASES, CheckpointManager
-from recipes.train import compose_config, train
+from recipes.train import USER_ERRORS, compose_config, train
 
 
 def kill_point(text: str) -> tuple[str, int]:
@@ -47,11 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-at", type=kill_point, help="PHASE:STEP, e.g. write:8")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for recipes/train.py")
     args = ap.parse_args(argv)
-    cfg = compose_config(args.overrides)
-    if args.kill_at is None:
-        train(cfg)
-        return 0
-    train(cfg, manager_cls=killing_manager(*args.kill_at))
+    try:  # a config error: one line and exit 2, as recipes/train.py gives it (was: a ConfigError traceback, exit 1)
+        cfg = compose_config(args.overrides)
+        if args.kill_at is None:
+            train(cfg)
+            return 0
+        train(cfg, manager_cls=killing_manager(*args.kill_at))
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     phase, step = args.kill_at
     print(f"error: --kill-at={phase}:{step} was never reached (no save at step {step})", file=sys.stderr)
     return 3

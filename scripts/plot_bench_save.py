@@ -62,7 +62,7 @@ def plot(meta: dict, rows: list[dict], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("jsonl", type=Path)
+    ap.add_argument("jsonl", type=cli_args.in_file)
     ap.add_argument("--out", type=cli_args.out_file, default=None, help="PNG path (default: next to the JSON lines)")
     args = ap.parse_args(argv)
     meta, rows = read(args.jsonl)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import struct
 import warnings
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -40,7 +39,7 @@ from optim_factory.optimizers.export import (
     wrap_like,
 )
 from optim_factory.optimizers.kernel_math import adam_update, bias_corrections
-from optim_factory.optimizers.rules import CheckedParamGroups, check_constructor
+from optim_factory.optimizers.rules import CheckedParamGroups, check_constructor, own_lr_tensor
 
 __all__ = ["PortableFusedAdam", "FP8_STORAGE_DTYPE"]
 
@@ -137,7 +136,7 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
         self._device = local_tensor(first).device if first is not None else torch.device("cpu")
         if capturable:
             for group in self.param_groups:
-                self._own_lr_tensor(group)
+                own_lr_tensor(group)
             self._step_supports_amp_scaling = True
         self._dummy_overflow_buf = torch.zeros([1], dtype=torch.int, device=self._device)
 
@@ -208,29 +207,13 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
         divisor = torch.full_like(absmax, max_range)
         scale.copy_(torch.div(absmax, divisor).reshape(scale.shape))
         rscale = torch.where(scale > 0, scale.reciprocal(), 0.0)
-        values = unscaled * rscale
+        values = unscaled * rscale.reshape(unscaled.shape if unscaled.dim() == 0 else rscale.shape)  # a 0-d state
         if scaled.dtype == FP8_STORAGE_DTYPE:
             values = values.clamp_(-_FP8_MAX, _FP8_MAX)
             # TE's FP8 cast kernel stores scale_inv = __frcp_rn(1 / scale) (common/utils.cuh, reciprocal<float>),
             # and FP8 states unscale with it: the reciprocal of the reciprocal, at times one ulp off ``scale``
             scale.copy_(torch.where(rscale > 0, rscale.reciprocal(), scale))
         scaled.copy_(values)
-
-    @staticmethod
-    def _own_lr_tensor(group: dict[str, Any]) -> None:
-        """A capturable group's ``lr`` as a tensor of its own on its parameters' device: on the CPU ``.to()`` would
-        hand every group the defaults' tensor, and an in-place lr update (LR schedulers' ``fill_``) of one group
-        would change them all (the defaults' too)."""
-        if group["params"]:
-            lr_value = torch.as_tensor(group["lr"], dtype=torch.float32)
-            group["lr"] = lr_value.to(device=local_tensor(group["params"][0]).device, copy=True)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's, checked (:class:`CheckedParamGroups`); a capturable optimizer's new group gets its own ``lr``
-        tensor, as the constructor's groups do (was: every added group shared the defaults' tensor)."""
-        super().add_param_group(param_group)
-        if getattr(self, "capturable", False):  # set after the constructor's groups, which __init__ gives theirs
-            self._own_lr_tensor(self.param_groups[-1])
 
     def get_unscaled_state(self, param: torch.Tensor, state_name: str, skip_unscale: bool = False) -> torch.Tensor:
         """The state as FP32 (int16 for remainder masters), as a local tensor on the parameter's device.
@@ -248,7 +231,8 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
         if dtype == torch.bfloat16:
             return stored if skip_unscale else stored.float()
         if dtype in (torch.float16, torch.uint8):
-            return stored.float().mul_(self._scales[param][state_name])
+            scale = self._scales[param][state_name]
+            return stored.float().mul_(scale.reshape(()) if stored.dim() == 0 else scale)  # TE's FP8 takes 0-d too
         raise RuntimeError(f"Dtype of {state_name} can only be fp8/fp16/bf16/fp32.")
 
     def set_scaled_state(self, param: torch.Tensor, state_name: str, unscaled_state: torch.Tensor) -> None:

@@ -50,6 +50,7 @@ __all__ = [
     "check_adam_options",
     "CheckedParamGroups",
     "check_group_params",
+    "own_lr_tensor",
     "DTYPE_SPELLINGS",
 ]
 
@@ -209,7 +210,8 @@ def check_group_params(group: dict[str, Any], state_dtypes: dict[str, torch.dtyp
     raises in ``step()``, after it counted the step and made the states; the portable twin had updated the
     earlier parameters): FP32, FP16 or BF16 (FP8 tensors report one of these), not FP16 and BF16 in one group; and,
     once the state dtypes are known (``state_dtypes``: ``name_to_dtype_map``), no 0-dimensional parameter with
-    FP16 or FP8 states (their scale has shape [1], which TE's unscaling cannot multiply into a 0-d state)."""
+    FP16 states (their scale has shape [1], which TE 2.20.2's unscaling cannot multiply into a 0-d state: seen on
+    an H200, 2026-12-01; its FP8 states, Float8Tensors, take 0-d parameters, and so does the portable twin)."""
     dtypes = set()
     for i, p in enumerate(group["params"]):
         if p.dtype not in _PARAM_DTYPES:
@@ -218,20 +220,30 @@ def check_group_params(group: dict[str, Any], state_dtypes: dict[str, torch.dtyp
                 f"parameter {i} has dtype {p.dtype}: FusedAdam updates fp32, fp16, bf16 and fp8 parameters",
             )  # fmt: skip
         dtypes.add(p.dtype)
-        scaled = [n for n, d in (state_dtypes or {}).items() if d in (torch.float16, torch.uint8)]
+        scaled = [n for n, d in (state_dtypes or {}).items() if d == torch.float16]
         if p.dtype == torch.float32:  # no master: an FP32 parameter is its own
             scaled = [n for n in scaled if n != "master_param"]
         if p.dim() == 0 and scaled:
             raise OptionError(
                 "params", tuple(p.shape), "expected a parameter with at least one dimension",
-                f"parameter {i} is 0-dimensional: FusedAdam cannot unscale its FP16/FP8 states ({', '.join(scaled)}; "
-                "TE's scale has shape [1]); reshape it to (1,) or keep those states in bf16/fp32",
+                f"parameter {i} is 0-dimensional: FusedAdam cannot unscale its FP16 states ({', '.join(scaled)}; "
+                "TE's scale has shape [1]); reshape it to (1,) or keep those states in bf16/fp8/fp32",
             )  # fmt: skip
     if {torch.float16, torch.bfloat16} <= dtypes:
         raise OptionError(
             "params", "fp16+bf16", "one of fp16 and bf16 per group",
             "FusedAdam does not support a mix of float16 and bfloat16 model weights (in one param group)",
         )  # fmt: skip
+
+
+def own_lr_tensor(group: dict[str, Any]) -> None:
+    """A capturable group's ``lr`` as a tensor of its own on its parameters' device. On the CPU ``.to()`` handed
+    every group the defaults' tensor, so an LR scheduler's in-place update of one group changed them all; TE's
+    ``add_param_group`` left an added group with the defaults' CPU tensor, and its capturable ``step()`` then
+    read it from the GPU: an illegal memory access (H200, TE 2.20.2, 2026-12-01)."""
+    if group["params"]:
+        lr_value = torch.as_tensor(group["lr"], dtype=torch.float32)
+        group["lr"] = lr_value.to(device=group["params"][0].device, copy=True)
 
 
 class CheckedParamGroups:
@@ -250,6 +262,8 @@ class CheckedParamGroups:
         except OptionError as exc:
             self.param_groups.pop()  # type: ignore[attr-defined]
             raise OptionError(exc.key, exc.value, exc.allowed, f"param group {index}: {exc}") from None
+        if getattr(self, "capturable", False):  # set after the constructor's groups, which __init__ gives theirs
+            own_lr_tensor(self.param_groups[-1])  # type: ignore[attr-defined]
 
     def _state_dtypes(self) -> dict[str, torch.dtype] | None:
         """The dtype of each state this optimizer keeps (``None`` inside the constructor, before they are set)."""

@@ -49,11 +49,11 @@ def converted_bytes(opt) -> list[int]:
 
 
 def measure(fn):
-    torch.cuda.synchronize()
+    torch.cuda.synchronize() if DEV == "cuda" else None
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     result = fn()
-    torch.cuda.synchronize()
+    torch.cuda.synchronize() if DEV == "cuda" else None
     return result, torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
 
 
@@ -267,10 +267,10 @@ def _kernels(opt, params) -> collections.Counter:
     run_steps(opt, params, 0, 1)  # states exist; warm
     for p, g in zip(params, [torch.randn_like(p) for p in params]):
         p.grad = g
-    torch.cuda.synchronize()
+    torch.cuda.synchronize() if DEV == "cuda" else None
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         opt.step()
-        torch.cuda.synchronize()
+        torch.cuda.synchronize() if DEV == "cuda" else None
     return collections.Counter(
         e.name for e in prof.events() if e.device_type.name == "CUDA" and "adam" in e.name.lower()
     )
@@ -351,3 +351,21 @@ def test_te_state_dict_post_hook_sees_the_export(offload):
     opt.register_state_dict_post_hook(lambda o, sd: seen.append(sd["state"][0]["exp_avg"].dtype))
     sd = opt.state_dict()
     assert seen == [torch.float32] and sd["state"][0]["exp_avg"].dtype == torch.float32
+
+
+def test_te_capturable_groups_added_later_get_their_own_lr_tensor_and_step():
+    """TE 2.20.2's add_param_group left a capturable group with the defaults' CPU lr tensor, shared by every added
+    group: LambdaLR's factors collapsed, and step() read the CPU tensor from the GPU (an illegal memory access,
+    H200, 2026-12-01)."""
+    params = [torch.nn.Parameter(torch.ones(3, device=DEV)) for _ in range(3)]
+    opt = te_cls()(params[:1], lr=0.1, capturable=True)
+    opt.add_param_group({"params": params[1:2]})
+    opt.add_param_group({"params": params[2:]})
+    assert all(g["lr"].device.type == DEV for g in opt.param_groups)
+    torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1.0, lambda s: 1.0, lambda s: 2.0])
+    assert [float(g["lr"]) for g in opt.param_groups] == [pytest.approx(0.1), pytest.approx(0.1), pytest.approx(0.2)]
+    for p in params:
+        p.grad = torch.ones(3, device=DEV)
+    opt.step()
+    torch.cuda.synchronize() if DEV == "cuda" else None
+    assert all(torch.all(p < 1) for p in params)

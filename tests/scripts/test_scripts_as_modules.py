@@ -124,6 +124,17 @@ def test_every_script_imports_as_a_module():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def test_fault_train_config_error_is_one_line():
+    """Was a ConfigError traceback and exit 1 (recipes/train.py gives one line and exit 2)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.fault_train", "optim.nope=1"], cwd=ROOT, capture_output=True, text=True,
+        timeout=120, env=ENV,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == ["error: optim.nope: not a config key"], (
+        proc.stderr[-2000:]
+    )
+
+
 def _host_copy_rows(out: Path, ranks: int) -> list[dict]:
     return [json.loads(ln) for ln in (out / f"host_copy_{ranks}rank.jsonl").read_text().splitlines()]
 
@@ -199,6 +210,11 @@ BAD_ARGUMENTS = [
     ("compare_backends", ["--max-rel", "nan", "--device", "cpu"], "argument --max-rel: 'nan' is not a positive number"),
     ("fault_injection", ["--json", "{file}/x.json"], "argument --json: {file}/x.json: {file} is not a directory"),
     ("bench_export", ["--device", "cpu"], "--backend te needs Transformer Engine, which does not import here"),
+    ("bench_export", ["--device", "cpu", "--backend", "portable", "--fresh", "1"], "--fresh 1: a fresh process"),
+    ("bench_export", ["--device", "cpu", "--backend", "portable", "--chunk-mib", "1e-5"], "an int >= 64"),
+    ("bench_keep_bf16", ["--numel", "1X", "--out", "{tmp}/o"], "argument --numel: '1X' is not a positive count"),
+    ("bench_save", ["--out", "{tmp}/o", "--chunk", "12XB"], "argument --chunk: --chunk='12XB': expected"),
+    ("plot_bench_save", ["{tmp}/none.jsonl"], "argument jsonl: {tmp}/none.jsonl: no such file"),
     ("compare_backends", ["--device", "cpu"], "--against te needs Transformer Engine, which does not import here"),
 ]
 

@@ -290,7 +290,7 @@ def test_parameters_step_cannot_update_are_refused_when_added():
     "options",
     [
         dict(exp_avg_dtype="fp16"),
-        dict(exp_avg_sq_dtype="fp8"),
+        dict(exp_avg_sq_dtype="fp16"),
         dict(master_weights=True, master_weight_dtype="fp16", p_dtype=torch.bfloat16),
     ],
 )
@@ -306,6 +306,26 @@ def test_a_0d_parameter_with_scaled_states_is_refused(options):
     with pytest.raises(ValueError, match=r"^param group 1: parameter 0 is 0-dimensional"):
         opt.add_param_group({"params": [scalar]})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_a_0d_parameter_with_fp8_or_bf16_moments_steps_exports_and_loads(dtype):
+    """TE's FP8 states take a 0-d parameter (H200, TE 2.20.2); the twin's unscaling raised for it as for FP16.
+    Broken on purpose (the [1]-shaped scale multiplied into the 0-d state): the step raises."""
+    w, scalar = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.tensor(2.0))
+    kw = dict(lr=0.1, exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
+    chunked = dict(state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=1 << 20)
+    opt = PortableFusedAdam([w, scalar], **kw, **chunked)
+    for _ in range(2):
+        w.grad, scalar.grad = torch.ones(4), torch.tensor(1.0)
+        opt.step()
+    sd = opt.state_dict()
+    assert sd["state"][1]["exp_avg"].shape == () and sd["state"][1]["exp_avg"].dtype == torch.float32
+    twin = PortableFusedAdam(
+        [torch.nn.Parameter(w.detach().clone()), torch.nn.Parameter(scalar.detach().clone())], **kw
+    )
+    twin.load_state_dict(sd)
+    assert torch.equal(twin.state_dict()["state"][1]["exp_avg"], sd["state"][1]["exp_avg"])
 
 
 def test_a_0d_parameter_with_unscaled_states_steps():
