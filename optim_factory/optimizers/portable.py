@@ -30,6 +30,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
+from optim_factory.optimizers.amp import scaler_for_step
 from optim_factory.optimizers.export import (
     OffloadedStateDict,
     Pinning,
@@ -291,6 +292,7 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
                 loss = closure()
 
         self._check_step_inputs()
+        grad_scaler = scaler_for_step(grad_scaler, self)  # gradients scaler.unscale_ already unscaled: scale 1
         for group in self.param_groups:
             if "step" in group:
                 group["step"] += 1 if not self.capturable else (self._dummy_overflow_buf != 1).to(torch.int)

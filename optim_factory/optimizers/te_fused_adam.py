@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from optim_factory.optimizers.amp import scaler_for_step
 from optim_factory.optimizers.export import OffloadedStateDict, Pinning
 from optim_factory.optimizers.rules import CheckedParamGroups, check_constructor
 
@@ -108,10 +109,15 @@ class FusedAdam(OffloadedStateDict, CheckedParamGroups, _TEFusedAdam):  # type: 
         self._check_param_groups()
         self._start_export_threads()
 
-    def step(self, *args, **kwargs):
-        """TE's ``step()``, after a background export (``state_dict_offload_background``) has finished."""
+    def step(self, closure=None, grad_scaler=None):
+        """TE's ``step()``, after a background export (``state_dict_offload_background``) has finished.
+
+        TE's signature: ``torch.amp.GradScaler.step`` passes itself as ``grad_scaler`` only to a ``step`` that names
+        that argument (was ``*args, **kwargs``: the scaler then set ``opt.grad_scale``, which TE never reads, so a
+        capturable step ran on scaled gradients and did not skip on overflow). Gradients that ``scaler.unscale_``
+        already unscaled are not unscaled again (:mod:`optim_factory.optimizers.amp`)."""
         self.wait_state_dict()
-        return super().step(*args, **kwargs)
+        return super().step(closure, scaler_for_step(grad_scaler, self))
 
     def _on_device_state_dict(self) -> dict[str, Any]:
         return _TEFusedAdam.state_dict(self)

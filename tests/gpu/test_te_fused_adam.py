@@ -369,3 +369,17 @@ def test_te_capturable_groups_added_later_get_their_own_lr_tensor_and_step():
     opt.step()
     torch.cuda.synchronize() if DEV == "cuda" else None
     assert all(torch.all(p < 1) for p in params)
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself:FutureWarning")
+@pytest.mark.parametrize("unscale", [False, True], ids=["scaled", "unscale_-first"])
+@pytest.mark.parametrize("overflow_at", [None, 1], ids=["finite", "overflow-at-step-1"])
+def test_te_capturable_step_with_grad_scaler_matches_adam(unscale, overflow_at):
+    """tests/unit/test_grad_scaler.py on TE's class. Seen on an H200 (2026-12-01): our subclass's step(*args,
+    **kwargs) hid TE's grad_scaler argument, so GradScaler never passed itself (no unscaling, no overflow skip);
+    TE's own class unscaled twice after scaler.unscale_ (0.275 off Adam)."""
+    from tests.unit.test_grad_scaler import TOL, against_adam
+
+    diff, steps = against_adam(te_cls(), unscale, overflow_at, device=DEV)
+    assert diff < TOL, diff
+    assert steps[0] == steps[1] == (3 if overflow_at is None else 2)

@@ -281,7 +281,8 @@ def test_hyperparameters_follow_the_config(tmp_path, resume_live):
     assert got["lm_head.weight"]["weight_decay"] == pytest.approx(0.1) and got["lm_head.weight"]["lr"] == 5e-4
     assert got["blocks.0.qkv.weight"]["weight_decay"] == pytest.approx(0.05)
     for name, g in got.items():
-        assert {k: g[k] for k in HYPERPARAMETERS} == {k: rule[name][k] for k in HYPERPARAMETERS}, name
+        keys = [k for k in HYPERPARAMETERS if k in rule[name]]  # FusedAdam's groups have no foreach
+        assert {k: g[k] for k in keys} == {k: rule[name][k] for k in keys}, name
         assert tuple(g["betas"]) == (0.5, 0.6) and g["eps"] == 1e-3 and g["bias_correction"] is False, name
         assert g["step"] == 10, name  # the step count is the checkpoint's
         for s in ("exp_avg", "exp_avg_sq"):
