@@ -98,6 +98,7 @@ def _mutations():
         ("nan", non_finite(1, "exp_avg_sq", float("nan")), ["group 0, parameter 1: exp_avg_sq", "NaN or inf"]),
         ("inf", non_finite(0, "exp_avg", float("-inf")), ["group 0, parameter 0: exp_avg", "NaN or inf"]),
         ("bf16 nan", non_finite(0, "exp_avg", float("nan"), torch.bfloat16), ["parameter 0: exp_avg", "NaN or inf"]),
+        ("negative v", non_finite(1, "exp_avg_sq", -1e-3), ["parameter 1: exp_avg_sq holds negative values"]),
         ("step negative", group_value("step", -3), ["group 0", "step=-3", "step count"]),  # was: NaN weights
         ("step str", group_value("step", "2"), ["group 0", "step='2'", "step count"]),  # was: TypeError in step()
         ("step float", group_value("step", 2.5), ["group 0", "step=2.5", "step count"]),

@@ -180,7 +180,7 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
     parameter's local shape; dense tensors with data (not sparse, not on the meta device); dtypes that convert
     (FP32, BF16, FP16; int16 remainders only for the master of a BF16 parameter); last, finite values (NaN or
     inf in a state is a diverged run's: loading it would train on NaN; one min/max pass per state, one sync
-    per device).
+    per device) and a non-negative ``exp_avg_sq``.
     """
     from optim_factory.optimizers.rules import check_group  # rules imports this package's options
 
@@ -243,6 +243,19 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
     if not all_finite(t for _, t in checked):
         where = next(where for where, t in checked if not all_finite([t]))
         raise ValueError(f"load_state_dict: {where} holds NaN or inf values (a diverged run's state): not loaded")
+    second = [(where, t) for where, t in checked if where.endswith(": exp_avg_sq")]
+    if not _non_negative(t for _, t in second):  # was: loaded, NaN weights after one step
+        where = next(where for where, t in second if not _non_negative([t]))
+        raise ValueError(f"load_state_dict: {where} holds negative values (a second moment is >= 0): not loaded")
+
+
+def _non_negative(tensors) -> bool:
+    """Whether no value of ``tensors`` is negative (one sync per device)."""
+    per_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            per_device.setdefault(t.device, []).append(t.min())
+    return all(bool((torch.stack(mins) >= 0).all()) for mins in per_device.values())
 
 
 # the parts of a parameter name that wrappers add (DDP, torch.compile, FSDP1, activation checkpointing)
