@@ -129,6 +129,8 @@ def _check_overrides(param_groups: Any) -> None:
     if not isinstance(overrides, (list, tuple)):
         raise ConfigError(f"{key}={overrides!r}: expected a list of {{pattern, lr_mult, weight_decay_mult}} mappings")
     for i, item in enumerate(overrides):
+        if not isinstance(item, Mapping):
+            raise ConfigError(f"{key}[{i}]={item!r}: expected a mapping {{pattern, lr_mult, weight_decay_mult}}")
         try:
             OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GroupOverride), item))
         except OmegaConfBaseException as exc:

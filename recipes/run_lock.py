@@ -1,7 +1,7 @@
 """One launch at a time per ``run_dir`` and per ``checkpoint.dir``: the job's rank 0 holds an exclusive lock on
-``<run_dir>/.lock`` and on the ``checkpoint.dir`` directory itself (nothing is written into it; two launches
-with their own run_dir but one checkpoint.dir removed and overwrote each other's checkpoints: a bug hunt of
-2026-12-01).
+``<run_dir>/.lock`` and on ``<checkpoint.dir>/.lock`` (two launches with their own run_dir but one checkpoint.dir
+removed and overwrote each other's checkpoints: a bug hunt of 2026-12-01). A regular file, not the directory: on
+NFS ``flock`` is a byte-range lock, which needs a file open for writing.
 
 Two launches training in one ``run_dir`` at once overwrite each other's checkpoints and interleave their
 ``metrics.jsonl`` (seen: both exited 0, the first reporting checkpoints that held the second's state). The lock
@@ -40,28 +40,23 @@ class RunDirLock:
     process) drops it. Where the file system refuses ``flock``, :attr:`unavailable` says why and nothing is
     locked (the caller logs it once its logging is set up). Also a context manager (acquire + note_holder)."""
 
-    def __init__(self, run_dir: str, key: str = "run_dir", *, holder_file: bool = True) -> None:
-        """``key``: the config key that names the directory (for the refusal). ``holder_file``: lock
-        ``<dir>/.lock`` and note the holder in it; else lock the directory itself and write nothing."""
+    def __init__(self, run_dir: str, key: str = "run_dir") -> None:
+        """``key``: the config key that names the directory (for the refusal)."""
         self.run_dir = run_dir
         self.key = key
-        self.path = Path(run_dir) / LOCK_NAME if holder_file else Path(run_dir)
+        self.path = Path(run_dir) / LOCK_NAME
         self.unavailable: str | None = None
         self._fd: int | None = None
 
     def acquire(self) -> None:
         if fcntl is None or self._fd is not None:
             return
-        if self.path.name == LOCK_NAME:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        else:
-            self.path.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             _flock(fd)
         except BlockingIOError:
-            holder = self._holder(fd)
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
             os.close(fd)
             raise ConfigError(
                 f"{self.key}={self.run_dir!r}: another launch is training in it ({holder}); wait for it to end, or "
@@ -78,14 +73,9 @@ class RunDirLock:
             raise
         self._fd = fd  # held from here: release() drops it whatever follows
 
-    def _holder(self, fd: int) -> str:
-        if self.path.name != LOCK_NAME:
-            return "another process"
-        return os.read(fd, 200).decode(errors="replace").strip() or "another process"
-
     def note_holder(self) -> None:
         """Write this process into the held lock's file (what a refused launch names)."""
-        if self._fd is not None and self.path.name == LOCK_NAME:
+        if self._fd is not None:
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
 

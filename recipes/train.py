@@ -295,7 +295,7 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
     env, device, data, optim = preflight(cfg)
     locks = [RunDirLock(cfg.run_dir)]  # one launch per run_dir and per checkpoint.dir at once (rank 0 holds them)
     if cfg.checkpoint.enabled and Path(cfg.checkpoint.dir).resolve() != Path(cfg.run_dir).resolve():
-        locks.append(RunDirLock(cfg.checkpoint.dir, "checkpoint.dir", holder_file=False))  # (flock: one per file)
+        locks.append(RunDirLock(cfg.checkpoint.dir, "checkpoint.dir"))  # (one lock file, not two, where they meet)
     try:
         refusal = _run_dir_refusal(cfg, locks) if env.rank == 0 else None
         # 0: torch's default, also for a sweep's job after one that set a count (was: that job's count stayed)

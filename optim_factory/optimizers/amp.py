@@ -9,11 +9,15 @@ them first: TE 2.20.2's ``step()`` then divides them by the scale a second time 
 scaler's own inf check, so the step skips on overflow as before and unscales once.
 
 torch keeps the unscaled mark in ``GradScaler._per_optimizer_states[id(optimizer)]["stage"]`` (``OptState``), a
-private attribute stable from torch 2.0 to 2.14; if it is missing, the scaler is used as given (TE's behaviour).
+private attribute stable from torch 2.0 to 2.14; if it is missing, a warning says so once and the scaler is used
+as given (TE's behaviour). torch 2.13 warns that ``GradScaler`` will stop passing ``grad_scaler=`` and set
+``opt.grad_scale`` / ``opt.found_inf`` instead; neither TE 2.20.2's step nor ours reads those (not handled here).
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any
 
 import torch
@@ -25,9 +29,21 @@ def _grads_unscaled(grad_scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
     try:
         from torch.amp.grad_scaler import OptState
 
-        return grad_scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
-    except (ImportError, AttributeError, KeyError, TypeError):
+        state = grad_scaler._per_optimizer_states.get(id(optimizer))  # (a defaultdict: .get adds nothing)
+    except (ImportError, AttributeError):
+        _warn_unknown_scaler(type(grad_scaler))
         return False
+    return state is not None and state.get("stage") is OptState.UNSCALED
+
+
+@functools.cache
+def _warn_unknown_scaler(kind: type) -> None:
+    warnings.warn(
+        f"{kind.__name__} keeps no _per_optimizer_states (torch {torch.__version__}): FusedAdam cannot tell whether "
+        "scaler.unscale_ ran before scaler.step; after it, the capturable step unscales the gradients a second time",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 class _AlreadyUnscaled:

@@ -40,7 +40,7 @@ from optim_factory.optimizers.export import (
     wrap_like,
 )
 from optim_factory.optimizers.kernel_math import adam_update, bias_corrections
-from optim_factory.optimizers.rules import CheckedParamGroups, check_constructor, own_lr_tensor
+from optim_factory.optimizers.rules import PARAM_DTYPES, CheckedParamGroups, check_constructor, own_lr_tensor
 
 __all__ = ["PortableFusedAdam", "FP8_STORAGE_DTYPE"]
 
@@ -117,6 +117,7 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
     ):
         # TE's checks (same messages) and torch.optim.Adam's, from the one rule module; dtype and size strings.
         o, export_options = check_constructor(locals())
+        self.adam_options = o  # the checked constructor options (param groups are checked against them)
         self._init_export(export_options)
         lr, betas, eps, weight_decay = o.lr, o.betas, o.eps, o.weight_decay
         master_weight_dtype, exp_avg_dtype = o.master_weight_dtype, o.exp_avg_dtype
@@ -342,7 +343,7 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
                     raise RuntimeError("FusedAdam does not support sparse gradients.")
                 if isinstance(p, DTensor) != isinstance(grad, DTensor):
                     raise RuntimeError(f"[FusedAdam DTensor Disparity] Parameter {p} and Gradient {grad} do not match!")
-                if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                if p.dtype not in PARAM_DTYPES:
                     raise RuntimeError("FusedAdam only support model weights in fp32, fp16, bf16 and fp8")
                 has_fp16 = has_fp16 or p.dtype == torch.float16
                 has_bf16 = has_bf16 or p.dtype == torch.bfloat16

@@ -45,6 +45,7 @@ __all__ = [
     "check_hyperparameters",
     "check_group",
     "GROUP_KEYS",
+    "PARAM_DTYPES",
     "check_flags",
     "check_state_dtypes",
     "check_adam_options",
@@ -180,29 +181,36 @@ def _check_step(step: Any) -> None:
         raise OptionError("step", step, "expected the group's step count (an int >= 0)")
 
 
-def check_group(group: dict[str, Any]) -> None:
+def check_group(group: dict[str, Any], options: AdamOptions | None = None) -> None:
     """A parameter group by the constructor's rules: :func:`check_hyperparameters` of its ``lr``, ``betas``, ``eps``
-    and ``weight_decay``; ``bias_correction`` a ``bool``; ``step`` (a loaded group's) a count >= 0; no
+    and ``weight_decay``; ``bias_correction`` a ``bool``; ``step`` (a loaded group's) a count >= 0; an
     optimizer-wide option (``adam_w_mode``, ``amsgrad``, ``master_weights`` ...: FusedAdam reads them from its
-    constructor only, so a group's value did nothing); no misspelling of a group key (``weight_decy``). Other keys
-    are the caller's and stay."""
+    constructor only) only with the optimizer's own value (``options``; torch's AdamW groups carry
+    ``amsgrad=False``, ``capturable=False``); no misspelling of a group key (``weight_decy``, ``bets``: a key no
+    longer than the one it nearly matches; ``weight_decay_mult``, ``lrs`` and other keys of the caller's stay)."""
     check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
     check_flags(bias_correction=group["bias_correction"])
     if "step" in group:
         _check_step(group["step"])
     for key in group:
-        if key in GROUP_KEYS:
+        if key in GROUP_KEYS or not isinstance(key, str):
             continue
         if key in _ADAM_ARGUMENTS:
-            raise OptionError(
-                key, group[key], "optimizer-wide in FusedAdam: pass it to the constructor, not in a param group"
-            )
-        near = difflib.get_close_matches(key, GROUP_KEYS, n=1, cutoff=0.8)
+            mine = None if options is None else getattr(options, key)
+            if group[key] != mine and not (isinstance(mine, torch.dtype) and _lookup(group[key]) == mine):
+                raise OptionError(
+                    key,
+                    group[key],
+                    f"optimizer-wide in FusedAdam ({'unknown' if mine is None else repr(mine)} here): pass it to "
+                    "the constructor, not in a param group",
+                )
+            continue
+        near = [k for k in difflib.get_close_matches(key, GROUP_KEYS, n=3, cutoff=0.8) if len(key) <= len(k)]
         if near:
             raise OptionError(key, group[key], f"not a FusedAdam param group key; did you mean {near[0]}?")
 
 
-_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # TE's Float8Tensor reports one of these
+PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # TE's Float8Tensor reports one of these
 
 
 def check_group_params(group: dict[str, Any], state_dtypes: dict[str, torch.dtype] | None) -> None:
@@ -214,16 +222,16 @@ def check_group_params(group: dict[str, Any], state_dtypes: dict[str, torch.dtyp
     an H200, 2026-12-01; its FP8 states, Float8Tensors, take 0-d parameters, and so does the portable twin)."""
     dtypes = set()
     for i, p in enumerate(group["params"]):
-        if p.dtype not in _PARAM_DTYPES:
+        # (TE's step() makes every parameter's states, and checks dtypes only where there is a gradient)
+        if p.requires_grad and p.dtype not in PARAM_DTYPES:
             raise OptionError(
                 "params", p.dtype, "expected fp32, fp16, bf16 (or TE's fp8) parameters",
                 f"parameter {i} has dtype {p.dtype}: FusedAdam updates fp32, fp16, bf16 and fp8 parameters",
             )  # fmt: skip
-        dtypes.add(p.dtype)
+        if p.requires_grad:
+            dtypes.add(p.dtype)
         scaled = [n for n, d in (state_dtypes or {}).items() if d == torch.float16]
-        if p.dtype == torch.float32:  # no master: an FP32 parameter is its own
-            scaled = [n for n in scaled if n != "master_param"]
-        if p.dim() == 0 and scaled:
+        if p.dim() == 0 and scaled:  # (with master_weights, TE keeps a master for FP32 parameters too)
             raise OptionError(
                 "params", tuple(p.shape), "expected a parameter with at least one dimension",
                 f"parameter {i} is 0-dimensional: FusedAdam cannot unscale its FP16 states ({', '.join(scaled)}; "
@@ -257,7 +265,7 @@ class CheckedParamGroups:
         super().add_param_group(param_group)  # type: ignore[misc]
         index = len(self.param_groups) - 1  # type: ignore[attr-defined]
         try:
-            check_group(self.param_groups[-1])  # type: ignore[attr-defined]
+            check_group(self.param_groups[-1], getattr(self, "adam_options", None))  # type: ignore[attr-defined]
             check_group_params(self.param_groups[-1], self._state_dtypes())  # type: ignore[attr-defined]
         except OptionError as exc:
             self.param_groups.pop()  # type: ignore[attr-defined]

@@ -104,6 +104,7 @@ class FusedAdam(OffloadedStateDict, CheckedParamGroups, _TEFusedAdam):  # type: 
         options, export_options = check_constructor(locals())
         if not TE_AVAILABLE:
             raise ImportError(f"{TE_INSTALL_HINT} (import failed: {te_import_error()})")
+        self.adam_options = options  # the checked constructor options (param groups are checked against them)
         self._init_export(export_options)
         super().__init__(params, **options.te_kwargs(), set_grad_none=set_grad_none)
         self._check_param_groups()

@@ -65,4 +65,4 @@ def test_summary_lists_saved_and_kept_checkpoints(tmp_path):
     ck = tmp_path / "checkpoints"
     assert summary["saved_checkpoints"] == [str(ck / f"step_{s:08d}") for s in (5, 10, 15, 20)]
     assert summary["kept_checkpoints"] == [str(ck / f"step_{s:08d}") for s in (15, 20)]
-    assert sorted(p.name for p in ck.iterdir()) == ["step_00000015", "step_00000020"]
+    assert sorted(p.name for p in ck.iterdir() if p.name != ".lock") == ["step_00000015", "step_00000020"]

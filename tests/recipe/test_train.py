@@ -44,7 +44,10 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def snapshot(path: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()}
+    """Every file's size and mtime, but the lock files (``.lock``: each launch notes itself in them while it runs
+    its checks, refused or not; recipes/run_lock.py)."""
+    files = (p for p in path.rglob("*") if p.is_file() and p.name != ".lock")
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in files}
 
 
 def test_default_run_learns_checkpoints_and_resumes(tmp_path):
@@ -114,8 +117,9 @@ def test_flatten_and_async_save_resume_continue(flatten, async_save, tmp_path):
     train(compose_config([*over, "trainer.max_steps=10"]))
     summary = train(compose_config(over))
     assert summary["start_step"] == 10 and summary["end_step"] == 20
-    assert [p.name for p in sorted((tmp_path / "checkpoints").iterdir())] == ["step_00000010", "step_00000020"]
-    assert all(is_complete(p) for p in (tmp_path / "checkpoints").iterdir())
+    steps = sorted(p for p in (tmp_path / "checkpoints").iterdir() if p.name != ".lock")  # (the run's lock)
+    assert [p.name for p in steps] == ["step_00000010", "step_00000020"]
+    assert all(is_complete(p) for p in steps)
     reports = [r for r in metrics(tmp_path) if r["kind"] == "checkpoint"]
     assert [r["async_save"] for r in reports] == [async_save, async_save]
 
@@ -126,7 +130,7 @@ def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
     stray.mkdir(parents=True)
     (stray / "__0_0.distcp").write_bytes(b"partial")
     train(compose_config([*QUICK, f"run_dir={tmp_path}", "checkpoint.every_steps=5", "checkpoint.keep_last=2"]))
-    names = sorted(p.name for p in ckdir.iterdir())
+    names = sorted(p.name for p in ckdir.iterdir() if p.name != ".lock")  # (the run's lock)
     assert names == ["step_00000001", "step_00000015", "step_00000020"]
     assert (stray / "__0_0.distcp").read_bytes() == b"partial"
 

@@ -295,7 +295,7 @@ def test_parameters_step_cannot_update_are_refused_when_added():
     ],
 )
 def test_a_0d_parameter_with_scaled_states_is_refused(options):
-    """Seen: a 0-d parameter (a logit scale) with FP16/FP8 states raised in step() ("output with shape [] doesn't
+    """Seen: a 0-d parameter (a logit scale) with FP16 states raised in step() ("output with shape [] doesn't
     match the broadcast shape [1]", TE's unscaling too), after the other parameters were updated."""
     options = dict(options)
     dtype = options.pop("p_dtype", torch.float32)
@@ -358,3 +358,33 @@ def test_a_refused_step_changes_nothing():
     with pytest.raises(RuntimeError, match="FusedAdam only support model weights in fp32, fp16, bf16 and fp8"):
         opt.step()
     assert torch.equal(a, torch.ones(3)) and not opt.state and "step" not in opt.param_groups[0]
+
+
+def test_groups_from_torch_and_keys_of_the_caller_s_own_are_accepted():
+    """A review of 2026-12-01: torch's AdamW groups carry amsgrad=False and capturable=False (the optimizer's own
+    values: accepted), and longer keys of the caller's (weight_decay_mult, lrs, steps) are no misspellings. Broken on
+    purpose (every optimizer-wide key refused; insertions counted as near misses): refused."""
+    model = torch.nn.Linear(3, 3)
+    PortableFusedAdam(torch.optim.AdamW(model.parameters(), lr=1e-3).param_groups)
+    for key in ("weight_decay_mult", "lrs", "steps", "lr0", "name"):
+        PortableFusedAdam([{"params": [torch.nn.Parameter(torch.ones(2))], key: 1}])
+    with pytest.raises(ValueError, match=r"capturable=True: optimizer-wide in FusedAdam \(False here\)"):
+        PortableFusedAdam([{"params": model.parameters(), "capturable": True}])
+
+
+def test_frozen_parameters_are_not_held_to_the_step_s_dtype_rules():
+    """TE's step() checks dtypes only where there is a gradient: a frozen float64 (or BF16 beside FP16) parameter
+    stays allowed, as in TE."""
+    frozen64 = torch.nn.Parameter(torch.ones(3, dtype=torch.float64), requires_grad=False)
+    half = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    frozen_bf16 = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16), requires_grad=False)
+    PortableFusedAdam([torch.nn.Parameter(torch.ones(3)), frozen64])
+    PortableFusedAdam([half, frozen_bf16])
+
+
+def test_a_0d_fp32_parameter_with_an_fp16_master_is_refused():
+    """With master_weights, TE keeps a master for FP32 parameters too, and its FP16 master of a 0-d parameter fails in
+    step() (a review of 2026-12-01)."""
+    w, scalar = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.tensor(2.0))
+    with pytest.raises(ValueError, match=r"parameter 1 is 0-dimensional: .* \(master_param; "):
+        PortableFusedAdam([w, scalar], master_weights=True, master_weight_dtype="fp16")

@@ -261,6 +261,7 @@ MALFORMED = [
     ),
     ({"param_groups": {"overrides": {"pattern": "blocks"}}}, "optim.param_groups.overrides={'pattern': 'blocks'}: "),
     ({"lr": "???"}, "optim.lr: missing value (???: mandatory, never given; set optim.lr=...)"),
+    ({"param_groups": {"overrides": ["abc"]}}, "optim.param_groups.overrides[0]='abc': expected a mapping"),
     ({"param_groups": {"no_decay": ["bias", "???"]}}, "optim.param_groups.no_decay[1]: missing value"),
     ({"param_groups": {"unknown": 1}}, "unknown"),
     ({"name": "adamw", "exp_avg_dtype": "bf16"}, "exp_avg_dtype"),

@@ -158,7 +158,6 @@ def export_state(
 
 
 _LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "bias_correction")
 
 
 def _where(g: int, i: int, group: dict) -> str:
@@ -182,7 +181,9 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
     inf in a state is a diverged run's: loading it would train on NaN; one min/max pass per state, one sync
     per device) and a non-negative ``exp_avg_sq``.
     """
-    from optim_factory.optimizers.rules import check_group  # rules imports this package's options
+    from optim_factory.optimizers.rules import GROUP_KEYS, check_group  # rules imports this package's options
+
+    required = [k for k in GROUP_KEYS if k not in ("param_names", "step")]
 
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
@@ -200,7 +201,7 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
         )
     checked: list[tuple[str, torch.Tensor]] = []  # (where, local tensor) of every state, for the finite check
     for g, (saved, live) in enumerate(zip(saved_groups, live_groups)):
-        missing = [k for k in _GROUP_KEYS if k not in saved]
+        missing = [k for k in required if k not in saved]
         if missing:
             raise ValueError(
                 f"load_state_dict: group {g} lacks {', '.join(map(repr, missing))}: not a FusedAdam state dict "
@@ -212,7 +213,7 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
                 f"{len(live['params'])} in the optimizer"
             )
         try:
-            check_group(saved)
+            check_group(saved, getattr(optimizer, "adam_options", None))
         except ValueError as exc:
             raise ValueError(f"load_state_dict: group {g}: {exc}") from None
         _check_names(g, saved.get("param_names"), live.get("param_names"), len(live["params"]))
