@@ -556,7 +556,10 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
 
 
 def _refuse(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
+    # one write of the whole line: the ranks of a torchrun job refuse at once, and print()'s two writes (the text,
+    # then the newline) let two ranks' lines run into one (seen in CI, 2026-12-01)
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
     sys.exit(2)
 
 
@@ -625,6 +628,12 @@ def main() -> None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = previous
+    # a -m sweep (or --cfg/--info) that returned: skip interpreter teardown as a finished plain run does (_task), where
+    # gloo's threads can abort the process after a successful sweep (exit -6, seen in CI on 2026-12-01)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 register_configs()
