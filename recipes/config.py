@@ -249,6 +249,7 @@ def command_line_error(argv: list[str], conf_dir: str) -> str | None:
     except HydraException:
         return None
     given: dict[str, str] = {}
+    optional = _optional_groups(conf_dir)  # train.yaml read once, not per override
     for override in overrides:
         key = override.key_or_group + (f"@{override.package}" if override.package else "")
         if key in given:
@@ -258,7 +259,7 @@ def command_line_error(argv: list[str], conf_dir: str) -> str | None:
             )
         given[key] = override.input_line
         value, group = override.value(), Path(conf_dir) / override.key_or_group
-        if group.is_dir() and override.key_or_group not in _optional_groups(conf_dir):
+        if group.is_dir() and override.key_or_group not in optional:
             options = ", ".join(sorted(p.stem for p in group.glob("*.yaml")))
             if override.is_delete():  # was: accepted, and the job ran with the group's default option
                 return f"{override.input_line}: a config group cannot be removed; pick one of its options: {options}"

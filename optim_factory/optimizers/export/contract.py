@@ -33,6 +33,7 @@ from optim_factory.optimizers.export.stream import StateExporter, StreamItem
 from optim_factory.optimizers.export.tensors import (
     aliases,
     all_finite,
+    all_non_negative,
     join_bf16_remainder,
     local_tensor,
     split_bf16_remainder,
@@ -245,18 +246,9 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
         where = next(where for where, t in checked if not all_finite([t]))
         raise ValueError(f"load_state_dict: {where} holds NaN or inf values (a diverged run's state): not loaded")
     second = [(where, t) for where, t in checked if where.endswith(": exp_avg_sq")]
-    if not _non_negative(t for _, t in second):  # was: loaded, NaN weights after one step
-        where = next(where for where, t in second if not _non_negative([t]))
+    if not all_non_negative(t for _, t in second):  # was: loaded, NaN weights after one step
+        where = next(where for where, t in second if not all_non_negative([t]))
         raise ValueError(f"load_state_dict: {where} holds negative values (a second moment is >= 0): not loaded")
-
-
-def _non_negative(tensors) -> bool:
-    """Whether no value of ``tensors`` is negative (one sync per device)."""
-    per_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel():
-            per_device.setdefault(t.device, []).append(t.min())
-    return all(bool((torch.stack(mins) >= 0).all()) for mins in per_device.values())
 
 
 # the parts of a parameter name that wrappers add (DDP, torch.compile, FSDP1, activation checkpointing)
