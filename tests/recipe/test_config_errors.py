@@ -1,15 +1,14 @@
-"""Issue 15, observations 1, 2, 3, 5 and 11: every config the user types takes effect or is refused in one line.
+"""Every config the user types takes effect or is refused in one line.
 
-Run as the user runs it (``python recipes/train.py ...``): a config error is one line on stderr, exit code 2,
-before any work, and a rejected run changes nothing on disk.
+Through the command line's own entry point (``recipes.train.main``, in this process): a config error is one line
+on stderr, exit code 2, before any work, and a rejected run changes nothing on disk. As a process of its own:
+tests/recipe/test_train.py (test_cli_unknown_override_and_user_error_are_short).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,25 +18,9 @@ from omegaconf import OmegaConf
 from optim_factory import ConfigError
 from recipes.config import command_line_error, record_config, shared_run_dir_error
 from recipes.train import USER_ERRORS, compose_config, preflight, train
-from tests.recipe.test_train import QUICK, ROOT, snapshot
+from tests.recipe.runs import QUICK, ROOT, cli, refused, snapshot
 
 CONF = ROOT / "conf"
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-
-
-def cli(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "recipes/train.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
-    )
-
-
-def refused(proc: subprocess.CompletedProcess) -> str:
-    """The one line of a refused run (exit code 2, nothing else on stderr or stdout)."""
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
-    assert not proc.stdout.strip(), proc.stdout
-    return lines[0].removeprefix("error: ")
 
 
 # ------------------------------------------------------------------------------- 1: unknown config-group option
@@ -437,13 +420,10 @@ def test_launches_in_one_process_and_second_get_a_record_each(tmp_path):
         ),
     ],
 )
-def test_a_checkpoint_location_that_would_be_ignored_or_misplaced_is_refused(tmp_path, args, line):
+def test_a_checkpoint_location_that_would_be_ignored_or_misplaced_is_refused(tmp_path, monkeypatch, args, line):
     run_dir = [] if args[0].startswith("run_dir=") else [f"run_dir={tmp_path / 'run'}"]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "train.py"), *QUICK, *run_dir, *args],
-        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert refused(proc) == line
+    monkeypatch.chdir(tmp_path)
+    assert refused(cli(*QUICK, *run_dir, *args)) == line
     assert list(tmp_path.iterdir()) == []  # nothing written (here: the working directory)
 
 

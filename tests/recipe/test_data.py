@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from recipes.data import ADDITION_VOCAB, AdditionTask, DataError, TokenFile, build_data
 from recipes.train import compose_config, train
-from tests.recipe.test_train import QUICK, metrics, run_cli, snapshot
+from tests.recipe.runs import QUICK, metrics, run_cli, snapshot
 
 
 def _data_cfg(*overrides: str):

@@ -17,7 +17,7 @@ from recipes.evaluate import evaluate
 from recipes.model import build_model
 from recipes.train import compose_config, shard_model, train
 from tests.distributed.launch import spawn
-from tests.recipe.test_train import QUICK, metrics, run_cli
+from tests.recipe.runs import QUICK, cli, metrics
 
 MARGIN = 3.0
 
@@ -102,7 +102,7 @@ def test_two_fsdp_ranks_evaluate_like_one():
 
 
 def test_run_reports_eval_in_log_bar_metrics_and_summary(tmp_path):
-    proc = run_cli([*QUICK, f"run_dir={tmp_path}", "trainer.progress=true", "trainer.eval_every=10"])
+    proc = cli(*QUICK, f"run_dir={tmp_path}", "trainer.progress=true", "trainer.eval_every=10")
     assert proc.returncode == 0, proc.stderr[-3000:]
     evals = [r for r in metrics(tmp_path) if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [10, 20]

@@ -19,8 +19,7 @@ from optim_factory import ConfigError
 from recipes.checkpoint import FALLBACK_HINT, MARKER, CheckpointError, is_complete, read_checkpoint, read_manifest
 from recipes.integrity import MANIFEST_DIGEST
 from recipes.train import compose_config, train
-from tests.recipe.test_launchers import complete_steps
-from tests.recipe.test_train import QUICK, run_cli, snapshot
+from tests.recipe.runs import QUICK, cli, complete_steps, run_cli, snapshot
 
 STEP20 = "step_00000020"
 
@@ -276,7 +275,7 @@ def test_keep_last_never_deletes_the_newest_verified_checkpoint(run_dir):
 def test_non_finite_loss_stops_the_run_before_the_next_save(tmp_path):
     """lr=1e30: the first step moves every weight by ~1e29 (finite, saved at step 1); the second forward
     overflows, its loss is NaN: one line, exit 2, and no checkpoint of that step or later exists."""
-    proc = run_cli([*QUICK, f"run_dir={tmp_path}", "optim.lr=1e30", "checkpoint.every_steps=1", "trainer.max_steps=5"])
+    proc = cli(*QUICK, f"run_dir={tmp_path}", "optim.lr=1e30", "checkpoint.every_steps=1", "trainer.max_steps=5")
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: step 2: non-finite loss or gradient norm (NaN/inf); stopped before saving"), last
@@ -290,7 +289,7 @@ def test_a_non_finite_loss_between_checkpoints_is_named_by_its_step(tmp_path):
     """As above with no save at steps 2-3: step 2's flag is read at step 3's check (between checkpoints a flag is
     read one check late), which stops the run there and names step 2."""
     args = ["optim.lr=1e30", "checkpoint.every_steps=4", "trainer.max_steps=5", "trainer.log_every=1"]
-    proc = run_cli([*QUICK, f"run_dir={tmp_path}", *args])
+    proc = cli(*QUICK, f"run_dir={tmp_path}", *args)
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: step 2: non-finite loss or gradient norm (NaN/inf); stopped before saving"), last

@@ -17,8 +17,7 @@ from recipes.checkpoint import CheckpointError, CheckpointManager, is_complete
 from recipes.distributed import DistEnv, init_distributed, shutdown
 from recipes.model import build_model
 from recipes.train import compose_config, shard_model, train
-from tests.recipe.test_launchers import complete_steps
-from tests.recipe.test_train import QUICK, ROOT, snapshot
+from tests.recipe.runs import QUICK, ROOT, complete_steps, snapshot
 
 
 def test_fault_injection_reduced(tmp_path):

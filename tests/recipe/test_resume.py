@@ -32,7 +32,7 @@ from recipes.resume import (
     rule_for,
 )
 from recipes.train import compose_config, shard_model, train
-from tests.recipe.test_train import QUICK, ROOT, metrics, snapshot
+from tests.recipe.runs import QUICK, ROOT, metrics, snapshot
 
 STEP10 = "step_00000010"
 

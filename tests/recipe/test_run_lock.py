@@ -12,8 +12,7 @@ import pytest
 from optim_factory import ConfigError
 from recipes.run_lock import RunDirLock
 from recipes.train import compose_config, train
-from tests.recipe.test_config_errors import cli, refused
-from tests.recipe.test_train import QUICK, run_cli, snapshot
+from tests.recipe.runs import QUICK, cli, refused, run_cli, snapshot
 
 
 def test_a_second_launch_into_a_run_dir_in_use_is_refused_and_changes_nothing(tmp_path):

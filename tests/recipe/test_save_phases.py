@@ -12,7 +12,8 @@ import pytest
 
 from recipes.checkpoint import MARKER, METADATA, SAVE_PHASES, CheckpointManager, is_complete
 from recipes.train import compose_config, train
-from tests.recipe.test_train import QUICK, ROOT
+from scripts.fault_train import main as fault_train_main
+from tests.recipe.runs import QUICK, ROOT
 
 
 class PhaseRecorder(CheckpointManager):
@@ -45,17 +46,18 @@ def fault_train(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 
 
-def test_fault_train_kills_inside_the_save_and_refuses_an_unreached_or_bad_point(tmp_path):
+def test_fault_train_kills_inside_the_save_and_refuses_an_unreached_or_bad_point(tmp_path, capsys):
     proc = fault_train(["--kill-at", "marker:10", *QUICK, f"run_dir={tmp_path / 'a'}"])
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     step10 = tmp_path / "a" / "checkpoints" / "step_00000010"
     assert (step10 / METADATA).exists() and not (step10 / MARKER).exists()  # killed between DCP and the marker
 
-    proc = fault_train(["--kill-at", "write:7", *QUICK, f"run_dir={tmp_path / 'b'}"])
-    assert proc.returncode == 3 and "--kill-at=write:7 was never reached" in proc.stderr, proc.stderr[-2000:]
-
-    proc = fault_train(["--kill-at", "flush:10", *QUICK, f"run_dir={tmp_path / 'c'}"])
-    assert proc.returncode == 2 and "--kill-at='flush:10': must be PHASE:STEP" in proc.stderr, proc.stderr[-2000:]
+    # in this process, through the script's main: a point never reached, a malformed point
+    assert fault_train_main(["--kill-at", "write:7", *QUICK, f"run_dir={tmp_path / 'b'}"]) == 3
+    assert "--kill-at=write:7 was never reached" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        fault_train_main(["--kill-at", "flush:10", *QUICK, f"run_dir={tmp_path / 'c'}"])
+    assert refused.value.code == 2 and "--kill-at='flush:10': must be PHASE:STEP" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
 
 

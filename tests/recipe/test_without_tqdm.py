@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from tests.recipe.test_train import QUICK, ROOT
+from tests.recipe.runs import QUICK, ROOT
 
 
 def test_recipe_trains_and_saves_without_tqdm(tmp_path):

@@ -1,7 +1,10 @@
-"""The scripts run as modules (``python -m scripts.<name>``) from the repository root, without sys.path edits."""
+"""The scripts: each through its own ``main([...])`` in this process (argparse's refusals are its
+``SystemExit(2)`` with one line on stderr); as processes (``python -m scripts.<name>`` from the repository root,
+without sys.path edits) where the process is what is tested: the imports, torchrun's ranks."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -16,24 +19,37 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
-def test_bench_export_runs_with_fresh_processes_on_cpu(tmp_path):
+def run_script(script: str, args: list[str], monkeypatch, capsys) -> tuple[object, str]:
+    """``python -m scripts.<script> ARGS`` through its ``main(ARGS)`` here: (its exit code, stderr). argparse names
+    the program after ``sys.argv[0]``, as the process would (``<script>.py``)."""
+    module = importlib.import_module(f"scripts.{script}")
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "scripts" / f"{script}.py")])
+    capsys.readouterr()
+    try:
+        code = module.main(args)
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_bench_export_runs_with_fresh_processes_on_cpu(tmp_path, monkeypatch, capsys):
     out = tmp_path / "bench.md"
     args = ["--backend", "portable", "--device", "cpu", "--cases", "1x1M", "--dtypes", "bf16", "--modes", "chunked"]
-    cmd = [sys.executable, "-m", "scripts.bench_export", *args, "--repeats", "1", "--fresh", "2", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, err = run_script(
+        "bench_export", [*args, "--repeats", "1", "--fresh", "2", "--out", str(out)], monkeypatch, capsys
+    )
+    assert code is None, err[-3000:]
     text = out.read_text()
     assert "- command: `python -m scripts.bench_export --backend portable" in text
     fresh = [ln for ln in text.splitlines() if ln.startswith("| 1x1M | bf16 | chunked | 2 |")]
     assert len(fresh) == 1, text  # the row of the fresh process (started as -m scripts.bench_export)
 
 
-def test_bench_save_runs_every_mode_on_cpu(tmp_path):
+def test_bench_save_runs_every_mode_on_cpu(tmp_path, monkeypatch, capsys):
     args = ["--device", "cpu", "--width", "64", "--layers", "2", "--tokens", "16", "--repeats", "1"]
-    cmd = [sys.executable, "-m", "scripts.bench_save", *args, "--out", str(tmp_path), "--scratch", str(tmp_path / "s")]
-    cmd += ["--profile", str(tmp_path / "prof")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args += ["--out", str(tmp_path), "--scratch", str(tmp_path / "s"), "--profile", str(tmp_path / "prof")]
+    code, err = run_script("bench_save", args, monkeypatch, capsys)
+    assert code is None, err[-3000:]
     from scripts.bench_save import MODES
 
     # --profile: the measured save call of every mode, profiled (the function the mode's save went through)
@@ -50,29 +66,21 @@ def test_bench_save_runs_every_mode_on_cpu(tmp_path):
     assert not list((tmp_path / "s" / "bench_save").iterdir())  # each mode's checkpoints deleted
     # --render writes the same table again from the JSON lines alone
     again = tmp_path / "again"
-    cmd = [
-        sys.executable,
-        "-m",
-        "scripts.bench_save",
-        "--out",
-        str(again),
-        "--render",
-        str(tmp_path / "bench_save.jsonl"),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, err = run_script("bench_save", ["--out", str(again), "--render", str(tmp_path / "bench_save.jsonl")],
+                           monkeypatch, capsys)  # fmt: skip
+    assert code is None, err[-3000:]
     assert (again / "bench_save.md").read_text() == table
 
 
-def test_bench_save_with_param_remainders_exports_the_master_as_int16(tmp_path):
+def test_bench_save_with_param_remainders_exports_the_master_as_int16(tmp_path, monkeypatch, capsys):
     """--store-param-remainders: the FP32 master is exported as its int16 remainder, so (d) exports 6 of (c)'s 10
     bytes per parameter (remainder 2 + BF16 moments 2 + 2 against 2 + FP32 moments 4 + 4: 0.6). Broken on purpose
     (the flag ignored): an FP32 master, 8 of 12 bytes (0.667)."""
     args = ["--device", "cpu", "--width", "64", "--layers", "2", "--tokens", "16", "--repeats", "1"]
     args += ["--modes", "c-ours,d-ours-keep-bf16", "--store-param-remainders"]
-    cmd = [sys.executable, "-m", "scripts.bench_save", *args, "--out", str(tmp_path), "--scratch", str(tmp_path / "s")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, err = run_script("bench_save", [*args, "--out", str(tmp_path), "--scratch", str(tmp_path / "s")],
+                           monkeypatch, capsys)  # fmt: skip
+    assert code is None, err[-3000:]
     rows = [json.loads(ln) for ln in (tmp_path / "bench_save.jsonl").read_text().splitlines()]
     assert rows[0]["meta"]["master"] == "remainders"
     optim = {r["mode"]: r["optim_bytes"] for r in rows[1:] if r["repeat"] == 0}
@@ -80,13 +88,12 @@ def test_bench_save_with_param_remainders_exports_the_master_as_int16(tmp_path):
     assert "stored as BF16 parameter + int16 remainder" in (tmp_path / "bench_save.md").read_text()
 
 
-def test_bench_save_refuses_a_profile_path_that_is_a_file(tmp_path):
+def test_bench_save_refuses_a_profile_path_that_is_a_file(tmp_path, monkeypatch, capsys):
     a_file = tmp_path / "profile.txt"
     a_file.write_text("")
-    cmd = [sys.executable, "-m", "scripts.bench_save", "--out", str(tmp_path), "--profile", str(a_file)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.splitlines()[-1]
+    code, err = run_script("bench_save", ["--out", str(tmp_path), "--profile", str(a_file)], monkeypatch, capsys)
+    assert code == 2, err[-2000:]
+    last = err.splitlines()[-1]
     assert last.endswith(f"argument --profile: {a_file} exists and is not a directory"), last
     assert not (tmp_path / "bench_save.md").exists()
 
@@ -99,7 +106,7 @@ def test_bench_save_lost_time_counts_blocking_and_slower_steps():
 
 
 @pytest.mark.parametrize("stager", ["reuse", "fresh"])
-def test_bench_save_dcp_stager_per_save_or_kept(tmp_path, stager):
+def test_bench_save_dcp_stager_per_save_or_kept(tmp_path, monkeypatch, capsys, stager):
     """--stager fresh (what torch 2.11 forces: its DefaultStager serves one save) builds one stager per save."""
     from scripts.bench_save import stager_reusable
 
@@ -107,9 +114,9 @@ def test_bench_save_dcp_stager_per_save_or_kept(tmp_path, stager):
         pytest.skip("this torch's DefaultStager serves one save (pytorch/pytorch#183413): --stager reuse is refused")
     args = ["--device", "cpu", "--width", "64", "--layers", "2", "--tokens", "16", "--repeats", "2"]
     args += ["--modes", "a-te-async-pinned,b-te-cpu-offload", "--stager", stager]
-    cmd = [sys.executable, "-m", "scripts.bench_save", *args, "--out", str(tmp_path), "--scratch", str(tmp_path / "s")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, err = run_script("bench_save", [*args, "--out", str(tmp_path), "--scratch", str(tmp_path / "s")],
+                           monkeypatch, capsys)  # fmt: skip
+    assert code is None, err[-3000:]
     lines = (tmp_path / "bench_save.jsonl").read_text().splitlines()
     assert json.loads(lines[0])["meta"]["fresh_stagers"] is (stager == "fresh")
     for mode in ("a-te-async-pinned", "b-te-cpu-offload"):
@@ -124,28 +131,21 @@ def test_every_script_imports_as_a_module():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_fault_train_config_error_is_one_line():
-    """Was a ConfigError traceback and exit 1 (recipes/train.py gives one line and exit 2)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "scripts.fault_train", "optim.nope=1"], cwd=ROOT, capture_output=True, text=True,
-        timeout=120, env=ENV,
-    )  # fmt: skip
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == ["error: optim.nope: not a config key"], (
-        proc.stderr[-2000:]
-    )
+def test_fault_train_config_error_is_one_line(monkeypatch, capsys):
+    """As recipes/train.py gives it: one line and exit 2, not a ConfigError traceback."""
+    code, err = run_script("fault_train", ["optim.nope=1"], monkeypatch, capsys)
+    assert code == 2 and err.strip().splitlines() == ["error: optim.nope: not a config key"], err[-2000:]
 
 
 def _host_copy_rows(out: Path, ranks: int) -> list[dict]:
     return [json.loads(ln) for ln in (out / f"host_copy_{ranks}rank.jsonl").read_text().splitlines()]
 
 
-def test_bench_host_copy_runs_every_variant_on_cpu(tmp_path):
+def test_bench_host_copy_runs_every_variant_on_cpu(tmp_path, monkeypatch, capsys):
     """One rank, every variant: right bytes, RSS back at its baseline after each trial, one table row each."""
-    cmd = [sys.executable, "-m", "scripts.bench_host_copy", "--device", "cpu", "--mib", "80", "--trials", "1"]
-    proc = subprocess.run(
-        [*cmd, "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    args = ["--device", "cpu", "--mib", "80", "--trials", "1", "--out", str(tmp_path)]
+    code, err = run_script("bench_host_copy", args, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
     from scripts.bench_host_copy import variants
 
     names = [v.name for v in variants()]
@@ -183,17 +183,16 @@ def test_bench_host_copy_two_concurrent_ranks_on_cpu(tmp_path):
         (["--trials", "0"], "argument --trials: '0' is not a positive integer"),
     ],
 )
-def test_fault_injection_refuses_what_it_would_not_test(args, ending):
-    """Was exit 0: an unknown mode ran sync saves under its own name, and 0 trials passed having tested nothing."""
-    cmd = [sys.executable, "-m", "scripts.fault_injection", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.splitlines()[-1].endswith(ending), proc.stderr
+def test_fault_injection_refuses_what_it_would_not_test(args, ending, monkeypatch, capsys):
+    """An unknown mode would run sync saves under its own name, and 0 trials would pass having tested nothing."""
+    code, err = run_script("fault_injection", args, monkeypatch, capsys)
+    assert code == 2, err[-2000:]
+    assert err.splitlines()[-1].endswith(ending), err
 
 
-# (script, arguments, the end of its one error line); {tmp} is the test's folder, {file} a file in it. Before
-# (2026-12-01), each ran into a traceback: an empty median for 0 repeats, a CUDA call on a CPU machine, or a
-# write at the very end of the run into a path that was a file or a folder (the results lost)
+# (script, arguments, the end of its one error line); {tmp} is the test's folder, {file} a file in it. Unchecked,
+# each would run into a traceback: an empty median for 0 repeats, a CUDA call on a CPU machine, or a write at the
+# very end of the run into a path that is a file or a folder (the results lost)
 BAD_ARGUMENTS = [
     ("bench_checksum", ["--repeats", "0"], "argument --repeats: '0' is not a positive integer"),
     ("bench_checksum", ["--gb", "-1"], "argument --gb: '-1' is not a positive number"),
@@ -220,15 +219,14 @@ BAD_ARGUMENTS = [
 
 
 @pytest.mark.parametrize("script,args,ending", BAD_ARGUMENTS, ids=[f"{s}{' '.join(a)}" for s, a, _ in BAD_ARGUMENTS])
-def test_bad_arguments_are_one_line_before_any_work(tmp_path, script, args, ending):
+def test_bad_arguments_are_one_line_before_any_work(tmp_path, monkeypatch, capsys, script, args, ending):
     if "Transformer Engine" in ending and importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("Transformer Engine imports here")
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     fill = dict(tmp=tmp_path, file=a_file)
-    cmd = [sys.executable, "-m", f"scripts.{script}", *(a.format(**fill) for a in args)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and proc.stderr.splitlines()[-1].startswith(f"{script}.py: error: ")
-    assert ending.format(**fill) in proc.stderr.splitlines()[-1], proc.stderr
+    code, err = run_script(script, [a.format(**fill) for a in args], monkeypatch, capsys)
+    assert code == 2, err[-2000:]
+    assert "Traceback" not in err and err.splitlines()[-1].startswith(f"{script}.py: error: ")
+    assert ending.format(**fill) in err.splitlines()[-1], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing written
