@@ -158,9 +158,9 @@ class StepResult:
 @dataclass
 class TrainStep:
     """One optimizer step of the recipe, callable on its own: the training loop and
-    ``scripts/bench_recipe_overhead.py`` both run it. Learning-rate schedule, the step's batch, forward, backward,
-    gradient clipping (``grad_clip`` > 0), the non-finite check (no sync), ``optimizer.step()`` and ``zero_grad``;
-    with ``prepare_at`` set, ``optimizer.prepare_state_dict()`` after that step (reused export buffers)."""
+    ``benchmarks/probes/bench_recipe_overhead.py`` both run it. Learning-rate schedule, the step's batch, forward,
+    backward, gradient clipping (``grad_clip`` > 0), the non-finite check (no sync), ``optimizer.step()`` and
+    ``zero_grad``; with ``prepare_at`` set, ``optimizer.prepare_state_dict()`` after that step (reused buffers)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer

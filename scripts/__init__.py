@@ -1,15 +1,12 @@
-"""Benchmarks, probes and fault injection, run as modules from the repository root.
+"""What a user runs: benchmarks, backend comparison and fault injection, as modules from the repository root.
 
     python -m scripts.bench_export ...        # GPU export benchmark (tables + PNG)
-    python -m scripts.bench_keep_bf16 ...     # BF16 kept vs FP32 export: bytes and times
     python -m scripts.bench_save ...          # the save path side by side (torchrun); plot_bench_save: its PNG
-    python -m scripts.bench_host_copy ...     # device -> fresh host memory: staging ring vs pinning in place
     python -m scripts.compare_backends ...    # PortableFusedAdam vs TE's FusedAdam, every configuration
-    python -m scripts.probe_host_memory ...   # host memory costs behind the export modes
     python -m scripts.fault_injection ...     # kill -9 trials against checkpoint/resume
     python -m scripts.fault_train ...         # the recipe, killed at one point of one save (for the above)
 
 ``python -m`` puts the repository root on ``sys.path``, so the scripts import ``optim_factory``, ``recipes``
 and each other as packages (no ``sys.path`` edits). ``bash scripts/gpu_validate.sh`` and ``scripts/slurm/``
-are shell entry points.
+are shell entry points. One-off probes behind published measurements: benchmarks/probes/.
 """

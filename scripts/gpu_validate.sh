@@ -40,7 +40,7 @@ case "${1:-single}" in
     echo "compare_backends rc=$? in $(( $(date +%s) - start )) s"; cat "$out/compare_backends/compare.md" 2>/dev/null || tail -n 30 "$out/compare_backends.log" ;;
   first)
     start=$(date +%s)
-    timeout 400 $py -m scripts.bench_first_export --out "$out/first_export" > "$out/first_export.log" 2>&1
+    timeout 400 $py -m benchmarks.probes.bench_first_export --out "$out/first_export" > "$out/first_export.log" 2>&1
     echo "bench_first_export rc=$? in $(( $(date +%s) - start )) s"; cat "$out/first_export/first_export.md" 2>/dev/null || tail -n 30 "$out/first_export.log" ;;
   save)
     start=$(date +%s)
@@ -49,7 +49,7 @@ case "${1:-single}" in
       --scratch "${SCRATCH:-/tmp/bench-save}" > "$out/bench_save.log" 2>&1
     echo "bench_save rc=$? in $(( $(date +%s) - start )) s"; cat "$out/bench_save/bench_save.md" 2>/dev/null || tail -n 40 "$out/bench_save.log"
     start=$(date +%s)
-    timeout 300 $py -m torch.distributed.run --standalone --nproc_per_node=2 -m scripts.bench_recipe_overhead \
+    timeout 300 $py -m torch.distributed.run --standalone --nproc_per_node=2 -m benchmarks.probes.bench_recipe_overhead \
       --out "$out/recipe_overhead" > "$out/recipe_overhead.log" 2>&1
     echo "bench_recipe_overhead rc=$? in $(( $(date +%s) - start )) s"; cat "$out/recipe_overhead/bench_recipe_overhead.md" 2>/dev/null || tail -n 40 "$out/recipe_overhead.log" ;;
   multi)

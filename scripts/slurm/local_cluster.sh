@@ -3,8 +3,8 @@
 #   bash scripts/slurm/local_cluster.sh install   # apt-get install slurmctld slurmd slurm-client munge
 #   bash scripts/slurm/local_cluster.sh start     # key, config, daemons; waits until the node is idle
 #   bash scripts/slurm/local_cluster.sh stop      # stops the daemons this script started
-# Steps as verified in ../shared/slurm/README.md (Slurm 22.05, munge 0.5). cred_expire=10 (Slurm's default: 120)
-# is also how long a requeued job waits before it starts again.
+# Steps as verified in ../shared/slurm/README.md (Slurm 22.05, munge 0.5). A requeued job starts again after
+# cred_expire (10 s; Slurm's default: 120) at the next pass of the main scheduler (sched_interval: 2 s; default 60).
 set -euo pipefail
 state=/run/optim-factory-slurm
 case "${1:-}" in
@@ -32,6 +32,7 @@ SlurmctldHost=${host}
 SlurmUser=root
 AuthType=auth/munge
 AuthInfo=cred_expire=10
+SchedulerParameters=sched_interval=2
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
 SlurmctldPidFile=/run/slurmctld.pid

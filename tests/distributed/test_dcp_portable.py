@@ -13,6 +13,8 @@ import pytest
 from tests.distributed import workers
 from tests.distributed.launch import spawn_checks
 
+pytestmark = pytest.mark.slow  # spawned ranks
+
 RESHARD = ["bf16-params-bf16-moments-fp32-master", "fp32-params-fp32-states", "bf16-moments-kept-bf16"]
 ONE_TO_TWO = "bf16-params-bf16-moments-fp32-master"
 

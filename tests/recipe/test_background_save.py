@@ -99,6 +99,7 @@ def test_a_non_finite_deferred_export_is_refused_when_the_save_is_finalised(tmp_
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [".lock"]  # the run's lock only
 
 
+@pytest.mark.slow
 def test_a_non_finite_deferred_export_is_refused_on_both_of_two_ranks(tmp_path):
     proc = run_cli(
         [*QUICK, f"run_dir={tmp_path}", "optim.lr=1e39", "checkpoint.every_steps=1", *BACKGROUND], torchrun=2

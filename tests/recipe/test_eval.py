@@ -97,6 +97,7 @@ def _worker(rank: int, world: int) -> None:
         get_optimizer_state_dict(sharded, opt)
 
 
+@pytest.mark.slow
 def test_two_fsdp_ranks_evaluate_like_one():
     spawn(_worker, 2)
 

@@ -28,17 +28,9 @@ def _run(run_dir, *extra):
     return train(compose_config([*QUICK, f"run_dir={run_dir}", *extra]))
 
 
-@pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory):
-    """A finished quick run with complete checkpoints at steps 10 and 20 (copied per test)."""
-    run_dir = tmp_path_factory.mktemp("two")
-    _run(run_dir, "checkpoint.keep_last=0")
-    assert complete_steps(run_dir) == [10, 20]
-    return run_dir
-
-
 @pytest.fixture
 def run_dir(two_checkpoints, tmp_path):
+    """A copy of the quick job's finished run with checkpoints at steps 10 and 20 (tests/recipe/conftest.py)."""
     shutil.copytree(two_checkpoints, tmp_path / "run")
     return tmp_path / "run"
 
@@ -307,6 +299,7 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [".lock"]  # the run's lock only
 
 
+@pytest.mark.slow
 def test_two_rank_checkpoint_verifies_on_one_and_two_ranks(tmp_path):
     """Files do not depend on the world size: a 2-rank checkpoint verifies on 1 rank (which reads rank 1's file
     too), and 2 ranks share the verification (rank 1 checks __0_0.distcp; both ranks stop with the same line)."""

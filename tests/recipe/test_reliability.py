@@ -20,6 +20,7 @@ from recipes.train import compose_config, shard_model, train
 from tests.recipe.runs import QUICK, ROOT, complete_steps, snapshot
 
 
+@pytest.mark.slow
 def test_fault_injection_reduced(tmp_path):
     """3 trials per mode of ``python -m scripts.fault_injection`` (the full run is in docs/reliability.md)."""
     out = tmp_path / "table.md"

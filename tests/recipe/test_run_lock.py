@@ -42,6 +42,7 @@ def test_a_launch_from_another_process_is_one_line_with_exit_code_2(tmp_path):
     assert line.startswith(f"run_dir='{run_dir}': another launch is training in it (pid {os.getpid()} on ")
 
 
+@pytest.mark.slow
 def test_every_rank_refuses_a_run_dir_in_use_and_none_waits(tmp_path):
     """Only rank 0 takes the lock: it shares its verdict after the process group is up, so both ranks give the
     line (before, rank 0 alone refused and the others waited in the rendezvous)."""
@@ -53,6 +54,7 @@ def test_every_rank_refuses_a_run_dir_in_use_and_none_waits(tmp_path):
     assert len(refusals) == 2, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_two_ranks_without_checkpoints_start_in_a_fresh_run_dir(tmp_path):
     """Was a race: rank 1 read rank 0's launch record as an earlier launch and refused checkpoint.enabled=false."""
     run_dir = tmp_path / "run"

@@ -46,6 +46,7 @@ def fault_train(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_fault_train_kills_inside_the_save_and_refuses_an_unreached_or_bad_point(tmp_path, capsys):
     proc = fault_train(["--kill-at", "marker:10", *QUICK, f"run_dir={tmp_path / 'a'}"])
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]

@@ -76,6 +76,7 @@ def _two_ranks(rank: int, world: int) -> None:
         waiting.restore()
 
 
+@pytest.mark.slow
 def test_two_ranks_agree_a_check_or_two_later_between_checkpoints_and_at_once_when_saving():
     spawn(_two_ranks, 2)
 

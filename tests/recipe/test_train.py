@@ -15,6 +15,7 @@ from recipes.train import compose_config, train
 from tests.recipe.runs import QUICK, cli, metrics, run_cli, snapshot
 
 
+@pytest.mark.slow
 def test_default_run_learns_checkpoints_and_resumes(tmp_path):
     """The README's first command, as a process (its exit code), then resumed in this process for 20 more steps."""
     run_dir = tmp_path / "run"
@@ -132,13 +133,6 @@ def _assert_untouched(before: dict, path: Path) -> None:
     assert snapshot(path) == before
 
 
-@pytest.fixture(scope="module")
-def existing_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("existing")
-    train(compose_config([*QUICK, f"run_dir={run_dir}", "trainer.max_steps=10"]))
-    return run_dir
-
-
 @pytest.mark.parametrize(
     "overrides,error,fragment",
     [
@@ -162,13 +156,13 @@ def existing_run(tmp_path_factory):
         "never-over-existing",
     ],
 )
-def test_bad_input_fails_before_training_and_touches_nothing(existing_run, overrides, error, fragment):
-    before = snapshot(existing_run)
+def test_bad_input_fails_before_training_and_touches_nothing(run_at_step_10, overrides, error, fragment):
+    before = snapshot(run_at_step_10)
     with pytest.raises(error) as info:
-        train(compose_config([*QUICK, f"run_dir={existing_run}", *overrides]))
+        train(compose_config([*QUICK, f"run_dir={run_at_step_10}", *overrides]))
     assert fragment in str(info.value) and "\n" not in str(info.value)
     assert not dist.is_initialized()
-    _assert_untouched(before, existing_run)
+    _assert_untouched(before, run_at_step_10)
 
 
 def test_unwritable_checkpoint_dir(tmp_path):
@@ -208,6 +202,7 @@ def test_token_file_trains(tmp_path):
     assert summary["end_step"] == 5 and summary["last_loss"] is not None
 
 
+@pytest.mark.slow
 def test_cli_unknown_override_and_user_error_are_short(tmp_path):
     """A refusal as the shell sees it: exit code 2 and one line on stderr, from Hydra's composition and from the
     recipe's own checks (every other refusal: through ``main`` in this process, tests/recipe/test_config_errors.py)."""

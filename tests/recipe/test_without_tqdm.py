@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.recipe.runs import QUICK, ROOT
 
 
+@pytest.mark.slow
 def test_recipe_trains_and_saves_without_tqdm(tmp_path):
     shim = tmp_path / "shim"
     shim.mkdir()

@@ -101,6 +101,7 @@ def test_cli_refuses_unknown_configuration_and_has_help(capsys):
     assert e.value.code == 0 and "--max-rel" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_runs_as_a_module_without_pythonpath():
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -139,7 +139,7 @@ class UnstageWorkers:
 
     ``threads`` threads that make CUDA ``device`` current first (``None`` or not CUDA: plain threads), all started
     here, before any export, and kept idle between exports until :meth:`close`. Started by the export itself, the
-    12 threads of an H200's first export took 15 of its 125 ms (``scripts/trace_first_export.py``,
+    12 threads of an H200's first export took 15 of its 125 ms (``benchmarks/probes/trace_first_export.py``,
     benchmarks/results/2026-12-01-h200-sixth/). Several stagers may use one set of workers, one after the other
     or at once. In a forked child the threads do not exist: :attr:`alive` is false there, make new ones.
     """

@@ -1,7 +1,7 @@
 """BF16 states kept as BF16 against the FP32 export, in one run: bytes, export, save and load times.
 
-    python -m scripts.bench_keep_bf16 --out DIR                 # CUDA + TE (optim_factory.FusedAdam)
-    python -m scripts.bench_keep_bf16 --backend portable --numel 1M --tensors 4 --out DIR   # CPU smoke run
+    python -m benchmarks.probes.bench_keep_bf16 --out DIR                 # CUDA + TE (optim_factory.FusedAdam)
+    python -m benchmarks.probes.bench_keep_bf16 --backend portable --numel 1M --tensors 4 --out DIR   # CPU smoke run
 
 The optimizer: BF16 parameters, FP32 master weights, BF16 moments (the low-memory preset without remainders),
 exported chunked into reused host buffers (the recipe's path), prepared before the first export. Each variant

@@ -2,9 +2,9 @@
 item 2)? One run decides between the export's staging ring as it is, the ring with one event-waiting thread, and
 no staging at all (the destination faulted in and pinned in place in pieces, DMA straight into it).
 
-    python -m scripts.bench_host_copy --out DIR                                   # 1 GPU
-    torchrun --nproc_per_node=2 -m scripts.bench_host_copy --out DIR              # 2 concurrent ranks, 1 GPU each
-    python -m scripts.bench_host_copy --out DIR --device cpu                      # smoke test: small sizes
+    python -m benchmarks.probes.bench_host_copy --out DIR                                   # 1 GPU
+    torchrun --nproc_per_node=2 -m benchmarks.probes.bench_host_copy --out DIR  # 2 concurrent ranks, 1 GPU each
+    python -m benchmarks.probes.bench_host_copy --out DIR --device cpu                      # smoke test: small sizes
 
 Each process (rank) fills a ``--mib`` MiB device tensor with an ``int32`` arange and, per trial, copies it in
 ``--chunk-mib`` chunks into a fresh ``host_empty`` destination, checks one ``int32`` in every 1021 (so every
@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks.probes.bench_first_export import link, rss, sync
 from optim_factory.optimizers.export.host_memory import (
     fault_in,
     host_empty,
@@ -57,7 +58,6 @@ from optim_factory.optimizers.export.host_memory import (
 )
 from optim_factory.optimizers.export.staging import SLOT_BYTES, Stager, unstage_threads
 from scripts import cli_args
-from scripts.bench_first_export import link, rss, sync
 
 M = 1 << 20
 HUGE = 2 * M  # fault-in slices are whole huge pages: two threads never fault the same one
@@ -398,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         stem = f"host_copy_{ranks}rank"
         launcher = f"torchrun --nproc_per_node={ranks}" if ranks > 1 else "python"
-        command = f"{launcher} -m scripts.bench_host_copy " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = f"{launcher} -m benchmarks.probes.bench_host_copy " + " ".join(
+            argv if argv is not None else sys.argv[1:]
+        )
         with open(out_dir / f"{stem}.jsonl", "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")

@@ -1,8 +1,8 @@
 """The first export of a fresh process without a pinned pool, against the pinned link (issue 17, item 2).
 
-    python -m scripts.bench_first_export --out DIR                 # 1 GPU, then 2 concurrent ranks (cuda:0, cuda:1)
-    python -m scripts.bench_first_export --out DIR --ranks 1       # one GPU only
-    python -m scripts.bench_first_export --out DIR --device cpu    # smoke test: small sizes, "link" = host memcpy
+    python -m benchmarks.probes.bench_first_export --out DIR  # 1 GPU, then 2 concurrent ranks (cuda:0, cuda:1)
+    python -m benchmarks.probes.bench_first_export --out DIR --ranks 1       # one GPU only
+    python -m benchmarks.probes.bench_first_export --out DIR --device cpu  # smoke test: small, "link" = memcpy
 
 Every trial runs in fresh processes (multiprocessing spawn), one per rank, started together (a barrier before
 each timed part). Each process:
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     opts = dict(device=args.device, gib=gib, chunk_mib=args.chunk_mib, timeout=args.timeout)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    command = "python -m scripts.bench_first_export " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.probes.bench_first_export " + " ".join(argv if argv is not None else sys.argv[1:])
     rows: list[dict] = []
     with open(out_dir / "first_export.jsonl", "a") as f:
         for ranks in ranks_list:

@@ -1,7 +1,7 @@
 """What host memory costs on this machine: the numbers behind the streaming export's design choices.
 
-    python -m scripts.probe_host_memory [--gib 2]     # CUDA machine; prints a markdown table
-    python -m scripts.probe_host_memory --stall [--backend te]   # training steps during background pinning
+    python -m benchmarks.probes.probe_host_memory [--gib 2]     # CUDA machine; prints a markdown table
+    python -m benchmarks.probes.probe_host_memory --stall [--backend te]   # training steps during background pinning
 
 In one fresh process, for --gib GiB: first touch of fresh pageable memory (4 KiB pages vs transparent huge
 pages, torch's parallel fill), host memcpy into fresh and into reused memory, pinning by allocation

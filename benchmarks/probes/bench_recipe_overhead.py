@@ -1,8 +1,8 @@
 """The recipe's training step against a bare FSDP2 loop, interleaved in one process; and the per-step stop check.
 
-    torchrun --nproc_per_node=2 -m scripts.bench_recipe_overhead --out DIR     # 2 GPUs (the GPU preset)
-    torchrun --nproc_per_node=2 -m scripts.bench_recipe_overhead --device cpu --out DIR   # gloo, the tiny model
-    python -m scripts.bench_recipe_overhead --device cpu --out DIR             # one process (no all-reduce)
+    torchrun --nproc_per_node=2 -m benchmarks.probes.bench_recipe_overhead --out DIR     # 2 GPUs (the GPU preset)
+    torchrun --nproc_per_node=2 -m benchmarks.probes.bench_recipe_overhead --device cpu --out DIR  # gloo, tiny model
+    python -m benchmarks.probes.bench_recipe_overhead --device cpu --out DIR             # one process (no all-reduce)
 
 One model (built, sharded with FSDP2 and given its optimizer by the recipe's own functions: ``preflight``,
 ``build_model``, ``shard_model``, ``build_optimizer``) is trained by four loops in turn, on the same batches
@@ -315,7 +315,9 @@ def main(argv: list[str] | None = None) -> None:
     launcher = f"torchrun --nproc_per_node={env.world_size}" if env.world_size > 1 else "python"
     meta = {
         "kind": "meta",
-        "command": " ".join([launcher, "-m", "scripts.bench_recipe_overhead", *map(shlex.quote, sys.argv[1:])]),
+        "command": " ".join(
+            [launcher, "-m", "benchmarks.probes.bench_recipe_overhead", *map(shlex.quote, sys.argv[1:])]
+        ),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "hardware": _hardware(device, env.world_size),
         **_versions(),

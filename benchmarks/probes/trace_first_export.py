@@ -1,9 +1,9 @@
 """Where the first export of a fresh process spends its time (issue 17, item 2): a timeline of the staging ring.
 
-    python -m scripts.trace_first_export --out DIR [--ranks 1 2] [--variants base,t16,nt] [--repeats 2]
-    python -m scripts.trace_first_export --out DIR --ranks 2 --same-device     # two ranks on one GPU
+    python -m benchmarks.probes.trace_first_export --out DIR [--ranks 1 2] [--variants base,t16,nt] [--repeats 2]
+    python -m benchmarks.probes.trace_first_export --out DIR --ranks 2 --same-device     # two ranks on one GPU
 
-A diagnostic, not a benchmark of record (``scripts/bench_first_export.py`` is that). Each trial runs fresh
+A diagnostic, not a benchmark of record (``benchmarks/probes/bench_first_export.py`` is that). Each trial runs fresh
 processes as that benchmark does (same optimizer, same sizes, one per rank, started together), and records, for
 the export's staging (``optim_factory.optimizers.export.staging``), by wrapping its functions in the child
 process only:
@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.probes.bench_first_export import build, link, spawn_ranks, sync
 from optim_factory.optimizers.export import ExportOptions
 from optim_factory.optimizers.export.staging import unstage_threads
 from scripts import cli_args
-from scripts.bench_first_export import build, link, spawn_ranks, sync
 
 M = 1 << 20
 NT_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x100000"

@@ -1,7 +1,7 @@
 """What checkpoint checksums cost: hash throughput, and DCP save time with and without them on a large state.
 
-    python scripts/bench_checksum.py                       # 1.07 GB state, 3 repeats
-    python scripts/bench_checksum.py --gb 2 --repeats 5 --dir /some/disk
+    python -m benchmarks.probes.bench_checksum                       # 1.07 GB state, 3 repeats
+    python -m benchmarks.probes.bench_checksum --gb 2 --repeats 5 --dir /some/disk
 
 1. Throughput (GB/s) of XXH3-64 (what recipes/integrity.py uses) and, for comparison, XXH3-128, zlib's crc32
    and adler32, hashlib's blake2b and sha256, over a 256 MiB buffer (best of 3).
@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: the repository root
 from optim_factory.optimizers.export import all_finite  # noqa: E402
 from recipes.integrity import ChecksumFileSystemWriter, file_problem  # noqa: E402
 from scripts import cli_args  # noqa: E402

@@ -1,0 +1,148 @@
+"""Does the test suite catch these mutations? Each is one textual change to the code at a git revision; the suite
+runs once per mutation (``-x``: the first failing test is enough), in a copy of that revision.
+
+    python benchmarks/mutants.py --rev HEAD --out benchmarks/results/<folder>/mutants-HEAD.md [-- pytest args]
+
+A mutation whose text is not found exactly once at that revision is reported as not applicable. The list and the
+results of the last measurement: docs/testing.md ("Mutations").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (name, file, text, replacement)
+MUTANTS = [
+    (
+        "capturable step ignores its lr tensor (steps with TE's default lr)",
+        "optim_factory/optimizers/portable.py",
+        "lr = lr.to(device=g.device, dtype=torch.float32) if isinstance(lr, torch.Tensor) else _f32(lr)",
+        "lr = torch.tensor(1e-3, device=g.device) if isinstance(lr, torch.Tensor) else _f32(lr)",
+    ),
+    (
+        "eps inside the square root",
+        "optim_factory/optimizers/kernel_math.py",
+        "    denom = sqrt(v * rcp(bc2)) + eps\n",
+        "    denom = sqrt(v * rcp(bc2) + eps)\n",
+    ),
+    (
+        "AdamW's decoupled weight decay dropped",
+        "optim_factory/optimizers/kernel_math.py",
+        "        update = fma(p, decay, update)\n",
+        "        update = update\n",
+    ),
+    (
+        "streamed export forgets the per-tensor scale (FP16/FP8 states)",
+        "optim_factory/optimizers/export/stream.py",
+        "    if piece.item.scale is not None:\n        out.mul_(piece.item.scale)",
+        "    if False:\n        out.mul_(piece.item.scale)",
+    ),
+    (
+        "state_dict_keep_bf16 ignored by the streamed export (BF16 exported as FP32)",
+        "optim_factory/optimizers/export/stream.py",
+        "kept = source.dtype == torch.int16 or (keep_bf16 and source.dtype == torch.bfloat16 and scale is None)",
+        "kept = source.dtype == torch.int16",
+    ),
+    (
+        "load_state_dict takes NaN/inf states",
+        "optim_factory/optimizers/export/contract.py",
+        "    if not all_finite(t for _, t in checked):",
+        "    if False:",
+    ),
+    (
+        "load_state_dict takes a negative exp_avg_sq",
+        "optim_factory/optimizers/export/contract.py",
+        "    if not all_non_negative(t for _, t in second):",
+        "    if False:",
+    ),
+    (
+        "verification ignores a checksum mismatch",
+        "recipes/integrity.py",
+        "    if digest != record.get(ALGORITHM):",
+        "    if False:",
+    ),
+    (
+        "keep_last keeps one checkpoint too many",
+        "recipes/checkpoint.py",
+        "done[: max(0, len(done) - self.cfg.keep_last)]",
+        "done[: max(0, len(done) - self.cfg.keep_last - 1)]",
+    ),
+    (
+        "keep_last may delete the newest verified checkpoint",
+        "recipes/checkpoint.py",
+        "if self.verified is not None and path.resolve() == self.verified.resolve():",
+        "if False:",
+    ),
+]
+
+
+def _export(rev: str, dest: Path) -> None:
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+
+
+def run(rev: str, pytest_args: list[str]) -> list[dict]:
+    rows = []
+    for name, file, text, replacement in MUTANTS:
+        with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
+            tree = Path(tmp)
+            _export(rev, tree)
+            path = tree / file
+            source = path.read_text() if path.exists() else ""
+            if source.count(text) != 1:
+                rows.append(dict(name=name, file=file, result="not applicable", seconds=0.0, first_failure=""))
+                continue
+            path.write_text(source.replace(text, replacement))
+            env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+            cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *pytest_args]
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+            seconds = time.perf_counter() - t0
+            failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+            result = "caught" if proc.returncode == 1 and failed else "missed" if proc.returncode == 0 else "error"
+            if result == "error":
+                failed = [proc.stdout[-300:] + proc.stderr[-300:]]
+            rows.append(dict(name=name, file=file, result=result, seconds=seconds, first_failure=(failed or [""])[0]))
+        print(f"{rows[-1]['result']:>14}  {name}  ({rows[-1]['seconds']:.0f} s)", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rev", default="HEAD", help="the git revision to mutate (default: HEAD)")
+    ap.add_argument("--out", type=Path, help="a Markdown table of the results")
+    ap.add_argument("pytest_args", nargs="*", help="after --: arguments for pytest")
+    args = ap.parse_args(argv)
+    commit = subprocess.run(["git", "rev-parse", "--short", args.rev], cwd=ROOT, capture_output=True, text=True)
+    rows = run(args.rev, args.pytest_args)
+    caught = sum(r["result"] == "caught" for r in rows)
+    lines = [
+        f"# Mutations at {commit.stdout.strip()}: {caught} of {len(rows)} caught",
+        "",
+        f"- command: `python benchmarks/mutants.py --rev {args.rev} -- {' '.join(args.pytest_args)}`",
+        f"- date: {time.strftime('%Y-%m-%d')}",
+        "",
+        "| mutation | file | result | first failing test | seconds |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        first = r["first_failure"].replace("|", "\\|")[:160]
+        lines.append(f"| {r['name']} | `{r['file']}` | {r['result']} | {first} | {r['seconds']:.0f} |")
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""Suite-wide test configuration.
+
+The README's command runs the suite on two pytest-xdist workers, a test file to a worker (``-n 2 --dist
+loadfile``: a module's fixtures, such as the local Slurm cluster of tests/recipe/test_launchers.py, live in one
+process). The tests marked ``slow`` (each starts processes of its own) come first, so that their files are handed
+out before the quick ones and no long file is left running alone at the end.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def pytest_collection_modifyitems(items) -> None:
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the slow ones first, in order
+
+
+def pytest_configure(config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each (no OpenMP spinning)
+        torch.set_num_threads(1)
