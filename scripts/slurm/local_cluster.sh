@@ -26,6 +26,7 @@ case "${1:-}" in
     fi
     host=$(hostname -s)
     mem=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
+    cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc obeys OMP_NUM_THREADS (a test's 1)
     cat > /etc/slurm/slurm.conf <<CONF
 ClusterName=optimfactory
 SlurmctldHost=${host}
@@ -45,10 +46,10 @@ ReturnToService=2
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
 JobRequeue=1
-NodeName=${host} CPUs=$(nproc) RealMemory=${mem} State=UNKNOWN
+NodeName=${host} CPUs=${cpus} RealMemory=${mem} State=UNKNOWN
 PartitionName=debug Nodes=${host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
-    pgrep -x slurmctld >/dev/null || /usr/sbin/slurmctld
+    pgrep -x slurmctld >/dev/null || /usr/sbin/slurmctld -c  # -c: no jobs left from an earlier start
     pgrep -x slurmd >/dev/null || /usr/sbin/slurmd
     for _ in $(seq 1 30); do
       if sinfo -h -o %T 2>/dev/null | grep -qE "idle|mixed|allocated"; then echo "slurm up: $(sinfo -h -o '%P %D %T')"; exit 0; fi
