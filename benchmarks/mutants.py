@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # (name, file, text, replacement)
 MUTANTS = [
     (
-        "capturable step ignores its lr tensor (steps with TE's default lr)",
+        "capturable step ignores its group's lr tensor (steps with the constructor's)",
         "optim_factory/optimizers/portable.py",
-        "lr = lr.to(device=g.device, dtype=torch.float32) if isinstance(lr, torch.Tensor) else _f32(lr)",
-        "lr = torch.tensor(1e-3, device=g.device) if isinstance(lr, torch.Tensor) else _f32(lr)",
+        '        lr = group["lr"]\n        lr = lr.to(',
+        '        lr = group["lr"] if not self.capturable else self.defaults["lr"]\n        lr = lr.to(',
     ),
     (
         "eps inside the square root",

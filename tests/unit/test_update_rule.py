@@ -292,6 +292,30 @@ def test_capturable_with_bias_correction_and_another_lr():
     assert 0 < ulps.max().item() <= 4, ulps.max().item()
 
 
+def test_capturable_steps_with_each_group_s_lr_tensor_as_a_scheduler_sets_it():
+    """Two groups with their own lr, scaled every step by LambdaLR (which fills each group's lr tensor in place):
+    the capturable step follows them as the plain one does, to the last bits its lr * u rounding changes."""
+    gen = torch.Generator().manual_seed(11)
+    p0 = [torch.randn(40, generator=gen), torch.randn(24, generator=gen)]
+    grads = [[torch.randn(40, generator=gen), torch.randn(24, generator=gen)] for _ in range(6)]
+
+    def trained(capturable: bool) -> list[torch.Tensor]:
+        params = [torch.nn.Parameter(p.clone()) for p in p0]
+        groups = [{"params": [params[0]], "lr": 3e-3}, {"params": [params[1]], "lr": 2e-2}]
+        opt = PortableFusedAdam(groups, lr=1e-3, weight_decay=0.05, capturable=capturable)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        for g in grads:
+            for p, grad in zip(params, g):
+                p.grad = grad.clone()
+            opt.step()
+            schedule.step()
+        return [p.detach() for p in params]
+
+    for got, plain in zip(trained(True), trained(False)):
+        ulps = (got.view(torch.int32).long() - plain.view(torch.int32).long()).abs()
+        assert ulps.max().item() <= 4, ulps.max().item()  # the FMUL + FADD rounding: measured <= 1 ulp
+
+
 def test_l2_mode_with_bf16_params_decays_the_fp32_master():
     gen = torch.Generator().manual_seed(6)
     grads = [[torch.randn(48, generator=gen)] for _ in range(10)]
