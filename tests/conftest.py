@@ -13,8 +13,9 @@ import os
 import torch
 
 
-def pytest_collection_modifyitems(items) -> None:
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the slow ones first, in order
+def pytest_collection_modifyitems(config, items) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # in one process the order stays the files' (unit tests first)
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the slow ones first
 
 
 def pytest_configure(config) -> None:
