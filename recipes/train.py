@@ -620,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     if error:
         _refuse(error)
     saved_argv, saved_full_error = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
-    saved_hydra_cfg = HydraConfig.instance().cfg  # the job's, once _task ran: ${hydra:...} resolves against it
+    saved_hydra_cfg = HydraConfig.instance().cfg  # put back after the job: ${hydra:...} would resolve against it
     sys.argv = [saved_argv[0] if saved_argv else "train.py", *argv]  # hydra.main parses sys.argv
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:

@@ -1,7 +1,7 @@
 """Suite-wide test configuration.
 
 The README's command runs the suite on two pytest-xdist workers, a test file to a worker (``-n 2 --dist
-loadfile``: a module's fixtures, such as the local Slurm cluster of tests/recipe/test_launchers.py, live in one
+loadfile``: a module's fixtures, such as the local Slurm cluster of tests/recipe/test_slurm.py, live in one
 process). The tests marked ``slow`` (each starts processes of its own) come first, so that their files are handed
 out before the quick ones and no long file is left running alone at the end.
 """

@@ -110,7 +110,7 @@ def measure(opt, keep: bool, root: Path, repeats: int, device: torch.device) -> 
     )
 
 
-def main(argv: list[str] | None = None) -> None:
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=["te", "portable"], default="te")
     ap.add_argument("--tensors", type=cli_args.positive_int, default=64)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--scratch", type=cli_args.out_dir, default=None, help="where checkpoints are written (default: a temp dir)"
     )
-    args = ap.parse_args(argv)
+    args = ap.parse_args()
     if args.backend == "te":
         cli_args.require_te(ap, "--backend te")
     device = torch.device("cuda" if args.backend == "te" or torch.cuda.is_available() else "cpu")

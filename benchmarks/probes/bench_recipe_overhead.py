@@ -228,7 +228,7 @@ def _token_file(folder: Path, vocab: int) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> None:
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--out", type=cli_args.out_dir, required=True, help="folder for bench_recipe_overhead.jsonl and .md (rank 0)"
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         "--loops", default=",".join(LOOPS), help=f"loops to time, bare first (from {','.join(LOOPS + PARTS)})"
     )
     ap.add_argument("overrides", nargs="*", help="recipe overrides, after the preset's (e.g. model.n_layers=6)")
-    args = ap.parse_args(argv)
+    args = ap.parse_args()
     loops_run = tuple(args.loops.split(","))
     if loops_run[0] != "bare" or not set(loops_run) <= set(LOOPS + PARTS) or len(set(loops_run)) != len(loops_run):
         ap.error(f"--loops={args.loops!r}: distinct loops from {','.join(LOOPS + PARTS)}, bare first")

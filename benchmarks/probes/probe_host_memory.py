@@ -94,13 +94,13 @@ def stall(backend: str, device: torch.device) -> None:
     report("alone, after", step_times(opt, params, grads, lambda n: n >= 50, device), None)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=cli_args.positive_float, help="the table's size (default 2; not with --stall)")
     ap.add_argument("--stall", action="store_true", help="measure optimizer steps during background pinning")
     ap.add_argument("--backend", choices=("te", "portable"), help="with --stall (default portable)")
     ap.add_argument("--device", type=cli_args.device, help="with --stall (default cuda; cpu: a smoke run)")
-    args = ap.parse_args(argv)
+    args = ap.parse_args()
     if args.stall:  # was: --gib was ignored by --stall (a fixed case), --device and --backend by the table
         if args.gib is not None:
             ap.error("--gib sizes the table; --stall measures the fixed 64x4M case: leave one out")

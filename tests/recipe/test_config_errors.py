@@ -324,6 +324,7 @@ def test_a_refused_sweep_job_is_named(tmp_path):
     """Seen: a sweep re-run with another grid refused job 0 as a finished run with a changed key, without saying
     which job (the later jobs never ran)."""
     sweep = [*QUICK, "trainer.max_steps=2", "trainer.progress=false", f"run_dir={tmp_path}/" + "${hydra:job.num}"]
+    sweep.append(f"hydra.sweep.dir={tmp_path / 'sweep'}")
     first = cli("-m", *sweep, "optim.lr=1e-3,2e-3")
     assert first.returncode == 0, first.stderr[-3000:]
     again = cli("-m", *sweep, "optim.lr=3e-3,4e-3")  # refused after its logging started: the last line

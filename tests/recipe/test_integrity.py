@@ -264,10 +264,12 @@ def test_keep_last_never_deletes_the_newest_verified_checkpoint(run_dir):
     assert summary["resumed_from"].endswith("step_00000015")
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_the_run_before_the_next_save(tmp_path):
     """lr=1e30: the first step moves every weight by ~1e29 (finite, saved at step 1); the second forward
-    overflows, its loss is NaN: one line, exit 2, and no checkpoint of that step or later exists."""
-    proc = cli(*QUICK, f"run_dir={tmp_path}", "optim.lr=1e30", "checkpoint.every_steps=1", "trainer.max_steps=5")
+    overflows, its loss is NaN: one line, exit 2 (a process: a refusal after the process group and a save),
+    and no checkpoint of that step or later exists."""
+    proc = run_cli([*QUICK, f"run_dir={tmp_path}", "optim.lr=1e30", "checkpoint.every_steps=1", "trainer.max_steps=5"])
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: step 2: non-finite loss or gradient norm (NaN/inf); stopped before saving"), last

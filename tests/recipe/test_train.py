@@ -84,6 +84,7 @@ def test_incomplete_newest_checkpoint_is_never_loaded(tmp_path):
     assert (fake / "COMPLETE.json").exists() and not (fake / "left_over.bin").exists()  # removed, then saved anew
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_and_resharding_both_ways(tmp_path):
     two = tmp_path / "two"
     proc = run_cli([*QUICK, f"run_dir={two}", "trainer.max_steps=10"], torchrun=2)
@@ -179,8 +180,9 @@ def test_token_file_trains(tmp_path):
 
 @pytest.mark.slow
 def test_cli_unknown_override_and_user_error_are_short(tmp_path):
-    """A refusal as the shell sees it: exit code 2 and one line on stderr, from Hydra's composition and from the
-    recipe's own checks (every other refusal: through ``main`` in this process, tests/recipe/test_config_errors.py)."""
+    """A refusal as the shell sees it (a process): exit code 2 and exactly one line on stderr, from Hydra's
+    composition; one of the recipe's own checks through ``main`` in this process (the others:
+    tests/recipe/test_config_errors.py; after training started, as a process: tests/recipe/test_integrity.py)."""
     proc = run_cli([f"run_dir={tmp_path}", "optim.no_such_key=1"])
     assert proc.returncode == 2
     assert proc.stderr == "error: optim.no_such_key: not a config key\n"

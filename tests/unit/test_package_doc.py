@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import optim_factory
 from optim_factory.optimizers.te_fused_adam import FusedAdam
 
@@ -22,6 +24,7 @@ def test_help_lists_fused_adam_with_its_docstring():
     assert "FusedAdam" in dir(optim_factory)
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_import_does_not_load_the_te_module_until_fused_adam_is_used():
     code = (
         "import sys, optim_factory; "

@@ -21,6 +21,7 @@ def test_constructing_without_te_raises_one_clear_error():
     assert "transformer_engine" in message and "PortableFusedAdam" in message and "pip install" in message
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_package_imports_without_pulling_in_te():
     code = "import sys, optim_factory; print('transformer_engine' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -19,9 +19,9 @@ import time
 
 import torch
 
+from benchmarks.probes.bench_first_export import build, link, rss
 from optim_factory.optimizers.export import ExportOptions, staging
 from optim_factory.optimizers.export import stream as stream_mod
-from scripts.bench_first_export import build, link, rss
 
 M = 1 << 20
 CONFIGS = [(8, 8), (16, 32), (16, 16), (12, 32), (16, 64)]  # (threads, slot MiB)
