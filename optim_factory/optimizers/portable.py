@@ -23,7 +23,6 @@ FP32; L2 mode adds ``weight_decay * p`` to the gradient, AdamW mode adds it to t
 
 from __future__ import annotations
 
-import struct
 import warnings
 from collections.abc import Iterable
 
@@ -39,8 +38,8 @@ from optim_factory.optimizers.export import (
     split_bf16_remainder,
     wrap_like,
 )
-from optim_factory.optimizers.kernel_math import adam_update, bias_corrections
 from optim_factory.optimizers.rules import PARAM_DTYPES, CheckedParamGroups, check_constructor, own_lr_tensor
+from optim_factory.optimizers.updates import Update, run_updates
 
 __all__ = ["PortableFusedAdam", "FP8_STORAGE_DTYPE"]
 
@@ -48,12 +47,6 @@ FP8_STORAGE_DTYPE = torch.float8_e4m3fn
 _FP8_MAX = 448.0
 _FP16_RANGE = torch.finfo(torch.float16).max / 2.0
 _STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
-_UPDATE_SLICE = 1 << 20  # elements per kernel-arithmetic call (see ``_update_param``)
-
-
-def _f32(x: float) -> float:
-    """Round a Python float to the nearest FP32 value (what a ``const float`` kernel argument receives)."""
-    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Optimizer):
@@ -315,15 +308,14 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
                     inv_scale = grad_scaler._get_scale_async().double().reciprocal().float()
                 if bool(self._dummy_overflow_buf.item() == 1):
                     continue  # the capturable kernels return early on overflow
-            for p in group["params"]:
-                state = self.state[p]
-                remainder = self.store_param_remainders and p.dtype == torch.bfloat16
-                if len(state) == 0:
-                    self.initialize_state(p, remainder)
-                grad = self._grad(p)
-                if grad is None:
-                    continue
-                self._update_param(group, p, local_tensor(grad), remainder, inv_scale)
+            updates = (self._begin_update(p, remainder, inv_scale) for p, remainder in self._params_with_grads(group))
+            run_updates(
+                group,
+                (u for u in updates if u is not None),
+                self._end_update,
+                adam_w_mode=self.adam_w_mode == 1,
+                capturable=self.capturable,
+            )
         return loss
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -354,17 +346,23 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
                         )
                     raise RuntimeError("FusedAdam does not support a mix of float16 and bfloat16 model weights.")
 
-    def _update_param(
-        self,
-        group: dict,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        remainder: bool,
-        inv_scale: torch.Tensor | None,
-    ) -> None:
+    def _params_with_grads(self, group: dict):
+        """``(param, stores remainders)`` for each parameter of ``group`` with a gradient, its state created at
+        its first step."""
+        for p in group["params"]:
+            remainder = self.store_param_remainders and p.dtype == torch.bfloat16
+            if len(self.state[p]) == 0:
+                self.initialize_state(p, remainder)
+            if self._grad(p) is not None:
+                yield p, remainder
+
+    def _begin_update(self, p: torch.Tensor, remainder: bool, inv_scale: torch.Tensor | None) -> Update | None:
+        """The FP32 tensors one parameter's update reads and writes: ``g`` and FP32 copies (or the live FP32
+        tensors) of the parameter or master, ``exp_avg`` and ``exp_avg_sq``; ``None`` for an empty shard."""
         local_p = local_tensor(p)
         if local_p.numel() == 0:
-            return
+            return None
+        grad = local_tensor(self._grad(p))
         g = grad.float()
         if inv_scale is not None:
             g = g * inv_scale
@@ -380,39 +378,17 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
                 r_p = r_p.clone()
         else:
             r_p = local_p.float()
+        return Update(p, local_p, remainder, use_master, (g, r_p, m, v))
 
-        beta1, beta2 = group["betas"]
-        b1, b2 = _f32(beta1), _f32(beta2)
-        step = group["step"]
-        if not group["bias_correction"]:
-            bc1 = bc2 = 1.0
-        elif isinstance(step, torch.Tensor):
-            bc1, bc2 = bias_corrections(b1, b2, step.reshape(()), g.device)
-        else:
-            bc1, bc2 = _f32(1.0 - b1**step), _f32(1.0 - b2**step)
-        lr = group["lr"]
-        lr = lr.to(device=g.device, dtype=torch.float32) if isinstance(lr, torch.Tensor) else _f32(lr)
-        decay, eps = _f32(group["weight_decay"]), _f32(group["eps"])
-        hyper = dict(beta1=b1, beta2=b2, bc1=bc1, bc2=bc2, eps=eps, lr=lr, decay=decay)
-        # Element-wise, so ``r_p``, ``m``, ``v`` (FP32 copies, or the live FP32 tensors) are updated in place, a
-        # slice at a time: each slice's result is computed before it is written. Slices bound the float64
-        # temporaries of the kernel arithmetic (about ten 8-byte values per element) to ``_UPDATE_SLICE``.
-        tensors = (g, r_p, m, v)
-        flat = all(t.is_contiguous() for t in tensors)
-        n = r_p.numel()
-        step_size = _UPDATE_SLICE if flat else max(n, 1)
-        for start in range(0, n, step_size):
-            parts = [t.view(-1)[start : start + step_size] if flat else t for t in tensors]
-            new = adam_update(*parts, **hyper, adam_w_mode=self.adam_w_mode == 1, capturable=self.capturable)
-            for dst, value in zip(parts[1:], new):
-                dst.copy_(value)
-        new_p = r_p
-
-        if use_master and remainder:
+    def _end_update(self, work: Update) -> None:
+        """Store the updated FP32 values in the parameter (and its master or remainder) and the moments."""
+        p, local_p = work.param, work.local
+        new_p, m, v = work.tensors[1:]
+        if work.use_master and work.remainder:
             split_bf16_remainder(new_p, local_p, local_tensor(self.state[p]["master_param"]))
         else:
             local_p.copy_(new_p)
-            if use_master:
+            if work.use_master:
                 self.set_scaled_state(p, "master_param", new_p)
         self._store_moment(p, "exp_avg", m)
         self._store_moment(p, "exp_avg_sq", v)

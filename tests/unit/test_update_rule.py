@@ -395,14 +395,15 @@ SLICED_CONFIGS = {
 
 @pytest.mark.parametrize("name", list(SLICED_CONFIGS))
 def test_update_in_slices_equals_one_call(name, monkeypatch):
-    """The update runs a slice at a time (bounded float64 temporaries): slices of 64 elements (a 1000-element
-    parameter in 16 uneven slices, plus a 33-element one) give bitwise the result of one call over everything."""
-    from optim_factory.optimizers import portable
+    """The update runs a slice at a time, small parameters together (bounded float64 temporaries): slices of 64
+    elements (a 1000-element parameter in 16 uneven slices, plus a 33-element one alone) give bitwise the result
+    of one call over both parameters' concatenated tensors."""
+    from optim_factory.optimizers import updates
 
     dtype, kw = SLICED_CONFIGS[name]
     results = []
     for size in (64, 1 << 30):
-        monkeypatch.setattr(portable, "_UPDATE_SLICE", size)
+        monkeypatch.setattr(updates, "UPDATE_SLICE", size)
         params = make_params(dtype, shapes=[(40, 25), (33,)])
         opt = run_portable(params, 5, **HP, **kw)
         results.append((params, opt.state_dict()))
