@@ -4,13 +4,12 @@
     python -m scripts.fault_injection --trials 2                                      # CI size
     python -m scripts.fault_injection --trials 4 --overrides "optim=fused_adam_lowmem model.dtype=bf16"  # streamed
 
-Per mode (``checkpoint.async_save`` false/true) an uninterrupted reference run is made once. Each trial then
-launches the recipe (20 steps, a checkpoint every 4 steps) through ``scripts/fault_train.py`` and kills it with
-SIGKILL: even trials at a random moment, odd trials at a chosen point of a save (after the export, after DCP
-wrote or started writing, before the completion marker: ``--kill-at``). Then it relaunches until the run
-finishes. A trial fails
-if any launch resumed from a checkpoint that was not complete when it started, or if the final checkpoint
-(model, optimizer and trainer state) is not bitwise equal to the reference.
+Per mode (``checkpoint.async_save`` false/true) an uninterrupted reference run is made once, in this process.
+Each trial then launches the recipe (20 steps, a checkpoint every 4 steps) through ``scripts/fault_train.py``
+and kills it with SIGKILL: even trials at a random moment, odd trials at a chosen point of a save (after the
+export, after DCP wrote or started writing, before the completion marker: ``--kill-at``). Then it relaunches
+until the run finishes. A trial fails if any launch resumed from a checkpoint that was not complete when it
+started, or if the final checkpoint (model, optimizer and trainer state) is not bitwise equal to the reference.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 from recipes.checkpoint import SAVE_PHASES, is_complete, read_checkpoint
+from recipes.train import compose_config, train
 from scripts import cli_args
 
 ROOT = Path(__file__).resolve().parent.parent  # the trainer runs ``-m scripts.fault_train`` from here
@@ -53,12 +53,9 @@ class Trial:
     problem: str = ""
 
 
-def launch(run_dir: Path, mode: str, kill_at: str | None = None) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "scripts.fault_train",
-        *(["--kill-at", kill_at] if kill_at else []),
+def overrides(run_dir: Path, mode: str) -> list[str]:
+    """The recipe's overrides of every launch and of the reference run."""
+    return [
         "experiment=quick",
         "trainer.progress=false",
         "trainer.threads=1",
@@ -69,8 +66,19 @@ def launch(run_dir: Path, mode: str, kill_at: str | None = None) -> subprocess.P
         f"run_dir={run_dir}",
         *OVERRIDES,
     ]
+
+
+def launch(run_dir: Path, mode: str, kill_at: str | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "scripts.fault_train", *(["--kill-at", kill_at] if kill_at else [])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [*cmd, *overrides(run_dir, mode)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def final_state(run_dir: Path, scratch: Path) -> dict:
@@ -143,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overrides", default="", help="extra recipe overrides, space-separated")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
-    if not modes or not set(modes) <= set(MODES):  # was: any other mode ran sync saves under its name
+    if not modes or not set(modes) <= set(MODES):  # another name would run sync saves under it
         ap.error(f"--modes={args.modes!r}: modes from {','.join(MODES)}")
     OVERRIDES[:] = args.overrides.split()
     rng = random.Random(args.seed)
@@ -152,12 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fault-injection-") as tmp:
         work = Path(tmp)
         for mode in modes:
-            ref_dir = work / f"{mode}-reference"
-            ref = launch(ref_dir, mode)
-            _, err = ref.communicate(timeout=300)
-            if ref.returncode != 0:
-                print(err[-3000:], file=sys.stderr)
-                return 2
+            ref_dir = work / f"{mode}-reference"  # uninterrupted, in this process (one thread, as the launches)
+            train(compose_config(overrides(ref_dir, mode)))
             reference = final_state(ref_dir, work)
             for i in range(args.trials):
                 trial = run_trial(mode, i, rng, work, reference)

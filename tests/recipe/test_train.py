@@ -84,26 +84,6 @@ def test_incomplete_newest_checkpoint_is_never_loaded(tmp_path):
     assert (fake / "COMPLETE.json").exists() and not (fake / "left_over.bin").exists()  # removed, then saved anew
 
 
-@pytest.mark.slow
-def test_torchrun_two_ranks_and_resharding_both_ways(tmp_path):
-    two = tmp_path / "two"
-    proc = run_cli([*QUICK, f"run_dir={two}", "trainer.max_steps=10"], torchrun=2)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "world_size=2" in proc.stderr
-    # 2-rank checkpoint → 1 rank (this process)
-    assert train(compose_config([*QUICK, f"run_dir={two}", "trainer.max_steps=20"]))["start_step"] == 10
-    assert "saved by 2 rank(s)" in (two / "train.log").read_text()
-    # 1-rank checkpoint (step 20) → 2 ranks
-    back = run_cli([*QUICK, f"run_dir={two}", "trainer.max_steps=30"], torchrun=2)
-    assert back.returncode == 0, back.stderr[-4000:]
-    assert "saved by 1 rank(s)" in back.stderr
-    reports = [r for r in metrics(two) if r["kind"] == "checkpoint"]
-    assert [r["step"] for r in reports] == [10, 20, 30]
-    for r in reports:  # the bytes of every rank's files (rank 0 reports them)
-        files = [p for p in Path(r["path"]).iterdir() if p.name != "COMPLETE.json"]
-        assert r["written_bytes"] == sum(p.stat().st_size for p in files), r
-
-
 # ------------------------------------------------------------------------------------------------ bad input
 def _assert_untouched(before: dict, path: Path) -> None:
     assert snapshot(path) == before
