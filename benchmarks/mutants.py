@@ -22,10 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # (name, file, text, replacement)
 MUTANTS = [
     (
-        "capturable step ignores its group's lr tensor (steps with the constructor's)",
-        "optim_factory/optimizers/portable.py",
-        '        lr = group["lr"]\n        lr = lr.to(',
-        '        lr = group["lr"] if not self.capturable else self.defaults["lr"]\n        lr = lr.to(',
+        "capturable step ignores its group's lr tensor (steps with the scheduler's initial lr)",
+        "optim_factory/optimizers/updates.py",
+        '    lr = group["lr"]\n    lr = lr.to(',
+        '    lr = group["lr"]\n    lr = torch.as_tensor(group.get("initial_lr", lr)) if isinstance(lr, torch.Tensor) else lr\n'
+        '    lr = lr.to(',
     ),
     (
         "eps inside the square root",

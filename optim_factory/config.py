@@ -133,8 +133,8 @@ class FusedAdamConfig:
     exp_avg_sq_dtype: StateDtype = StateDtype.fp32  # fp32 | fp16 | bf16 | fp8
     use_decoupled_grad: bool = False  # read param.decoupled_grad instead of param.grad
     store_param_remainders: bool = False  # BF16 params + FP32 master: keep only the master's low 16 bits (int16)
-    state_dict_cpu_offload: bool = False  # export to CPU during state_dict(), one FP32 state at a time
-    state_dict_offload_chunk_bytes: Any = None  # null (one state at a time) | bytes | "64MiB": stream in chunks
+    state_dict_cpu_offload: bool = False  # export to CPU during state_dict(), streamed in chunks
+    state_dict_offload_chunk_bytes: Any = None  # the chunk: null (64MiB) | bytes | "64MiB" | 0: one state at a time
     state_dict_offload_reuse_buffers: bool = False  # with chunks: reuse pinned host buffers across checkpoints
     state_dict_offload_pinning: Pinning = Pinning.register  # with reuse: register | alloc | none (CUDA states)
     state_dict_keep_bf16: bool = False  # export BF16 states as BF16 (half the bytes; TE's own class cannot load it)

@@ -87,7 +87,7 @@ class CheckpointConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 2000
+    max_steps: int = 1500
     stop_at: int = 0  # >0: stop after this step (checkpointed) as an interrupted job would; schedule follows max_steps
     warmup_steps: int = 30
     grad_clip: float = 1.0  # 0: off
@@ -95,7 +95,7 @@ class TrainerConfig:
     eval_every: int = 250  # evaluate the held-out data every N steps and at the end; 0: never
     seed: int = 0
     device: Device = Device.auto
-    progress: bool = True
+    progress: bool | None = None  # a tqdm bar on rank 0; null: when stderr is a terminal
     threads: int = 0  # torch intra-op threads on CPU; 0: torch's default
 
 

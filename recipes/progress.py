@@ -2,7 +2,8 @@
 
 tqdm is optional (the ``dev`` extra installs it; the base install does not). Without it the recipe runs the
 same; ``trainer.progress=true`` then logs one warning saying so, and the loop's log lines (every
-``trainer.log_every`` steps) are the progress.
+``trainer.log_every`` steps) are the progress. By default (``trainer.progress=null``) the bar is shown only
+when stderr is a terminal, so that output piped to a file holds log lines, not bar frames.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ class NoBar:
         pass
 
 
-def progress_bar(*, total: int, initial: int, enabled: bool):
-    """A tqdm bar over the steps (shown only when ``enabled``), or a :class:`NoBar` when tqdm is not installed."""
+def progress_bar(*, total: int, initial: int, enabled: bool | None):
+    """A tqdm bar over the steps (shown when ``enabled``; ``None``: when stderr is a terminal), or a
+    :class:`NoBar` when tqdm is not installed."""
     if tqdm is None:
         if enabled:
             log.warning(
@@ -53,4 +55,6 @@ def progress_bar(*, total: int, initial: int, enabled: bool):
                 "progress is in the log lines every trainer.log_every steps"
             )
         return NoBar()
+    if enabled is None:
+        enabled = sys.stderr.isatty()
     return tqdm(total=total, initial=initial, disable=not enabled, desc="train", dynamic_ncols=True, file=sys.stderr)

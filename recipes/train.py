@@ -449,7 +449,7 @@ def _train(
     if start >= end:
         log.info(nothing_to_do(start, end, resumed_from, [], limit))
 
-    bar = progress_bar(total=end, initial=start, enabled=rank == 0 and cfg.trainer.progress)
+    bar = progress_bar(total=end, initial=start, enabled=cfg.trainer.progress if rank == 0 else False)
     train_step = TrainStep(
         model,
         optimizer,

@@ -8,8 +8,9 @@
 Modes:
   default       TE's FusedAdam.state_dict(): every state converted to FP32 on the GPU, all kept until it returns
   default+cpu   the same, then every tensor copied to CPU (what DCP's StateDictOptions(cpu_offload=True) does)
-  offload       state_dict_cpu_offload=True: one state converted, copied to CPU and dropped at a time
-  chunked       + state_dict_offload_chunk_bytes (--chunk-mib): streamed in chunks into fresh pageable memory
+  offload       state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=0: one state converted, copied to
+                CPU and dropped at a time
+  chunked       state_dict_cpu_offload=True (chunks of --chunk-mib): streamed in chunks into fresh pageable memory
                 through a per-export pinned staging ring emptied by host threads, conversion overlapped with
                 the copies on a side stream
   chunked+reuse + state_dict_offload_reuse_buffers: into pooled buffers, released after each export (as the
@@ -163,7 +164,7 @@ def build(case: str, dtype_name: str, backend: str, device: torch.device):
 def configure(opt, mode: str, chunk_bytes: int) -> None:
     chunked = mode in CHUNK_OPTIONS
     reuse, pinning = CHUNK_OPTIONS.get(mode, (False, "register"))
-    options = ExportOptions(mode == "offload" or chunked, chunk_bytes if chunked else None, reuse, pinning)
+    options = ExportOptions(mode == "offload" or chunked, chunk_bytes if chunked else 0, reuse, pinning)
     opt.configure_export(options)
 
 

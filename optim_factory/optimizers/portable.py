@@ -71,9 +71,9 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
         use_decoupled_grad: read gradients from ``param.decoupled_grad`` instead of ``param.grad``.
         store_param_remainders: with BF16 parameters and an FP32 master, store only the master's low 16 bits.
         set_grad_none: deprecated (as in TE); use ``zero_grad(set_to_none=...)``.
-        state_dict_cpu_offload: make ``state_dict()`` export to CPU (one state at a time by default).
-        state_dict_offload_chunk_bytes: stream the CPU export in chunks of at most this many bytes (an int or a
-            size string such as ``"64MiB"``).
+        state_dict_cpu_offload: make ``state_dict()`` export to CPU, streamed in chunks.
+        state_dict_offload_chunk_bytes: the chunks' size in bytes (an int or a size string such as ``"64MiB"``;
+            ``None``: 64 MiB; ``0``: one whole state at a time).
         state_dict_offload_reuse_buffers: export into pooled host buffers (see ``release_state_dict``).
         state_dict_offload_pinning: how pooled buffers of CUDA states are pinned: ``register`` | ``alloc`` |
             ``none`` (see :class:`~optim_factory.optimizers.export.Pinning`).

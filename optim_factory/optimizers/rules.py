@@ -115,7 +115,8 @@ def parse_bytes(value: Any, key: str) -> int | None:
         return value
     if isinstance(value, str) and (m := _SIZE.match(value)):
         return int(m.group(1)) * _UNITS[m.group(2)]
-    raise OptionError(key, value, "expected null (one state at a time), bytes as an int, or a size like 64MiB")
+    allowed = "expected null (the default: 64MiB chunks), 0 (one state at a time), bytes as an int or a size like 64MiB"
+    raise OptionError(key, value, allowed)
 
 
 # ------------------------------------------------------------------------------------------ hyperparameters

@@ -43,13 +43,12 @@ def te_import_error() -> str | None:
 class FusedAdam(OffloadedStateDict, CheckedParamGroups, _TEFusedAdam):  # type: ignore[misc,valid-type]
     """``transformer_engine.pytorch.optimizers.FusedAdam`` plus the keyword-only export options.
 
-    ``state_dict_cpu_offload`` (default ``False``: ``state_dict()`` is TE's own) exports to CPU, one converted
-    FP32 state at a time, so the GPU never holds more than the largest single FP32 state.
-    ``state_dict_offload_chunk_bytes`` streams that export in chunks (the GPU holds at most two), overlapping
-    conversion with the device-to-host copies; ``state_dict_offload_reuse_buffers`` exports into pooled
-    host buffers that ``release_state_dict()`` gives back, pinned as ``state_dict_offload_pinning`` says;
-    ``state_dict_offload_background`` fills a chunked export on a background thread, which ``step()`` waits for
-    (see :mod:`optim_factory.optimizers.export`).
+    ``state_dict_cpu_offload`` (default ``False``: ``state_dict()`` is TE's own) exports to CPU, streamed in
+    chunks of ``state_dict_offload_chunk_bytes`` (64 MiB by default; the GPU holds at most two, and conversion
+    overlaps the device-to-host copies; ``0``: one converted FP32 state at a time);
+    ``state_dict_offload_reuse_buffers`` exports into pooled host buffers that ``release_state_dict()`` gives
+    back, pinned as ``state_dict_offload_pinning`` says; ``state_dict_offload_background`` fills a chunked export
+    on a background thread, which ``step()`` waits for (see :mod:`optim_factory.optimizers.export`).
     Everything else, including the CUDA kernels of ``step()``, is TE's.
 
     The constructor also takes dtypes as strings (``bf16``, ``torch.bfloat16``, ``fp8`` ...) and sizes as

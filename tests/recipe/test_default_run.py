@@ -1,4 +1,4 @@
-"""The README's first command: the default job (2000 steps on the embedded addition task) as a process."""
+"""The README's first command: the default job (1500 steps on the embedded addition task) as a process."""
 
 from __future__ import annotations
 
@@ -13,22 +13,22 @@ from tests.recipe.runs import metrics, run_cli
 def test_default_run_learns_checkpoints_and_resumes(tmp_path):
     """The README's first command, as a process (its exit code), then resumed in this process for 20 more steps."""
     run_dir = tmp_path / "run"
-    proc = run_cli([f"run_dir={run_dir}", "trainer.progress=false"])
+    proc = run_cli([f"run_dir={run_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = metrics(run_dir)
     train_recs = [r for r in recs if r["kind"] == "train"]
     ckpts = [r for r in recs if r["kind"] == "checkpoint"]
     assert train_recs[-1]["loss"] < 0.5 * train_recs[0]["loss"], (train_recs[0], train_recs[-1])
     evals = [r for r in recs if r["kind"] == "eval"]
-    assert [r["step"] for r in evals] == [250 * i for i in range(1, 9)]
-    # measured, 1 thread (as here) and 2: 1.000 at step 2000, >= 0.996 from 1250; a 1000-step job: 0.08 and 0.99
+    assert [r["step"] for r in evals] == [250 * i for i in range(1, 7)]
+    # measured, 1 thread (as here) and 2: 1.000 from step 1250 (0.977 and 0.988 at 1000); a 1000-step job: 0.08, 0.99
     assert evals[-1]["accuracy"] >= 0.9, evals
-    assert len(ckpts) >= 2 and ckpts[-1]["step"] == train_recs[-1]["step"] == 2000
+    assert len(ckpts) >= 2 and ckpts[-1]["step"] == train_recs[-1]["step"] == 1500
     for r in ckpts:
         assert r["export_bytes"] > 0 and r["export_s"] > 0 and r["export_gbps"] > 0 and "gpu_peak_mib" in r
     done = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if is_complete(p))
-    assert done[-1] == "step_00002000"
+    assert done[-1] == "step_00001500"
 
-    again = train(compose_config([f"run_dir={run_dir}", "trainer.progress=false", "trainer.max_steps=2020"]))
-    assert again["start_step"] == 2000 and again["resumed_from"].endswith("step_00002000")
-    assert [r for r in metrics(run_dir) if r["kind"] == "train"][-1]["step"] == 2020
+    again = train(compose_config([f"run_dir={run_dir}", "trainer.max_steps=1520"]))
+    assert again["start_step"] == 1500 and again["resumed_from"].endswith("step_00001500")
+    assert [r for r in metrics(run_dir) if r["kind"] == "train"][-1]["step"] == 1520

@@ -3,7 +3,9 @@ same result on 1 and 2 FSDP2 ranks, and the eval records of a run (log, progress
 
 from __future__ import annotations
 
+import io
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -113,6 +115,22 @@ def test_run_reports_eval_in_log_bar_metrics_and_summary(tmp_path):
     assert "acc=" in proc.stderr and "eval_loss=" in proc.stderr  # the progress bar's postfix
     summary = [r for r in metrics(tmp_path) if r["kind"] == "summary"][-1]
     assert {"kind": "eval", **summary["eval"]} == evals[-1]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["piped", "terminal"])
+def test_by_default_the_bar_is_drawn_only_on_a_terminal(terminal, tmp_path, monkeypatch):
+    """``trainer.progress`` unset: piped to a file, stderr holds log lines and no bar frames; on a terminal the
+    bar is drawn."""
+    err = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    summary = train(compose_config([*QUICK, f"run_dir={tmp_path}", "trainer.max_steps=5", "trainer.eval_every=0"]))
+    assert summary["end_step"] == 5
+    assert ("train: " in err.getvalue()) == terminal, err.getvalue()[-2000:]
 
 
 def test_token_file_reports_held_out_loss(tmp_path):

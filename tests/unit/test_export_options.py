@@ -27,10 +27,11 @@ CONSTRUCTOR_NAMES = {
 @pytest.mark.parametrize("cls", [PortableFusedAdam, te_fused_adam.FusedAdam], ids=["portable", "te"])
 def test_constructor_options_are_keyword_only_with_the_options_defaults(cls):
     sig = inspect.signature(cls.__init__)
-    defaults = ExportOptions()
     for kwarg, field in CONSTRUCTOR_NAMES.items():
         assert sig.parameters[kwarg].kind is inspect.Parameter.KEYWORD_ONLY
-        assert sig.parameters[kwarg].default == getattr(defaults, field), kwarg
+        assert sig.parameters[kwarg].default == next(
+            f.default for f in dataclasses.fields(ExportOptions) if f.name == field
+        ), kwarg
     assert set(CONSTRUCTOR_NAMES.values()) == {f.name for f in dataclasses.fields(ExportOptions)}
 
 
@@ -40,11 +41,14 @@ def test_constructor_options_are_keyword_only_with_the_options_defaults(cls):
         (dict(cpu_offload=1), "state_dict_cpu_offload=1: expected True or False"),
         (dict(cpu_offload=False, chunk_bytes=1 << 20), "needs state_dict_cpu_offload=True"),
         (dict(cpu_offload=True, chunk_bytes=8), "state_dict_offload_chunk_bytes=8: expected None"),
-        (dict(cpu_offload=True, reuse_buffers=True), "needs state_dict_offload_chunk_bytes"),
+        (dict(cpu_offload=True, chunk_bytes=-1), "state_dict_offload_chunk_bytes=-1: expected None"),
+        (dict(chunk_bytes=0, reuse_buffers=True), "reuse_buffers=True: needs state_dict_cpu_offload"),
+        (dict(cpu_offload=True, chunk_bytes=0, reuse_buffers=True), "needs state_dict_offload_chunk_bytes != 0"),
         (dict(cpu_offload=True, chunk_bytes=64, reuse_buffers=True, pinning="pinned"), "expected one of register"),
         (dict(cpu_offload=True, chunk_bytes=64, pinning="alloc"), "needs state_dict_offload_reuse_buffers=True"),
         (dict(cpu_offload=True, chunk_bytes=64, background=1), "state_dict_offload_background=1: expected True"),
-        (dict(cpu_offload=True, background=True), "background=True: needs state_dict_offload_chunk_bytes"),
+        (dict(cpu_offload=True, chunk_bytes=0, background=True), "background=True: needs state_dict_offload_chunk"),
+        (dict(background=True), "background=True: needs state_dict_cpu_offload=True"),
     ],
 )
 def test_impossible_options_are_one_line(kwargs, needle):

@@ -136,7 +136,11 @@ def test_backend_choice_is_logged(caplog):
         ({}, "master none, exp_avg fp32, exp_avg_sq fp32; state_dict: on the device, FP32"),
         (
             {"exp_avg_dtype": "bf16", "state_dict_cpu_offload": True},
-            "master none, exp_avg bf16, exp_avg_sq fp32; state_dict: to CPU, one state at a time",
+            "master none, exp_avg bf16, exp_avg_sq fp32; state_dict: to CPU in chunks of 64 MiB, fresh host memory",
+        ),
+        (
+            {"state_dict_cpu_offload": True, "state_dict_offload_chunk_bytes": 0},
+            "master none, exp_avg fp32, exp_avg_sq fp32; state_dict: to CPU, one state at a time",
         ),
         (
             {
@@ -157,7 +161,7 @@ def test_backend_choice_is_logged(caplog):
             "master fp32, exp_avg fp32, exp_avg_sq fp32; state_dict: to CPU in chunks of 1 MiB, fresh host memory",
         ),
     ],
-    ids=["default", "offload-bf16", "everything-fp32-params", "chunked"],
+    ids=["default", "offload-bf16", "per-state", "everything-fp32-params", "chunked"],
 )
 def test_the_states_and_the_export_in_effect_are_logged(cfg, line, caplog):
     """What the built optimizer keeps and exports, from what it was built with (the new-user trial found no line
@@ -237,7 +241,11 @@ MALFORMED = [
     ({"state_dict_cpu_offload": True, "state_dict_offload_chunk_bytes": "64 MB"}, "chunk_bytes='64 MB'"),
     ({"state_dict_cpu_offload": True, "state_dict_offload_chunk_bytes": 8}, "optim.state_dict_offload_chunk_bytes=8: "),
     ({"state_dict_offload_chunk_bytes": "64MiB"}, "needs state_dict_cpu_offload=True"),
-    ({"state_dict_cpu_offload": True, "state_dict_offload_reuse_buffers": True}, "needs state_dict_offload_chunk"),
+    ({"state_dict_offload_reuse_buffers": True}, "optim.state_dict_offload_reuse_buffers=True: needs state_dict_cpu"),
+    (
+        {"state_dict_cpu_offload": True, "state_dict_offload_chunk_bytes": 0, "state_dict_offload_background": True},
+        "optim.state_dict_offload_background=True: needs state_dict_offload_chunk_bytes != 0",
+    ),
     ({"param_groups": {"no_decay": ["("]}}, "optim.param_groups.no_decay[0]='('"),
     ({"param_groups": {"no_decay": [""]}}, "optim.param_groups.no_decay[0]=''"),
     (

@@ -376,7 +376,7 @@ def test_configure_export_starts_and_ends_the_unstaging_threads():
     chunked = opt.export_options
     opt.configure_export(chunked)
     assert len(_unstage_threads_alive() - before) == unstage_threads()
-    opt.configure_export(ExportOptions(cpu_offload=True))  # per state: nothing streams
+    opt.configure_export(ExportOptions(cpu_offload=True, chunk_bytes=0))  # per state: nothing streams
     assert _unstage_threads_alive() == before
     opt.configure_export(ExportOptions(cpu_offload=True, chunk_bytes=4 * M, reuse_buffers=True))
     assert _unstage_threads_alive() == before

@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from optim_factory import PortableFusedAdam
-from optim_factory.optimizers.export import export_state, plan_chunks
+from optim_factory.optimizers.export import DEFAULT_CHUNK_BYTES, StateExporter, export_state, plan_chunks
 from recipes.checkpoint import CheckpointManager, ExportBufferStager, read_checkpoint
 from recipes.config import CheckpointConfig
 from tests.helpers import (
@@ -44,6 +44,27 @@ def _storages(sd: dict) -> set[int]:
 
 def _live_storages(opt) -> set[int]:
     return {local(v).untyped_storage().data_ptr() for st in opt.state.values() for v in st.values() if v.numel()}
+
+
+@pytest.mark.parametrize("name,dtype,kw", [c[:3] for c in LIFECYCLE_CONFIGS], ids=[c[0] for c in LIFECYCLE_CONFIGS])
+def test_cpu_offload_alone_streams_in_64_mib_chunks(name, dtype, kw, monkeypatch):
+    """``state_dict_cpu_offload=True`` with no other export option is the chunked export (64 MiB chunks),
+    bitwise the per-state export; ``state_dict_offload_chunk_bytes=0`` is the per-state export itself."""
+    streamed = []
+    stream = StateExporter.stream
+    monkeypatch.setattr(
+        StateExporter, "stream", lambda self, items, chunk: streamed.append(chunk) or stream(self, items, chunk)
+    )
+    params = make_params(dtype, shapes=SHAPES)
+    opt = PortableFusedAdam(params, **HP, state_dict_cpu_offload=True, **kw)
+    run_steps(opt, params, 0, 3)
+    assert opt.state_dict_offload_chunk_bytes == DEFAULT_CHUNK_BYTES == 64 << 20
+    assert_state_dicts_bitwise(opt.state_dict(), export_state(opt, cpu_offload=True), name)
+    assert streamed == [DEFAULT_CHUNK_BYTES]
+    per_state = PortableFusedAdam(params, **HP, state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=0, **kw)
+    per_state.load_state_dict(opt.state_dict())
+    assert_state_dicts_bitwise(per_state.state_dict(), opt.state_dict(), name)
+    assert streamed == [DEFAULT_CHUNK_BYTES] * 3  # opt's three exports; per_state streamed none
 
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "reuse"])
@@ -133,7 +154,10 @@ def test_unreleased_exports_are_never_overwritten_and_memory_stays_flat():
         (dict(state_dict_offload_chunk_bytes=1 << 20), "needs state_dict_cpu_offload=True"),
         (dict(state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=8), "expected None"),
         (dict(state_dict_cpu_offload=True, state_dict_offload_chunk_bytes="64 MB"), "chunk_bytes='64 MB': expected"),
-        (dict(state_dict_cpu_offload=True, state_dict_offload_reuse_buffers=True), "needs state_dict_offload_chunk"),
+        (
+            dict(state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=0, state_dict_offload_reuse_buffers=True),
+            "needs state_dict_offload_chunk_bytes != 0",
+        ),
         (dict(state_dict_cpu_offload="yes"), "expected True or False"),
     ],
 )

@@ -11,7 +11,7 @@
 from optim_factory.optimizers.export.contract import export_state, load_exported_state, param_index_map
 from optim_factory.optimizers.export.host_memory import HostBufferPool, host_empty
 from optim_factory.optimizers.export.mixin import OffloadedStateDict
-from optim_factory.optimizers.export.options import MIN_CHUNK_BYTES, ExportOptions, Pinning
+from optim_factory.optimizers.export.options import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, ExportOptions, Pinning
 from optim_factory.optimizers.export.stream import StateExporter, plan_chunks
 from optim_factory.optimizers.export.tensors import (
     all_finite,
@@ -28,6 +28,7 @@ __all__ = [
     "param_index_map",
     "ExportOptions",
     "Pinning",
+    "DEFAULT_CHUNK_BYTES",
     "MIN_CHUNK_BYTES",
     "OffloadedStateDict",
     "StateExporter",

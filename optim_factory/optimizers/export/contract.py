@@ -93,7 +93,7 @@ def export_state(
     optimizer: Any,
     *,
     cpu_offload: bool,
-    chunk_bytes: int | None = None,
+    chunk_bytes: int = 0,
     reuse_buffers: bool = False,
     keep_bf16: bool = False,
     exporter: StateExporter | None = None,
@@ -103,7 +103,7 @@ def export_state(
 
     Args:
         optimizer: TE's FusedAdam (or a subclass) or :class:`~optim_factory.PortableFusedAdam`.
-        cpu_offload: export to CPU: one state at a time, or streamed in chunks with ``chunk_bytes``.
+        cpu_offload: export to CPU: one state at a time (``chunk_bytes=0``), or streamed in chunks.
         chunk_bytes: with ``cpu_offload``, stream in chunks of at most this many bytes of converted output.
         reuse_buffers: with ``chunk_bytes``, take host destinations from ``exporter``'s pool (pinned when the
             states are on CUDA); the optimizer's ``release_state_dict`` gives them back.
@@ -119,14 +119,14 @@ def export_state(
     options = ExportOptions(cpu_offload, chunk_bytes, reuse_buffers, keep_bf16=keep_bf16, background=background)
     if (reuse_buffers or background) and exporter is None:
         raise ValueError("reuse_buffers or background: needs the optimizer's own exporter (it owns the buffer pool)")
-    if chunk_bytes is not None and exporter is None:
+    if chunk_bytes and exporter is None:
         with StateExporter(options) as temporary:  # its threads end with this export
             return export_state(
                 optimizer, cpu_offload=cpu_offload, chunk_bytes=chunk_bytes, keep_bf16=keep_bf16, exporter=temporary
             )
     state_dict = torch.optim.Optimizer.state_dict(optimizer)
     id_map = param_index_map(optimizer, state_dict["param_groups"])
-    if chunk_bytes is not None:
+    if chunk_bytes:
         exporter.pool.wait_preparation()  # never race a background prepare for the same slots
     streamed: list[StreamItem] = []
     for key, packed in state_dict["state"].items():
@@ -138,7 +138,7 @@ def export_state(
         for name in packed:
             live = live_state[name]
             item = None
-            if chunk_bytes is not None:
+            if chunk_bytes:
                 item = exporter.item(optimizer, param, key, name, reuse_buffers, keep_bf16)
             if item is not None:
                 streamed.append(item)

@@ -60,7 +60,7 @@ class OffloadedStateDict:
         no export waits for them; other options: end them (the optimizer calls this at the end of
         ``__init__``; :meth:`configure_export` too)."""
         o = self._export_options
-        if not (o.cpu_offload and o.chunk_bytes is not None):
+        if not (o.cpu_offload and o.chunk_bytes):
             self._exporter.close()  # nothing streams: no thread is needed
             return
         devices = {p.device for g in self.param_groups for p in g["params"]}
@@ -87,7 +87,7 @@ class OffloadedStateDict:
         return self._export_options.cpu_offload
 
     @property
-    def state_dict_offload_chunk_bytes(self) -> int | None:
+    def state_dict_offload_chunk_bytes(self) -> int:
         return self._export_options.chunk_bytes
 
     @property

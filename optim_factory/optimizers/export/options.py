@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-__all__ = ["ExportOptions", "Pinning", "MIN_CHUNK_BYTES"]
+__all__ = ["ExportOptions", "Pinning", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES"]
 
-MIN_CHUNK_BYTES = 64  # one aligned piece; real budgets are MiBs (the recipe's preset uses 64 MiB)
+DEFAULT_CHUNK_BYTES = 64 << 20  # the chunk of ``state_dict_cpu_offload=True`` alone: the GPU holds 2 (128 MiB)
+MIN_CHUNK_BYTES = 64  # one aligned piece; real budgets are MiBs
 
 
 class Pinning(str, Enum):
@@ -41,15 +42,17 @@ class ExportOptions:
     """What ``state_dict()`` does (the keyword-only export options of both FusedAdam backends).
 
     Attributes:
-        cpu_offload: export to CPU instead of TE's on-device FP32 copies (one state at a time by default).
+        cpu_offload: export to CPU instead of TE's on-device FP32 copies, streamed in chunks.
         chunk_bytes: with ``cpu_offload``, stream the export in chunks of at most this many bytes of converted
-            data; the accelerator holds at most two chunks. ``None``: one whole state at a time.
-        reuse_buffers: with ``chunk_bytes``, export into pooled host buffers that ``release_state_dict`` gives
+            data; the accelerator holds at most two chunks. ``None`` (the default): ``DEFAULT_CHUNK_BYTES`` with
+            ``cpu_offload``, else 0. ``0``: one whole state at a time (bitwise the same export, with a GPU
+            peak of the largest converted state). After construction an int: 0 when nothing is chunked.
+        reuse_buffers: with a chunked export, export into pooled host buffers that ``release_state_dict`` gives
             back for the next export.
         pinning: with ``reuse_buffers``, how pooled buffers of CUDA states get pinned (:class:`Pinning`).
         keep_bf16: export BF16 states as BF16 (no conversion, half the bytes) instead of FP32; in every mode.
             TE's own class cannot load such an export; both classes of this package can.
-        background: with ``chunk_bytes``, ``state_dict()`` returns at once with the host tensors allocated and a
+        background: with a chunked export, ``state_dict()`` returns at once with the host tensors allocated and a
             background thread fills them (side streams on CUDA); ``step()``, ``load_state_dict()`` and the next
             ``state_dict()`` wait for it, ``wait_state_dict()`` waits and re-raises its failure.
     """
@@ -65,29 +68,26 @@ class ExportOptions:
         _require_bool("state_dict_cpu_offload", self.cpu_offload)
         chunk = self.chunk_bytes
         if chunk is not None:
-            if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < MIN_CHUNK_BYTES:
+            if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0 or 0 < chunk < MIN_CHUNK_BYTES:
                 raise ValueError(
-                    f"state_dict_offload_chunk_bytes={chunk!r}: expected None (one state at a time) "
-                    f"or an int >= {MIN_CHUNK_BYTES} (bytes of converted data per chunk, e.g. 64 MiB = {64 << 20})"
+                    f"state_dict_offload_chunk_bytes={chunk!r}: expected None (the default, "
+                    f"{DEFAULT_CHUNK_BYTES >> 20} MiB), 0 (one state at a time) or an int >= {MIN_CHUNK_BYTES} "
+                    "(bytes of converted data per chunk)"
                 )
-            if not self.cpu_offload:
+            if chunk and not self.cpu_offload:
                 raise ValueError(
                     f"state_dict_offload_chunk_bytes={chunk}: needs state_dict_cpu_offload=True "
                     "(chunked streaming is a mode of the CPU-offloaded export)"
                 )
+        chunk = (DEFAULT_CHUNK_BYTES if self.cpu_offload else 0) if chunk is None else chunk
+        object.__setattr__(self, "chunk_bytes", chunk)
         _require_bool("state_dict_offload_reuse_buffers", self.reuse_buffers)
         _require_bool("state_dict_keep_bf16", self.keep_bf16)
         _require_bool("state_dict_offload_background", self.background)
-        if self.background and chunk is None:
-            raise ValueError(
-                "state_dict_offload_background=True: needs state_dict_offload_chunk_bytes "
-                "(the background export is a mode of the chunked export)"
-            )
-        if self.reuse_buffers and chunk is None:
-            raise ValueError(
-                "state_dict_offload_reuse_buffers=True: needs state_dict_offload_chunk_bytes "
-                "(reusable host buffers belong to the chunked export)"
-            )
+        for key, on in (("background", self.background), ("reuse_buffers", self.reuse_buffers)):
+            if on and not chunk:
+                needs = "state_dict_cpu_offload=True" if not self.cpu_offload else "state_dict_offload_chunk_bytes != 0"
+                raise ValueError(f"state_dict_offload_{key}=True: needs {needs} (a mode of the chunked export)")
         try:
             pinning = Pinning(self.pinning.value if isinstance(self.pinning, Pinning) else self.pinning)
         except ValueError:
@@ -104,7 +104,7 @@ class ExportOptions:
         """What ``state_dict()`` does, in a few words (the factory logs it)."""
         if not self.cpu_offload:
             return "on the device, FP32" + (", BF16 kept" if self.keep_bf16 else "")
-        if self.chunk_bytes is None:
+        if not self.chunk_bytes:
             how = ["to CPU, one state at a time"]
         else:
             how = [f"to CPU in chunks of {self.chunk_bytes / (1 << 20):g} MiB"]
