@@ -25,8 +25,9 @@ MUTANTS = [
         "capturable step ignores its group's lr tensor (steps with the scheduler's initial lr)",
         "optim_factory/optimizers/updates.py",
         '    lr = group["lr"]\n    lr = lr.to(',
-        '    lr = group["lr"]\n    lr = torch.as_tensor(group.get("initial_lr", lr)) if isinstance(lr, torch.Tensor) else lr\n'
-        '    lr = lr.to(',
+        '    lr = group["lr"]\n'
+        '    lr = torch.as_tensor(group.get("initial_lr", lr)) if isinstance(lr, torch.Tensor) else lr\n'
+        "    lr = lr.to(",
     ),
     (
         "eps inside the square root",

@@ -160,12 +160,14 @@ OPTIM_SCHEMAS: dict[str, type] = {"fused_adam": FusedAdamConfig, "adamw": AdamWC
 
 
 def register_configs() -> None:
-    """Register the schemas in Hydra's ConfigStore (group ``optim``: ``fused_adam_schema``, ``adamw_schema``)."""
+    """Register the schemas in Hydra's ConfigStore, at its root (``fused_adam_schema``, ``adamw_schema``), so that
+    they are not options of the ``optim`` group (nor listed as such by ``--help``); a group file builds on one
+    with ``defaults: [/fused_adam_schema@_here_, _self_]``."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     for name, schema in OPTIM_SCHEMAS.items():
-        cs.store(group="optim", name=f"{name}_schema", node=schema)
+        cs.store(name=f"{name}_schema", node=schema)
 
 
 def schema_keys(schema: type, prefix: str = "") -> list[str]:

@@ -392,7 +392,8 @@ class CheckpointManager:
                         )
                         raise CheckpointError(str(exc).replace(FALLBACK_HINT, why)) from exc
                     raise
-                log.warning("%s; checkpoint.fallback=true: trying the older %s", exc, candidates[i + 1])
+                damaged = str(exc).replace(f"; {FALLBACK_HINT}", "")  # the hint is being followed
+                log.warning("%s; checkpoint.fallback=true: trying the older %s", damaged, candidates[i + 1])
         return None
 
     def due(self, step: int, max_steps: int) -> bool:

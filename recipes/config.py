@@ -122,8 +122,8 @@ def register_configs() -> None:
     register_optim_configs()
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
-    for group, schema in GROUP_SCHEMAS.items():
-        cs.store(group=group, name=f"{group}_schema", node=schema)
+    for group, schema in GROUP_SCHEMAS.items():  # at the root: a schema is not an option of its group
+        cs.store(name=f"{group}_schema", node=schema)
 
 
 # ------------------------------------------------------------------------------------------ checks, messages

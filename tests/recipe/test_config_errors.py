@@ -86,6 +86,16 @@ def test_every_preset_sets_every_key_it_names(preset):
         assert cfg[group] == compose_config([f"{group}={option}"])[group], f"experiment={preset}: {group}"
 
 
+def test_help_lists_only_what_can_be_chosen():
+    """``--help`` lists each group's options: the files under conf/, never the schemas they build on."""
+    proc = cli("--help")
+    assert proc.returncode == 0, proc.stderr
+    groups = proc.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    listed = {line.split(":")[0]: line.split(": ")[1].split(", ") for line in groups.splitlines() if ": " in line}
+    on_disk = {p.name: sorted(f.stem for f in p.glob("*.yaml")) for p in (ROOT / "conf").iterdir() if p.is_dir()}
+    assert listed == {g: files for g, files in on_disk.items() if g != "hydra"}, groups
+
+
 def test_cfg_job_shows_the_presets_run_dir():
     proc = cli("experiment=lowmem", "--cfg", "job")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -6,10 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import socket
+import tempfile
 import typing
 from enum import Enum
 from pathlib import Path
 
+import torch.distributed as dist
 import yaml
 
 from optim_factory.config import DEFAULT_NO_DECAY, AdamWConfig, FusedAdamConfig, schema_keys
@@ -92,6 +95,26 @@ def test_readme_test_command_is_cis():
     block = re.search(r"## Quick start.*?```bash\n(.*?)```", readme, re.S).group(1).splitlines()
     assert block[1] == command
     assert block[0].endswith("python recipes/train.py")
+
+
+def test_readme_python_blocks_run(monkeypatch, tmp_path):
+    """Every Python block of the README runs as written, as ``torchrun --nproc_per_node=1`` would run it (the
+    torchrun variables set; in this process, which has no process group of its own up)."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert blocks
+    assert not dist.is_initialized()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the blocks' temporary directories
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(name, value)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    for i, block in enumerate(blocks):
+        try:
+            exec(compile(block, f"README.md python block {i}", "exec"), {"__name__": "__main__"})
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def test_relative_links_resolve():

@@ -448,7 +448,7 @@ def _baseline(group: str, raw: dict):
         schema = OPTIM_SCHEMAS[raw.get("name", "fused_adam")]
     base = OmegaConf.structured(schema)
     for parent in raw.get("defaults", []):
-        if isinstance(parent, str) and parent != "_self_" and not parent.endswith("_schema"):
+        if isinstance(parent, str) and parent != "_self_" and not parent.startswith("/"):  # /<schema>@_here_
             body = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{parent}.yaml"))
             body.pop("defaults", None)
             base = OmegaConf.merge(base, body)
