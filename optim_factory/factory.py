@@ -312,13 +312,6 @@ def build_optimizer(cfg: Any, model: Any) -> torch.optim.Optimizer:
         log.info("optimizer: torch.optim.AdamW")
     else:
         backend, why = choose_backend(c.backend, params)
-        on_gpu = any(local_tensor(p).device.type == "cuda" for p in params)
-        if c.state_dict_cpu_offload and not on_gpu:
-            warnings.warn(
-                "optim.state_dict_cpu_offload=true has no memory effect here: the parameters are not on a GPU",
-                UserWarning,
-                stacklevel=2,
-            )
         bf16_params = any(p.dtype == torch.bfloat16 for p in params)
         if c.master_weights and not any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
             warnings.warn(

@@ -155,6 +155,7 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
                 stacklevel=2,
             )
         self._check_param_groups()
+        self._warn_without_gpu()
         self._start_export_threads()
 
     # ------------------------------------------------------------------ gradients

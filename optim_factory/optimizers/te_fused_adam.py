@@ -107,6 +107,7 @@ class FusedAdam(OffloadedStateDict, CheckedParamGroups, _TEFusedAdam):  # type: 
         self._init_export(export_options)
         super().__init__(params, **options.te_kwargs(), set_grad_none=set_grad_none)
         self._check_param_groups()
+        self._warn_without_gpu()
         self._start_export_threads()
 
     def step(self, closure=None, grad_scaler=None):

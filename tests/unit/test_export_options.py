@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -96,3 +97,14 @@ def test_the_optimizer_owns_its_exporter_and_nothing_is_patched_onto_tensors_or_
     assert opt.state_exporter is exporter
     assert set(vars(opt)) - attributes <= {"_scales"}  # only the optimizer's own state grew
     assert isinstance(opt, OffloadedStateDict)
+
+
+def test_the_constructor_warns_that_offload_saves_nothing_without_a_gpu():
+    """As ``build_optimizer`` does (it builds through the constructor): one warning with CPU parameters, none
+    without the offload."""
+    with pytest.warns(UserWarning, match="state_dict_cpu_offload=True has no memory effect here") as record:
+        PortableFusedAdam(make_params(torch.float32), state_dict_cpu_offload=True)
+    assert len(record) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PortableFusedAdam(make_params(torch.float32))

@@ -185,7 +185,7 @@ def test_backend_te_without_te_names_the_fix():
 
 
 def test_warnings_for_options_without_effect():
-    with pytest.warns(UserWarning, match="state_dict_cpu_offload=true has no memory effect"):
+    with pytest.warns(UserWarning, match="state_dict_cpu_offload=True has no memory effect"):
         build_optimizer({"state_dict_cpu_offload": True}, tiny_model())
     with pytest.warns(UserWarning, match="no parameter is BF16"):
         build_optimizer({"master_weights": True, "store_param_remainders": True}, tiny_model())

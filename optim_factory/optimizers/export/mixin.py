@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 from optim_factory.optimizers.export.contract import export_state, load_exported_state, param_index_map
 from optim_factory.optimizers.export.options import ExportOptions, Pinning
 from optim_factory.optimizers.export.stream import StateExporter
+from optim_factory.optimizers.export.tensors import local_tensor
 
 __all__ = ["OffloadedStateDict"]
 
@@ -53,6 +55,17 @@ class OffloadedStateDict:
         torch.optim.Optimizer.__setstate__(self, state)
         self._exporter = StateExporter(self._export_options)
         self._start_export_threads()
+
+    def _warn_without_gpu(self) -> None:
+        """``state_dict_cpu_offload`` saves GPU memory; with no parameter on a GPU there is none to save: one
+        warning, at the constructor's caller (the optimizer calls this at the end of ``__init__``)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        if self._export_options.cpu_offload and params and not any(local_tensor(p).is_cuda for p in params):
+            warnings.warn(
+                "state_dict_cpu_offload=True has no memory effect here: the parameters are not on a GPU",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _start_export_threads(self) -> None:
         """For a chunked export: start the threads that empty its staging buffers now, one set per device of the
