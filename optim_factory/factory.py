@@ -86,7 +86,7 @@ def _to_schema(cfg: Any) -> DictConfig:
         cfg = OmegaConf.structured(cfg)
     if isinstance(cfg, DictConfig):
         try:
-            cfg = OmegaConf.to_container(cfg, resolve=True)  # a plain copy: extra keys are no longer let through
+            cfg = OmegaConf.to_container(cfg, resolve=True)  # a plain copy: keys a +key override added are checked too
         except OmegaConfBaseException as exc:
             raise ConfigError(omegaconf_error_line(exc, "optim.")) from None
     if not isinstance(cfg, Mapping):

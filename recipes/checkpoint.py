@@ -216,13 +216,13 @@ def check_checkpoint_config(cfg: CheckpointConfig, rank: int = 0) -> None:
     if cfg.keep_last < 0:
         raise CheckpointError(f"checkpoint.keep_last={cfg.keep_last}: must be >= 0 (0 keeps all)")
     if not cfg.enabled:  # an earlier launch's run_dir is refused by the recipe (its launches/, read by rank 0)
-        if cfg.resume not in ("auto", "never"):  # was: ignored, even a path that does not exist
+        if cfg.resume not in ("auto", "never"):  # nothing would read it, not even a path that does not exist
             raise CheckpointError(
                 f"checkpoint.resume={cfg.resume!r} with checkpoint.enabled=false: nothing would be loaded; "
                 "drop checkpoint.resume, or set checkpoint.enabled=true"
             )
         return
-    if not str(cfg.dir).strip():  # was: step directories in the current directory
+    if not str(cfg.dir).strip():  # Path('') is the current directory: step directories would land there
         raise CheckpointError(f"checkpoint.dir={cfg.dir!r}: empty; expected a directory (e.g. <run_dir>/checkpoints)")
     root = Path(cfg.dir)
     if cfg.resume not in ("auto", "never"):

@@ -176,7 +176,7 @@ def check_config(cfg: DictConfig) -> None:
 
 def check_run_dir(run_dir: str) -> None:
     """``run_dir`` is a directory, or can be created as one, and is writable: checked without creating anything."""
-    if not str(run_dir).strip():  # was: the current directory, and ${run_dir}/checkpoints at the file system's root
+    if not str(run_dir).strip():  # Path('') is the current directory, and ${run_dir}/checkpoints the root's
         raise ConfigError(f"run_dir={run_dir!r}: empty; expected a directory (e.g. run_dir=runs/my_run)")
     path = Path(run_dir)
     existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
@@ -261,7 +261,7 @@ def command_line_error(argv: list[str], conf_dir: str) -> str | None:
         value, group = override.value(), Path(conf_dir) / override.key_or_group
         if group.is_dir() and override.key_or_group not in optional:
             options = ", ".join(sorted(p.stem for p in group.glob("*.yaml")))
-            if override.is_delete():  # was: accepted, and the job ran with the group's default option
+            if override.is_delete():  # Hydra accepts it and runs the job with the group's default option
                 return f"{override.input_line}: a config group cannot be removed; pick one of its options: {options}"
             if value is None or (isinstance(value, str) and value.endswith("_schema")):  # null: Hydra's traceback
                 return f"{override.input_line}: no such option; available: {options}"
@@ -284,7 +284,7 @@ def shared_run_dir_error(argv: list[str], compose: Callable[[list[str]], DictCon
     config (``recipes.train.compose_config``, the project's ``train.yaml``). Not checked: a sweep of more than
     ``most`` jobs, one with another primary config (``-cd``/``-cn``/``-cp``), one with ``${now:...}`` in an
     override (each job resolves it when it starts), and one whose jobs do not compose here (``${hydra:job.num}``,
-    a bad override, ``hydra.sweeper.params``): Hydra runs or reports those as before.
+    a bad override, ``hydra.sweeper.params``): Hydra runs or reports those itself.
     """
     import itertools
 

@@ -28,7 +28,7 @@ def check_eval_config(trainer: DictConfig, data: AdditionTask | TokenFile, max_s
     if trainer.eval_every < 0:
         raise DataError(f"trainer.eval_every={trainer.eval_every}: must be >= 0 (0: no evaluation)")
     if trainer.eval_every > 0 and isinstance(data, AdditionTask) and data.eval_positions > max_seq_len:
-        # was: an IndexError in the position embedding at the first evaluation, after training, before its save
+        # else an IndexError in the position embedding at the first evaluation, after training, before its save
         raise DataError(
             f"trainer.eval_every={trainer.eval_every} with data.digits={data.digits}: an evaluation feeds "
             f"{data.eval_positions} positions (3 * digits + 2), model.max_seq_len={max_seq_len}; raise "

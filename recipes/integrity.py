@@ -2,8 +2,8 @@
 
 :class:`ChecksumFileSystemWriter` is DCP's ``FileSystemWriter`` with a file system whose write streams run a
 64-bit XXH3 hash over every byte on its way to the file (bytes already in memory: the file is never read back),
-so a save costs one extra pass over data that is hot in cache (XXH3: 6.5-9.3 GB/s on one core here; zlib.crc32
-was 1-1.7 GB/s, too slow: docs/reliability.md). Each rank's writer knows the size and hash of the files
+so a save costs one extra pass over data that is hot in cache (measured on one core: XXH3 6.5-9.3 GB/s; zlib.crc32
+1-1.7 GB/s, too slow: docs/reliability.md). Each rank's writer knows the size and hash of the files
 it wrote (rank 0 also of ``.metadata``); :class:`recipes.checkpoint.CheckpointManager` gathers them into the
 checkpoint's manifest. :func:`file_problem` reads a file back and says what is wrong with it, if anything.
 

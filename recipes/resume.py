@@ -289,7 +289,7 @@ def finish_masters(state: dict[str, Any], fixups: list[MasterFixup]) -> None:
 
 
 # the group values the config sets (DCP's load puts the checkpoint's back; restore_hyperparameters undoes that):
-# FusedAdam's, and AdamW's foreach (was: logged "False -> True (from the config)", the checkpoint's kept)
+# FusedAdam's, and AdamW's foreach (without it in this list the checkpoint's value stays)
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "foreach")
 
 
@@ -330,8 +330,7 @@ def nothing_to_do(
 ) -> str:
     """The line for a run that has nothing left to train: plain, or (the refusal) naming what differs from the
     checkpoint, which would take effect in no step. ``limit``: the key whose value ``end`` is (``trainer.stop_at``
-    when it ends the run before ``trainer.max_steps``): the one to raise (was: max_steps, also when stop_at
-    ended the run)."""
+    when it ends the run before ``trainer.max_steps``): the one to raise."""
     if not changes:
         return f"nothing to do: checkpoint step {step} >= {end} (to train on, raise {limit})"
     diff = ", ".join(f"{c.key} {_show(c.checkpoint)} -> {_show(c.config)}" for c in changes)

@@ -1,10 +1,10 @@
 """One launch at a time per ``run_dir`` and per ``checkpoint.dir``: the job's rank 0 holds an exclusive lock on
 ``<run_dir>/.lock`` and on ``<checkpoint.dir>/.lock`` (two launches with their own run_dir but one checkpoint.dir
-removed and overwrote each other's checkpoints: a bug hunt of 2026-12-01). A regular file, not the directory: on
+remove and overwrite each other's checkpoints). A regular file, not the directory: on
 NFS ``flock`` is a byte-range lock, which needs a file open for writing.
 
 Two launches training in one ``run_dir`` at once overwrite each other's checkpoints and interleave their
-``metrics.jsonl`` (seen: both exited 0, the first reporting checkpoints that held the second's state). The lock
+``metrics.jsonl`` (both may exit 0, the first reporting checkpoints that hold the second's state). The lock
 is ``flock`` on a file of the run directory: the kernel drops it when the holding process ends, however it ends,
 so a crashed launch never leaves the directory locked. Where ``flock`` is unavailable (not Linux/macOS) there is
 no lock. On a network file system ``flock`` may be local to one host (NFS before v4, some FUSE mounts).

@@ -299,7 +299,7 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
         locks.append(RunDirLock(cfg.checkpoint.dir, "checkpoint.dir"))  # (one lock file, not two, where they meet)
     try:
         refusal = _run_dir_refusal(cfg, locks) if env.rank == 0 else None
-        # 0: torch's default, also for a sweep's job after one that set a count (was: that job's count stayed)
+        # 0: torch's default, set explicitly: an earlier sweep job in this process may have set a count
         torch.set_num_threads(cfg.trainer.threads if cfg.trainer.threads > 0 else DEFAULT_THREADS)
         mesh = init_distributed(env, device)
         try:
@@ -354,8 +354,8 @@ def _run_dir_refusal(cfg: DictConfig, locks: list[RunDirLock]) -> str | None:
 
 def _checkpoints_elsewhere(cfg: DictConfig, earlier: list[Path]) -> str | None:
     """A ``checkpoint.dir`` changed since the last launch in this run_dir, the new one empty and the old one not:
-    ``resume=auto`` would train from step 0 again without a word and append a second history to metrics.jsonl
-    (seen in a bug hunt, 2026-12-01). The refusal, or None."""
+    ``resume=auto`` would train from step 0 again without a word and append a second history to metrics.jsonl.
+    The refusal, or None."""
     ckpt = cfg.checkpoint
     if not (ckpt.enabled and earlier and ckpt.resume == "auto") or step_dirs(Path(ckpt.dir)):
         return None
@@ -558,7 +558,7 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
 
 def _refuse(message: str) -> None:
     # one write of the whole line: the ranks of a torchrun job refuse at once, and print()'s two writes (the text,
-    # then the newline) let two ranks' lines run into one (seen in CI, 2026-12-01)
+    # then the newline) can let two ranks' lines run into one
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
     sys.exit(2)
@@ -588,7 +588,7 @@ def _task(cfg: DictConfig) -> None:
     in_process_sweep = hydra_cfg.mode == RunMode.MULTIRUN and hydra_cfg.launcher._target_.endswith(".BasicLauncher")
     if in_process_sweep and summary["stopped_at"] is not None:
         # a signal (Ctrl-C, a requeue's SIGTERM) stops the sweep, not only its job: the basic launcher runs the
-        # jobs in this process and went on to the next ones (seen: a Ctrl-C'd sweep trained on and exited 0)
+        # jobs in this process and would go on to the next ones (a Ctrl-C'd sweep would train on and exit 0)
         print(
             f"-m job {hydra_cfg.job.num} stopped at step {summary['stopped_at']} by {summary['stopped_by']}: the sweep "
             "stops here (run the same command again to resume it)",

@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> None:
         ExportOptions(cpu_offload=True, chunk_bytes=int(args.chunk_mib * M))
     except ValueError as exc:
         ap.error(f"--chunk-mib {args.chunk_mib}: {exc}")
-    if args.fresh == 1:  # was: ran 2 without a word
+    if args.fresh == 1:
         ap.error("--fresh 1: a fresh process measures its first export against later ones; use 0 or >= 2")
     device = torch.device(args.device)
     chunk = int(args.chunk_mib * M)

@@ -1,6 +1,6 @@
 """argparse types shared by the scripts: a bad value is refused when the arguments are parsed, before any
-measurement runs, with argparse's one error line naming the option (exit 2). Before, ``--repeats 0`` ended a
-benchmark in a traceback (an empty median) and an ``--out`` that was a file lost its results at the end."""
+measurement runs, with argparse's one error line naming the option (exit 2). Unchecked, ``--repeats 0`` would end
+a benchmark in a traceback (an empty median) and an ``--out`` that is a file would lose its results at the end."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-at", type=kill_point, help="PHASE:STEP, e.g. write:8")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for recipes/train.py")
     args = ap.parse_args(argv)
-    try:  # a config error: one line and exit 2, as recipes/train.py gives it (was: a ConfigError traceback, exit 1)
+    try:  # a config error: one line and exit 2, as recipes/train.py gives it (not a traceback and exit 1)
         cfg = compose_config(args.overrides)
         if args.kill_at is None:
             train(cfg)

@@ -31,7 +31,7 @@ VARIANTS = {"fp32 export": False, "bf16 kept": True}
 
 
 def _size(text: str) -> int:
-    """``--numel``: a positive count with an optional K/M/G suffix (was: a traceback for 0 or 1X)."""
+    """``--numel``: a positive count with an optional K/M/G suffix (0 or 1X: argparse's error line)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     try:
         n = int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)

@@ -12,7 +12,7 @@ One model (built, sharded with FSDP2 and given its optimizer by the recipe's own
 - ``bare+stop``: ``bare`` plus the recipe's per-step stop check between checkpoints
   (``StopSignal.should_stop(..., now=False)``: this rank's loss-is-not-finite flag copied to the host without a
   sync and read one step later, and one 3-integer all-reduce on gloo that runs during the next step and is read at
-  the next check); only with ``--loops``: ``bare+syncstop`` (the check before it overlapped: ``StopSignal(
+  the next check); only with ``--loops``: ``bare+syncstop`` (the check without overlap: ``StopSignal(
   overlap=False)``, waiting for the all-reduce every step), ``bare+reduce`` and ``bare+flag`` (``bare`` plus only
   the overlapped all-reduce, or only the deferred flag: the two parts of the check);
 - ``recipe``: the recipe loop's own per-step code (``TrainStep`` with ``grad_clip=0``, ``StepLog``, the progress
@@ -70,7 +70,7 @@ from recipes.train import (
 from scripts import cli_args
 
 LOOPS = ("bare", "bare+stop", "recipe", "recipe+clip")  # the default
-# the stop check as it was (waiting for its all-reduce every step), and its two parts alone (what bare+stop costs,
+# the stop check without overlap (waiting for its all-reduce every step), and its two parts alone (what bare+stop costs,
 # taken apart): its overlapped gloo all-reduce without a flag, and this rank's deferred non-finite flag
 PARTS = ("bare+syncstop", "bare+reduce", "bare+flag")
 # The GPU preset: the recipe's low-memory preset (BF16 parameters, TE FusedAdam with BF16 moments and int16

@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--backend", choices=("te", "portable"), help="with --stall (default portable)")
     ap.add_argument("--device", type=cli_args.device, help="with --stall (default cuda; cpu: a smoke run)")
     args = ap.parse_args()
-    if args.stall:  # was: --gib was ignored by --stall (a fixed case), --device and --backend by the table
+    if args.stall:  # --gib goes with the table only (--stall is a fixed case), --device and --backend with --stall
         if args.gib is not None:
             ap.error("--gib sizes the table; --stall measures the fixed 64x4M case: leave one out")
         if args.backend == "te":

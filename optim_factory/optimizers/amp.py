@@ -2,11 +2,11 @@
 its kernels (``grad * 1 / scale``).
 
 The usual gradient-clipping pattern, ``scaler.unscale_(opt); clip_grad_norm_(...); scaler.step(opt)``, unscales
-them first: TE 2.20.2's ``step()`` then divides them by the scale a second time (measured on an H200,
-2026-12-01: 3 steps of ``Linear(4, 2)``, init scale 1024, L2 weight decay 0.5: parameters 0.275 off
-``torch.optim.Adam`` under the same scaler, 6e-8 without ``unscale_``; the portable twin the same on CPU).
-:func:`scaler_for_step` hands ``step()`` a scaler that reports scale 1 for gradients already unscaled, and the
-scaler's own inf check, so the step skips on overflow as before and unscales once.
+them first: TE 2.20.2's ``step()`` then divides them by the scale a second time (measured on an H200: 3 steps
+of ``Linear(4, 2)``, init scale 1024, L2 weight decay 0.5: parameters 0.275 off ``torch.optim.Adam`` under the
+same scaler, 6e-8 without ``unscale_``; the portable twin the same on CPU). :func:`scaler_for_step` hands
+``step()`` a scaler that reports scale 1 for gradients already unscaled, and the scaler's own inf check, so the
+step still skips on overflow and unscales once.
 
 torch keeps the unscaled mark in ``GradScaler._per_optimizer_states[id(optimizer)]["stage"]`` (``OptState``), a
 private attribute stable from torch 2.0 to 2.14; if it is missing, a warning says so once and the scaler is used

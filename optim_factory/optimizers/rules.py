@@ -216,11 +216,11 @@ PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # TE's Float8Tens
 
 def check_group_params(group: dict[str, Any], state_dtypes: dict[str, torch.dtype] | None) -> None:
     """The parameters of a group as FusedAdam's ``step()`` needs them, checked when the group is added (TE 2.20
-    raises in ``step()``, after it counted the step and made the states; the portable twin had updated the
-    earlier parameters): FP32, FP16 or BF16 (FP8 tensors report one of these), not FP16 and BF16 in one group; and,
-    once the state dtypes are known (``state_dtypes``: ``name_to_dtype_map``), no 0-dimensional parameter with
-    FP16 states (their scale has shape [1], which TE 2.20.2's unscaling cannot multiply into a 0-d state: seen on
-    an H200, 2026-12-01; its FP8 states, Float8Tensors, take 0-d parameters, and so does the portable twin)."""
+    raises in ``step()``, after it has counted the step and made the states; the portable twin after it has updated
+    the earlier parameters): FP32, FP16 or BF16 (FP8 tensors report one of these), not FP16 and BF16 in one group;
+    and, once the state dtypes are known (``state_dtypes``: ``name_to_dtype_map``), no 0-dimensional parameter with
+    FP16 states (their scale has shape [1], which TE 2.20.2's unscaling cannot multiply into a 0-d state on an
+    H200; its FP8 states, Float8Tensors, take 0-d parameters, and so does the portable twin)."""
     dtypes = set()
     for i, p in enumerate(group["params"]):
         # (TE's step() makes every parameter's states, and checks dtypes only where there is a gradient)
@@ -246,10 +246,10 @@ def check_group_params(group: dict[str, Any], state_dtypes: dict[str, torch.dtyp
 
 
 def own_lr_tensor(group: dict[str, Any]) -> None:
-    """A capturable group's ``lr`` as a tensor of its own on its parameters' device. On the CPU ``.to()`` handed
-    every group the defaults' tensor, so an LR scheduler's in-place update of one group changed them all; TE's
-    ``add_param_group`` left an added group with the defaults' CPU tensor, and its capturable ``step()`` then
-    read it from the GPU: an illegal memory access (H200, TE 2.20.2, 2026-12-01)."""
+    """A capturable group's ``lr`` as a tensor of its own on its parameters' device. On the CPU ``.to()`` without
+    ``copy=True`` hands every group the defaults' tensor, so an LR scheduler's in-place update of one group would
+    change them all; TE's ``add_param_group`` leaves an added group with the defaults' CPU tensor, which its
+    capturable ``step()`` reads from the GPU: an illegal memory access (H200, TE 2.20.2)."""
     if group["params"]:
         lr_value = torch.as_tensor(group["lr"], dtype=torch.float32)
         group["lr"] = lr_value.to(device=group["params"][0].device, copy=True)
@@ -258,8 +258,8 @@ def own_lr_tensor(group: dict[str, Any]) -> None:
 class CheckedParamGroups:
     """Both FusedAdam classes inherit this: every parameter group (the constructor's, and each
     ``add_param_group``) passes :func:`check_group` and :func:`check_group_params` once torch has filled its
-    defaults; a refused group is not added. Before, a group's ``lr=-0.1`` or ``lr=nan`` trained to NaN, and its
-    checkpoint was then refused at load (which checks the same rules). The constructors call
+    defaults; a refused group is not added (a group's ``lr=-0.1`` or ``lr=nan`` would train to NaN, and its
+    checkpoint would then be refused at load, which checks the same rules). The constructors call
     :meth:`_check_param_groups` once their state dtypes are known (the 0-d rule needs them)."""
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -114,8 +114,8 @@ class FusedAdam(OffloadedStateDict, CheckedParamGroups, _TEFusedAdam):  # type: 
         """TE's ``step()``, after a background export (``state_dict_offload_background``) has finished.
 
         TE's signature: ``torch.amp.GradScaler.step`` passes itself as ``grad_scaler`` only to a ``step`` that names
-        that argument (was ``*args, **kwargs``: the scaler then set ``opt.grad_scale``, which TE never reads, so a
-        capturable step ran on scaled gradients and did not skip on overflow). Gradients that ``scaler.unscale_``
+        that argument (to a ``step(*args, **kwargs)`` the scaler sets ``opt.grad_scale``, which TE never reads, so a
+        capturable step would run on scaled gradients and not skip on overflow). Gradients that ``scaler.unscale_``
         already unscaled are not unscaled again (:mod:`optim_factory.optimizers.amp`)."""
         self.wait_state_dict()
         return super().step(closure, scaler_for_step(grad_scaler, self))

@@ -150,7 +150,7 @@ def lifecycle(rank: int, world: int, backend: str, tmp: str, configs: str = "all
     ``export_state(opt, cpu_offload=True)``; DCP save; load each export into a fresh model and optimizer; both
     equal the original bitwise (live states and per-state exports) and, after 2 more steps each, still do.
     Then the full (gathered, ``cpu_offload=True``) optimizer state dict equals a one-rank run bitwise (not for
-    int16 remainders: neither gloo nor NCCL all-gathers int16, measured on an H200 pair on 2026-11-30)."""
+    int16 remainders: neither gloo nor NCCL all-gathers int16, measured on an H200 pair)."""
     mesh = init_device_mesh("cpu" if backend == "portable" else "cuda", (world,))
     chosen = [c for c in LIFECYCLE_CONFIGS if configs == "all" or c[0] in configs.split(",")]
     assert configs == "all" or len(chosen) == len(configs.split(",")), f"unknown configuration in {configs!r}"
@@ -188,7 +188,7 @@ def lifecycle(rank: int, world: int, backend: str, tmp: str, configs: str = "all
 
             if kw.get("store_param_remainders"):
                 # no backend all-gathers int16 (gloo: "Invalid scalar type"; NCCL: "Input tensor data type is not
-                # supported for NCCL process group: Short", H200s 2026-11-30): full state dicts of remainder
+                # supported for NCCL process group: Short", H200s): full state dicts of remainder
                 # masters are unsupported; sharded DCP checkpoints of them are (above)
                 continue
             gathered = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -222,7 +222,7 @@ print(at_start, after_ours, gpu0_context_active())
 @pytest.mark.cuda_only
 def test_a_refused_registration_does_not_fail_the_next_kernel():
     """cudaHostRegister of memory already registered is refused; the thread's last CUDA error it leaves is cleared,
-    so the next kernel launch's error check does not raise it (seen elsewhere: vLLM, maru)."""
+    so the next kernel launch's error check does not raise it (a failure vLLM and maru also report)."""
     from optim_factory.optimizers.export.host_memory import host_empty, register_host, unregister_host
 
     t = host_empty(torch.Size([4 << 20]), torch.uint8)
@@ -240,10 +240,10 @@ def test_a_refused_registration_does_not_fail_the_next_kernel():
 def test_export_threads_of_a_rank_on_gpu1_create_no_context_on_gpu0():
     """The export's threads (unstaging pool, waiter, pool pinner) make the rank's GPU current: a new thread's is
     device 0, where a first CUDA call would create a context on another rank's GPU. The control (a plain thread
-    allocating on GPU 0) shows that the probe sees such a context. 2 H200s at 37da2a3 (before the background
-    export's thread set its device): 'False True True', the context came after ours
-    (benchmarks/results/2026-11-30-h200-third/pytest_single.log); at bfd7e4a 'False False False': none from
-    ours, and none from the control of then (a plain thread waiting on an event), hence this control."""
+    allocating on GPU 0) shows that the probe sees such a context; a plain thread that only waits on an event
+    creates none, so it cannot be the control. Measured on 2 H200s with a background export thread that does not
+    set its device: 'False True True', the context after ours
+    (benchmarks/results/2026-11-30-h200-third/pytest_single.log)."""
     import subprocess
     import sys
 

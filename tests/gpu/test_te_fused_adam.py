@@ -354,9 +354,9 @@ def test_te_state_dict_post_hook_sees_the_export(offload):
 
 
 def test_te_capturable_groups_added_later_get_their_own_lr_tensor_and_step():
-    """TE 2.20.2's add_param_group left a capturable group with the defaults' CPU lr tensor, shared by every added
-    group: LambdaLR's factors collapsed, and step() read the CPU tensor from the GPU (an illegal memory access,
-    H200, 2026-12-01)."""
+    """TE 2.20.2's add_param_group leaves a capturable group with the defaults' CPU lr tensor, shared by every added
+    group: LambdaLR's factors would collapse, and step() would read the CPU tensor from the GPU (an illegal memory
+    access, H200). The subclass gives each group its own tensor on the device."""
     params = [torch.nn.Parameter(torch.ones(3, device=DEV)) for _ in range(3)]
     opt = te_cls()(params[:1], lr=0.1, capturable=True)
     opt.add_param_group({"params": params[1:2]})
@@ -375,9 +375,9 @@ def test_te_capturable_groups_added_later_get_their_own_lr_tensor_and_step():
 @pytest.mark.parametrize("unscale", [False, True], ids=["scaled", "unscale_-first"])
 @pytest.mark.parametrize("overflow_at", [None, 1], ids=["finite", "overflow-at-step-1"])
 def test_te_capturable_step_with_grad_scaler_matches_adam(unscale, overflow_at):
-    """tests/unit/test_grad_scaler.py on TE's class. Seen on an H200 (2026-12-01): our subclass's step(*args,
-    **kwargs) hid TE's grad_scaler argument, so GradScaler never passed itself (no unscaling, no overflow skip);
-    TE's own class unscaled twice after scaler.unscale_ (0.275 off Adam)."""
+    """tests/unit/test_grad_scaler.py on TE's class. A subclass step(*args, **kwargs) would hide TE's grad_scaler
+    argument, so GradScaler would never pass itself (no unscaling, no overflow skip); TE's own class unscales twice
+    after scaler.unscale_ (measured on an H200: 0.275 off Adam)."""
     from tests.unit.test_grad_scaler import TOL, against_adam
 
     diff, steps = against_adam(te_cls(), unscale, overflow_at, device=DEV)

@@ -130,7 +130,7 @@ def test_a_rejected_run_changes_nothing_on_disk(tmp_path):
         (
             ["optim.betas=0.9,0.95"],
             "optim.betas=0.9,0.95: a comma makes a sweep (add -m); a list is written optim.betas=[0.9,0.95]",
-        ),  # was Hydra's first line: 'Ambiguous value for argument ...
+        ),  # not Hydra's first line: 'Ambiguous value for argument ...
         (["run_dir=???"], "run_dir: missing value (it has no default; set run_dir=...)"),
         (["checkpoint.every_steps=0"], "checkpoint.every_steps=0: must be >= 1"),
         (["optim.use_decoupled_grad=true"], "optim.use_decoupled_grad=true: FusedAdam would read"),
@@ -146,16 +146,16 @@ def test_every_config_error_is_one_line_with_exit_code_2(args, line, tmp_path):
 @pytest.mark.parametrize(
     "overrides,line",
     [
-        (  # was: trained 20 steps without updating a weight (loss 2.80 -> 2.81, accuracy 0)
+        (  # accepted, it trains without updating a weight (measured: 20 steps, loss 2.80 -> 2.81, accuracy 0)
             ["optim.use_decoupled_grad=true"],
             "optim.use_decoupled_grad=true: FusedAdam would read param.decoupled_grad, which this recipe's loop never "
             "sets (it sets .grad): no parameter would be updated",
         ),
-        (  # was: ran to max_steps without a word
+        (  # accepted, the run goes to max_steps without a word
             ["trainer.max_steps=20", "trainer.stop_at=100"],
             "trainer.stop_at=100: must be between 0 (off) and trainer.max_steps=20",
         ),
-        (  # was: trained on the addition task, the file never opened
+        (  # accepted, the run trains on the addition task, the file never opened
             ["data.path=/nonexistent/file.bin"],
             "data.path='/nonexistent/file.bin': only for data=tokens (add data=tokens to train on the file)",
         ),
@@ -212,8 +212,8 @@ FLAG = "not an option (see --help)"
             None,
         ),
         (["~experiment", "model=small"], None),  # an optional group (train.yaml: experiment: null) may go
-        (["~model"], "~model: a config group cannot be removed; pick one of its options: small, tiny"),  # was: ignored
-        (["model=null"], "model=null: no such option; available: small, tiny"),  # was: Hydra's traceback
+        (["~model"], "~model: a config group cannot be removed; pick one of its options: small, tiny"),  # else ignored
+        (["model=null"], "model=null: no such option; available: small, tiny"),  # not Hydra's traceback
         (["-m", "optim.lr=1e-3,2e-3", "model=tiny,small", "optim.lr=[", "optim.lr=["], None),  # syntax: Hydra's
     ],
     ids=[
@@ -282,8 +282,8 @@ def test_a_command_line_hydra_would_take_silently_or_in_many_lines_is_one_line(a
     ],
 )
 def test_a_sweep_whose_jobs_share_a_run_dir_is_refused_before_any_job(argv, shared):
-    """The second job would resume the first's checkpoints (or be refused once it finished): seen by the new-user
-    trial of 2026-12-01 (``-m trainer.max_steps=10,20 run_dir=X`` continued job 0's run without a word)."""
+    """The second job would resume the first's checkpoints (or be refused once it finished): ``-m
+    trainer.max_steps=10,20 run_dir=X`` would continue job 0's run without a word."""
     line = shared_run_dir_error(argv, compose_config)
     assert line == (
         None
@@ -331,8 +331,8 @@ def test_a_shared_run_dir_sweep_on_the_command_line_is_one_line(tmp_path):
 
 
 def test_a_refused_sweep_job_is_named(tmp_path):
-    """Seen: a sweep re-run with another grid refused job 0 as a finished run with a changed key, without saying
-    which job (the later jobs never ran)."""
+    """A sweep re-run with another grid refuses job 0 as a finished run with a changed key, and the line names the
+    job (the later jobs never run)."""
     sweep = [*QUICK, "trainer.max_steps=2", "trainer.progress=false", f"run_dir={tmp_path}/" + "${hydra:job.num}"]
     sweep.append(f"hydra.sweep.dir={tmp_path / 'sweep'}")
     first = cli("-m", *sweep, "optim.lr=1e-3,2e-3")
@@ -363,7 +363,7 @@ def test_a_dashed_override_on_the_command_line_is_refused_in_one_line(tmp_path):
         (
             ["optim=adamw", "optim.exp_avg_dtype=bf16"],
             "optim.exp_avg_dtype: not a key of optim=adamw; a key of optim=fused_adam",
-        ),  # was: 'not a config key; did you mean optim.exp_avg_dtype?'
+        ),  # not 'not a config key; did you mean optim.exp_avg_dtype?'
         (
             ["optim=adamw", "+optim.exp_avg_dtype=bf16"],
             "optim.exp_avg_dtype: not a key of optim=adamw; a key of optim=fused_adam",
@@ -372,7 +372,7 @@ def test_a_dashed_override_on_the_command_line_is_refused_in_one_line(tmp_path):
         (
             ["optim.name=adamw"],
             "optim.name=adamw: the optimizer is chosen by its config group (optim=adamw); optim.name follows the group",
-        ),  # was: 'optim.backend: not a config key', a key the user never typed
+        ),  # not 'optim.backend: not a config key', a key the user never typed
         (["optim=adamw,fused_adam"], "optim=adamw,fused_adam: a comma makes a sweep (add -m)"),  # a group: no list
     ],
     ids=[
@@ -384,7 +384,7 @@ def test_a_dashed_override_on_the_command_line_is_refused_in_one_line(tmp_path):
     ],
 )
 def test_a_key_in_the_wrong_place_names_where_it_belongs(overrides, line, tmp_path):
-    """Seen by the new-user trial of 2026-12-01."""
+    """A key of another optimizer's group, or a group's key given as a plain key, is named with where it belongs."""
     with pytest.raises(ConfigError) as err:
         preflight(compose_config([*overrides, f"run_dir={tmp_path / 'run'}"]))
     assert str(err.value) == line
@@ -407,8 +407,8 @@ def test_an_unwritable_run_dir_is_one_line(tmp_path):
 
 
 def test_launches_in_one_process_and_second_get_a_record_each(tmp_path):
-    """Two launches of one process within a second (a sweep's jobs, tests) once shared a name: the second
-    overwrote the first, and a refused second launch then removed both (seen in CI)."""
+    """Two launches of one process within a second (a sweep's jobs, tests) get a record each: with one shared name
+    the second would overwrite the first, and a refused second launch would then remove both."""
     cfg = compose_config([f"run_dir={tmp_path}"])
     paths = [record_config(cfg, str(tmp_path), [f"optim.lr={lr}"]) for lr in (1, 2, 3)]
     assert len(set(paths)) == 3 and sorted((tmp_path / "launches").iterdir()) == sorted(paths)
@@ -420,10 +420,10 @@ def test_launches_in_one_process_and_second_get_a_record_each(tmp_path):
 @pytest.mark.parametrize(
     "args,line",
     [
-        # seen (2026-12-01): the current directory was the run_dir, and ${run_dir}/checkpoints the root's /checkpoints
+        # accepted, the current directory would be the run_dir, and ${run_dir}/checkpoints the root's /checkpoints
         (["run_dir="], "run_dir='': empty; expected a directory (e.g. run_dir=runs/my_run)"),
         (["checkpoint.dir="], "checkpoint.dir='': empty; expected a directory (e.g. <run_dir>/checkpoints)"),
-        # seen: the path was ignored, even one that does not exist, and the run trained from step 0
+        # accepted, the path would be ignored, even one that does not exist, and the run would train from step 0
         (
             ["checkpoint.enabled=false", "checkpoint.resume=/nonexistent/step_00000020"],
             "checkpoint.resume='/nonexistent/step_00000020' with checkpoint.enabled=false: nothing would be loaded; "
@@ -439,9 +439,9 @@ def test_a_checkpoint_location_that_would_be_ignored_or_misplaced_is_refused(tmp
 
 
 def test_a_refusal_that_needs_the_model_leaves_no_launch_record(tmp_path):
-    """Seen (2026-12-01): an override pattern matching no parameter (refused once the model exists) left its
-    launches/ record, so a later checkpoint.enabled=false in that run_dir was refused as a second launch. Broken on
-    purpose (no unlink around build_optimizer): the record stays."""
+    """An override pattern matching no parameter (refused once the model exists) leaves no launches/ record, which
+    would make a later checkpoint.enabled=false in that run_dir a refused second launch. Broken on purpose (no
+    unlink around build_optimizer): the record stays."""
     run_dir = tmp_path / "run"
     over = [*QUICK, f"run_dir={run_dir}", "trainer.max_steps=2", "trainer.progress=false"]
     with pytest.raises(ConfigError, match="matches no trainable parameter"):

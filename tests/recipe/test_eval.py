@@ -145,9 +145,9 @@ def test_token_file_reports_held_out_loss(tmp_path):
 
 
 def test_an_evaluation_longer_than_the_model_s_positions_is_refused_before_training(tmp_path):
-    """Seen (2026-12-01): model.max_seq_len=7 data.seq_len=7 trained, then the first evaluation raised an
-    IndexError in the position embedding (3 * digits + 2 = 8 positions), before that step's save: every relaunch
-    lost the same steps. Broken on purpose (no check): the traceback."""
+    """model.max_seq_len=7 data.seq_len=7 is refused: trained, the first evaluation would raise an IndexError in
+    the position embedding (3 * digits + 2 = 8 positions), before that step's save, and every relaunch would lose
+    the same steps. Broken on purpose (no check): the traceback."""
     from recipes.data import DataError
 
     over = [*QUICK, f"run_dir={tmp_path}", "model.max_seq_len=7", "data.seq_len=7", "trainer.eval_every=10"]

@@ -109,8 +109,9 @@ def test_a_given_path_that_is_damaged_says_fallback_does_not_apply_to_it(run_dir
 
 
 def test_a_given_path_older_than_a_complete_checkpoint_is_refused(run_dir):
-    """Seen: resume=<step 10> with complete 20 beside it trained on, and the next resume=auto jumped to 20, the
-    branch's own steps dropped (keep_last deleted them first). Broken on purpose (no check): training starts."""
+    """resume=<step 10> with complete 20 beside it is refused: trained on, the next resume=auto would jump to 20,
+    the branch's own steps dropped (keep_last would delete them first). Broken on purpose (no check): training
+    starts."""
     before = snapshot(run_dir)
     given = run_dir / "checkpoints" / "step_00000010"
     with pytest.raises(CheckpointError) as info:
@@ -127,8 +128,8 @@ def test_a_given_path_older_than_a_complete_checkpoint_is_refused(run_dir):
 
 @pytest.mark.parametrize("how", ["symlink", "copy"])
 def test_a_given_path_not_named_by_its_step_is_compared_by_its_manifest(run_dir, how):
-    """Seen (2026-12-01): resume=<a symlink to step 10, or a copy of it> skipped the check above (it read the step
-    from the folder's name), trained again over the complete steps 15/20, and every requeue rewound there again.
+    """resume=<a symlink to step 10, or a copy of it> gets the check above by its manifest's step: by the folder's
+    name it would skip it, train again over the complete steps 15/20, and every requeue would rewind there again.
     Broken on purpose (the step from the name only): training starts."""
     given = run_dir / "latest_good"
     if how == "symlink":
@@ -142,7 +143,7 @@ def test_a_given_path_not_named_by_its_step_is_compared_by_its_manifest(run_dir,
 
 
 def test_a_renamed_checkpoint_is_refused_as_damaged(run_dir):
-    """Seen: step_00000020 renamed step_00000030 resumed "at step 20" without a word (resume=auto and keep_last go
+    """step_00000020 renamed step_00000030 would resume "at step 20" without a word (resume=auto and keep_last go
     by the name). Broken on purpose (no name check): the run trains from step 20."""
     checkpoints = run_dir / "checkpoints"
     (checkpoints / STEP20).rename(checkpoints / "step_00000030")
@@ -155,7 +156,7 @@ def test_a_renamed_checkpoint_is_refused_as_damaged(run_dir):
 
 
 def test_checkpointing_off_in_a_run_dir_with_checkpoints_is_refused_by_its_launches(run_dir):
-    """Seen: checkpoint.enabled=false in a run_dir with checkpoints trained from step 0 and appended a second
+    """checkpoint.enabled=false in a run_dir with checkpoints would train from step 0 and append a second
     history to metrics.jsonl. The launch that wrote them is on record (launches/): refused by that."""
     before = snapshot(run_dir)
     with pytest.raises(ConfigError, match=r"^checkpoint.enabled=false but run_dir=.* holds 1 earlier launch\(es\)"):
@@ -164,7 +165,7 @@ def test_checkpointing_off_in_a_run_dir_with_checkpoints_is_refused_by_its_launc
 
 
 def test_checkpointing_off_after_an_earlier_launch_is_refused(tmp_path):
-    """Seen: a second launch with checkpoint.enabled=false trained from step 0 and appended a second step 1.. to
+    """A second launch with checkpoint.enabled=false would train from step 0 and append a second step 1.. to
     metrics.jsonl. The first launch into a fresh run_dir trains."""
     _run(tmp_path, "checkpoint.enabled=false", "trainer.max_steps=3")
     before = snapshot(tmp_path)
@@ -174,8 +175,8 @@ def test_checkpointing_off_after_an_earlier_launch_is_refused(tmp_path):
 
 
 def test_a_crash_of_a_one_process_run_completes_the_save_in_flight(tmp_path, monkeypatch):
-    """Seen: an exception at step 7 left the async save of step 5 (written) without its marker; the next launch
-    removed it and started at step 0. Broken on purpose (no finishing): step 5 is incomplete."""
+    """An exception at step 7 finishes the async save of step 5 (written): without its marker the next launch
+    would remove it and start at step 0. Broken on purpose (no finishing): step 5 is incomplete."""
     import recipes.train
 
     def fail(*args, **kwargs):
@@ -223,8 +224,8 @@ def test_each_checkpoint_keeps_the_config_that_produced_it(tmp_path):
     ids=["architecture", "step", "invalid-value"],
 )
 def test_a_changed_byte_in_the_manifest_is_refused_before_its_config_is_trusted(run_dir, old, new):
-    """Seen: d_ff 256 -> 257 in COMPLETE.json refused the resume as a config change (even with fallback), a step
-    edit was ignored, an invalid dtype was "converted". Broken on purpose (manifest unhashed): those again."""
+    """Unhashed, d_ff 256 -> 257 in COMPLETE.json would refuse the resume as a config change (even with fallback), a
+    step edit would be ignored, an invalid dtype "converted". Broken on purpose (manifest unhashed): those again."""
     marker = run_dir / "checkpoints" / STEP20 / MARKER
     text = marker.read_text()
     assert text.count(old) == 1, old
@@ -236,7 +237,7 @@ def test_a_changed_byte_in_the_manifest_is_refused_before_its_config_is_trusted(
 
 
 def test_checkpoint_without_checksums_loads_with_a_warning(run_dir, caplog):
-    """Checkpoints written before checksums were recorded (b6e5845: no ``files`` in the manifest) are accepted,
+    """Checkpoints written before checksums were recorded (no ``files`` in the manifest) are accepted,
     with one warning naming the checkpoint; a damaged one of them fails as DCP finds it."""
     marker = run_dir / "checkpoints" / STEP20 / MARKER
     manifest = json.loads(marker.read_text())

@@ -57,9 +57,8 @@ def test_two_torchrun_nodes_with_c10d_rendezvous_train_and_resume(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_sigterm_or_ctrl_c_finishes_the_step_saves_and_the_next_launch_resumes(sig, tmp_path):
-    """SIGINT (Ctrl-C) as SIGTERM: was a KeyboardInterrupt traceback and no checkpoint (the new-user trial). An
-    interrupted plain run exits 130 (was 0, so `train && next` went on: the new-user trial of 2026-12-01); a
-    stop on SIGTERM (preemption, a requeue) exits 0."""
+    """SIGINT (Ctrl-C) as SIGTERM: a checkpoint, not a KeyboardInterrupt traceback. An interrupted plain run exits
+    130 (so `train && next` stops there); a stop on SIGTERM (preemption, a requeue) exits 0."""
     cmd = [
         sys.executable,
         "recipes/train.py",
@@ -92,8 +91,8 @@ def test_sigterm_or_ctrl_c_finishes_the_step_saves_and_the_next_launch_resumes(s
 
 @pytest.mark.slow
 def test_ctrl_c_stops_a_sweep_not_only_its_job(tmp_path):
-    """Seen (2026-12-01): Ctrl-C in a -m sweep (basic launcher: the jobs run in this process) stopped job 0 with a
-    checkpoint, then jobs 1 and 2 started and trained to the end, exit 0. Broken on purpose (a stopped job returns
+    """Ctrl-C in a -m sweep (basic launcher: the jobs run in this process) stops job 0 with a checkpoint and the
+    sweep with it: jobs 1 and 2 must not start and train to the end, exit 0. Broken on purpose (a stopped job returns
     to the launcher): job 1 starts."""
     cmd = [
         sys.executable,

@@ -1,5 +1,5 @@
-"""Model and trainer numbers are checked before anything is built: one ConfigError line naming the key (they
-were a traceback after the run had started, or silently accepted)."""
+"""Model and trainer numbers are checked before anything is built: one ConfigError line naming the key (not a
+traceback after the run has started, nor silently accepted)."""
 
 from __future__ import annotations
 

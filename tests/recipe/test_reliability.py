@@ -216,7 +216,7 @@ def test_parameters_without_state_and_stateless_groups_save_and_load(optim, flat
         try:
             path, state = manager.resume(model2, opt2, {"step": 0})
         except CheckpointError as exc:  # allowed: one clear line naming the checkpoint and the missing state
-            # seen with torch.optim.AdamW: DCP's loader asks for the state that the unused parameter never had
+            # with torch.optim.AdamW: DCP's loader asks for the state that the unused parameter never had
             assert optim == "adamw", f"FusedAdam initialises every parameter's state: {exc}"
             assert "step_00000001" in str(exc) and "Missing key" in str(exc) and "\n" not in str(exc)
             return

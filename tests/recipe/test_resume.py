@@ -201,7 +201,7 @@ REFUSED = [
     (["model.dtype=bf16"], "model.dtype", "fp32", "bf16"),
     (["model.tie_embeddings=true"], "model.tie_embeddings", "False", "True"),
     (["checkpoint.flatten_optimizer_state_dict=false"], "checkpoint.flatten_optimizer_state_dict", "True", "False"),
-    (["trainer.seed=7"], "trainer.seed", "0", "7"),  # was: logged as applied, changed nothing (bitwise the same)
+    (["trainer.seed=7"], "trainer.seed", "0", "7"),  # applied, it would change nothing (bitwise the same)
 ]
 
 
@@ -240,9 +240,9 @@ def test_a_refusal_reads_nothing_into_the_model_and_never_falls_back(tmp_path):
 
 
 def test_adamw_group_keys_follow_the_config_or_are_refused(tmp_path, resume_live):
-    """Seen (2026-12-01) with optim=adamw: foreach False -> True was logged "(from the config)" but the checkpoint's
-    False stayed in every group; amsgrad True -> False was logged the same, then the first step failed
-    (KeyError: 'max_exp_avg_sq'). Broken on purpose (foreach not restored; no amsgrad row): both fail."""
+    """With optim=adamw, foreach False -> True takes effect in every group (DCP's load puts the checkpoint's False
+    back); amsgrad True -> False is refused (the first step would fail: KeyError: 'max_exp_avg_sq'). Broken on
+    purpose (foreach not restored; no amsgrad row): both fail."""
     _save(tmp_path, "optim=adamw", "optim.foreach=false")
     _, _, opt, ckpt = resume_live(tmp_path, "optim=adamw", "optim.foreach=true")
     assert [g["foreach"] for g in opt.param_groups] == [True] * len(opt.param_groups)
@@ -353,8 +353,9 @@ def test_a_finished_run_started_with_another_optimizer_config_is_refused(tmp_pat
 
 
 def test_a_finished_run_names_stop_at_when_stop_at_ended_it(tmp_path):
-    """Seen (2026-12-01): stopped by trainer.stop_at=10, started again with max_steps 20 -> 30 and the same stop_at,
-    the refusal said "raise trainer.max_steps above 10" (it was 30 already). Broken on purpose (always max_steps)."""
+    """Stopped by trainer.stop_at=10, started again with max_steps 20 -> 30 and the same stop_at, the refusal names
+    trainer.stop_at, not "raise trainer.max_steps above 10" (it is 30 already). Broken on purpose (always
+    max_steps)."""
     over = [*QUICK, f"run_dir={tmp_path}", "trainer.stop_at=10"]
     train(compose_config(over))
     with pytest.raises(ConfigError) as err:

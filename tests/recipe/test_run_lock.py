@@ -1,4 +1,4 @@
-"""One launch at a time per run_dir (recipes/run_lock.py). Seen before: two launches into one run_dir both exited
+"""One launch at a time per run_dir (recipes/run_lock.py): unlocked, two launches into one run_dir could both exit
 0, the second overwriting the first's checkpoints and interleaving metrics.jsonl."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_a_launch_from_another_process_is_one_line_with_exit_code_2(tmp_path):
 @pytest.mark.slow
 def test_every_rank_refuses_a_run_dir_in_use_and_none_waits(tmp_path):
     """Only rank 0 takes the lock: it shares its verdict after the process group is up, so both ranks give the
-    line (before, rank 0 alone refused and the others waited in the rendezvous)."""
+    line (none is left waiting in the rendezvous while rank 0 alone refuses)."""
     run_dir = tmp_path / "run"
     with RunDirLock(str(run_dir)):
         proc = run_cli([*QUICK, "trainer.max_steps=4", f"run_dir={run_dir}"], torchrun=2, timeout=180)
@@ -56,7 +56,8 @@ def test_every_rank_refuses_a_run_dir_in_use_and_none_waits(tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_without_checkpoints_start_in_a_fresh_run_dir(tmp_path):
-    """Was a race: rank 1 read rank 0's launch record as an earlier launch and refused checkpoint.enabled=false."""
+    """Rank 1 does not read rank 0's launch record as an earlier launch (which would refuse
+    checkpoint.enabled=false)."""
     run_dir = tmp_path / "run"
     over = [*QUICK, "trainer.max_steps=4", "checkpoint.enabled=false", f"run_dir={run_dir}"]
     proc = run_cli(over, torchrun=2, timeout=180)
@@ -82,7 +83,7 @@ def test_a_file_system_without_flock_trains_without_the_lock(tmp_path, monkeypat
 
 
 def test_a_run_dir_in_use_is_named_also_for_a_launch_without_checkpoints(tmp_path):
-    """The lock is taken before the earlier-launch check: a launch training now is named as such (was: "holds 1
+    """The lock is taken before the earlier-launch check: a launch training now is named as such (not as "holds 1
     earlier launch(es)")."""
     run_dir = tmp_path / "run"
     cfg = [*QUICK, "trainer.max_steps=2", "trainer.progress=false", f"run_dir={run_dir}"]
@@ -102,9 +103,9 @@ def test_a_lock_that_cannot_be_taken_is_one_line(tmp_path):
 
 
 def test_a_second_launch_into_a_checkpoint_dir_in_use_is_refused(tmp_path):
-    """Seen (2026-12-01): two launches, each with its own run_dir but one checkpoint.dir, ran at once: the second
-    removed the first's checkpoint in progress, overwrote its steps and then failed; the first exited 0 reporting
-    checkpoints that held the second's state. Broken on purpose (no checkpoint.dir lock): the second trains."""
+    """Two launches, each with its own run_dir but one checkpoint.dir, at once: unlocked, the second would remove
+    the first's checkpoint in progress, overwrite its steps and then fail; the first would exit 0 reporting
+    checkpoints that hold the second's state. Broken on purpose (no checkpoint.dir lock): the second trains."""
     shared = tmp_path / "shared"
     cfg = [*QUICK, "trainer.max_steps=4", "trainer.progress=false", f"checkpoint.dir={shared}"]
     with RunDirLock(str(shared), "checkpoint.dir"):  # the first launch, training
@@ -119,8 +120,8 @@ def test_a_second_launch_into_a_checkpoint_dir_in_use_is_refused(tmp_path):
 
 
 def test_a_checkpoint_dir_moved_away_from_the_run_s_checkpoints_is_refused(tmp_path):
-    """Seen: checkpoint.dir changed in a run_dir with a finished launch trained from step 0 again without a word and
-    appended a second history to metrics.jsonl."""
+    """checkpoint.dir changed in a run_dir with a finished launch is refused: it would train from step 0 again
+    without a word and append a second history to metrics.jsonl."""
     run_dir = tmp_path / "run"
     cfg = [*QUICK, "trainer.max_steps=4", "trainer.progress=false", f"run_dir={run_dir}"]
     train(compose_config(cfg))

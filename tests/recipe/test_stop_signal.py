@@ -63,7 +63,7 @@ def _two_ranks(rank: int, world: int) -> None:
         assert check(now=True) == (True, False, 0)  # rank 1's signal stays received
     finally:
         stop.restore()
-    waiting = StopSignal(overlap=False)  # the check before it overlapped: every check waits for the all-reduce
+    waiting = StopSignal(overlap=False)  # without overlap: every check waits for the all-reduce
     try:
         assert _agreed(waiting.should_stop(world, BAD if rank == 1 else GOOD, now=False), 0, world) == (False, False, 0)
         assert _agreed(waiting.should_stop(world, GOOD, now=False), waiting.flag_lag, world) == (False, True, 1)
@@ -102,7 +102,7 @@ def test_a_second_ctrl_c_stops_at_once():
 
 
 def test_the_first_ctrl_c_says_what_the_stop_does(capfd):
-    """Was "with a checkpoint" also where checkpointing is off (the new-user trial of 2026-12-01)."""
+    """The first Ctrl-C's line says "with a checkpoint" only where checkpointing is on."""
     for saves, words in [(True, "stopping after this step with a checkpoint"), (False, "checkpointing is off")]:
         stop = StopSignal(saves=saves)
         try:
@@ -113,7 +113,8 @@ def test_the_first_ctrl_c_says_what_the_stop_does(capfd):
 
 
 def test_a_ctrl_c_during_the_last_step_is_the_end_of_the_run(tmp_path, monkeypatch):
-    """Was reported as a stop ("a new launch resumes here", exit 130) although every step was done."""
+    """Every step is done: the run ends as finished, not reported as a stop ("a new launch resumes here", exit
+    130)."""
     import recipes.train
     from recipes.train import compose_config, train
 

@@ -169,9 +169,9 @@ def test_recipe_saves_with_background_export_round_trip_flattened(tmp_path, asyn
 
 
 def test_a_plain_reader_never_gets_unfilled_tensors(tmp_path):
-    """Outside ``deferred_state_dict()`` the export is waited for before ``state_dict()`` returns. Seen before:
-    ``torch.save(opt.state_dict())`` and ``dcp.save(get_optimizer_state_dict(...))`` of a background export wrote
-    all-zero moments without a word. Broken on purpose (no wait): both read back zeros."""
+    """Outside ``deferred_state_dict()`` the export is waited for before ``state_dict()`` returns, so
+    ``torch.save(opt.state_dict())`` and ``dcp.save(get_optimizer_state_dict(...))`` of a background export write
+    the moments, not zeros. Broken on purpose (no wait): both read back zeros."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     model = torch.nn.Linear(512, 512)

@@ -1,6 +1,6 @@
 """The constructor rules (optim_factory/optimizers/rules.py) as both FusedAdam classes apply them.
 
-Issue 15, observation 10: ``PortableFusedAdam`` accepted lr=NaN, lr<0, betas=(1.0, ...), betas=(0.9, 1.5), eps<0,
+Issue 15, observation 10: ``PortableFusedAdam`` refuses lr=NaN, lr<0, betas=(1.0, ...), betas=(0.9, 1.5), eps<0,
 weight_decay<0 and ``master_weights="yes"``. Issue 16, item 3: both classes take dtype and size strings.
 The TE subclass checks before it needs Transformer Engine, so its refusals are tested on CPU machines too.
 """
@@ -92,7 +92,7 @@ def test_torch_lets_these_through_and_we_do_not():
 
 
 def test_nan_lr_no_longer_trains_to_nan():
-    """Observation 10: lr=NaN was accepted and one step made every parameter NaN."""
+    """lr=NaN is refused: accepted, one step would make every parameter NaN."""
     ps = params()
     with pytest.raises(ValueError, match="Invalid learning rate: nan"):
         PortableFusedAdam(ps, lr=float("nan"))
@@ -221,8 +221,9 @@ def test_te_defaults_equal_ours():
 
 
 def test_every_param_group_is_checked_and_a_refused_one_is_not_added():
-    """Seen: a group's lr=-0.1 or betas=(0.9, 1.0) (or add_param_group's lr=nan) trained to NaN without a word, and
-    the optimizer's own checkpoint was then refused at load. Broken on purpose (no group check): accepted."""
+    """A group's lr=-0.1 or betas=(0.9, 1.0) (or add_param_group's lr=nan) is refused: accepted, it would train to
+    NaN without a word, and the optimizer's own checkpoint would be refused at load. Broken on purpose (no group
+    check): accepted."""
     w, b, c = (torch.nn.Parameter(torch.randn(4)) for _ in range(3))
     with pytest.raises(ValueError, match=r"^param group 1: Invalid learning rate: -0.1"):
         PortableFusedAdam([{"params": [w]}, {"params": [b], "lr": -0.1}], lr=1e-2)
@@ -237,7 +238,7 @@ def test_every_param_group_is_checked_and_a_refused_one_is_not_added():
 
 
 def test_capturable_groups_each_get_their_own_lr_tensor():
-    """On the CPU every group shared the defaults' lr tensor: LambdaLR's per-group factors collapsed into one."""
+    """On the CPU too each group has its own lr tensor: a shared one would collapse LambdaLR's per-group factors."""
     a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
     opt = PortableFusedAdam([{"params": [a]}, {"params": [b]}], lr=1e-2, capturable=True)
     assert opt.param_groups[0]["lr"] is not opt.param_groups[1]["lr"]
@@ -249,14 +250,14 @@ def test_capturable_groups_each_get_their_own_lr_tensor():
     "extra,words",
     [
         ({"amsgrad": True}, "amsgrad=True: optimizer-wide in FusedAdam"),  # constructor's amsgrad=True is refused
-        ({"adam_w_mode": False}, "adam_w_mode=False: optimizer-wide in FusedAdam"),  # was: ignored
+        ({"adam_w_mode": False}, "adam_w_mode=False: optimizer-wide in FusedAdam"),  # else ignored
         ({"weight_decy": 0.1}, "weight_decy=0.1: not a FusedAdam param group key; did you mean weight_decay?"),
-        ({"bias_correction": "no"}, "bias_correction='no': expected True or False"),  # was: truthy, correction on
+        ({"bias_correction": "no"}, "bias_correction='no': expected True or False"),  # else truthy: correction on
         ({"step": -1}, "step=-1: expected the group's step count"),
     ],
 )
 def test_a_group_key_that_would_do_nothing_is_refused(extra, words):
-    """Seen (2026-12-01): each of these was accepted in a param group and changed nothing (or the opposite)."""
+    """Each of these, accepted in a param group, would change nothing (or do the opposite)."""
     w, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
     with pytest.raises(ValueError) as info:
         PortableFusedAdam([{"params": [w]}, {"params": [b], **extra}], lr=1e-2)
@@ -275,8 +276,8 @@ def test_the_callers_own_group_keys_stay():
 
 
 def test_parameters_step_cannot_update_are_refused_when_added():
-    """Seen: a float64 parameter (or FP16 and BF16 in one group) was accepted; step() then updated the earlier
-    parameters, counted the step and made the states before it raised (TE: the count and the states)."""
+    """A float64 parameter (or FP16 and BF16 in one group) is refused when added: accepted, step() would update the
+    earlier parameters, count the step and make the states before it raised (TE: the count and the states)."""
     w = torch.nn.Parameter(torch.randn(4))
     with pytest.raises(ValueError, match=r"^param group 0: parameter 1 has dtype torch.float64: FusedAdam updates"):
         PortableFusedAdam([w, torch.nn.Parameter(torch.randn(3, dtype=torch.float64))])
@@ -295,8 +296,9 @@ def test_parameters_step_cannot_update_are_refused_when_added():
     ],
 )
 def test_a_0d_parameter_with_scaled_states_is_refused(options):
-    """Seen: a 0-d parameter (a logit scale) with FP16 states raised in step() ("output with shape [] doesn't
-    match the broadcast shape [1]", TE's unscaling too), after the other parameters were updated."""
+    """A 0-d parameter (a logit scale) with FP16 states is refused when added: accepted, step() would raise ("output
+    with shape [] doesn't match the broadcast shape [1]", TE's unscaling too) after updating the other
+    parameters."""
     options = dict(options)
     dtype = options.pop("p_dtype", torch.float32)
     w, scalar = torch.nn.Parameter(torch.randn(4, dtype=dtype)), torch.nn.Parameter(torch.tensor(2.0, dtype=dtype))
@@ -310,7 +312,7 @@ def test_a_0d_parameter_with_scaled_states_is_refused(options):
 
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])
 def test_a_0d_parameter_with_fp8_or_bf16_moments_steps_exports_and_loads(dtype):
-    """TE's FP8 states take a 0-d parameter (H200, TE 2.20.2); the twin's unscaling raised for it as for FP16.
+    """TE's FP8 states take a 0-d parameter (H200, TE 2.20.2), and so do the twin's FP8 and BF16 states.
     Broken on purpose (the [1]-shaped scale multiplied into the 0-d state): the step raises."""
     w, scalar = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.tensor(2.0))
     kw = dict(lr=0.1, exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
@@ -338,7 +340,7 @@ def test_a_0d_parameter_with_unscaled_states_steps():
 
 
 def test_capturable_groups_added_later_get_their_own_lr_tensor():
-    """Seen: add_param_group's groups shared the defaults' lr tensor (the constructor's had their own)."""
+    """add_param_group's groups get their own lr tensor, as the constructor's do, not the defaults'."""
     a, b, c = (torch.nn.Parameter(torch.randn(4)) for _ in range(3))
     opt = PortableFusedAdam([a], lr=1e-2, capturable=True)
     opt.add_param_group({"params": [b]})
@@ -349,8 +351,8 @@ def test_capturable_groups_added_later_get_their_own_lr_tensor():
 
 
 def test_a_refused_step_changes_nothing():
-    """A parameter made float64 after the optimizer was built: step() refuses before the first update (was: the
-    earlier parameter stepped, the step counted, the states made)."""
+    """A parameter made float64 after the optimizer was built: step() refuses before the first update (no
+    earlier parameter stepped, no step counted, no states made)."""
     a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
     opt = PortableFusedAdam([a, b], lr=0.1)
     b.data = b.data.double()
@@ -361,7 +363,7 @@ def test_a_refused_step_changes_nothing():
 
 
 def test_groups_from_torch_and_keys_of_the_caller_s_own_are_accepted():
-    """A review of 2026-12-01: torch's AdamW groups carry amsgrad=False and capturable=False (the optimizer's own
+    """torch's AdamW groups carry amsgrad=False and capturable=False (the optimizer's own
     values: accepted), and longer keys of the caller's (weight_decay_mult, lrs, steps) are no misspellings. Broken on
     purpose (every optimizer-wide key refused; insertions counted as near misses): refused."""
     model = torch.nn.Linear(3, 3)
@@ -384,7 +386,7 @@ def test_frozen_parameters_are_not_held_to_the_step_s_dtype_rules():
 
 def test_a_0d_fp32_parameter_with_an_fp16_master_is_refused():
     """With master_weights, TE keeps a master for FP32 parameters too, and its FP16 master of a 0-d parameter fails in
-    step() (a review of 2026-12-01)."""
+    step()."""
     w, scalar = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.tensor(2.0))
     with pytest.raises(ValueError, match=r"parameter 1 is 0-dimensional: .* \(master_param; "):
         PortableFusedAdam([w, scalar], master_weights=True, master_weight_dtype="fp16")

@@ -1,8 +1,8 @@
 """``copy.deepcopy`` and pickling of an optimizer keep every option and give the copy its own exporter.
 
-Was (2026-12-01): torch's ``Optimizer.__getstate__`` keeps only ``defaults``, ``state`` and ``param_groups``, so a
-deep copy had lost its export options, its exporter and the FusedAdam attributes (``master_weights``,
-``name_to_dtype_map``): its first ``state_dict()`` or ``step()`` raised ``AttributeError``.
+torch's ``Optimizer.__getstate__`` keeps only ``defaults``, ``state`` and ``param_groups``: with it, a deep copy
+would lose its export options, its exporter and the FusedAdam attributes (``master_weights``,
+``name_to_dtype_map``), and its first ``state_dict()`` or ``step()`` would raise ``AttributeError``.
 """
 
 from __future__ import annotations

@@ -164,8 +164,8 @@ def test_backend_choice_is_logged(caplog):
     ids=["default", "offload-bf16", "per-state", "everything-fp32-params", "chunked"],
 )
 def test_the_states_and_the_export_in_effect_are_logged(cfg, line, caplog):
-    """What the built optimizer keeps and exports, from what it was built with (the new-user trial found no line
-    saying that BF16 moments or the offload were in effect)."""
+    """What the built optimizer keeps and exports, from what it was built with: one line says which moments (e.g.
+    BF16) and which export (e.g. the offload) are in effect."""
     with caplog.at_level(logging.INFO, logger="optim_factory.factory"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no GPU here: the offload warns that it saves no memory
         build_optimizer(cfg, tiny_model())
@@ -262,7 +262,7 @@ MALFORMED = [
     ),
     ({"param_groups": {"overrides": [{"pattern": "blocks"}, {"pattern": "qkv"}]}}, "patterns overlap on parameter"),
     ({"param_groups": {"overrides": [{"pattern": "[a-"}]}}, "optim.param_groups.overrides[0].pattern='[a-'"),
-    # seen 2026-12-01: the merge named the leaf only (optim.lr_mul), or optim.?=None; ??? kept the default
+    # the full dotted key, not the leaf only (optim.lr_mul) nor optim.?=None; ??? is refused, not the default
     (
         {"param_groups": {"overrides": [{"pattern": "blocks", "lr_mul": 2}]}},
         "overrides[0].lr_mul: not a config key; did you mean optim.param_groups.overrides[0].lr_mult?",

@@ -1,9 +1,9 @@
 """``torch.amp.GradScaler`` with a capturable optimizer (``step(grad_scaler=...)`` unscales in the step).
 
-Seen (2026-12-01): ``scaler.unscale_(opt)`` before ``scaler.step(opt)`` (the gradient-clipping pattern) unscaled
-the gradients twice: after 3 steps the parameters were 0.22 off ``torch.optim.Adam`` under the same scaler (TE
-2.20.2 on an H200: 0.275); without ``unscale_`` they agreed to 4.5e-8. Tolerance: 1e-6, measured 4.5e-8 on CPU
-(FP32, the portable twin's kernel arithmetic against torch's Adam).
+``scaler.unscale_(opt)`` before ``scaler.step(opt)`` (the gradient-clipping pattern) unscales the gradients once:
+unscaled twice, after 3 steps the parameters are 0.22 off ``torch.optim.Adam`` under the same scaler (TE 2.20.2 on
+an H200: 0.275); without ``unscale_`` they agree to 4.5e-8. Tolerance: 1e-6, measured 4.5e-8 on CPU (FP32, the
+portable twin's kernel arithmetic against torch's Adam).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Our optimizers from other frameworks' configs (issue 16, item 3): the snippets of docs/drop-in.md, run.
 
-Before: ``hydra.utils.instantiate({"_target_": "optim_factory.PortableFusedAdam", "exp_avg_dtype": "bf16"}, ...)``
-failed ("FusedAdam only supports fp32/fp16/bf16/fp8 exp_avg"), as did ``torch.bfloat16`` / ``bfloat16`` and
-``state_dict_offload_chunk_bytes: 64MiB``.
+``hydra.utils.instantiate({"_target_": "optim_factory.PortableFusedAdam", "exp_avg_dtype": "bf16"}, ...)``
+builds the optimizer, with the dtype and size strings converted (``torch.bfloat16`` / ``bfloat16``,
+``state_dict_offload_chunk_bytes: 64MiB``) rather than refused ("FusedAdam only supports fp32/fp16/bf16/fp8 exp_avg").
 """
 
 from __future__ import annotations

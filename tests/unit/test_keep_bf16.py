@@ -1,5 +1,6 @@
 """``state_dict_keep_bf16``: BF16 states are exported as BF16 (the stored values, bitwise; half the bytes), in
-every export mode; everything else as before; loading accepts BF16 or FP32 for any state (issue 17, item 1)."""
+every export mode; everything else as without the option; loading accepts BF16 or FP32 for any state (issue 17,
+item 1)."""
 
 from __future__ import annotations
 

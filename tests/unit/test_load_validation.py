@@ -48,39 +48,39 @@ def _mutations():
     def int16(sd):  # remainders belong to the master of a BF16 parameter only
         sd["state"][1]["exp_avg"] = torch.zeros(5, dtype=torch.int16)
 
-    def no_step(sd):  # was: loaded, the bias correction restarted at step 1 under the moments of step 2
+    def no_step(sd):  # loaded, the bias correction would restart at step 1 under the moments of step 2
         for g in sd["param_groups"]:
             del g["step"]
 
-    def no_step_and_not_a_dict(sd):  # was: "Boolean value of Tensor ... is ambiguous" from the step check
+    def no_step_and_not_a_dict(sd):  # not "Boolean value of Tensor ... is ambiguous" from the step check
         no_step(sd)
         for key in sd["state"]:
             sd["state"][key] = torch.zeros(2)  # bool() of it raises: the check must not take it
 
     def group_value(key, value):
-        def damage(sd):  # was: loaded (lr=nan left non-finite weights after one step)
+        def damage(sd):  # loaded, lr=nan would leave non-finite weights after one step
             sd["param_groups"][0][key] = value
 
         return damage
 
     def non_finite(key, name, value, dtype=torch.float32):
-        def damage(sd):  # was: loaded, and the next step trained the parameter to NaN
+        def damage(sd):  # loaded, the next step would train the parameter to NaN
             sd["state"][key][name] = sd["state"][key][name].to(dtype, copy=True)
             sd["state"][key][name].view(-1)[-1] = value
 
         return damage
 
     def stray(key):
-        def damage(sd):  # was: loaded, the states of parameter 0 dropped without a word, its step kept
+        def damage(sd):  # loaded, the states of parameter 0 would be dropped without a word, its step kept
             sd["state"][key] = sd["state"].pop(0)
 
         return damage
 
-    def state_list(sd):  # was: AttributeError with a traceback
+    def state_list(sd):  # not an AttributeError with a traceback
         sd["state"] = list(sd["state"].values())
 
     def layout(make):
-        def damage(sd):  # was: passed the checks, then failed half-way, leaving the optimizer half-loaded
+        def damage(sd):  # loaded, it would fail half-way, leaving the optimizer half-loaded
             sd["state"][1]["exp_avg"] = make()
 
         return damage
@@ -99,8 +99,8 @@ def _mutations():
         ("inf", non_finite(0, "exp_avg", float("-inf")), ["group 0, parameter 0: exp_avg", "NaN or inf"]),
         ("bf16 nan", non_finite(0, "exp_avg", float("nan"), torch.bfloat16), ["parameter 0: exp_avg", "NaN or inf"]),
         ("negative v", non_finite(1, "exp_avg_sq", -1e-3), ["parameter 1: exp_avg_sq holds negative values"]),
-        ("step negative", group_value("step", -3), ["group 0", "step=-3", "step count"]),  # was: NaN weights
-        ("step str", group_value("step", "2"), ["group 0", "step='2'", "step count"]),  # was: TypeError in step()
+        ("step negative", group_value("step", -3), ["group 0", "step=-3", "step count"]),  # loaded: NaN weights
+        ("step str", group_value("step", "2"), ["group 0", "step='2'", "step count"]),  # loaded: TypeError in step()
         ("step float", group_value("step", 2.5), ["group 0", "step=2.5", "step count"]),
         ("step zero", group_value("step", 0), ["group 0 has states but a zero 'step'"]),
         ("bias correction", group_value("bias_correction", "no"), ["group 0", "bias_correction='no'"]),
@@ -147,8 +147,8 @@ def test_param_names_are_named_in_errors():
 
 
 def test_states_of_other_parameters_are_refused_by_name():
-    """Two parameters of one shape, their names swapped in the dictionary: was loaded, each state on the other
-    parameter (and the optimizer's own names overwritten)."""
+    """Two parameters of one shape, their names swapped in the dictionary: loaded by index, each state would
+    land on the other parameter (and the optimizer's own names would be overwritten)."""
 
     def named():
         params = make_params(torch.float32, shapes=[(4, 3), (4, 3)])
@@ -208,7 +208,7 @@ def test_master_weights_turned_on_start_from_the_parameter(remainders):
         expected = torch.zeros_like(p, dtype=torch.int16) if remainders else p.detach().float()
         assert_bitwise(master, expected, "master starts as the parameter")
     before = [p.detach().clone() for p in restored_params]
-    run_steps(restored, restored_params, 2, 2)  # steps with the master (before the fix: KeyError)
+    run_steps(restored, restored_params, 2, 2)  # steps with the master (no KeyError)
     assert all(not torch.equal(a, b) for a, b in zip(before, restored_params))
 
 

@@ -1,7 +1,7 @@
 """No-decay groups by module type, by dimension and by name (issue 16, item 4).
 
-Before: only name patterns decided, so GPT-2 style names (``wte``, ``wpe``), an embedding not named "embed"
-and a norm not named "norm" got weight decay, and the default run logged a default pattern matching nothing.
+Name patterns alone would give GPT-2 style names (``wte``, ``wpe``), an embedding not named "embed" and a norm
+not named "norm" weight decay, and the default run would log a default pattern matching nothing.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_gpt2_names_embeddings_norms_and_1d_get_no_decay(caplog):
 
 
 def test_default_model_run_logs_no_unused_default_pattern(caplog):
-    """The recipe's own model: no default pattern is reported (issue 16: the default run logged one)."""
+    """The recipe's own model: no default pattern is reported as matching nothing (issue 16)."""
     model = DecoderLM(ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=8))
     with caplog.at_level(logging.INFO, logger="optim_factory.factory"):
         build_optimizer({"weight_decay": 0.1}, model)
@@ -105,7 +105,7 @@ def test_a_user_pattern_that_matches_nothing_is_a_warning(caplog):
 
 def test_named_pairs_get_the_dimension_and_name_rules_only(caplog):
     """Without the module, an embedding's 2-D weight cannot be told from a linear one: only 1-D and names, with
-    a warning that says so (was said only in the docs)."""
+    a warning that says so."""
     model = GPT2Style()
     with caplog.at_level(logging.INFO, logger="optim_factory"):
         opt = build_optimizer({"weight_decay": 0.1}, list(model.named_parameters()))

@@ -38,9 +38,9 @@ KW = dict(master_weights=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=to
 def _rss() -> int:
     """Anonymous resident bytes, counted by walking the page tables (``Anonymous`` of /proc/self/smaps_rollup).
     Not ``VmRSS``: it also counts file-backed pages (the mapped libraries), which the kernel may reclaim at any
-    moment (seen on this shared machine: VmRSS fell 35 MiB during an export). Not ``RssAnon`` either: its per-CPU
-    counters lag behind pages faulted in by other threads (a clean-clone CI run saw +2.1 of 72 MiB exported while
-    the export was alive)."""
+    moment (measured on a shared machine: VmRSS fell 35 MiB during an export). Not ``RssAnon`` either: its per-CPU
+    counters lag behind pages faulted in by other threads (measured in a clean-clone CI run: +2.1 of 72 MiB
+    exported while the export was alive)."""
     with open("/proc/self/smaps_rollup") as f:
         for line in f:
             if line.startswith("Anonymous:"):
@@ -276,8 +276,8 @@ def test_fresh_export_gives_host_memory_back_when_freed(chunk):
     the first export (destinations, staging buffers and device buffers freed; the unstaging threads, started
     with the optimizer before the baseline, are the same ones throughout). Measured here
     (72 MiB exported, 2 CPUs, RssAnon): +0.06 to +0.07 MiB after freeing (VmRSS: +0.56 to +0.90 MiB), +74.1
-    to +76.1 MiB while the export is alive. Before this change (glibc-allocated destinations, kept staging
-    buffers) 64 MiB chunks left +72.6 MiB (VmRSS) after freeing. The 4 MiB tolerance leaves room for the
+    to +76.1 MiB while the export is alive. With glibc-allocated destinations and kept staging buffers, 64 MiB
+    chunks leave +72.6 MiB (VmRSS) after freeing. The 4 MiB tolerance leaves room for the
     pytest process's own allocations and is below anything the export could keep: the 32 MiB staging ring, or
     one of its destinations (the smallest of at least 2 MiB is 8 MiB)."""
     opt = _optimizer(chunk, reuse=False)
@@ -289,7 +289,7 @@ def test_fresh_export_gives_host_memory_back_when_freed(chunk):
         own = _own_mappings(large)
         large_bytes = sum(v.numel() * v.element_size() for v in large)
         # the export's own mappings, resident while it is alive (the process-wide count is no measure of that
-        # here: the kernel reclaims other cold pages of the process meanwhile, seen as +27 of 72 MiB)
+        # here: the kernel reclaims other cold pages of the process meanwhile, measured: +27 of 72 MiB)
         assert large and sum(own.values()) >= large_bytes, (sum(own.values()), large_bytes)
         del sd, large
         gc.collect()

@@ -1,9 +1,9 @@
 """torch's optimizer state-dict hooks run around the whole export and load, as on ``torch.optim`` optimizers.
 
-Seen (2026-12-01; TE's ``FusedAdam`` has the same order): the export and the load called torch's
-``Optimizer.state_dict``/``load_state_dict`` inside, so a state-dict post-hook saw the stored (scaled FP16) states
-and its changes were overwritten by the export, a load pre-hook saw no states and its changes were not loaded, and
-a load post-hook ran before any state was set.
+The export and the load call torch's ``Optimizer.state_dict``/``load_state_dict`` inside; with torch's hooks run
+there (TE's ``FusedAdam`` does), a state-dict post-hook would see the stored (scaled FP16) states and its changes
+would be overwritten by the export, a load pre-hook would see no states and its changes would not be loaded, and a
+load post-hook would run before any state is set.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def test_state_dict_hooks_see_and_change_the_export(mode):
 
     opt.register_state_dict_post_hook(post)
     sd = opt.state_dict()
-    assert seen == ["pre", torch.float32]  # was: torch.float16, the stored (scaled) moment
-    assert all(v.dtype == torch.bfloat16 for st in sd["state"].values() for v in st.values())  # was: overwritten
+    assert seen == ["pre", torch.float32]  # not torch.float16, the stored (scaled) moment
+    assert all(v.dtype == torch.bfloat16 for st in sd["state"].values() for v in st.values())  # not overwritten
     assert torch.equal(sd["state"][0]["exp_avg"], expected["state"][0]["exp_avg"].to(torch.bfloat16))
 
 
@@ -63,6 +63,6 @@ def test_load_hooks_change_what_is_loaded_and_see_the_loaded_states():
     opt.register_load_state_dict_post_hook(lambda o: loaded_steps.append(o.param_groups[0]["step"]))
     opt.register_load_state_dict_post_hook(lambda o: loaded_steps.append(len(o.state)))
     opt.load_state_dict(sd)
-    assert all(not st["exp_avg"].any() for st in opt.state.values())  # was: the saved exp_avg, the hook ignored
-    assert loaded_steps == [2, len(params)]  # was: [2, 0], no state set yet
+    assert all(not st["exp_avg"].any() for st in opt.state.values())  # not the saved exp_avg: the hook counts
+    assert loaded_steps == [2, len(params)]  # not [2, 0]: the states are set
     assert torch.equal(opt.state[params[0]]["exp_avg_sq"], saved.state[next(iter(saved.state))]["exp_avg_sq"])

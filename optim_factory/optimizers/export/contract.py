@@ -174,7 +174,7 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
     Checked: the dictionary's structure; group count and sizes; the keys FusedAdam's groups need, and the groups by
     the constructor's rules (``rules.check_group``: hyperparameters, ``bias_correction``, ``step``, no
     optimizer-wide keys); a non-zero ``step`` in every group that has states (without it the bias correction would
-    restart at step 1 under moments of a later step); no states for an index no group lists (dropped before); the
+    restart at step 1 under moments of a later step); no states for an index no group lists (they would be dropped); the
     parameter names where both sides have them (the states would otherwise land on other parameters of the same
     shape); state names (``exp_avg``, ``exp_avg_sq``, ``master_param``); every state's local shape against its
     parameter's local shape; dense tensors with data (not sparse, not on the meta device); dtypes that convert
@@ -237,7 +237,7 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
                 raise ValueError(f"load_state_dict: {_where(g, i, saved)}: has {moments[0]} but not the other moment")
     listed = set(chain.from_iterable(g["params"] for g in saved_groups))
     stray = [key for key in state if key not in listed]
-    if stray:  # was: dropped without a word, the group's step kept: the next update was not the saved run's
+    if stray:  # dropped silently with the group's step kept, the next update would not be the saved run's
         raise ValueError(
             f"load_state_dict: the state dict has states for {', '.join(map(repr, stray[:3]))}"
             f"{' ...' if len(stray) > 3 else ''}, which no parameter group lists (they would be dropped)"
@@ -246,7 +246,7 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
         where = next(where for where, t in checked if not all_finite([t]))
         raise ValueError(f"load_state_dict: {where} holds NaN or inf values (a diverged run's state): not loaded")
     second = [(where, t) for where, t in checked if where.endswith(": exp_avg_sq")]
-    if not all_non_negative(t for _, t in second):  # was: loaded, NaN weights after one step
+    if not all_non_negative(t for _, t in second):  # loaded, they would make NaN weights after one step
         where = next(where for where, t in second if not all_non_negative([t]))
         raise ValueError(f"load_state_dict: {where} holds negative values (a second moment is >= 0): not loaded")
 

@@ -42,9 +42,10 @@ class OffloadedStateDict:
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``copy.deepcopy`` and pickle copy: every attribute (torch's ``Optimizer.__getstate__`` keeps only
-        ``defaults``, ``state`` and ``param_groups``: a copy had neither its options nor its exporter, and its first
-        ``step()`` or ``state_dict()`` raised ``AttributeError``) but the exporter (threads, pinned host buffers)
-        and torch's hooks (which torch does not copy either); :meth:`__setstate__` gives the copy its own exporter."""
+        ``defaults``, ``state`` and ``param_groups``: a copy would have neither its options nor its exporter, and its
+        first ``step()`` or ``state_dict()`` would raise ``AttributeError``) but the exporter (threads, pinned host
+        buffers) and torch's hooks (which torch does not copy either); :meth:`__setstate__` gives the copy its own
+        exporter."""
         return {
             k: v
             for k, v in self.__dict__.items()
@@ -168,8 +169,8 @@ class OffloadedStateDict:
         """torch's ``Optimizer.state_dict``/``load_state_dict``, which the export and the load call inside, without
         the optimizer's state-dict hooks: this class runs them itself around the whole operation, so that a
         post-hook sees (and may change) the exported dictionary, not the stored one, and a load pre-hook's
-        dictionary is the one loaded (before, TE's order and ours: post-hooks saw scaled FP16 storage and their
-        changes were overwritten; load pre-hooks saw no states; load post-hooks ran before any state was set).
+        dictionary is the one loaded (in torch's order, which TE keeps, post-hooks see scaled FP16 storage and their
+        changes are overwritten, load pre-hooks see no states, and load post-hooks run before any state is set).
         The hook registries are torch's attributes of this optimizer, swapped for empty ones and put back."""
         names = (
             "_optimizer_state_dict_pre_hooks",

@@ -139,7 +139,7 @@ class UnstageWorkers:
 
     ``threads`` threads that make CUDA ``device`` current first (``None`` or not CUDA: plain threads), all started
     here, before any export, and kept idle between exports until :meth:`close`. Started by the export itself, the
-    12 threads of an H200's first export took 15 of its 125 ms (``benchmarks/probes/trace_first_export.py``,
+    12 threads of an H200's first export take 15 of its 125 ms (``benchmarks/probes/trace_first_export.py``,
     benchmarks/results/2026-12-01-h200-sixth/). Several stagers may use one set of workers, one after the other
     or at once. In a forked child the threads do not exist: :attr:`alive` is false there, make new ones.
     """
@@ -210,9 +210,9 @@ class Stager:
     pieces of whole huge pages, the first buffer's pieces first, while the caller starts, and pin each buffer
     once its pieces are in; the caller waits for a buffer only before its first use, so the device waits for
     the first buffer, not for the whole ring. Pinning 128 MiB of fresh memory in one call took 31-34 ms on an
-    H200 host, a sixth of a 2 GB export (benchmarks/results/2026-11-30-h200-fourth/first_export/); pinned by the
-    pool instead of by the caller, the first export went from 32-34 % to 35-36 % of the link on one GPU and from
-    20-24 % to 22-25 % on each of two ranks (benchmarks/results/2026-11-30-h200-fifth/). With ``waiter=True``
+    H200 host, a sixth of a 2 GB export (benchmarks/results/2026-11-30-h200-fourth/first_export/); with the pool
+    pinning rather than the caller, the first export reaches 35-36 % of the link on one GPU against 32-34 %, and
+    22-25 % against 20-24 % on each of two ranks (benchmarks/results/2026-11-30-h200-fifth/). With ``waiter=True``
     the pool's threads never call CUDA: the caller pins each buffer before its first use.
 
     ``threads`` is the pool: :class:`UnstageWorkers` (kept running by :meth:`close`; their device must be the
