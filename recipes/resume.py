@@ -82,7 +82,7 @@ RESUME_RULES: tuple[Rule, ...] = (
     Rule(
         "optim.amsgrad",
         REFUSED,
-        "AdamW's state gains or loses max_exp_avg_sq (was: logged as applied; True -> False kept it, then failed)",
+        "AdamW's state gains or loses max_exp_avg_sq (True -> False would keep it, then fail)",
         T_ADAMW,
     ),
     *(
