@@ -393,8 +393,31 @@ class CheckpointManager:
                         raise CheckpointError(str(exc).replace(FALLBACK_HINT, why)) from exc
                     raise
                 damaged = str(exc).replace(f"; {FALLBACK_HINT}", "")  # the hint is being followed
-                log.warning("%s; checkpoint.fallback=true: trying the older %s", damaged, candidates[i + 1])
+                aside = self._set_aside(path)
+                log.warning(
+                    "%s; checkpoint.fallback=true: set aside as %s (not resumed from, not counted by keep_last), "
+                    "trying the older %s",
+                    damaged,
+                    aside.name,
+                    candidates[i + 1],
+                )
         return None
+
+    def _set_aside(self, path: Path) -> Path:
+        """Rank 0 renames a checkpoint that failed to load to ``<name>.damaged`` (``.damaged.<n>`` if taken), out of
+        discovery and retention, so that it never takes a good checkpoint's ``keep_last`` place; kept for
+        inspection. Every rank returns rank 0's new path (all ranks come here together: they agreed on the
+        failure)."""
+        name = [None]
+        if self.rank == 0:
+            aside, n = path.with_name(f"{path.name}.damaged"), 1
+            while aside.exists():
+                aside, n = path.with_name(f"{path.name}.damaged.{n}"), n + 1
+            path.rename(aside)
+            name = [aside.name]
+        if dist.is_initialized():
+            dist.broadcast_object_list(name, src=0, group=self._save_group)
+        return path.with_name(name[0])
 
     def due(self, step: int, max_steps: int) -> bool:
         return self.cfg.enabled and (step % self.cfg.every_steps == 0 or step == max_steps)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from recipes.checkpoint import is_complete
+from recipes.checkpoint import is_complete, step_dirs
 from recipes.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,5 +68,5 @@ def snapshot(path: Path) -> dict[str, tuple[int, int]]:
 
 
 def complete_steps(run_dir: Path) -> list[int]:
-    ck = run_dir / "checkpoints"
-    return sorted(int(p.name.split("_")[1]) for p in ck.iterdir() if is_complete(p)) if ck.is_dir() else []
+    """The steps of the run's complete checkpoints (``step_NNNNNNNN`` directories; a set-aside one is none)."""
+    return [step for step, path in step_dirs(run_dir / "checkpoints") if is_complete(path)]

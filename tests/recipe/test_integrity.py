@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -262,6 +263,36 @@ def test_keep_last_never_deletes_the_newest_verified_checkpoint(run_dir):
     assert is_complete(ck / "step_00000015") and not (ck / "step_00000010").exists()
     summary = _run(run_dir, "trainer.max_steps=18", *common)
     assert summary["resumed_from"].endswith("step_00000015")
+
+
+def test_a_damaged_checkpoint_takes_no_keep_last_place(tmp_path, caplog):
+    """Steps 10 and 20 saved, 8 bytes flipped in the middle of step 20's shard; the next run with fallback resumes
+    from 10 and saves 15, 30 and 35. The damaged 20 is set aside (renamed, said in the fallback's line), so
+    keep_last=3 keeps the three good checkpoints 15, 30, 35 and the resume after them takes 35."""
+    _run(tmp_path, "trainer.max_steps=20", "checkpoint.every_steps=10", "checkpoint.keep_last=3")
+    shard = tmp_path / "checkpoints" / "step_00000020" / "__0_0.distcp"
+    middle = shard.stat().st_size // 2
+    with open(shard, "r+b") as f:
+        f.seek(middle)
+        flipped = bytes(b ^ 0xFF for b in f.read(8))
+        f.seek(middle)
+        f.write(flipped)
+    again = ["checkpoint.every_steps=15", "checkpoint.keep_last=3", "checkpoint.fallback=true"]
+    with caplog.at_level(logging.WARNING, logger="recipes.checkpoint"):
+        summary = _run(tmp_path, "trainer.max_steps=35", *again)
+    assert summary["start_step"] == 10
+    said = [r.getMessage() for r in caplog.records if "set aside as step_00000020.damaged" in r.getMessage()]
+    assert len(said) == 1 and "checksum mismatch" in said[0], said
+    ck = tmp_path / "checkpoints"
+    assert [Path(p).name for p in summary["kept_checkpoints"]] == ["step_00000015", "step_00000030", "step_00000035"]
+    assert sorted(p.name for p in ck.iterdir() if p.name != ".lock") == [
+        "step_00000015",
+        "step_00000020.damaged",
+        "step_00000030",
+        "step_00000035",
+    ]
+    assert complete_steps(tmp_path) == [15, 30, 35]
+    assert _run(tmp_path, "trainer.max_steps=36", *again)["resumed_from"].endswith("step_00000035")
 
 
 @pytest.mark.slow

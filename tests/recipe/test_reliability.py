@@ -23,7 +23,7 @@ from tests.recipe.runs import QUICK, ROOT, complete_steps, snapshot
 @pytest.mark.slow
 def test_fault_injection_reduced(tmp_path):
     """2 trials per mode of ``python -m scripts.fault_injection`` (a kill -9 at a random moment and one inside a
-    save; the full run is in docs/reliability.md)."""
+    save; the full run: benchmarks/results/2026-11-29-cpu-fault-injection/)."""
     out = tmp_path / "table.md"
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.fault_injection", "--trials", "2", "--out", str(out)],
