@@ -13,8 +13,11 @@ newest complete one; incomplete directories are reported and never loaded. A loa
 the manifest (present, recorded size, recorded hash; the ranks share the files to read) and refuses a damaged
 checkpoint in one line, before anything is read into the model or optimizer. A save refuses a state with
 non-finite values. ``keep_last`` deletes only older complete checkpoints, and never the newest verified one (the
-last saved or loaded). With ``async_save`` the previous save is awaited before the next one starts and at exit,
-and DCP's collectives for it run on a gloo group of their own, so that they never interleave with training's.
+last saved or loaded); a checkpoint that ``checkpoint.fallback`` skipped is renamed ``<name>.damaged`` first,
+so that it is counted by neither. A save that would not fit in the free space of ``checkpoint.dir`` is refused
+before it writes; a write that runs out of space says "disk full". With ``async_save`` the previous save is
+awaited before the next one starts and at exit, and DCP's collectives for it run on a gloo group of their own,
+so that they never interleave with training's.
 
 The optimizer is exported with ``get_optimizer_state_dict`` (``flatten_optimizer_state_dict`` configurable); the
 export is timed and, on CUDA, its GPU peak above the pre-export level is measured. A background export
@@ -36,6 +39,7 @@ still being written.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -82,7 +86,8 @@ MARKER = "COMPLETE.json"
 SAVE_PHASES = ("export", "write", "marker")  # the points of a save at which CheckpointManager.on_phase runs
 METADATA = ".metadata"
 FALLBACK_HINT = "checkpoint.fallback=true resumes from the newest checkpoint that verifies"
-FINITE, NON_FINITE, EXPORT_FAILED = 0, 1, 2  # a save's verdict on its state, agreed by all ranks (the worst wins)
+FINITE, NO_SPACE, NON_FINITE, EXPORT_FAILED = 0, 1, 2, 3  # a save's verdict before writing, agreed by all ranks
+# (the worst wins)
 
 
 _STAGER_FUTURES = hasattr(dcp.state_dict_saver, "AsyncSaveResponse")  # async_save accepts a stager's Future
@@ -194,6 +199,34 @@ def read_manifest(path: Path) -> dict[str, Any]:
     if problem:
         raise CheckpointError(f"checkpoint {path} is damaged: {MARKER}: {problem}; {FALLBACK_HINT}")
     return manifest
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether a failed write ran out of space: ``ENOSPC`` anywhere in its chain or DCP's per-rank failures, or
+    the text torch's file writer gives a short write (``unexpected pos``)."""
+    seen: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e in seen:
+            continue
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    text = " ".join(str(e) for e in seen)
+    return "No space left on device" in text or "unexpected pos" in text
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes of the file system that holds ``path`` (or its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 def state_bytes(obj: Any) -> int:
@@ -481,8 +514,7 @@ class CheckpointManager:
         msd, osd, export_s, peak, export_error, deferred = self._export(model, optimizer)
         try:
             self.on_phase("export", step, path)
-            if not deferred:
-                self._check_finite(step, msd, osd, export_error)  # before anything on disk changes
+            self._check_before_writing(step, msd, osd, export_error, deferred)  # before anything on disk changes
         except CheckpointError:
             _release(optimizer, osd)
             raise
@@ -514,7 +546,7 @@ class CheckpointManager:
             else:
                 dcp.save(state, checkpoint_id=str(path), storage_writer=writer)
         except _DCP_ERRORS as exc:  # the previous checkpoint is complete and untouched; this one gets no marker
-            raise CheckpointError(f"saving {path} failed: {one_line(exc)}") from exc
+            raise CheckpointError(self._write_failure(f"saving {path} failed", exc)) from exc
         finally:
             if not in_flight:  # written (sync) or failed: nothing reads the export buffers any more
                 if deferred and (stager is None or stager.filled is None):
@@ -564,16 +596,41 @@ class CheckpointManager:
         pending.held_s += time.perf_counter() - t0
         pending.export_waited = True
 
-    def _check_finite(self, step: int, msd: dict, osd: dict, export_error: str | None = None) -> None:
-        """Refuse to save a state holding NaN or inf, or whose background export failed on any rank (all ranks
-        agree: one all-reduce)."""
-        if export_error is not None:
+    def _check_before_writing(self, step: int, msd: dict, osd: dict, export_error: str | None, deferred: bool) -> None:
+        """Refuse to save a state holding NaN or inf, or whose background export failed, or that cannot fit in
+        the free space of ``checkpoint.dir`` (all ranks agree: one all-reduce). A deferred export is checked for
+        NaN/inf once it is filled (:meth:`wait`); its size is known now."""
+        space = self._space_problem(msd, osd)
+        if export_error is not None and not deferred:
             verdict = EXPORT_FAILED
+        elif not deferred and not all_finite(local_tensors({"model": msd, "optim": osd})):
+            verdict = NON_FINITE
         else:
-            verdict = FINITE if all_finite(local_tensors({"model": msd, "optim": osd})) else NON_FINITE
-        self._agree(step, verdict, export_error)
+            verdict = NO_SPACE if space else FINITE
+        self._agree(step, verdict, export_error, space=space)
 
-    def _agree(self, step: int, verdict: int, export_error: str | None, path: Path | None = None) -> None:
+    def _space_problem(self, msd: dict, osd: dict) -> str | None:
+        """``"<dir>: N bytes free, the save needs about M"`` when this save cannot fit: M is the previous save's
+        bytes (this launch's, which rank 0 knows, else the files of the checkpoint it resumed from), else every
+        rank's share estimated as this rank's state bytes."""
+        previous = next((r.written_bytes for r in reversed(self.reports) if r.written_bytes), None)
+        if previous is None and self.verified is not None and self.verified.is_dir():
+            previous = sum(p.stat().st_size for p in self.verified.iterdir() if p.is_file())
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        needed = previous or world * state_bytes({"model": msd, "optim": osd})
+        free = free_bytes(self.root)
+        if needed <= free:
+            return None
+        return f"{self.root}: {free} bytes free, the save needs about {needed}"
+
+    def _write_failure(self, what: str, exc: BaseException) -> str:
+        if disk_full(exc):
+            return f"disk full: {what} ({free_bytes(self.root)} bytes free in {self.root}): {one_line(exc)}"
+        return f"{what}: {one_line(exc)}"
+
+    def _agree(
+        self, step: int, verdict: int, export_error: str | None, path: Path | None = None, space: str | None = None
+    ) -> None:
         """All ranks agree on the worst ``verdict`` (one all-reduce); unless all are FINITE every rank raises the
         same one-line CheckpointError, after rank 0 removed ``path`` (a deferred save's written directory)."""
         bad = torch.tensor([verdict])
@@ -586,6 +643,11 @@ class CheckpointManager:
                 shutil.rmtree(path, ignore_errors=True)
             if dist.is_initialized():
                 dist.barrier()  # every rank raises once the directory is gone
+        if bad.item() == NO_SPACE:
+            raise CheckpointError(
+                f"not saving step {step}: no room for it ({space or 'on another rank'}); nothing was deleted, "
+                f"the newest good checkpoint is {self.verified or 'none'}"
+            )
         if bad.item() == EXPORT_FAILED:
             raise CheckpointError(
                 f"not saving step {step}: the optimizer's background export failed "
@@ -668,7 +730,7 @@ class CheckpointManager:
         try:
             p.future.result()
         except _DCP_ERRORS as exc:
-            raise CheckpointError(f"async save of {p.path} failed: {one_line(exc)}") from exc
+            raise CheckpointError(self._write_failure(f"async save of {p.path} failed", exc)) from exc
         finally:
             _release(p.optimizer, p.osd)  # the save is over: the next export may reuse them
         if p.stager is not None:
