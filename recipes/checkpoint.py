@@ -99,6 +99,10 @@ class CheckpointError(RuntimeError):
     older_may_load = True  # with checkpoint.fallback, an older checkpoint is tried (not for a refused config)
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose files or manifest fail verification: bytes on disk, not the environment, are wrong."""
+
+
 @dataclass
 class ExportReport:
     """What one checkpoint export cost."""
@@ -197,7 +201,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: {MARKER} is not a JSON object; {FALLBACK_HINT}")
     problem = manifest_problem(manifest)
     if problem:
-        raise CheckpointError(f"checkpoint {path} is damaged: {MARKER}: {problem}; {FALLBACK_HINT}")
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: {MARKER}: {problem}; {FALLBACK_HINT}")
     return manifest
 
 
@@ -409,12 +413,15 @@ class CheckpointManager:
 
         Returns (path, trainer state) or None when there is nothing to resume. A checkpoint that fails to load
         raises CheckpointError (or, with fallback, is logged and skipped); the live model and optimizer are
-        only written once a checkpoint has been read completely.
+        only written once a checkpoint has been read completely. Once an older checkpoint has loaded, the
+        skipped ones that failed verification are set aside (:meth:`_set_aside`); a resume that fails changes
+        nothing on disk.
         """
         candidates = self.resume_candidates()
+        damaged: list[Path] = []
         for i, path in enumerate(candidates):
             try:
-                return path, self.load(path, model, optimizer, trainer_state)
+                state = self.load(path, model, optimizer, trainer_state)
             except CheckpointError as exc:
                 if not exc.older_may_load or not (self.cfg.fallback and i + 1 < len(candidates)):
                     if exc.older_may_load and self.cfg.fallback:  # the hint's advice is taken: say why it did not help
@@ -425,32 +432,34 @@ class CheckpointManager:
                         )
                         raise CheckpointError(str(exc).replace(FALLBACK_HINT, why)) from exc
                     raise
-                damaged = str(exc).replace(f"; {FALLBACK_HINT}", "")  # the hint is being followed
-                aside = self._set_aside(path)
-                log.warning(
-                    "%s; checkpoint.fallback=true: set aside as %s (not resumed from, not counted by keep_last), "
-                    "trying the older %s",
-                    damaged,
-                    aside.name,
-                    candidates[i + 1],
-                )
+                why = str(exc).replace(f"; {FALLBACK_HINT}", "")  # the hint is being followed
+                log.warning("%s; checkpoint.fallback=true: trying the older %s", why, candidates[i + 1])
+                if isinstance(exc, DamagedCheckpoint):
+                    damaged.append(path)
+                continue
+            for bad in damaged:
+                self._set_aside(bad)
+            return path, state
         return None
 
-    def _set_aside(self, path: Path) -> Path:
-        """Rank 0 renames a checkpoint that failed to load to ``<name>.damaged`` (``.damaged.<n>`` if taken), out of
-        discovery and retention, so that it never takes a good checkpoint's ``keep_last`` place; kept for
-        inspection. Every rank returns rank 0's new path (all ranks come here together: they agreed on the
-        failure)."""
-        name = [None]
-        if self.rank == 0:
-            aside, n = path.with_name(f"{path.name}.damaged"), 1
-            while aside.exists():
-                aside, n = path.with_name(f"{path.name}.damaged.{n}"), n + 1
+    def _set_aside(self, path: Path) -> None:
+        """Rank 0 renames a checkpoint that failed verification to ``<name>.damaged`` (``.damaged.<n>`` if taken),
+        out of discovery and retention, so that it never takes a good checkpoint's ``keep_last`` place; kept for
+        inspection, said in one line. No collective: every rank saw the same verdict (verification shares it),
+        and the other ranks never read the directory again."""
+        if self.rank != 0:
+            return
+        aside, n = path.with_name(f"{path.name}.damaged"), 1
+        while aside.exists():
+            aside, n = path.with_name(f"{path.name}.damaged.{n}"), n + 1
+        try:
             path.rename(aside)
-            name = [aside.name]
-        if dist.is_initialized():
-            dist.broadcast_object_list(name, src=0, group=self._save_group)
-        return path.with_name(name[0])
+        except OSError as exc:
+            log.warning("could not set aside the damaged checkpoint %s: %s", path, one_line(exc))
+            return
+        log.warning(
+            "set aside the damaged checkpoint %s as %s: neither resume nor keep_last counts it", path, aside.name
+        )
 
     def due(self, step: int, max_steps: int) -> bool:
         return self.cfg.enabled and (step % self.cfg.every_steps == 0 or step == max_steps)
@@ -546,7 +555,7 @@ class CheckpointManager:
             else:
                 dcp.save(state, checkpoint_id=str(path), storage_writer=writer)
         except _DCP_ERRORS as exc:  # the previous checkpoint is complete and untouched; this one gets no marker
-            raise CheckpointError(self._write_failure(f"saving {path} failed", exc)) from exc
+            raise CheckpointError(self._write_failure(f"saving {path} failed", path, exc)) from exc
         finally:
             if not in_flight:  # written (sync) or failed: nothing reads the export buffers any more
                 if deferred and (stager is None or stager.filled is None):
@@ -598,21 +607,24 @@ class CheckpointManager:
 
     def _check_before_writing(self, step: int, msd: dict, osd: dict, export_error: str | None, deferred: bool) -> None:
         """Refuse to save a state holding NaN or inf, or whose background export failed, or that cannot fit in
-        the free space of ``checkpoint.dir`` (all ranks agree: one all-reduce). A deferred export is checked for
-        NaN/inf once it is filled (:meth:`wait`); its size is known now."""
-        space = self._space_problem(msd, osd)
-        if export_error is not None and not deferred:
+        the free space of ``checkpoint.dir`` (rank 0 judges the space; all ranks agree: one all-reduce). A
+        deferred save has no collective in the save call: its export is checked once filled (:meth:`wait`), and
+        a write that runs out of space says so."""
+        if deferred:
+            return
+        space = self._space_problem(msd, osd) if self.rank == 0 else None
+        if export_error is not None:
             verdict = EXPORT_FAILED
-        elif not deferred and not all_finite(local_tensors({"model": msd, "optim": osd})):
+        elif not all_finite(local_tensors({"model": msd, "optim": osd})):
             verdict = NON_FINITE
         else:
             verdict = NO_SPACE if space else FINITE
         self._agree(step, verdict, export_error, space=space)
 
     def _space_problem(self, msd: dict, osd: dict) -> str | None:
-        """``"<dir>: N bytes free, the save needs about M"`` when this save cannot fit: M is the previous save's
-        bytes (this launch's, which rank 0 knows, else the files of the checkpoint it resumed from), else every
-        rank's share estimated as this rank's state bytes."""
+        """Rank 0: ``"<dir>: N bytes free, the save needs about M"`` when this save cannot fit: M is the previous
+        save's bytes (this launch's, else the files of the checkpoint it resumed from), else every rank's share
+        estimated as this rank's state bytes."""
         previous = next((r.written_bytes for r in reversed(self.reports) if r.written_bytes), None)
         if previous is None and self.verified is not None and self.verified.is_dir():
             previous = sum(p.stat().st_size for p in self.verified.iterdir() if p.is_file())
@@ -623,10 +635,15 @@ class CheckpointManager:
             return None
         return f"{self.root}: {free} bytes free, the save needs about {needed}"
 
-    def _write_failure(self, what: str, exc: BaseException) -> str:
-        if disk_full(exc):
-            return f"disk full: {what} ({free_bytes(self.root)} bytes free in {self.root}): {one_line(exc)}"
-        return f"{what}: {one_line(exc)}"
+    def _write_failure(self, what: str, path: Path, exc: BaseException) -> str:
+        """The line of a failed write; out of space, rank 0 first removes this save's partial files (they hold
+        the space an older checkpoint's next save or the user needs; older checkpoints are untouched)."""
+        if not disk_full(exc):
+            return f"{what}: {one_line(exc)}"
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        free = free_bytes(self.root)
+        return f"disk full: {what}, its partial files removed ({free} bytes free in {self.root}): {one_line(exc)}"
 
     def _agree(
         self, step: int, verdict: int, export_error: str | None, path: Path | None = None, space: str | None = None
@@ -730,7 +747,7 @@ class CheckpointManager:
         try:
             p.future.result()
         except _DCP_ERRORS as exc:
-            raise CheckpointError(self._write_failure(f"async save of {p.path} failed", exc)) from exc
+            raise CheckpointError(self._write_failure(f"async save of {p.path} failed", p.path, exc)) from exc
         finally:
             _release(p.optimizer, p.osd)  # the save is over: the next export may reuse them
         if p.stager is not None:
@@ -824,7 +841,7 @@ class CheckpointManager:
             dist.all_gather_object(verdicts, problem)
             problem = next((v for v in verdicts if v), None)
         if problem:
-            raise CheckpointError(f"checkpoint {path} is damaged: {problem}; {FALLBACK_HINT}")
+            raise DamagedCheckpoint(f"checkpoint {path} is damaged: {problem}; {FALLBACK_HINT}")
 
 
 class ExportBufferStager(AsyncStager):

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from optim_factory.optimizers.export.options import ExportOptions
+from optim_factory.optimizers.export.options import DEFAULT_CHUNK_BYTES, ExportOptions
 
 __all__ = [
     "OptionError",
@@ -115,7 +115,10 @@ def parse_bytes(value: Any, key: str) -> int | None:
         return value
     if isinstance(value, str) and (m := _SIZE.match(value)):
         return int(m.group(1)) * _UNITS[m.group(2)]
-    allowed = "expected null (the default: 64MiB chunks), 0 (one state at a time), bytes as an int or a size like 64MiB"
+    default = f"{DEFAULT_CHUNK_BYTES >> 20}MiB"
+    allowed = (
+        f"expected null (the default: {default} chunks), 0 (one state at a time), bytes as an int or a size like 64MiB"
+    )
     raise OptionError(key, value, allowed)
 
 

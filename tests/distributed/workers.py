@@ -163,7 +163,7 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
         run_steps(opt, list(model.parameters()), 0, 3)
         keep = opt.state_dict_keep_bf16
         reference = export_state(opt, cpu_offload=True, keep_bf16=keep)  # per state
-        opt.configure_export(ExportOptions(cpu_offload=True, keep_bf16=keep))
+        opt.configure_export(ExportOptions(cpu_offload=True, chunk_bytes=0, keep_bf16=keep))  # per state
         ref_flat = get_optimizer_state_dict(model, opt, options=flat)
         for reuse, background in ((False, False), (True, False), (True, True)):
             opt.configure_export(ExportOptions(True, chunk, reuse, keep_bf16=keep, background=background))

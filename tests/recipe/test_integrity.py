@@ -253,8 +253,14 @@ def test_checkpoint_without_checksums_loads_with_a_warning(run_dir, caplog):
 
 
 def test_keep_last_never_deletes_the_newest_verified_checkpoint(run_dir):
-    """Step 20 is damaged; the run falls back to 10 and saves 15. keep_last=1 would keep only the highest step
-    (the damaged 20): 15, the newest that verifies, stays, and the next resume uses it."""
+    """Step 20 has no checksums (loaded unverified, so never set aside) and a missing shard; the run falls back to
+    10 and saves 15. keep_last=1 would keep only the highest step (the broken 20): 15, the newest that loaded or
+    was saved, stays, and the next resume uses it."""
+    marker = run_dir / "checkpoints" / STEP20 / MARKER
+    manifest = json.loads(marker.read_text())
+    for key in ("files", "checksum", "config", MANIFEST_DIGEST):  # as written before checksums were recorded
+        del manifest[key]
+    marker.write_text(json.dumps(manifest))
     _shard(run_dir).unlink()
     common = ["checkpoint.fallback=true", "checkpoint.keep_last=1", "checkpoint.every_steps=5"]
     summary = _run(run_dir, "trainer.max_steps=15", *common)
@@ -267,7 +273,7 @@ def test_keep_last_never_deletes_the_newest_verified_checkpoint(run_dir):
 
 def test_a_damaged_checkpoint_takes_no_keep_last_place(tmp_path, caplog):
     """Steps 10 and 20 saved, 8 bytes flipped in the middle of step 20's shard; the next run with fallback resumes
-    from 10 and saves 15, 30 and 35. The damaged 20 is set aside (renamed, said in the fallback's line), so
+    from 10 and saves 15, 30 and 35. The damaged 20 is set aside once 10 has loaded (renamed, said in one line), so
     keep_last=3 keeps the three good checkpoints 15, 30, 35 and the resume after them takes 35."""
     _run(tmp_path, "trainer.max_steps=20", "checkpoint.every_steps=10", "checkpoint.keep_last=3")
     shard = tmp_path / "checkpoints" / "step_00000020" / "__0_0.distcp"
@@ -281,8 +287,13 @@ def test_a_damaged_checkpoint_takes_no_keep_last_place(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="recipes.checkpoint"):
         summary = _run(tmp_path, "trainer.max_steps=35", *again)
     assert summary["start_step"] == 10
-    said = [r.getMessage() for r in caplog.records if "set aside as step_00000020.damaged" in r.getMessage()]
-    assert len(said) == 1 and "checksum mismatch" in said[0], said
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "recipes.checkpoint" and r.levelno == logging.WARNING and "step_00000020" in r.getMessage()
+    ]
+    assert len(said) == 2 and "checksum mismatch" in said[0] and "trying the older" in said[0], said
+    assert said[1].endswith("step_00000020 as step_00000020.damaged: neither resume nor keep_last counts it")
     ck = tmp_path / "checkpoints"
     assert [Path(p).name for p in summary["kept_checkpoints"]] == ["step_00000015", "step_00000030", "step_00000035"]
     assert sorted(p.name for p in ck.iterdir() if p.name != ".lock") == [

@@ -116,7 +116,8 @@ def export_state(
     Returns:
         ``{"state": {index: {name: tensor}}, "param_groups": [...]}`` like ``torch.optim.Optimizer``.
     """
-    options = ExportOptions(cpu_offload, chunk_bytes, reuse_buffers, keep_bf16=keep_bf16, background=background)
+    chunk = chunk_bytes if cpu_offload else None  # 0 for an export that stays on the device
+    options = ExportOptions(cpu_offload, chunk, reuse_buffers, keep_bf16=keep_bf16, background=background)
     if (reuse_buffers or background) and exporter is None:
         raise ValueError("reuse_buffers or background: needs the optimizer's own exporter (it owns the buffer pool)")
     if chunk_bytes and exporter is None:

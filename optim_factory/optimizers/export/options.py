@@ -74,7 +74,7 @@ class ExportOptions:
                     f"{DEFAULT_CHUNK_BYTES >> 20} MiB), 0 (one state at a time) or an int >= {MIN_CHUNK_BYTES} "
                     "(bytes of converted data per chunk)"
                 )
-            if chunk and not self.cpu_offload:
+            if not self.cpu_offload:  # 0 included: without the offload nothing is exported in chunks or states
                 raise ValueError(
                     f"state_dict_offload_chunk_bytes={chunk}: needs state_dict_cpu_offload=True "
                     "(chunked streaming is a mode of the CPU-offloaded export)"
