@@ -219,8 +219,8 @@ def command_line_error(argv: list[str], conf_dir: str) -> str | None:
       (``--optim.lr=1e-3``, ``--optim.lr 1e-3``) is answered with the override to type instead. A misused option
       of Hydra's (``--cfg`` without a value, a value outside its choices, two of its modes such as ``-m --cfg``).
     - A key or config group given twice (Hydra keeps the last).
-    - A group's schema (``optim=fused_adam_schema``, in ``conf_dir``'s ConfigStore but not a YAML option) picked as
-      its option: it holds the library's defaults behind the option of that name, not the recipe's.
+    - A schema's name (``optim=fused_adam_schema``) picked as a group's option: answered before Hydra composes,
+      with the group's options.
 
     A malformed override is left to Hydra (:func:`config_error_line` words it).
     """
@@ -347,8 +347,7 @@ def config_error_line(exc: BaseException, overrides: list[str] = ()) -> str:
     """
     if isinstance(exc, MissingConfigException) and exc.options is not None and exc.missing_cfg_file:
         group, _, option = exc.missing_cfg_file.rpartition("/")
-        available = [o for o in exc.options if not o.endswith("_schema")]  # the schemas are not options to pick
-        return f"{group}={option}: no such option; available: {', '.join(available)}"
+        return f"{group}={option}: no such option; available: {', '.join(exc.options)}"
     if isinstance(exc, OverrideParseException):
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
