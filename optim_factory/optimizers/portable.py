@@ -324,8 +324,8 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
 
     def _check_step_inputs(self) -> None:
         """TE's refusals of a step's inputs (its messages), all before anything changes: TE collects a group's
-        tensors before its kernels run, and the update here goes parameter by parameter, so a refusal after the
-        first update left the earlier parameters stepped, the step counted and the states made."""
+        tensors before its kernels run; checked while updating, a refusal would come after earlier parameters
+        were stepped, the step counted and states made."""
         for group in self.param_groups:
             has_fp16 = has_bf16 = False
             for p in group["params"]:

@@ -4,9 +4,10 @@ Each parameter's update reads and writes FP32 working tensors (an :class:`Update
 (:func:`~optim_factory.optimizers.kernel_math.adam_update`) is element-wise, so how elements are grouped into
 calls does not change a bit of the result; what it changes is the number of calls and the memory they take.
 Parameters below ``UPDATE_SLICE`` elements are updated together, in one call over their concatenated tensors
-(TE's multi-tensor apply likewise packs many tensors into one kernel launch); larger ones a slice at a time.
-Either way the float64 temporaries of the arithmetic (about ten 8-byte values per element) stay within
-``UPDATE_SLICE`` elements, and each call's result is computed before it is written.
+(TE's multi-tensor apply likewise packs many tensors into one kernel launch); larger ones a slice at a time, so
+that the float64 temporaries of the arithmetic (about ten 8-byte values per element) stay within
+``UPDATE_SLICE`` elements. A parameter whose tensors are not all contiguous is updated in one call over the
+whole tensors (no slice bound). Each call's result is computed before it is written.
 """
 
 from __future__ import annotations

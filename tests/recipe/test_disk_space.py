@@ -3,12 +3,16 @@ writes, one that runs out of space mid-write says "disk full"; the older checkpo
 
 from __future__ import annotations
 
+import errno
 import re
+import shutil
 import subprocess
+import traceback
 
 import pytest
+from torch.distributed.checkpoint.api import CheckpointException
 
-from recipes.checkpoint import is_complete
+from recipes.checkpoint import disk_full, is_complete
 from tests.recipe.runs import QUICK, cli, metrics, snapshot
 
 # measured on this CPU with torch 2.13: the quick job's checkpoint writes about 1.71 MB (its .metadata varies with
@@ -30,6 +34,8 @@ def small_fs(tmp_path):
     mounts = []
 
     def mount(size: int):
+        if shutil.which("mount") is None:
+            pytest.skip("cannot mount a tmpfs here: no mount command")
         where = tmp_path / f"fs{len(mounts)}"
         where.mkdir()
         proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
@@ -73,3 +79,24 @@ def test_a_write_that_runs_out_of_space_says_disk_full(small_fs, tmp_path):
     assert line.startswith(f"disk full: saving {ck / 'step_00000010'} failed, its partial files removed ("), line
     assert f"bytes free in {ck}): " in line, line
     assert [p.name for p in ck.iterdir()] == [".lock"]
+
+
+def _raised(exc: BaseException, cause: BaseException | None = None) -> BaseException:
+    try:
+        raise exc from cause
+    except BaseException as raised:  # noqa: BLE001
+        return raised
+
+
+def test_disk_full_is_recognised_however_dcp_reports_it():
+    """ENOSPC as DCP reports it (a rank's failure inside ``CheckpointException``, or a cause), and torch's short
+    write of a zip record when the disk fills up mid-file; other write failures are not "disk full"."""
+    enospc = OSError(errno.ENOSPC, "No space left on device")
+    per_rank = CheckpointException("save failed", {0: (enospc, traceback.extract_stack())})
+    assert disk_full(per_rank)
+    assert disk_full(_raised(RuntimeError("saving failed"), enospc))
+    assert disk_full(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"))
+    denied = PermissionError(errno.EACCES, "Permission denied")
+    other = CheckpointException("save failed", {1: (denied, traceback.extract_stack())})
+    assert not disk_full(other)
+    assert not disk_full(_raised(RuntimeError("saving failed"), OSError(errno.EIO, "I/O error")))

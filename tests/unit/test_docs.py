@@ -118,7 +118,7 @@ def test_readme_python_blocks_run(monkeypatch, tmp_path):
 
 
 def test_relative_links_resolve():
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").rglob("*.md"))]
     broken = []
     for path in files:
         for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", path.read_text()):

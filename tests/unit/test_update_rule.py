@@ -390,29 +390,32 @@ SLICED_CONFIGS = {
     ),
     "bf16-remainders": (torch.bfloat16, dict(master_weights=True, store_param_remainders=True)),
     "fp16-fp8-moments": (torch.float32, dict(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=FP8)),
+    "capturable": (torch.float32, dict(capturable=True)),
 }
 
 
 @pytest.mark.parametrize("name", list(SLICED_CONFIGS))
 def test_update_in_slices_equals_one_call(name, monkeypatch):
-    """The update runs a slice at a time, small parameters together (bounded float64 temporaries): slices of 64
-    elements (a 1000-element parameter in 16 uneven slices, plus a 33-element one alone) give bitwise the result
-    of one call over both parameters' concatenated tensors."""
+    """The update runs a slice at a time, small parameters together (bounded float64 temporaries). Slices of 64
+    elements (the 1000-element parameter in 16 uneven slices, each smaller one alone), of 100 (20 + 30 + 40
+    elements together until the next would not fit, an empty one skipped) and one call over everything give
+    bitwise the same parameters and states."""
     from optim_factory.optimizers import updates
 
     dtype, kw = SLICED_CONFIGS[name]
     results = []
-    for size in (64, 1 << 30):
+    for size in (64, 100, 1 << 30):
         monkeypatch.setattr(updates, "UPDATE_SLICE", size)
-        params = make_params(dtype, shapes=[(40, 25), (33,)])
+        params = make_params(dtype, shapes=[(40, 25), (33,), (20,), (30,), (0,), (8, 5)])
         opt = run_portable(params, 5, **HP, **kw)
         results.append((params, opt.state_dict()))
-    (pa, sa), (pb, sb) = results
-    for a, b in zip(pa, pb):
-        assert torch.equal(a, b)
-    for k, st in sb["state"].items():
-        for state_name, v in st.items():
-            assert torch.equal(sa["state"][k][state_name], v), (k, state_name)
+    (pa, sa), *others = results
+    for pb, sb in others:
+        for a, b in zip(pa, pb):
+            assert torch.equal(a, b)
+        for k, st in sb["state"].items():
+            for state_name, v in st.items():
+                assert torch.equal(sa["state"][k][state_name], v), (k, state_name)
 
 
 def test_kernel_rcp_and_sqrt_are_correctly_rounded_off_cuda():
