@@ -7,7 +7,6 @@ import dataclasses
 import json
 import re
 import socket
-import tempfile
 import typing
 from enum import Enum
 from pathlib import Path
@@ -103,7 +102,7 @@ def test_readme_python_blocks_run(monkeypatch, tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert blocks
     assert not dist.is_initialized()
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the blocks' temporary directories
+    monkeypatch.chdir(tmp_path)  # where the blocks write
     for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
         monkeypatch.setenv(name, value)
     with socket.socket() as s:
