@@ -48,6 +48,14 @@ def refused(proc: subprocess.CompletedProcess) -> str:
     return lines[0].removeprefix("error: ")
 
 
+def stopped(proc: subprocess.CompletedProcess) -> str:
+    """The line a run stopped with after its log lines (exit code 2, an ``error:`` line last on stderr)."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), proc.stderr[-3000:]
+    return last.removeprefix("error: ")
+
+
 def run_cli(args: list[str], *, torchrun: int = 0, timeout: int = 300, env: dict | None = None):
     """``recipes/train.py`` as a process of its own (with ``torchrun``: that many ranks under torchrun), for the
     tests of what only a process shows: its exit code and stderr as a shell sees them, signals, torchrun."""

@@ -13,18 +13,10 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
 from recipes.checkpoint import disk_full, is_complete
-from tests.recipe.runs import QUICK, cli, metrics, snapshot
+from tests.recipe.runs import QUICK, cli, metrics, snapshot, stopped
 
 # measured on this CPU with torch 2.13: the quick job's checkpoint writes about 1.71 MB (its .metadata varies with
 # the path's length); the first save's estimate, this rank's model and optimizer tensors, is 1.28 MB
-
-
-def _stopped(proc) -> str:
-    """The line a run stopped with, after its log lines: exit code 2 and an ``error:`` line last on stderr."""
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: "), proc.stderr[-3000:]
-    return last.removeprefix("error: ")
 
 
 @pytest.fixture
@@ -56,7 +48,7 @@ def test_a_save_that_cannot_fit_is_refused_before_it_writes(async_save, small_fs
     next launch resumes from step 10 and is refused the same way before writing."""
     ck = small_fs(3 << 20) / "checkpoints"
     proc = cli(*QUICK, f"run_dir={tmp_path / 'run'}", f"checkpoint.dir={ck}", f"checkpoint.async_save={async_save}")
-    line = _stopped(proc)
+    line = stopped(proc)
     written = next(r["written_bytes"] for r in metrics(tmp_path / "run") if r["kind"] == "checkpoint")
     numbers = re.fullmatch(r".*: (\d+) bytes free, the save needs about (\d+)\); nothing.*", line)
     free, needed = map(int, numbers.groups())
@@ -66,7 +58,7 @@ def test_a_save_that_cannot_fit_is_refused_before_it_writes(async_save, small_fs
     before = snapshot(ck)
     assert is_complete(ck / "step_00000010")
     again = cli(*QUICK, f"run_dir={tmp_path / 'run'}", f"checkpoint.dir={ck}", f"checkpoint.async_save={async_save}")
-    assert _stopped(again).startswith("not saving step 20: no room for it"), again.stderr
+    assert stopped(again).startswith("not saving step 20: no room for it"), again.stderr
     assert snapshot(ck) == before
 
 
@@ -75,7 +67,7 @@ def test_a_write_that_runs_out_of_space_says_disk_full(small_fs, tmp_path):
     and the line says "disk full" with the path and the bytes free."""
     ck = small_fs(3 << 19) / "checkpoints"
     proc = cli(*QUICK, f"run_dir={tmp_path / 'run'}", f"checkpoint.dir={ck}")
-    line = _stopped(proc)
+    line = stopped(proc)
     assert line.startswith(f"disk full: saving {ck / 'step_00000010'} failed, its partial files removed ("), line
     assert f"bytes free in {ck}): " in line, line
     assert [p.name for p in ck.iterdir()] == [".lock"]

@@ -33,6 +33,16 @@ def _from_step_10(two_rank_run, run_dir: Path) -> Path:
     return run_dir
 
 
+def _assert_reports_count_every_rank_s_bytes(run_dir: Path, steps: list[int]) -> None:
+    """The run's checkpoint reports are of ``steps``, each with the bytes of every rank's files (rank 0 reports
+    them)."""
+    reports = [r for r in metrics(run_dir) if r["kind"] == "checkpoint"]
+    assert [r["step"] for r in reports] == steps
+    for r in reports:
+        files = [p for p in Path(r["path"]).iterdir() if p.name != "COMPLETE.json"]
+        assert r["written_bytes"] == sum(p.stat().st_size for p in files), r
+
+
 def _run(run_dir, *extra):
     return train(compose_config([*OVER, f"run_dir={run_dir}", *extra]))
 
@@ -45,11 +55,7 @@ def test_every_rank_writes_its_file_and_rank_0_reports_all_bytes(two_rank_run):
         "__0_0.distcp",
         "__1_0.distcp",
     }
-    reports = [r for r in metrics(run_dir) if r["kind"] == "checkpoint"]
-    assert [r["step"] for r in reports] == [10, 20]
-    for r in reports:  # the bytes of every rank's files (rank 0 reports them)
-        files = [p for p in Path(r["path"]).iterdir() if p.name != "COMPLETE.json"]
-        assert r["written_bytes"] == sum(p.stat().st_size for p in files), r
+    _assert_reports_count_every_rank_s_bytes(run_dir, [10, 20])
 
 
 def test_resharding_both_ways(two_rank_run, tmp_path):
@@ -60,11 +66,7 @@ def test_resharding_both_ways(two_rank_run, tmp_path):
     back = run_cli([*OVER, f"run_dir={run_dir}", "trainer.max_steps=30"], torchrun=2)
     assert back.returncode == 0, back.stderr[-4000:]
     assert "saved by 1 rank(s)" in back.stderr
-    reports = [r for r in metrics(run_dir) if r["kind"] == "checkpoint"]
-    assert [r["step"] for r in reports] == [20, 30]
-    for r in reports:
-        files = [p for p in Path(r["path"]).iterdir() if p.name != "COMPLETE.json"]
-        assert r["written_bytes"] == sum(p.stat().st_size for p in files), r
+    _assert_reports_count_every_rank_s_bytes(run_dir, [20, 30])
 
 
 def test_a_two_rank_checkpoint_verifies_on_one_and_two_ranks(two_rank_run, tmp_path):
