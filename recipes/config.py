@@ -67,7 +67,7 @@ class DataConfig:
     seq_len: int = 24
     digits: int = 2  # addition: operands have this many digits
     path: str | None = None  # tokens: flat little-endian uint16 token file
-    global_batch_size: int = 64  # sequences per optimizer step over all ranks (each rank takes an equal share)
+    global_batch_size: int = 32  # sequences per optimizer step over all ranks (each rank takes an equal share)
     seed: int = 1234
     eval_size: int = 256  # held-out examples per evaluation (addition: problems never trained on; tokens: windows)
     holdout_fraction: float = 0.0  # tokens: the file's last fraction, never trained on, evaluated (0: none)
@@ -87,7 +87,7 @@ class CheckpointConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 1500
+    max_steps: int = 1000
     stop_at: int = 0  # >0: stop after this step (checkpointed) as an interrupted job would; schedule follows max_steps
     warmup_steps: int = 30
     grad_clip: float = 1.0  # 0: off

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from recipes.config import DataConfig
 from recipes.data import ADDITION_VOCAB, AdditionTask, DataError, TokenFile, build_data
 from recipes.train import compose_config, train
 from tests.recipe.runs import QUICK, metrics, snapshot
@@ -66,7 +67,8 @@ def test_indivisible_batch_fails_in_preflight_before_the_process_group(tmp_path,
     for key, value in dict(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
         monkeypatch.setenv(key, value)
     run_dir = tmp_path / "run"
-    with pytest.raises(DataError, match=r"data.global_batch_size=64: must be a positive multiple .* \(3 ranks\)"):
+    batch = DataConfig.global_batch_size
+    with pytest.raises(DataError, match=rf"data.global_batch_size={batch}: must be a positive multiple .* \(3 ranks\)"):
         train(compose_config([*QUICK, f"run_dir={run_dir}"]))
     assert not dist.is_initialized() and not run_dir.exists()
 
@@ -86,7 +88,7 @@ def test_held_out_sums_never_appear_in_training():
     task = build_data(_data_cfg(), 16, 1)
     held = {tuple(p) for p in task.eval_pairs.tolist()}
     assert len(held) == task.eval_size == 256  # distinct
-    seen = _training_pairs(task, 60)
+    seen = _training_pairs(task, 3840 // task.global_batch_size)  # 3,840 sequences
     assert len(seen) > 5000  # of the 10,000 pairs: without the exclusion about 2.5 % of these would be held out
     assert not seen & held
     again = build_data(_data_cfg(), 16, 1)

@@ -486,7 +486,7 @@ def test_yaml_files_hold_only_what_differs_from_the_schema(rel):
 
 def test_recipe_yaml_sets_what_the_readme_documents():
     cfg = compose_config([])
-    assert cfg.optim.lr == 3e-3 and list(cfg.optim.betas) == [0.9, 0.95] and cfg.optim.weight_decay == 0.1
+    assert cfg.optim.lr == 5e-3 and list(cfg.optim.betas) == [0.9, 0.95] and cfg.optim.weight_decay == 0.1
     assert cfg.checkpoint.every_steps == 250 and cfg.data.seq_len == 24 and cfg.trainer.warmup_steps == 30
 
 
