@@ -1,16 +1,32 @@
-"""Spawn real gloo process groups on CPU for tests (no mocks of torch.distributed)."""
+"""Real gloo process groups on CPU for tests (no mocks of torch.distributed), and the recipe's ranks without a
+launcher.
+
+Every rank is a process of its own, forked from this pytest worker's forkserver: the forkserver (a fresh
+interpreter, started at the first use, with no threads) imports torch, the recipe and the test bodies once, so a
+rank starts in a fraction of a second instead of the seconds an interpreter takes to import torch. Each child
+gets this process's ``sys.path`` and working directory (multiprocessing's spawn preparation).
+"""
 
 from __future__ import annotations
 
 import datetime
 import os
 import socket
+import subprocess
 import sys
 import traceback
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+PRELOAD = ["recipes.train", "tests.distributed.workers"]  # imported once by the forkserver
+
+
+def _forkserver():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the forkserver starts (this worker's first rank)
+    return ctx
 
 
 def free_port() -> int:
@@ -41,11 +57,10 @@ def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
 
 def spawn(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; re-raise the first failure with its traceback."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
+    errors = _forkserver().SimpleQueue()
     try:
         mp.start_processes(
-            _entry, args=(world, free_port(), fn, args, errors), nprocs=world, join=True, start_method="spawn"
+            _entry, args=(world, free_port(), fn, args, errors), nprocs=world, join=True, start_method="forkserver"
         )
     except Exception as exc:
         msgs = []
@@ -84,3 +99,55 @@ def spawn_checks(world: int, checks: list[tuple[str, object, tuple]], done: Path
         else:
             outcome[name] = f"not run: {first_failed} failed before it"
     return outcome
+
+
+def _recipe_rank(argv: list[str], rank: int, world: int, port: int, out: str) -> None:
+    """``recipes/train.py ARGV`` as rank ``rank`` of ``world``, with the variables torchrun gives its workers; its
+    stdout and stderr go to ``out``.stdout/.stderr, its exit code is the entry point's."""
+    from recipes.train import main
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    for fd, suffix in ((1, "stdout"), (2, "stderr")):
+        opened = os.open(f"{out}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 1)  # as _entry: no interpreter teardown with gloo threads about
+
+
+def recipe_ranks(argv: list[str], world: int, out: Path, timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """The recipe's entry point on ``world`` gloo ranks (processes of their own, as torchrun's workers, without
+    torchrun's agent): per rank, its exit code, stdout and stderr (kept under ``out``)."""
+    ctx, port = _forkserver(), free_port()
+    out.mkdir(parents=True, exist_ok=True)
+    stems = [out / f"rank{rank}" for rank in range(world)]
+    procs = [
+        ctx.Process(target=_recipe_rank, args=(argv, rank, world, port, str(stems[rank]))) for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout)
+    for proc in procs:
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+    return [
+        subprocess.CompletedProcess(
+            ["recipes/train.py", *argv],
+            proc.exitcode,
+            Path(f"{stem}.stdout").read_text(),
+            Path(f"{stem}.stderr").read_text(),
+        )
+        for proc, stem in zip(procs, stems)
+    ]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,22 +13,17 @@ from recipes.checkpoint import FALLBACK_HINT, CheckpointError, CheckpointManager
 from recipes.distributed import DistEnv, init_distributed, shutdown
 from recipes.model import build_model
 from recipes.train import compose_config, shard_model, train
-from tests.recipe.runs import QUICK, ROOT, complete_steps, snapshot
+from scripts import fault_injection
+from tests.recipe.runs import QUICK, complete_steps, snapshot
 
 
 @pytest.mark.slow
-def test_fault_injection_reduced(tmp_path):
-    """2 trials per mode of ``python -m scripts.fault_injection`` (a kill -9 at a random moment and one inside a
-    save; the full run: benchmarks/results/2026-11-29-cpu-fault-injection/)."""
+def test_fault_injection_reduced(tmp_path, capsys):
+    """2 trials per mode of ``python -m scripts.fault_injection`` through its ``main`` (the trainers it kills -9
+    are processes of their own: a random moment and one inside a save; the full run:
+    benchmarks/results/2026-11-29-cpu-fault-injection/)."""
     out = tmp_path / "table.md"
-    proc = subprocess.run(
-        [sys.executable, "-m", "scripts.fault_injection", "--trials", "2", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert fault_injection.main(["--trials", "2", "--out", str(out)]) == 0, capsys.readouterr().out[-3000:]
     rows = [r.split("|") for r in out.read_text().splitlines() if r.startswith("| sync") or r.startswith("| async")]
     assert len(rows) == 2 and all(r[-2].strip() == "0" for r in rows), out.read_text()
     assert sum(int(r[3]) for r in rows) >= 2  # processes were really killed

@@ -12,7 +12,8 @@ import pytest
 from optim_factory import ConfigError
 from recipes.run_lock import RunDirLock
 from recipes.train import compose_config, train
-from tests.recipe.runs import QUICK, cli, refused, run_cli, snapshot
+from tests.distributed.launch import recipe_ranks
+from tests.recipe.runs import QUICK, cli, refused, snapshot
 
 
 def test_a_second_launch_into_a_run_dir_in_use_is_refused_and_changes_nothing(tmp_path):
@@ -48,10 +49,9 @@ def test_every_rank_refuses_a_run_dir_in_use_and_none_waits(tmp_path):
     line (none is left waiting in the rendezvous while rank 0 alone refuses)."""
     run_dir = tmp_path / "run"
     with RunDirLock(str(run_dir)):
-        proc = run_cli([*QUICK, "trainer.max_steps=4", f"run_dir={run_dir}"], torchrun=2, timeout=180)
-    assert proc.returncode != 0
-    refusals = [ln for ln in proc.stderr.splitlines() if "another launch is training in it" in ln]
-    assert len(refusals) == 2, proc.stderr[-3000:]
+        ranks = recipe_ranks([*QUICK, "trainer.max_steps=4", f"run_dir={run_dir}"], 2, tmp_path / "ranks")
+    for rank in ranks:
+        assert "another launch is training in it" in refused(rank)
 
 
 @pytest.mark.slow
@@ -60,11 +60,10 @@ def test_two_ranks_without_checkpoints_start_in_a_fresh_run_dir(tmp_path):
     checkpoint.enabled=false)."""
     run_dir = tmp_path / "run"
     over = [*QUICK, "trainer.max_steps=4", "checkpoint.enabled=false", f"run_dir={run_dir}"]
-    proc = run_cli(over, torchrun=2, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    again = run_cli(over, torchrun=2, timeout=180)  # now an earlier launch is there: both ranks refuse
-    refusals = [ln for ln in again.stderr.splitlines() if "holds 1 earlier launch(es)" in ln]
-    assert again.returncode != 0 and len(refusals) == 2, again.stderr[-3000:]
+    first = recipe_ranks(over, 2, tmp_path / "first")
+    assert [rank.returncode for rank in first] == [0, 0], first
+    for rank in recipe_ranks(over, 2, tmp_path / "again"):  # now an earlier launch is there: both ranks refuse
+        assert "holds 1 earlier launch(es)" in refused(rank)
 
 
 def test_a_file_system_without_flock_trains_without_the_lock(tmp_path, monkeypatch, caplog):

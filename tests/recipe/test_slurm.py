@@ -89,30 +89,23 @@ def wait_for(out: Path, text: str, job: str, timeout: float = 240) -> None:
         time.sleep(0.5)
 
 
-def test_sbatch_srun_torchrun_trains(slurm, tmp_path):
-    """One batch job: srun starts torchrun, 2 ranks train and save (its resume: the requeue test below)."""
-    job = sbatch(tmp_path / "run", tmp_path / "first.out", "trainer.stop_at=10")
-    info = wait_job(job)
-    log = (tmp_path / "first.out").read_text()
-    assert "JobState=COMPLETED" in info or "ExitCode=0:0" in info, info + log[-3000:]
-    assert "world_size=2" in log and complete_steps(tmp_path / "run") == [10]
-
-
-def test_time_limit_signal_saves_requeues_and_resumes(slurm, tmp_path):
-    """The time-limit signal as Slurm sends it for ``--signal=B:USR1@<s>`` (USR1 to the batch shell; sent here by
-    ``scancel --signal=USR1 --batch`` once training runs, instead of waiting for slurmctld's 30 s time-limit check):
-    the batch script stops the step (checkpoint), requeues, and the requeued job (Slurm starts it again after
-    cred_expire, 10 s in scripts/slurm/local_cluster.sh) resumes from that checkpoint."""
+def test_sbatch_trains_and_the_time_limit_signal_saves_requeues_resumes_and_completes(slurm, tmp_path):
+    """One batch job: srun starts torchrun, 2 ranks train. Then the time-limit signal as Slurm sends it for
+    ``--signal=B:USR1@<s>`` (USR1 to the batch shell; sent here by ``scancel --signal=USR1 --batch`` once training
+    runs, instead of waiting for slurmctld's 30 s time-limit check): the batch script stops the step
+    (checkpoint), requeues, and the requeued job (Slurm starts it again after cred_expire, 10 s in
+    scripts/slurm/local_cluster.sh) resumes from that checkpoint and finishes: the job completes, exit code 0."""
     run_dir, out = tmp_path / "run", tmp_path / "job.out"
-    job = sbatch(run_dir, out, "trainer.max_steps=100000", "checkpoint.every_steps=50000", "trainer.log_every=1")
+    steps = 60  # the signal stops the first run a few steps after step 2 (measured: at 13); the requeued run ends it
+    job = sbatch(run_dir, out, f"trainer.max_steps={steps}", "checkpoint.every_steps=50000", "trainer.log_every=1")
     wait_for(out, "step 2/", job)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
-    wait_for(out, "resuming from checkpoint", job)
-    subprocess.run(["scancel", job])
-    wait_job(job, 90)
+    info = wait_job(job)
     log = out.read_text()
+    assert "JobState=COMPLETED" in info and "ExitCode=0:0" in info, info + log[-3000:]
     assert "time limit near" in log and "world_size=2" in log, log[-4000:]
     stopped = [ln for ln in log.splitlines() if "stopping at step" in ln and "SIGTERM" in ln]
     assert stopped, log[-4000:]
     step = int(stopped[0].split("stopping at step ")[1].split()[0])
     assert "restart 1" in log and f"resuming from checkpoint {run_dir}/checkpoints/step_{step:08d}" in log, log[-4000:]
+    assert complete_steps(run_dir) == [step, steps]

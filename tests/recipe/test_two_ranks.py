@@ -1,5 +1,7 @@
 """A 2-rank torchrun run (20 steps, checkpoints at 10 and 20) and what its checkpoints do on 1 and 2 ranks:
-resharding both ways, verification shared by the ranks, and a resume on 1 rank that continues the same run."""
+resharding both ways, verification shared by the ranks, and a resume on 1 rank that continues the same run.
+The later 2-rank launches run the entry point on 2 gloo ranks without torchrun's agent
+(tests/distributed/launch.py recipe_ranks)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import pytest
 
 from recipes.checkpoint import CheckpointError, read_manifest
 from recipes.train import compose_config, train
-from tests.recipe.runs import QUICK, metrics, run_cli
+from tests.distributed.launch import recipe_ranks
+from tests.recipe.runs import QUICK, metrics, run_cli, stopped
 
 pytestmark = pytest.mark.slow
 OVER = [*QUICK, "trainer.log_every=1", "trainer.eval_every=10", "checkpoint.keep_last=0"]
@@ -63,9 +66,9 @@ def test_resharding_both_ways(two_rank_run, tmp_path):
     run_dir = _from_step_10(two_rank_run, tmp_path / "run")
     assert _run(run_dir, "trainer.max_steps=30", "trainer.stop_at=20")["start_step"] == 10
     assert "saved by 2 rank(s)" in (run_dir / "train.log").read_text()
-    back = run_cli([*OVER, f"run_dir={run_dir}", "trainer.max_steps=30"], torchrun=2)
-    assert back.returncode == 0, back.stderr[-4000:]
-    assert "saved by 1 rank(s)" in back.stderr
+    back = recipe_ranks([*OVER, f"run_dir={run_dir}", "trainer.max_steps=30"], 2, tmp_path / "ranks")
+    assert [rank.returncode for rank in back] == [0, 0], back
+    assert "saved by 1 rank(s)" in back[0].stderr  # rank 0 logs the resume
     _assert_reports_count_every_rank_s_bytes(run_dir, [20, 30])
 
 
@@ -85,12 +88,9 @@ def test_a_two_rank_checkpoint_verifies_on_one_and_two_ranks(two_rank_run, tmp_p
     shutil.copy(two_rank_run[0] / "checkpoints" / STEP10 / "__1_0.distcp", shard)
     zero = two / "checkpoints" / STEP10 / "__0_0.distcp"
     zero.write_bytes(zero.read_bytes()[:100])
-    proc = run_cli([*OVER, f"run_dir={two}", "trainer.max_steps=12"], torchrun=2)
-    assert proc.returncode != 0
-    # both ranks print the same verdict (their lines may interleave on torchrun's shared stderr)
-    verdicts = re.findall(r"error: checkpoint \S+ is damaged: ([^;]+);", proc.stderr)
-    assert len(verdicts) == 2, proc.stderr[-4000:]
-    assert all(v.startswith("__0_0.distcp: truncated (100 of ") for v in verdicts), verdicts
+    ranks = recipe_ranks([*OVER, f"run_dir={two}", "trainer.max_steps=12"], 2, tmp_path / "ranks")
+    for rank in ranks:  # both ranks stop with the same verdict
+        assert re.match(r"checkpoint \S+ is damaged: __0_0.distcp: truncated \(100 of ", stopped(rank)), rank.stderr
 
 
 def test_resumed_on_one_rank_it_continues_the_same_run(two_rank_run, tmp_path):
