@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recipes.config import DataConfig
 from recipes.data import ADDITION_VOCAB, AdditionTask, DataError, TokenFile, build_data
 from recipes.train import compose_config, train
 from tests.recipe.runs import QUICK, metrics, snapshot
@@ -67,9 +66,10 @@ def test_indivisible_batch_fails_in_preflight_before_the_process_group(tmp_path,
     for key, value in dict(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
         monkeypatch.setenv(key, value)
     run_dir = tmp_path / "run"
-    batch = DataConfig.global_batch_size
+    cfg = compose_config([*QUICK, f"run_dir={run_dir}"])
+    batch = cfg.data.global_batch_size
     with pytest.raises(DataError, match=rf"data.global_batch_size={batch}: must be a positive multiple .* \(3 ranks\)"):
-        train(compose_config([*QUICK, f"run_dir={run_dir}"]))
+        train(cfg)
     assert not dist.is_initialized() and not run_dir.exists()
 
 

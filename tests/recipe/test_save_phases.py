@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from recipes.checkpoint import MARKER, METADATA, SAVE_PHASES, CheckpointManager, is_complete
 from recipes.train import compose_config, train
+from scripts import fault_injection
 from scripts.fault_train import main as fault_train_main
-from tests.recipe.runs import QUICK, ROOT
+from tests.recipe.runs import QUICK
 
 
 class PhaseRecorder(CheckpointManager):
@@ -40,18 +38,16 @@ def test_on_phase_runs_at_each_save_point_in_order(tmp_path, async_save):
     assert all(is_complete(tmp_path / "checkpoints" / f"step_{s:08d}") for s in (10, 20))
 
 
-def fault_train(args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "scripts.fault_train", *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-
-
 @pytest.mark.slow
 def test_fault_train_kills_inside_the_save_and_refuses_an_unreached_or_bad_point(tmp_path, capsys):
-    proc = fault_train(["--kill-at", "marker:10", *QUICK, f"run_dir={tmp_path / 'a'}"])
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    step10 = tmp_path / "a" / "checkpoints" / "step_00000010"
-    assert (step10 / METADATA).exists() and not (step10 / MARKER).exists()  # killed between DCP and the marker
+    # a process of its own, launched as scripts/fault_injection.py launches its trainers
+    fault_injection.start_forkserver()
+    run_dir = tmp_path / "a"
+    proc, stderr = fault_injection.launch(run_dir, "sync", "marker:8")
+    proc.join(300)
+    assert proc.exitcode == -signal.SIGKILL, stderr.read_text()[-2000:]
+    step8 = run_dir / "checkpoints" / "step_00000008"
+    assert (step8 / METADATA).exists() and not (step8 / MARKER).exists()  # killed between DCP and the marker
 
     # in this process, through the script's main: a point never reached, a malformed point
     assert fault_train_main(["--kill-at", "write:7", *QUICK, f"run_dir={tmp_path / 'b'}"]) == 3
