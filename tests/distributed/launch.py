@@ -4,7 +4,8 @@ launcher.
 Every rank is a process of its own, forked from this pytest worker's forkserver: the forkserver (a fresh
 interpreter, started at the first use, with no threads) imports torch, the recipe and the test bodies once, so a
 rank starts in a fraction of a second instead of the seconds an interpreter takes to import torch. Each child
-gets this process's ``sys.path`` and working directory (multiprocessing's spawn preparation).
+gets this process's ``sys.path`` and working directory (multiprocessing's spawn preparation), and the
+forkserver's environment (this worker's when the forkserver started).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 PRELOAD = ["recipes.train", "tests.distributed.workers"]  # imported once by the forkserver
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what the recipe reads
 
 
 def _forkserver():
@@ -101,14 +103,14 @@ def spawn_checks(world: int, checks: list[tuple[str, object, tuple]], done: Path
     return outcome
 
 
-def _recipe_rank(argv: list[str], rank: int, world: int, port: int, out: str) -> None:
-    """``recipes/train.py ARGV`` as rank ``rank`` of ``world``, with the variables torchrun gives its workers; its
-    stdout and stderr go to ``out``.stdout/.stderr, its exit code is the entry point's."""
+def _entry_point(argv: list[str], env: dict[str, str], out: str) -> None:
+    """``recipes/train.py ARGV`` with ``env`` added to the environment; its stdout and stderr go to
+    ``out``.stdout/.stderr, its exit code is the entry point's."""
     from recipes.train import main
 
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    for key in TORCHRUN_VARIABLES:  # the forkserver's environment is this worker's when it started
+        os.environ.pop(key, None)
+    os.environ.update(env)
     for fd, suffix in ((1, "stdout"), (2, "stderr")):
         opened = os.open(f"{out}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(opened, fd)
@@ -131,9 +133,10 @@ def recipe_ranks(argv: list[str], world: int, out: Path, timeout: float = 300) -
     ctx, port = _forkserver(), free_port()
     out.mkdir(parents=True, exist_ok=True)
     stems = [out / f"rank{rank}" for rank in range(world)]
-    procs = [
-        ctx.Process(target=_recipe_rank, args=(argv, rank, world, port, str(stems[rank]))) for rank in range(world)
+    torchrun = [
+        dict(zip(TORCHRUN_VARIABLES, (str(r), str(world), str(r), "127.0.0.1", str(port)))) for r in range(world)
     ]
+    procs = [ctx.Process(target=_entry_point, args=(argv, torchrun[r], str(stems[r]))) for r in range(world)]
     for proc in procs:
         proc.start()
     for proc in procs:
@@ -151,3 +154,11 @@ def recipe_ranks(argv: list[str], world: int, out: Path, timeout: float = 300) -
         )
         for proc, stem in zip(procs, stems)
     ]
+
+
+def recipe_process(argv: list[str], out: Path):
+    """``recipes/train.py ARGV`` as one process of its own (no launcher), started: the process (signal it by its
+    ``pid``, ``join`` it, read its ``exitcode``); its stdout and stderr go to ``out``.stdout/.stderr."""
+    proc = _forkserver().Process(target=_entry_point, args=(argv, {}, str(out)))
+    proc.start()
+    return proc

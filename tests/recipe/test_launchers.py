@@ -3,15 +3,17 @@ tests/recipe/test_slurm.py)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from recipes.train import compose_config, train
-from tests.distributed.launch import free_port
+from tests.distributed.launch import free_port, recipe_process
 from tests.recipe.runs import ENV, QUICK, ROOT, complete_steps, metrics, run_cli
 
 
@@ -54,30 +56,30 @@ def test_two_torchrun_nodes_with_c10d_rendezvous_train_and_resume(tmp_path):
     assert complete_steps(tmp_path) == [10, 20]
 
 
+def signal_at(proc, stderr: Path, text: str, sig: int, timeout: float = 120) -> str:
+    """Send ``sig`` to ``proc`` once ``text`` is on its stderr; wait for it to exit (killed after ``timeout``
+    seconds: a run that went on would train for ever); its stderr."""
+    deadline = time.monotonic() + timeout
+    while text not in (stderr.read_text() if stderr.exists() else ""):
+        assert proc.is_alive() and time.monotonic() < deadline, stderr.read_text()[-3000:]
+        time.sleep(0.05)
+    os.kill(proc.pid, sig)
+    proc.join(timeout)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+    return stderr.read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_sigterm_or_ctrl_c_finishes_the_step_saves_and_the_next_launch_resumes(sig, tmp_path):
     """SIGINT (Ctrl-C) as SIGTERM: a checkpoint, not a KeyboardInterrupt traceback. An interrupted plain run exits
     130 (so `train && next` stops there); a stop on SIGTERM (preemption, a requeue) exits 0."""
-    cmd = [
-        sys.executable,
-        "recipes/train.py",
-        *QUICK,
-        f"run_dir={tmp_path}",
-        "trainer.max_steps=100000",
-        "trainer.log_every=1",
-        "checkpoint.every_steps=50000",
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines = []
-    for line in proc.stderr:
-        lines.append(line)
-        if "step 3/" in line:
-            proc.send_signal(sig)
-            break
-    rest, _ = proc.communicate(timeout=120)[1], None
-    log = "".join(lines) + (rest or "")
-    assert proc.returncode == (130 if sig == signal.SIGINT else 0), log[-3000:]
+    args = [*QUICK, f"run_dir={tmp_path}", "trainer.max_steps=100000", "trainer.log_every=1"]
+    proc = recipe_process([*args, "checkpoint.every_steps=50000"], tmp_path / "launch")
+    log = signal_at(proc, tmp_path / "launch.stderr", "step 3/", sig)
+    assert proc.exitcode == (130 if sig == signal.SIGINT else 0), log[-3000:]
     stopped = [ln for ln in log.splitlines() if "stopping at step" in ln]
     assert stopped and sig.name in stopped[0], log[-3000:]
     step = int(stopped[0].split("stopping at step ")[1].split()[0])
@@ -94,9 +96,7 @@ def test_ctrl_c_stops_a_sweep_not_only_its_job(tmp_path):
     """Ctrl-C in a -m sweep (basic launcher: the jobs run in this process) stops job 0 with a checkpoint and the
     sweep with it: jobs 1 and 2 must not start and train to the end, exit 0. Broken on purpose (a stopped job returns
     to the launcher): job 1 starts."""
-    cmd = [
-        sys.executable,
-        "recipes/train.py",
+    args = [
         "-m",
         *QUICK,
         f"run_dir={tmp_path}/job${{hydra:job.num}}",
@@ -106,18 +106,9 @@ def test_ctrl_c_stops_a_sweep_not_only_its_job(tmp_path):
         "checkpoint.every_steps=50000",
         "optim.lr=1e-3,2e-3",
     ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        lines = []
-        for line in proc.stderr:
-            lines.append(line)
-            if "step 3/" in line:
-                proc.send_signal(signal.SIGINT)
-                break
-        log = "".join(lines) + proc.communicate(timeout=120)[1]
-    finally:
-        proc.kill()  # a sweep that went on would train for ever
-    assert proc.returncode == 130, log[-3000:]
+    proc = recipe_process(args, tmp_path / "launch")
+    log = signal_at(proc, tmp_path / "launch.stderr", "step 3/", signal.SIGINT)
+    assert proc.exitcode == 130, log[-3000:]
     assert "-m job 0 stopped at step" in log and "by SIGINT: the sweep stops here" in log, log[-3000:]
     assert len(complete_steps(tmp_path / "job0")) == 1 and not (tmp_path / "job1").exists()
 

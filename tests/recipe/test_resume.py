@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -37,10 +38,20 @@ from tests.recipe.runs import QUICK, ROOT, metrics, snapshot
 STEP10 = "step_00000010"
 
 
-def _save(run_dir: Path, *overrides: str) -> dict:
-    """Train 10 steps with ``overrides`` (one checkpoint, step 10); return its contents."""
-    train(compose_config([*QUICK, f"run_dir={run_dir}", "trainer.stop_at=10", *overrides]))
-    return read_checkpoint(run_dir / "checkpoints" / STEP10, run_dir)
+@pytest.fixture(scope="module")
+def save(tmp_path_factory):
+    """``save(run_dir, *overrides)``: ``run_dir`` holds the quick job with ``overrides`` stopped at step 10 (one
+    checkpoint); returns the checkpoint's contents. Each config trains once per module, later calls copy it."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def save(run_dir: Path, *overrides: str) -> dict:
+        if overrides not in runs:
+            runs[overrides] = tmp_path_factory.mktemp("saved") / "run"
+            train(compose_config([*QUICK, f"run_dir={runs[overrides]}", "trainer.stop_at=10", *overrides]))
+        shutil.copytree(runs[overrides], run_dir, dirs_exist_ok=True)
+        return read_checkpoint(run_dir / "checkpoints" / STEP10, run_dir)
+
+    return save
 
 
 @pytest.fixture
@@ -141,8 +152,8 @@ def _close(loaded: torch.Tensor, expected: torch.Tensor, name: str) -> bool:
     LAYOUT,
     ids=[f"{'+'.join(a) or 'default'}->{'+'.join(b) or 'default'}" for a, b, *_ in LAYOUT],
 )
-def test_layout_converts(saved_cfg, resumed_cfg, keys, moments, master, tmp_path, resume_live):
-    saved = _save(tmp_path, *saved_cfg)
+def test_layout_converts(save, saved_cfg, resumed_cfg, keys, moments, master, tmp_path, resume_live):
+    saved = save(tmp_path, *saved_cfg)
     cfg, model, opt, ckpt = resume_live(tmp_path, *resumed_cfg)
     assert {c.key: c.action for c in ckpt.resume_changes} == {f"optim.{k}": CONVERTED for k in keys}
     for fqn, p in _params(model).items():
@@ -183,9 +194,9 @@ def test_layout_converts(saved_cfg, resumed_cfg, keys, moments, master, tmp_path
             assert _close(opt.get_unscaled_state(p, "master_param"), saved[key], "master_param"), fqn
 
 
-def test_lowmem_after_the_default_run_starts_masters_from_the_parameters(tmp_path, resume_live):
+def test_lowmem_after_the_default_run_starts_masters_from_the_parameters(save, tmp_path, resume_live):
     """Observation 3's second half: the README's order (default job, then the low-memory preset) loads."""
-    saved = _save(tmp_path, *BF16)
+    saved = save(tmp_path, *BF16)
     _, model, opt, ckpt = resume_live(tmp_path, *BF16, "optim=fused_adam_lowmem")
     assert "optim.master_weights" in {c.key for c in ckpt.resume_changes}
     for fqn, p in _params(model).items():
@@ -206,8 +217,8 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("overrides,key,old,new", REFUSED, ids=[r[1] for r in REFUSED])
-def test_refused_changes(overrides, key, old, new, tmp_path):
-    _save(tmp_path)
+def test_refused_changes(save, overrides, key, old, new, tmp_path):
+    save(tmp_path)
     before = snapshot(tmp_path / "checkpoints")
     launches = sorted((tmp_path / "launches").iterdir())
     with pytest.raises(ResumeRefused) as info:
@@ -239,18 +250,18 @@ def test_a_refusal_reads_nothing_into_the_model_and_never_falls_back(tmp_path):
         shutdown()
 
 
-def test_adamw_group_keys_follow_the_config_or_are_refused(tmp_path, resume_live):
+def test_adamw_group_keys_follow_the_config_or_are_refused(save, tmp_path, resume_live):
     """With optim=adamw, foreach False -> True takes effect in every group (DCP's load puts the checkpoint's False
     back); amsgrad True -> False is refused (the first step would fail: KeyError: 'max_exp_avg_sq'). Broken on
     purpose (foreach not restored; no amsgrad row): both fail."""
-    _save(tmp_path, "optim=adamw", "optim.foreach=false")
+    save(tmp_path, "optim=adamw", "optim.foreach=false")
     _, _, opt, ckpt = resume_live(tmp_path, "optim=adamw", "optim.foreach=true")
     assert [g["foreach"] for g in opt.param_groups] == [True] * len(opt.param_groups)
     changed = {c.key: (c.checkpoint, c.config, c.action) for c in ckpt.resume_changes}
     assert changed["optim.foreach"] == (False, True, "config")
     shutdown()
     amsgrad = tmp_path / "amsgrad"
-    _save(amsgrad, "optim=adamw", "optim.amsgrad=true")
+    save(amsgrad, "optim=adamw", "optim.amsgrad=true")
     with pytest.raises(ResumeRefused, match="optim.amsgrad is True in the checkpoint and False in the config"):
         train(compose_config([*QUICK, f"run_dir={amsgrad}", "optim=adamw", "optim.amsgrad=false"]))
 
@@ -271,10 +282,10 @@ def _by_name(model, opt) -> dict[str, dict]:
     return {names[id(p)]: {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups for p in g["params"]}
 
 
-def test_hyperparameters_follow_the_config(tmp_path, resume_live):
+def test_hyperparameters_follow_the_config(save, tmp_path, resume_live):
     """Observation 6: resumed with other hyperparameters, every group has the config's (DCP restores the
     checkpoint's); the moments are the checkpoint's."""
-    saved = _save(tmp_path)
+    saved = save(tmp_path)
     cfg, model, opt, ckpt = resume_live(tmp_path, *HYPER)
     rule = _by_name(model, build_optimizer(cfg.optim, model))  # the config's groups (fresh, nothing loaded)
     got = _by_name(model, opt)
@@ -293,8 +304,8 @@ def test_hyperparameters_follow_the_config(tmp_path, resume_live):
     assert changed["optim.eps"] == (1e-8, 1e-3, "config")
 
 
-def test_hyperparameter_changes_are_logged_and_recorded(tmp_path, caplog):
-    _save(tmp_path)
+def test_hyperparameter_changes_are_logged_and_recorded(save, tmp_path, caplog):
+    save(tmp_path)
     with caplog.at_level(logging.INFO, logger="recipes.resume"):
         train(compose_config([*QUICK, f"run_dir={tmp_path}", "optim.weight_decay=0", "trainer.max_steps=12"]))
     lines = [r.getMessage() for r in caplog.records if r.name == "recipes.resume"]
@@ -308,10 +319,10 @@ NO_DECAY_OFF = ["optim.param_groups.no_decay=[]", "optim.param_groups.no_decay_a
 
 
 @pytest.mark.parametrize("saved_cfg,resumed_cfg", [([], NO_DECAY_OFF), (NO_DECAY_OFF, [])], ids=["off", "on"])
-def test_no_decay_patterns_change_across_a_resume(saved_cfg, resumed_cfg, tmp_path, resume_live):
+def test_no_decay_patterns_change_across_a_resume(save, saved_cfg, resumed_cfg, tmp_path, resume_live):
     """Groups come from the config by parameter name: each parameter's weight decay follows the config's rule
     (not the checkpoint's value for its group's first parameter), its moments are the checkpoint's for its name."""
-    saved = _save(tmp_path, *saved_cfg)
+    saved = save(tmp_path, *saved_cfg)
     cfg, model, opt, _ = resume_live(tmp_path, *resumed_cfg)
     rule = _by_name(model, build_optimizer(cfg.optim, model))  # the config's groups (a fresh, unloaded optimizer)
     got = _by_name(model, opt)
@@ -376,8 +387,8 @@ def test_the_docs_render_the_table():
     assert T_HYPER_LOG.split("::")[1] in tests
 
 
-def test_checkpoint_without_a_config_resumes_with_a_warning(tmp_path, resume_live, caplog):
-    _save(tmp_path)
+def test_checkpoint_without_a_config_resumes_with_a_warning(save, tmp_path, resume_live, caplog):
+    save(tmp_path)
     marker = tmp_path / "checkpoints" / STEP10 / "COMPLETE.json"
     manifest = json.loads(marker.read_text())
     del manifest["config"], manifest[MANIFEST_DIGEST]  # as written before either was recorded
