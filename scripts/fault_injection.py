@@ -6,21 +6,18 @@
 
 Per mode (``checkpoint.async_save`` false/true) an uninterrupted reference run is made once, in this process.
 Each trial then launches the recipe (20 steps, a checkpoint every 4 steps) through ``scripts/fault_train.py``
-and kills it with SIGKILL: even trials at a random moment of the run (uniform over the reference run's
-duration), odd trials at a chosen point of a save (after the export, after DCP wrote or started writing,
+and kills it with SIGKILL: even trials at a random moment of the run (within 0.2 s after it logs a random step
+of 1 to 19), odd trials at a chosen point of a save (after the export, after DCP wrote or started writing,
 before the completion marker: ``--kill-at``). Then it relaunches until the run finishes. Each launch is a
-process of its own, forked from a forkserver that imported the recipe once (a launch starts in a fraction of a
-second instead of the seconds an interpreter takes to import torch). A trial fails if any launch resumed from a
-checkpoint that was not complete when it started, or if the final checkpoint (model, optimizer and trainer
-state) is not bitwise equal to the reference.
+process of its own, forked from a forkserver that imported the recipe once (``scripts/forked.py``). A trial
+fails if any launch resumed from a checkpoint that was not complete when it started, or if the final checkpoint
+(model, optimizer and trainer state) is not bitwise equal to the reference.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import random
 import re
@@ -35,9 +32,8 @@ import torch
 
 from recipes.checkpoint import SAVE_PHASES, is_complete, read_checkpoint
 from recipes.train import compose_config, train
-from scripts import cli_args, fault_train
+from scripts import cli_args, fault_train, forked
 
-ROOT = Path(__file__).resolve().parent.parent  # the trainer runs ``-m scripts.fault_train`` from here
 STEPS, EVERY = 20, 4
 OVERRIDES: list[str] = []  # extra recipe overrides for every launch (--overrides)
 RESUME = re.compile(r"resuming from checkpoint (\S+) at step")
@@ -63,6 +59,7 @@ def overrides(run_dir: Path, mode: str) -> list[str]:
         "experiment=quick",
         "trainer.progress=false",
         "trainer.threads=1",
+        "trainer.log_every=1",
         f"trainer.max_steps={STEPS}",
         f"checkpoint.every_steps={EVERY}",
         "checkpoint.keep_last=0",
@@ -72,29 +69,14 @@ def overrides(run_dir: Path, mode: str) -> list[str]:
     ]
 
 
-FORKSERVER = multiprocessing.get_context("forkserver")
-
-
-def start_forkserver() -> None:
-    """Start the forkserver that every launch is forked from, with the recipe imported, from the repository root
-    (the forkserver imports ``scripts.fault_train`` from its working directory)."""
-    FORKSERVER.set_forkserver_preload(["scripts.fault_train"])
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        os.chdir(cwd)
-
-
-def launch(run_dir: Path, mode: str, kill_at: str | None = None) -> tuple[multiprocessing.Process, Path]:
-    """``python -m scripts.fault_train [--kill-at ...] <overrides>`` as a forked process; its stderr goes to the
-    returned file."""
-    stderr = run_dir.with_name(f"{run_dir.name}.stderr")
+def launch(run_dir: Path, mode: str, kill_at: str | None = None):
+    """``python -m scripts.fault_train [--kill-at ...] <overrides>`` as a forked process, started; the process
+    and the file its stderr goes to."""
+    stem = run_dir.with_name(f"{run_dir.name}.launch")
     argv = [*(["--kill-at", kill_at] if kill_at else []), *overrides(run_dir, mode)]
-    proc = FORKSERVER.Process(target=fault_train.run_child, args=(argv, str(stderr)))
-    proc.start()
-    return proc, stderr
+    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = forked.start(fault_train.exit_with_main, (argv,), stem, ["scripts.fault_train"], env)
+    return proc, Path(f"{stem}.stderr")
 
 
 def final_state(run_dir: Path, scratch: Path) -> dict:
@@ -111,43 +93,45 @@ def equal(a: dict, b: dict) -> str:
     return ""
 
 
-def run_trial(mode: str, index: int, rng: random.Random, work: Path, reference: dict, run_s: float) -> Trial:
+def run_trial(mode: str, index: int, rng: random.Random, work: Path, reference: dict) -> Trial:
     run_dir = work / f"{mode}-{index:03d}"
     if index % 2:
         phase, step = SAVE_PHASES[(index // 2) % len(SAVE_PHASES)], EVERY * rng.randint(1, STEPS // EVERY)
         trial = Trial(mode, index, f"kill in save: {phase} of step {step}")
-        kill_at = f"{phase}:{step}"
-        delay = None
+        kill_at, after_step = f"{phase}:{step}", None
     else:
-        delay = rng.uniform(0.0, run_s)
-        trial = Trial(mode, index, f"kill -9 after {delay:.2f} s")
+        after_step, delay = rng.randint(1, STEPS - 1), rng.uniform(0.0, 0.2)
+        trial = Trial(mode, index, f"kill -9 {delay:.2f} s after step {after_step}")
         kill_at = None
     for attempt in range(6):
         complete_before = {str(p) for p in (run_dir / "checkpoints").glob("step_*") if is_complete(p)}
         trial.incomplete_seen += sum(1 for p in (run_dir / "checkpoints").glob("step_*") if not is_complete(p))
         proc, stderr = launch(run_dir, mode, kill_at if attempt == 0 else None)
         trial.launches += 1
-        if attempt == 0 and delay is not None:
-            proc.join(delay)
-            if proc.exitcode is None:
-                proc.kill()
-        proc.join(300)
-        if proc.exitcode is None:
+        if attempt == 0 and after_step is not None:
+            deadline = time.monotonic() + 300
+            while f"step {after_step}/{STEPS} " not in stderr.read_text() and proc.exitcode is None:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            time.sleep(delay)
             proc.kill()
-            trial.problem = f"launch {trial.launches} did not finish in 300 s"
-            return trial
+        (code,) = forked.join([proc], 300)
         err = stderr.read_text()
+        if code is None:
+            trial.problem = f"launch {trial.launches} did not finish in 300 s: {err.strip().splitlines()[-1:]}"
+            return trial
         for path in RESUME.findall(err):
             trial.resumed_from.append(Path(path).name)
             if path not in complete_before:
                 trial.problem = f"resumed from {path}, which was not complete at launch"
                 return trial
-        if proc.exitcode == -signal.SIGKILL:
+        if code == -signal.SIGKILL:
             trial.killed = True
             trial.killed_in_save = trial.killed_in_save or kill_at is not None
             continue
-        if proc.exitcode != 0:
-            trial.problem = f"launch {trial.launches} exited {proc.exitcode}: {err.strip().splitlines()[-1:]}"
+        if code != 0:
+            trial.problem = f"launch {trial.launches} exited {code}: {err.strip().splitlines()[-1:]}"
             return trial
         break
     else:
@@ -177,17 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     trials: list[Trial] = []
     t0 = time.time()
-    start_forkserver()
     with tempfile.TemporaryDirectory(prefix="fault-injection-") as tmp:
         work = Path(tmp)
         for mode in modes:
             ref_dir = work / f"{mode}-reference"  # uninterrupted, in this process (one thread, as the launches)
-            started = time.perf_counter()
             train(compose_config(overrides(ref_dir, mode)))
-            run_s = time.perf_counter() - started
             reference = final_state(ref_dir, work)
             for i in range(args.trials):
-                trial = run_trial(mode, i, rng, work, reference, run_s)
+                trial = run_trial(mode, i, rng, work, reference)
                 trials.append(trial)
                 print(
                     f"{mode} #{i}: {trial.fault}: killed={trial.killed} launches={trial.launches} "

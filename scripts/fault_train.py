@@ -61,13 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     return 3
 
 
-def run_child(argv: list[str], stderr_path: str) -> None:
-    """:func:`main` as a forked process's whole life (``scripts/fault_injection.py`` starts it from a forkserver
-    that has imported the recipe once): its stderr goes to ``stderr_path``, its exit code is ``main``'s."""
-    for fd, path in ((1, os.devnull), (2, stderr_path)):
-        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(opened, fd)
-        os.close(opened)
+def exit_with_main(argv: list[str]) -> None:
+    """:func:`main` as a forked process's whole life (``scripts/fault_injection.py`` launches its trainers so,
+    through ``scripts/forked.py``): the process exits with ``main``'s code."""
     sys.exit(main(argv))
 
 

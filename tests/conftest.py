@@ -21,4 +21,4 @@ def pytest_collection_modifyitems(config, items) -> None:
 def pytest_configure(config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each (no OpenMP spinning),
         torch.set_num_threads(1)
-        os.environ["OMP_NUM_THREADS"] = "1"  # and in the processes they start (spawned gloo ranks)
+        os.environ["OMP_NUM_THREADS"] = "1"  # and in the processes they start (forked ones too)

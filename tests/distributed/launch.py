@@ -1,11 +1,6 @@
 """Real gloo process groups on CPU for tests (no mocks of torch.distributed), and the recipe's ranks without a
-launcher.
-
-Every rank is a process of its own, forked from this pytest worker's forkserver: the forkserver (a fresh
-interpreter, started at the first use, with no threads) imports torch, the recipe and the test bodies once, so a
-rank starts in a fraction of a second instead of the seconds an interpreter takes to import torch. Each child
-gets this process's ``sys.path`` and working directory (multiprocessing's spawn preparation), and the
-forkserver's environment (this worker's when the forkserver started).
+launcher. Every rank is a process of its own, forked from this pytest worker's forkserver (scripts/forked.py),
+which imports torch, the recipe and the test bodies once.
 """
 
 from __future__ import annotations
@@ -21,14 +16,10 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from scripts import forked
+
 PRELOAD = ["recipes.train", "tests.distributed.workers"]  # imported once by the forkserver
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what the recipe reads
-
-
-def _forkserver():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the forkserver starts (this worker's first rank)
-    return ctx
 
 
 def free_port() -> int:
@@ -59,7 +50,8 @@ def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
 
 def spawn(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; re-raise the first failure with its traceback."""
-    errors = _forkserver().SimpleQueue()
+    forked.start_forkserver(PRELOAD)
+    errors = mp.get_context("forkserver").SimpleQueue()
     try:
         mp.start_processes(
             _entry, args=(world, free_port(), fn, args, errors), nprocs=world, join=True, start_method="forkserver"
@@ -103,18 +95,10 @@ def spawn_checks(world: int, checks: list[tuple[str, object, tuple]], done: Path
     return outcome
 
 
-def _entry_point(argv: list[str], env: dict[str, str], out: str) -> None:
-    """``recipes/train.py ARGV`` with ``env`` added to the environment; its stdout and stderr go to
-    ``out``.stdout/.stderr, its exit code is the entry point's."""
+def _entry_point(argv: list[str]) -> None:
+    """``recipes/train.py ARGV`` in this process: its exit code is the entry point's."""
     from recipes.train import main
 
-    for key in TORCHRUN_VARIABLES:  # the forkserver's environment is this worker's when it started
-        os.environ.pop(key, None)
-    os.environ.update(env)
-    for fd, suffix in ((1, "stdout"), (2, "stderr")):
-        opened = os.open(f"{out}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(opened, fd)
-        os.close(opened)
     try:
         code = main(argv)
     except SystemExit as exc:
@@ -122,43 +106,41 @@ def _entry_point(argv: list[str], env: dict[str, str], out: str) -> None:
     except BaseException:
         traceback.print_exc()
         code = 1
+    if code is not None and not isinstance(code, int):  # SystemExit("message"): printed, exit code 1
+        print(code, file=sys.stderr)
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code if isinstance(code, int) else 1)  # as _entry: no interpreter teardown with gloo threads about
+    os._exit(code or 0)  # as _entry: no interpreter teardown with gloo threads about
 
 
 def recipe_ranks(argv: list[str], world: int, out: Path, timeout: float = 300) -> list[subprocess.CompletedProcess]:
-    """The recipe's entry point on ``world`` gloo ranks (processes of their own, as torchrun's workers, without
-    torchrun's agent): per rank, its exit code, stdout and stderr (kept under ``out``)."""
-    ctx, port = _forkserver(), free_port()
+    """The recipe's entry point on ``world`` gloo ranks (processes of their own with the variables torchrun gives
+    its workers, without torchrun's agent): per rank, its exit code (None: killed after ``timeout`` s), stdout
+    and stderr (kept under ``out``)."""
+    port = free_port()
     out.mkdir(parents=True, exist_ok=True)
     stems = [out / f"rank{rank}" for rank in range(world)]
-    torchrun = [
-        dict(zip(TORCHRUN_VARIABLES, (str(r), str(world), str(r), "127.0.0.1", str(port)))) for r in range(world)
+    procs = [
+        forked.start(
+            _entry_point,
+            (argv,),
+            stems[r],
+            PRELOAD,
+            dict(zip(TORCHRUN_VARIABLES, (str(r), str(world), str(r), "127.0.0.1", str(port)))),
+        )
+        for r in range(world)
     ]
-    procs = [ctx.Process(target=_entry_point, args=(argv, torchrun[r], str(stems[r]))) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout)
-    for proc in procs:
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join()
+    codes = forked.join(procs, timeout)
     return [
         subprocess.CompletedProcess(
-            ["recipes/train.py", *argv],
-            proc.exitcode,
-            Path(f"{stem}.stdout").read_text(),
-            Path(f"{stem}.stderr").read_text(),
+            ["recipes/train.py", *argv], code, Path(f"{stem}.stdout").read_text(), Path(f"{stem}.stderr").read_text()
         )
-        for proc, stem in zip(procs, stems)
+        for code, stem in zip(codes, stems)
     ]
 
 
 def recipe_process(argv: list[str], out: Path):
     """``recipes/train.py ARGV`` as one process of its own (no launcher), started: the process (signal it by its
-    ``pid``, ``join`` it, read its ``exitcode``); its stdout and stderr go to ``out``.stdout/.stderr."""
-    proc = _forkserver().Process(target=_entry_point, args=(argv, {}, str(out)))
-    proc.start()
-    return proc
+    ``pid``, wait with ``scripts.forked.join``); its stdout and stderr go to ``out``.stdout/.stderr."""
+    return forked.start(_entry_point, (argv,), out, PRELOAD)

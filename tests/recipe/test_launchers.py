@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from recipes.train import compose_config, train
+from scripts import forked
 from tests.distributed.launch import free_port, recipe_process
-from tests.recipe.runs import ENV, QUICK, ROOT, complete_steps, metrics, run_cli
+from tests.recipe.runs import ENV, QUICK, ROOT, cli, complete_steps, metrics, run_cli
 
 
 def two_nodes(run_dir: Path, *overrides: str, timeout: int = 240) -> list[str]:
@@ -64,10 +65,7 @@ def signal_at(proc, stderr: Path, text: str, sig: int, timeout: float = 120) -> 
         assert proc.is_alive() and time.monotonic() < deadline, stderr.read_text()[-3000:]
         time.sleep(0.05)
     os.kill(proc.pid, sig)
-    proc.join(timeout)
-    if proc.exitcode is None:
-        proc.kill()
-        proc.join()
+    forked.join([proc], timeout)
     return stderr.read_text()
 
 
@@ -114,15 +112,14 @@ def test_ctrl_c_stops_a_sweep_not_only_its_job(tmp_path):
 
 
 @pytest.mark.slow
-def test_hydra_submitit_local_launcher_runs_a_job(tmp_path):
-    """submitit runs the job as a process of its own: the sweep as the user starts it (a process: its task
-    pickled from ``__main__``, and a finished sweep's exit 0), through the laptop launcher (submitit_local's own
-    config with the recipe's settings)."""
+@pytest.mark.parametrize("launcher", ["submitit_local", "laptop"])
+def test_hydra_submitit_local_launcher_runs_a_job(launcher, tmp_path):
+    """submitit runs the job as a process of its own. submitit_local: the sweep as the user starts it (a process:
+    its task pickled from ``__main__``, and a finished sweep's exit 0); laptop: the sweep in this process (``main``)."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     run_dir = tmp_path / "run"
-    proc = run_cli(
-        ["-m", "hydra/launcher=laptop", *QUICK, f"run_dir={run_dir}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    )
+    args = ["-m", f"hydra/launcher={launcher}", *QUICK, f"run_dir={run_dir}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    proc = run_cli(args) if launcher == "submitit_local" else cli(*args)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     assert complete_steps(run_dir) == [10, 20]
     assert [r for r in metrics(run_dir) if r["kind"] == "summary"][-1]["end_step"] == 20

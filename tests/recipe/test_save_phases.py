@@ -9,7 +9,7 @@ import pytest
 
 from recipes.checkpoint import MARKER, METADATA, SAVE_PHASES, CheckpointManager, is_complete
 from recipes.train import compose_config, train
-from scripts import fault_injection
+from scripts import fault_injection, forked
 from scripts.fault_train import main as fault_train_main
 from tests.recipe.runs import QUICK
 
@@ -41,11 +41,9 @@ def test_on_phase_runs_at_each_save_point_in_order(tmp_path, async_save):
 @pytest.mark.slow
 def test_fault_train_kills_inside_the_save_and_refuses_an_unreached_or_bad_point(tmp_path, capsys):
     # a process of its own, launched as scripts/fault_injection.py launches its trainers
-    fault_injection.start_forkserver()
     run_dir = tmp_path / "a"
     proc, stderr = fault_injection.launch(run_dir, "sync", "marker:8")
-    proc.join(300)
-    assert proc.exitcode == -signal.SIGKILL, stderr.read_text()[-2000:]
+    assert forked.join([proc], 300) == [-signal.SIGKILL], stderr.read_text()[-2000:]
     step8 = run_dir / "checkpoints" / "step_00000008"
     assert (step8 / METADATA).exists() and not (step8 / MARKER).exists()  # killed between DCP and the marker
 

@@ -96,7 +96,7 @@ def test_sbatch_trains_and_the_time_limit_signal_saves_requeues_resumes_and_comp
     (checkpoint), requeues, and the requeued job (Slurm starts it again after cred_expire, 10 s in
     scripts/slurm/local_cluster.sh) resumes from that checkpoint and finishes: the job completes, exit code 0."""
     run_dir, out = tmp_path / "run", tmp_path / "job.out"
-    steps = 60  # the signal stops the first run a few steps after step 2 (measured: at 13); the requeued run ends it
+    steps = 100  # the signal stops the first run a few steps after step 2 (measured: at 13); the requeued run ends it
     job = sbatch(run_dir, out, f"trainer.max_steps={steps}", "checkpoint.every_steps=50000", "trainer.log_every=1")
     wait_for(out, "step 2/", job)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
