@@ -53,7 +53,7 @@ def start(target: Callable, args: tuple, stem: Path, preload: list[str], env: di
     return proc
 
 
-def join(procs: list, timeout: float, grace: float = 30.0) -> list[int]:
+def join(procs: list, timeout: float, grace: float = 30.0) -> list[int | None]:
     """Wait for ``procs`` until ``timeout`` seconds have passed, or ``grace`` seconds after one of them exited
     non-zero (as torchrun's agent stops a group when a worker fails); kill those still running. Their exit codes,
     None for those killed here."""
