@@ -109,11 +109,7 @@ def run_trial(mode: str, index: int, rng: random.Random, work: Path, reference: 
         proc, stderr = launch(run_dir, mode, kill_at if attempt == 0 else None)
         trial.launches += 1
         if attempt == 0 and after_step is not None:
-            deadline = time.monotonic() + 300
-            while f"step {after_step}/{STEPS} " not in stderr.read_text() and proc.exitcode is None:
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.01)
+            forked.wait_for_text(stderr, f"step {after_step}/{STEPS} ", proc, 300)
             time.sleep(delay)
             proc.kill()
         (code,) = forked.join([proc], 300)

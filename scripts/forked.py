@@ -53,6 +53,17 @@ def start(target: Callable, args: tuple, stem: Path, preload: list[str], env: di
     return proc
 
 
+def wait_for_text(path: Path, text: str, proc, timeout: float) -> bool:
+    """Whether ``text`` appeared in the file ``path`` (a started process's output) before ``proc`` ended or
+    ``timeout`` seconds passed."""
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        if proc.exitcode is not None or time.monotonic() > deadline:
+            return text in path.read_text()
+        time.sleep(0.01)
+    return True
+
+
 def join(procs: list, timeout: float, grace: float = 30.0) -> list[int | None]:
     """Wait for ``procs`` until ``timeout`` seconds have passed, or ``grace`` seconds after one of them exited
     non-zero (as torchrun's agent stops a group when a worker fails); kill those still running. Their exit codes,

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -60,10 +59,7 @@ def test_two_torchrun_nodes_with_c10d_rendezvous_train_and_resume(tmp_path):
 def signal_at(proc, stderr: Path, text: str, sig: int, timeout: float = 120) -> str:
     """Send ``sig`` to ``proc`` once ``text`` is on its stderr; wait for it to exit (killed after ``timeout``
     seconds: a run that went on would train for ever); its stderr."""
-    deadline = time.monotonic() + timeout
-    while text not in (stderr.read_text() if stderr.exists() else ""):
-        assert proc.is_alive() and time.monotonic() < deadline, stderr.read_text()[-3000:]
-        time.sleep(0.05)
+    assert forked.wait_for_text(stderr, text, proc, timeout), stderr.read_text()[-3000:]
     os.kill(proc.pid, sig)
     forked.join([proc], timeout)
     return stderr.read_text()
