@@ -67,20 +67,20 @@ MUTANTS = [
     ),
     (
         "verification ignores a checksum mismatch",
-        "recipes/integrity.py",
+        "recipes/checkpoint/checksums.py",
         "    if digest != record.get(ALGORITHM):",
         "    if False:",
     ),
     (
         "keep_last keeps one checkpoint too many",
-        "recipes/checkpoint.py",
-        "done[: max(0, len(done) - self.cfg.keep_last)]",
-        "done[: max(0, len(done) - self.cfg.keep_last - 1)]",
+        "recipes/checkpoint/layout.py",
+        "done[: max(0, len(done) - keep_last)]",
+        "done[: max(0, len(done) - keep_last - 1)]",
     ),
     (
         "keep_last may delete the newest verified checkpoint",
-        "recipes/checkpoint.py",
-        "if self.verified is not None and path.resolve() == self.verified.resolve():",
+        "recipes/checkpoint/layout.py",
+        "if verified is not None and path.resolve() == verified.resolve():",
         "if False:",
     ),
 ]

@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import MISSING
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
+from optim_factory.errors import first_line
 from optim_factory.optimizers.export.options import Pinning
 
 __all__ = [
@@ -42,7 +43,7 @@ class Choice(str, Enum):
     """A config choice: member names are the YAML spellings (``exp_avg_dtype: bf16``), values equal the names.
 
     A ``str`` subclass, so ``Backend.te == "te"`` and f-strings print the plain spelling. OmegaConf rejects any
-    other value when the config is composed (one line through ``recipes.config.config_error_line``).
+    other value when the config is composed (one line through ``recipes.command_line.config_error_line``).
     """
 
     def __str__(self) -> str:
@@ -191,7 +192,7 @@ def omegaconf_error_line(exc: OmegaConfBaseException, prefix: str = "", known: l
         known: the valid dotted keys (relative to the node, without ``prefix``), for a "did you mean".
     """
     key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
-    msg = (getattr(exc, "msg", None) or str(exc) or type(exc).__name__).splitlines()[0]
+    msg = first_line(getattr(exc, "msg", None) or exc)
     if isinstance(exc, (ConfigKeyError, ConfigAttributeError)):
         return unknown_key_line(f"{prefix}{key}", [prefix + k for k in known or []])
     if isinstance(exc, MissingMandatoryValue):

@@ -1,30 +1,32 @@
 """The recipe's config: schemas of its groups (model, data, checkpoint, trainer) registered in Hydra's ConfigStore,
-and the checks and messages around composing them.
+each with its own rules (``__post_init__``; those across groups: ``TrainConfig.check``), and the check of a
+composed config's keys (the command line and Hydra's errors: recipes/command_line.py).
 
 The schemas hold every default; the YAML files under ``conf/`` hold only what differs (tested). With the schemas,
 an unknown key, a wrongly typed value or a choice outside its Enum fails when Hydra composes the config, before
-any work; :func:`config_error_line` turns any such error into the one line the recipe prints.
+any work; ``recipes.command_line.config_error_line`` turns any such error into the one line the recipe prints.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from optim_factory.config import OPTIM_SCHEMAS, Choice, omegaconf_error_line, schema_keys, unknown_key_line
+from optim_factory.config import OPTIM_SCHEMAS, Choice, schema_keys, unknown_key_line
 from optim_factory.config import register_configs as register_optim_configs
 from optim_factory.factory import ConfigError
+from recipes.checkpoint.layout import CheckpointError
+
+ADDITION_VOCAB = "0123456789+=\n"
+
+
+class DataError(ValueError):
+    """A bad data config or data file: one line saying what is wrong."""
 
 
 class ModelDtype(Choice):
@@ -60,6 +62,13 @@ class ModelConfig:
     dtype: ModelDtype = ModelDtype.fp32  # parameter dtype
     tie_embeddings: bool = False
 
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key}={getattr(self, key)}: must be >= 1")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.d_model={self.d_model}: must be divisible by model.n_heads={self.n_heads}")
+
 
 @dataclass
 class DataConfig:
@@ -72,6 +81,32 @@ class DataConfig:
     eval_size: int = 256  # held-out examples per evaluation (addition: problems never trained on; tokens: windows)
     holdout_fraction: float = 0.0  # tokens: the file's last fraction, never trained on, evaluated (0: none)
 
+    def __post_init__(self) -> None:
+        """The rules of the data config alone (the world size and the file: ``recipes.data.build_data``)."""
+        if self.seq_len < 1:
+            raise DataError(f"data.seq_len={self.seq_len}: must be >= 1")
+        if self.kind == DataKind.addition:
+            if not 1 <= self.digits <= 9:
+                raise DataError(f"data.digits={self.digits}: expected 1..9")
+            if self.holdout_fraction != 0:
+                raise DataError(
+                    f"data.holdout_fraction={self.holdout_fraction}: only for data.kind=tokens; the addition task "
+                    "holds out data.eval_size problems"
+                )
+            if self.path is not None:
+                raise DataError(f"data.path={self.path!r}: only for data=tokens (add data=tokens to train on the file)")
+            return
+        if self.digits != DataConfig.digits:
+            raise DataError(f"data.digits={self.digits}: only for the addition task (data=addition)")
+        if not 0 <= self.holdout_fraction <= 0.5:
+            raise DataError(f"data.holdout_fraction={self.holdout_fraction}: expected 0 (no held-out split) .. 0.5")
+        if self.eval_size < 1:
+            raise DataError(f"data.eval_size={self.eval_size}: must be >= 1")
+        if not self.path:
+            raise DataError("data.path is required with data.kind=tokens (a flat uint16 token file)")
+        if not os.path.isfile(self.path):
+            raise DataError(f"data.path={self.path!r}: no such file")
+
 
 @dataclass
 class CheckpointConfig:
@@ -83,6 +118,22 @@ class CheckpointConfig:
     resume: str = "auto"  # auto (newest complete checkpoint) | never | <path of a step_* directory>
     fallback: bool = False  # resume=auto: if the newest complete checkpoint fails to load, try older ones
     enabled: bool = True
+
+    def __post_init__(self) -> None:
+        """The rules of the checkpoint config alone (the directory and a given path: ``recipes.preflight``)."""
+        if self.every_steps < 1:
+            raise CheckpointError(f"checkpoint.every_steps={self.every_steps}: must be >= 1")
+        if self.keep_last < 0:
+            raise CheckpointError(f"checkpoint.keep_last={self.keep_last}: must be >= 0 (0 keeps all)")
+        if not self.enabled and self.resume not in ("auto", "never"):  # nothing would read it
+            raise CheckpointError(
+                f"checkpoint.resume={self.resume!r} with checkpoint.enabled=false: nothing would be loaded; "
+                "drop checkpoint.resume, or set checkpoint.enabled=true"
+            )
+        if self.enabled and not str(self.dir).strip():  # Path('') is the current directory
+            raise CheckpointError(
+                f"checkpoint.dir={self.dir!r}: empty; expected a directory (e.g. <run_dir>/checkpoints)"
+            )
 
 
 @dataclass
@@ -98,6 +149,17 @@ class TrainerConfig:
     progress: bool | None = None  # a tqdm bar on rank 0; null: when stderr is a terminal
     threads: int = 0  # torch intra-op threads on CPU; 0: torch's default
 
+    def __post_init__(self) -> None:
+        for key, low in (("max_steps", 1), ("log_every", 1), ("warmup_steps", 0), ("threads", 0), ("grad_clip", 0)):
+            if not getattr(self, key) >= low:  # also refuses NaN
+                raise ConfigError(f"trainer.{key}={getattr(self, key)}: must be >= {low}")
+        if not 0 <= self.stop_at <= self.max_steps:  # beyond max_steps it would stop nothing
+            raise ConfigError(
+                f"trainer.stop_at={self.stop_at}: must be between 0 (off) and trainer.max_steps={self.max_steps}"
+            )
+        if self.eval_every < 0:
+            raise DataError(f"trainer.eval_every={self.eval_every}: must be >= 0 (0: no evaluation)")
+
 
 @dataclass
 class TrainConfig:
@@ -107,6 +169,28 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def check(self) -> None:
+        """The rules across groups (each group's own rules ran when it was built: ``__post_init__``). The preflight
+        calls it once the data's file is read (``recipes.preflight``)."""
+        if not str(self.run_dir).strip():  # Path('') is the current directory, and ${run_dir}/checkpoints the root's
+            raise ConfigError(f"run_dir={self.run_dir!r}: empty; expected a directory (e.g. run_dir=runs/my_run)")
+        model, data, trainer = self.model, self.data, self.trainer
+        if data.kind == DataKind.addition:
+            if model.vocab_size < len(ADDITION_VOCAB):
+                raise DataError(
+                    f"model.vocab_size={model.vocab_size}: the addition task needs >= {len(ADDITION_VOCAB)}"
+                )
+            positions = 3 * data.digits + 2  # an evaluation's prompt and all but the last answer token
+            if trainer.eval_every > 0 and positions > model.max_seq_len:
+                # else an IndexError in the position embedding at the first evaluation, after training
+                raise DataError(
+                    f"trainer.eval_every={trainer.eval_every} with data.digits={data.digits}: an evaluation feeds "
+                    f"{positions} positions (3 * digits + 2), model.max_seq_len={model.max_seq_len}; raise "
+                    "model.max_seq_len, lower data.digits, or set trainer.eval_every=0"
+                )
+        if data.seq_len > model.max_seq_len:
+            raise ConfigError(f"data.seq_len={data.seq_len}: must be <= model.max_seq_len={model.max_seq_len}")
 
 
 GROUP_SCHEMAS: dict[str, type] = {
@@ -164,8 +248,8 @@ def check_config(cfg: DictConfig) -> None:
     unknown = _unknown_keys(cfg, "")
     optim_schema = OmegaConf.get_type(cfg.optim) if isinstance(cfg.get("optim"), DictConfig) else None
     if unknown:
-        line = _another_optimizers(unknown[0], optim_schema) or unknown_key_line(unknown[0], known_keys(optim_schema))
-        raise ConfigError(line)
+        key, known = unknown[0], known_keys(optim_schema)
+        raise ConfigError(another_optimizers_line(key, optim_schema) or unknown_key_line(key, known))
     name = cfg.optim.get("name") if optim_schema in OPTIM_SCHEMAS.values() else None
     if name in OPTIM_SCHEMAS and OPTIM_SCHEMAS[name] is not optim_schema:  # optim.name=adamw on fused_adam's keys
         raise ConfigError(
@@ -174,207 +258,7 @@ def check_config(cfg: DictConfig) -> None:
         )
 
 
-def check_run_dir(run_dir: str) -> None:
-    """``run_dir`` is a directory, or can be created as one, and is writable: checked without creating anything."""
-    if not str(run_dir).strip():  # Path('') is the current directory, and ${run_dir}/checkpoints the root's
-        raise ConfigError(f"run_dir={run_dir!r}: empty; expected a directory (e.g. run_dir=runs/my_run)")
-    path = Path(run_dir)
-    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
-    if not existing.is_dir():
-        where = "" if existing == path else f" ({existing} is a file)"
-        raise ConfigError(f"run_dir={run_dir!r}: not a directory{where}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"run_dir={run_dir!r}: {existing} is not writable")
-
-
-def _is_value(arg: str) -> bool:
-    """Whether a command-line argument after a dashed key reads as its value (``1e-3``, ``-1``, ``adamw``)."""
-    if "=" in arg:
-        return False
-    try:
-        float(arg)
-        return True
-    except ValueError:
-        return not arg.startswith("-")
-
-
-def _hydra_args(argv: list[str], *, strict: bool = False) -> tuple[argparse.Namespace, list[str]]:
-    """``argv`` read by the parser ``hydra.main`` itself uses (so the options are Hydra's): (options, the rest).
-    ``strict``: no abbreviated options, and a misused one raises ``argparse.ArgumentError`` instead of exiting."""
-    from hydra._internal.utils import get_args_parser  # hydra.main's own parser; no public accessor in 1.3
-
-    parser = get_args_parser()
-    if strict:
-        parser.exit_on_error = False  # a misused option of Hydra's (``--cfg`` without a value) raises, not exits
-        parser.allow_abbrev = False  # else --experiment=quick passes as an abbreviation of --experimental-rerun
-    return parser.parse_known_args(argv)
-
-
-def command_line_error(argv: list[str], conf_dir: str) -> str | None:
-    """One line for what is wrong with the command line before Hydra sees it, else None: what Hydra would refuse
-    with its usage over several lines, or accept without a word and not do.
-
-    - An argument that starts with ``-`` but is none of Hydra's own options (``--cfg``, ``-m``, ...: the parser
-      ``hydra.main`` itself uses, so the list is Hydra's); a config override written torchtitan's way
-      (``--optim.lr=1e-3``, ``--optim.lr 1e-3``) is answered with the override to type instead. A misused option
-      of Hydra's (``--cfg`` without a value, a value outside its choices, two of its modes such as ``-m --cfg``).
-    - A key or config group given twice (Hydra keeps the last).
-    - A schema's name (``optim=fused_adam_schema``) picked as a group's option: answered before Hydra composes,
-      with the group's options.
-
-    A malformed override is left to Hydra (:func:`config_error_line` words it).
-    """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        args, unknown = _hydra_args(argv, strict=True)
-    except argparse.ArgumentError as exc:
-        return f"{exc.argument_name}: {exc.message}"
-    modes = {"--run": args.run, "--multirun": args.multirun, "--cfg": args.cfg, "--info": args.info}
-    modes["--shell-completion"] = args.shell_completion
-    if sum(bool(on) for on in modes.values()) > 1:  # Hydra's rule; it raises a ValueError with a traceback
-        return f"{', '.join(m for m, on in modes.items() if on)}: only one of {', '.join(modes)} at a time"
-    flag = next((a for a in unknown if a.startswith("-") and a != "-"), None)
-    if flag is not None:
-        key, eq, value = flag.lstrip("-").partition("=")
-        if not eq:
-            following = argv[argv.index(flag) + 1 :]
-            if following and _is_value(following[0]):
-                eq, value = "=", following[0]
-        known = key in known_keys() or key.startswith("hydra.") or (Path(conf_dir) / key).is_dir()  # a group
-        hint = f"did you mean {key}{eq}{value or '...'}?" if known else "config overrides take no dashes"
-        return f"{flag}: not an option (see --help); {hint}"
-    try:
-        overrides = OverridesParser.create().parse_overrides(args.overrides)
-    except HydraException:
-        return None
-    given: dict[str, str] = {}
-    optional = _optional_groups(conf_dir)  # train.yaml read once, not per override
-    for override in overrides:
-        key = override.key_or_group + (f"@{override.package}" if override.package else "")
-        if key in given:
-            return (
-                f"{key} is given twice ({given[key]}, {override.input_line}): only the last would take effect; "
-                "give it once"
-            )
-        given[key] = override.input_line
-        value, group = override.value(), Path(conf_dir) / override.key_or_group
-        if group.is_dir() and override.key_or_group not in optional:
-            options = ", ".join(sorted(p.stem for p in group.glob("*.yaml")))
-            if override.is_delete():  # Hydra accepts it and runs the job with the group's default option
-                return f"{override.input_line}: a config group cannot be removed; pick one of its options: {options}"
-            if value is None or (isinstance(value, str) and value.endswith("_schema")):  # null: Hydra's traceback
-                return f"{override.input_line}: no such option; available: {options}"
-    return None
-
-
-def _optional_groups(conf_dir: str) -> set[str]:
-    """The config groups ``train.yaml``'s defaults list leaves empty (``experiment: null``): null or removed, they
-    mean "none", as by default."""
-    defaults = OmegaConf.to_container(OmegaConf.load(Path(conf_dir) / "train.yaml")).get("defaults", [])
-    return {k for d in defaults if isinstance(d, dict) for k, v in d.items() if v is None}
-
-
-def shared_run_dir_error(argv: list[str], compose: Callable[[list[str]], DictConfig], most: int = 256) -> str | None:
-    """For a ``-m`` sweep: one line when two of its jobs would train in the same ``run_dir`` or save in the same
-    ``checkpoint.dir`` (the later would resume the earlier's checkpoints, or be refused as a finished run with
-    another config; ``keep_last`` would remove the other's), else None.
-
-    The jobs are the overrides' product, as Hydra's basic sweeper makes them; ``compose`` composes one job's
-    config (``recipes.train.compose_config``, the project's ``train.yaml``). Not checked: a sweep of more than
-    ``most`` jobs, one with another primary config (``-cd``/``-cn``/``-cp``), one with ``${now:...}`` in an
-    override (each job resolves it when it starts), and one whose jobs do not compose here (``${hydra:job.num}``,
-    a bad override, ``hydra.sweeper.params``): Hydra runs or reports those itself.
-    """
-    import itertools
-
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    args = _hydra_args(argv)[0]
-    if not args.multirun or args.config_dir or args.config_name or args.config_path:
-        return None
-    if any("${now:" in a for a in args.overrides):
-        return None
-    try:
-        overrides = OverridesParser.create().parse_overrides(args.overrides)
-        choices = [
-            [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
-            if o.is_sweep_override()
-            else [o.input_line]
-            for o in overrides
-        ]
-        jobs = [list(job) for job in itertools.islice(itertools.product(*choices), most + 1)]
-        if len(jobs) > most:
-            return None
-        configs = [compose(job) for job in jobs]
-        places = {key: [str(OmegaConf.select(c, key, throw_on_missing=True)) for c in configs] for key in _PER_JOB}
-        saving = [bool(c.checkpoint.enabled) for c in configs]  # a job that saves nothing shares no checkpoint.dir
-    except Exception:  # noqa: BLE001  (not this check's to report: Hydra does, or runs the sweep)
-        return None
-    for key, (what, example) in _PER_JOB.items():
-        first: dict[Path, int] = {}
-        for num, place in enumerate(places[key]):
-            if key == "checkpoint.dir" and not saving[num]:
-                continue
-            resolved = Path(place).resolve()  # runs/x and ./runs/x are one directory
-            if resolved in first:
-                other = first[resolved]
-                return (
-                    f"-m: jobs {other} ({' '.join(jobs[other]) or 'no overrides'}) and {num} ({' '.join(jobs[num])}) "
-                    f"would both {what} in {key}={place}, the later resuming the earlier's checkpoints; give each job "
-                    f"its own, e.g. '{example}'"
-                )
-            first[resolved] = num
-    return None
-
-
-# what a sweep's jobs must not share: the key, what a job does there, an override that gives each job its own
-_PER_JOB = {
-    "run_dir": ("train", "run_dir=runs/sweep/${hydra:job.num}"),
-    "checkpoint.dir": ("save", "checkpoint.dir=${run_dir}/checkpoints"),
-}
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
-def config_error_line(exc: BaseException, overrides: list[str] = ()) -> str:
-    """One line for an error Hydra or OmegaConf raised while composing the config from ``overrides``.
-
-    An unknown config-group option lists the available ones; an unknown key names the nearest valid key; a value
-    outside an Enum lists the allowed ones; an unparsable override is named.
-    """
-    if isinstance(exc, MissingConfigException) and exc.options is not None and exc.missing_cfg_file:
-        group, _, option = exc.missing_cfg_file.rpartition("/")
-        return f"{group}={option}: no such option; available: {', '.join(exc.options)}"
-    if isinstance(exc, OverrideParseException):
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
-        parser = OverridesParser.create()
-        for override in overrides:
-            try:
-                parser.parse_override(override)
-            except HydraException:  # the parser raises OverrideParseException or, on a syntax error, HydraException
-                return f"{override}: not a valid override ({_first_line(exc)})"
-        return f"bad override: {_first_line(exc)}"
-    ambiguous = re.fullmatch(r"Ambiguous value for argument '(([^=]*)=(.*))'", _first_line(exc))
-    if ambiguous:  # Hydra's next lines say how to read a comma; the one line says it with the user's values
-        override, key, value = ambiguous.groups()
-        keys, leaf = known_keys(), key.lstrip("+~")
-        is_value = leaf in keys and not any(k.startswith(f"{leaf}.") for k in keys)  # not a group (optim=a,b)
-        list_hint = f"; a list is written {key}=[{value}]" if is_value else ""
-        return f"{override}: a comma makes a sweep (add -m){list_hint}"
-    cause = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
-    if isinstance(cause, OmegaConfBaseException):
-        schema = getattr(cause, "object_type", None)  # the node's schema: an optimizer's names only its keys
-        line = omegaconf_error_line(cause, "", known_keys(schema if schema in OPTIM_SCHEMAS.values() else None))
-        key = getattr(cause, "full_key", None)
-        return _another_optimizers(key, schema) or line
-    return _first_line(exc)
-
-
-def _another_optimizers(key: str | None, schema: type | None) -> str | None:
+def another_optimizers_line(key: str | None, schema: type | None) -> str | None:
     """``optim.exp_avg_dtype: not a key of optim=adamw; a key of optim=fused_adam`` when ``key`` is not a key of
     the optimizer schema ``schema`` but another optimizer's (None otherwise)."""
     names = {s: n for n, s in OPTIM_SCHEMAS.items()}
@@ -382,36 +266,3 @@ def _another_optimizers(key: str | None, schema: type | None) -> str | None:
     if schema not in names or key in schema_keys(schema, "optim.") or not others:
         return None
     return f"{key}: not a key of optim={names[schema]}; a key of {' and '.join(f'optim={n}' for n in others)}"
-
-
-LAUNCHES = "launches"  # <run_dir>/launches/: one resolved config per accepted launch
-
-
-def earlier_launches(run_dir: str) -> list[Path]:
-    """The records of the launches accepted so far in ``run_dir`` (:func:`record_config`), oldest first."""
-    folder = Path(run_dir) / LAUNCHES
-    return sorted(folder.glob("*.yaml")) if folder.is_dir() else []
-
-
-def record_config(cfg: DictConfig, run_dir: str, argv: list[str]) -> Path:
-    """Write the resolved config of an accepted launch to ``<run_dir>/launches/<time>-<pid>[-<n>].yaml``.
-
-    A new file per launch, written only after every check passed: a later launch, rejected or not, never
-    overwrites the record of an earlier one, also in the same process and second (``-<n>``: a Hydra sweep's
-    jobs, tests).
-    """
-    import time
-
-    folder = Path(run_dir) / LAUNCHES
-    folder.mkdir(parents=True, exist_ok=True)
-    stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    text = f"# python recipes/train.py {' '.join(argv)}\n" + OmegaConf.to_yaml(cfg)
-    n = 0
-    while True:
-        path = folder / (f"{stem}.yaml" if n == 0 else f"{stem}-{n}.yaml")
-        try:
-            with open(path, "x") as f:  # created here, never an earlier launch's file
-                f.write(text)
-            return path
-        except FileExistsError:
-            n += 1

@@ -1,10 +1,12 @@
-"""Distributed initialisation from the launcher's environment (torchrun, or one process without it)."""
+"""Distributed initialisation from the launcher's environment (torchrun, or one process without it), and the one
+collective for ranks that agree (:func:`all_ranks`)."""
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -150,8 +152,6 @@ def _free_port() -> int:
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
-    if requested not in ("auto", "cpu", "cuda"):
-        raise LaunchError(f"trainer.device={requested!r}: expected auto|cpu|cuda")
     if requested == "cuda" and not torch.cuda.is_available():
         raise LaunchError("trainer.device=cuda but CUDA is not available; use trainer.device=cpu or auto")
     if requested == "cpu" or not torch.cuda.is_available():
@@ -179,3 +179,13 @@ def init_distributed(env: DistEnv, device: torch.device) -> DeviceMesh:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def all_ranks(value: Any, group=None) -> list[Any]:
+    """Every rank's ``value``, by rank (one ``all_gather_object``; none without a group of several ranks): the
+    recipe's one collective for ranks that must agree (a verdict, rank 0's list, every rank's records)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [value]
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values

@@ -14,12 +14,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,37 +24,30 @@ if __package__ in (None, ""):  # run as a script: make `recipes` and `optim_fact
 
 import hydra
 import torch
-import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from torch.distributed.fsdp import fully_shard
 
-from optim_factory.factory import ConfigError, ValidatedOptim, build_optimizer, validate_optim_config
-from recipes.checkpoint import CheckpointError, CheckpointManager, ExportReport, check_checkpoint_config, step_dirs
-from recipes.config import (
-    check_config,
-    check_run_dir,
-    command_line_error,
-    config_error_line,
-    earlier_launches,
-    record_config,
-    register_configs,
-    shared_run_dir_error,
-)
-from recipes.data import DataError, build_data
-from recipes.distributed import LaunchError, init_distributed, pick_device, resolve_dist_env, shutdown
-from recipes.evaluate import check_eval_config, evaluate
+from optim_factory.factory import ConfigError, ValidatedOptim, build_optimizer
+from recipes.checkpoint import CheckpointError, CheckpointManager
+from recipes.checkpoint.resume import log_changes, nothing_to_do
+from recipes.command_line import command_line_error, config_error_line, shared_run_dir_error
+from recipes.config import register_configs
+from recipes.data import DataError
+from recipes.distributed import LaunchError, all_ranks, init_distributed, shutdown
+from recipes.evaluate import evaluate
+from recipes.launches import record_config
+from recipes.logs import FILE_ONLY, MetricsWriter, StepLog, eval_postfix, eval_text, setup_logging
 from recipes.model import build_model
-from recipes.progress import ConsoleHandler, progress_bar
-from recipes.resume import log_changes, nothing_to_do
+from recipes.preflight import preflight, run_dir_refusal
+from recipes.progress import progress_bar
 from recipes.run_lock import RunDirLock
+from recipes.step import TrainStep, shard_model
 from recipes.stop_signal import StopSignal
 
 log = logging.getLogger("recipes.train")
-FILE_ONLY = "file_only"  # a log record's attribute (``extra``): train.log only, not the console
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 EXIT_INTERRUPTED = 130  # a plain run stopped by Ctrl-C, as for any interrupted command
 
@@ -71,191 +60,6 @@ USER_ERRORS = (ConfigError, CheckpointError, DataError, LaunchError, TrainingDiv
 DEFAULT_THREADS = torch.get_num_threads()  # torch's own count in this process (trainer.threads=0)
 
 
-class MetricsWriter:
-    """Appends JSON lines to ``<run_dir>/metrics.jsonl`` (rank 0 only)."""
-
-    def __init__(self, run_dir: str, rank: int):
-        self.path = Path(run_dir) / "metrics.jsonl"
-        self.enabled = rank == 0
-        if self.enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def checkpoint(self, report: ExportReport) -> None:
-        self.write({"kind": "checkpoint", **asdict(report)})
-
-
-_HANDLERS: set[logging.Handler] = set()  # the handlers this module added to the root logger
-
-
-def _setup_logging(rank: int, run_dir: str) -> None:
-    level = logging.INFO if rank == 0 else logging.WARNING
-    root = logging.getLogger()
-    root.setLevel(level)
-    for h in list(root.handlers):
-        if h in _HANDLERS:  # ours from an earlier run in this process; leave others' handlers
-            root.removeHandler(h)
-            h.close()
-    fmt = logging.Formatter(f"[%(asctime)s][rank{rank}][%(name)s][%(levelname)s] %(message)s", "%H:%M:%S")
-    console = ConsoleHandler()
-    console.setFormatter(fmt)
-    console.addFilter(lambda record: not getattr(record, FILE_ONLY, False))
-    _HANDLERS.add(console)
-    root.addHandler(console)
-    if rank == 0:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        fh = logging.FileHandler(Path(run_dir) / "train.log")
-        fh.setFormatter(fmt)
-        _HANDLERS.add(fh)
-        root.addHandler(fh)
-
-
-def lr_factor(step: int, warmup: int, max_steps: int) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine decay to 10% at ``max_steps`` (``step`` is 0-based)."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, max_steps - warmup)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def _set_lr(optimizer: torch.optim.Optimizer, base_lrs: list[float], factor: float) -> float:
-    for group, base in zip(optimizer.param_groups, base_lrs):
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(base * factor)
-        else:
-            group["lr"] = base * factor
-    return base_lrs[0] * factor
-
-
-def _eval_text(ev: dict[str, Any]) -> str:
-    held = "held-out sums" if "accuracy" in ev else "held-out windows"
-    acc = f"accuracy {ev['accuracy']:.3f} " if "accuracy" in ev else ""
-    loss = "answer loss" if "accuracy" in ev else "loss"
-    return f"step {ev['step']}: {acc}{loss} {ev['eval_loss']:.4f} ({ev['eval_examples']} {held}, {ev['eval_s']:.2f} s)"
-
-
-def _eval_postfix(ev: dict[str, Any]) -> dict[str, str]:
-    out = {"eval_loss": f"{ev['eval_loss']:.3f}"}
-    if "accuracy" in ev:
-        out["acc"] = f"{ev['accuracy']:.3f}"
-    return out
-
-
-@dataclass
-class StepResult:
-    """What one training step leaves for the rest of the loop (all on the step's device; nothing synchronised)."""
-
-    loss: torch.Tensor  # this rank's loss
-    nonfinite: torch.Tensor  # this rank's loss or the global gradient norm is NaN/inf (bool scalar)
-    lr: float
-    tokens: int  # tokens of the global batch
-
-
-@dataclass
-class TrainStep:
-    """One optimizer step of the recipe, callable on its own: the training loop and
-    ``benchmarks/probes/bench_recipe_overhead.py`` both run it. Learning-rate schedule, the step's batch, forward,
-    backward, gradient clipping (``grad_clip`` > 0), the non-finite check (no sync), ``optimizer.step()`` and
-    ``zero_grad``; with ``prepare_at`` set, ``optimizer.prepare_state_dict()`` after that step (reused buffers)."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    data: Any
-    device: torch.device
-    rank: int
-    world: int
-    base_lrs: list[float]
-    warmup_steps: int
-    max_steps: int
-    grad_clip: float
-    prepare_at: int | None = None
-    # called right before optimizer.step(): the recipe passes CheckpointManager.wait_export, which waits (timed,
-    # counted in that checkpoint's blocking_s) for an async save's export still being filled in the background
-    before_step: Callable[[], None] | None = None
-
-    def __call__(self, step: int) -> StepResult:
-        lr = _set_lr(self.optimizer, self.base_lrs, lr_factor(step, self.warmup_steps, self.max_steps))
-        inputs, targets = self.data.batch(step, self.rank, self.world)
-        loss = self.model(inputs.to(self.device), targets.to(self.device))
-        loss.backward()
-        nonfinite = ~torch.isfinite(loss.detach())  # this rank's loss; no sync here
-        if self.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            norm = norm.to_local() if hasattr(norm, "to_local") else norm  # replicated: the global norm
-            nonfinite = nonfinite | ~torch.isfinite(norm)
-        if self.before_step is not None:
-            self.before_step()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if step == self.prepare_at and hasattr(self.optimizer, "prepare_state_dict"):
-            # reused export buffers: allocate, touch and pin them in the background now, so that even the
-            # first checkpoint streams at the host link's bandwidth (no-op unless the option is on)
-            self.optimizer.prepare_state_dict()
-        return StepResult(loss, nonfinite, lr, inputs.numel() * self.world)
-
-
-class StepLog:
-    """The loop's per-step bookkeeping: at the first step, every ``log_every`` steps and the last, the loss
-    averaged over ranks (one all-reduce), tokens/s since the last log line, a metrics line, a log line and the
-    progress bar's postfix."""
-
-    def __init__(self, metrics: MetricsWriter, bar, *, world: int, start: int, end: int, max_steps: int, every: int):
-        self.metrics, self.bar, self.world = metrics, bar, world
-        self.start, self.end, self.max_steps, self.every = start, end, max_steps, every
-        self.first_loss: float | None = None
-        self.last_loss: float | None = None
-        self.postfix: dict[str, str] = {}
-        self.tokens_since, self.t_since = 0, time.perf_counter()
-
-    def __call__(self, done: int, result: StepResult) -> None:
-        self.tokens_since += result.tokens
-        if not (done == self.start + 1 or done % self.every == 0 or done == self.end):
-            return
-        value = result.loss.detach().float()
-        if self.world > 1:
-            dist.all_reduce(value)  # SUM: gloo has no AVG
-            value = value / self.world
-        self.last_loss = float(value)
-        self.first_loss = self.last_loss if self.first_loss is None else self.first_loss
-        elapsed = time.perf_counter() - self.t_since
-        tps = self.tokens_since / elapsed if elapsed > 0 else 0.0
-        self.metrics.write(
-            {"kind": "train", "step": done, "loss": self.last_loss, "lr": result.lr, "tokens_per_s": tps}
-        )
-        log.info("step %d/%d loss %.4f lr %.3g tokens/s %.0f", done, self.max_steps, self.last_loss, result.lr, tps)
-        self.postfix["loss"] = f"{self.last_loss:.3f}"
-        self.bar.set_postfix(**self.postfix)
-        self.tokens_since, self.t_since = 0, time.perf_counter()
-
-
-def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """FSDP2: shard every block, then the root (also for one rank)."""
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def check_model_and_trainer(model: DictConfig, trainer: DictConfig) -> None:
-    """The model's and the trainer's numbers, before anything is built (one ConfigError line each)."""
-    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
-        if model[key] < 1:
-            raise ConfigError(f"model.{key}={model[key]}: must be >= 1")
-    if model.d_model % model.n_heads:
-        raise ConfigError(f"model.d_model={model.d_model}: must be divisible by model.n_heads={model.n_heads}")
-    for key, low in (("max_steps", 1), ("log_every", 1), ("warmup_steps", 0), ("threads", 0), ("grad_clip", 0)):
-        if not trainer[key] >= low:  # also refuses NaN
-            raise ConfigError(f"trainer.{key}={trainer[key]}: must be >= {low}")
-    if not 0 <= trainer.stop_at <= trainer.max_steps:  # beyond max_steps it would stop nothing
-        raise ConfigError(
-            f"trainer.stop_at={trainer.stop_at}: must be between 0 (off) and trainer.max_steps={trainer.max_steps}"
-        )
-
-
 def _finish_saves(ckpt: CheckpointManager) -> None:
     """The loop failed: an async save in flight is finished and marked complete where it can be (its state is
     from a finished step), so the failure costs only the steps after it; its own failure is logged."""
@@ -263,28 +67,6 @@ def _finish_saves(ckpt: CheckpointManager) -> None:
         ckpt.close()
     except Exception as exc:  # noqa: BLE001  (the loop's failure is the one raised)
         log.warning("the checkpoint in flight when training failed was not completed: %s", exc)
-
-
-def preflight(cfg: DictConfig):
-    """Every check that needs no heavy work: keys, optimizer config, launcher, device, data, run and checkpoint
-    dirs. Nothing is written before the last check (the checkpoint dir's, which creates it)."""
-    check_config(cfg)
-    optim = validate_optim_config(cfg.optim)
-    if cfg.optim.get("use_decoupled_grad", False):
-        raise ConfigError(
-            "optim.use_decoupled_grad=true: FusedAdam would read param.decoupled_grad, which this recipe's loop "
-            "never sets (it sets .grad): no parameter would be updated"
-        )
-    env = resolve_dist_env(os.environ)
-    device = pick_device(cfg.trainer.device, env.local_rank)
-    data = build_data(cfg.data, cfg.model.vocab_size, env.world_size)
-    check_eval_config(cfg.trainer, data, cfg.model.max_seq_len)
-    if cfg.data.seq_len > cfg.model.max_seq_len:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len}: must be <= model.max_seq_len={cfg.model.max_seq_len}")
-    check_model_and_trainer(cfg.model, cfg.trainer)
-    check_run_dir(cfg.run_dir)
-    check_checkpoint_config(cfg.checkpoint, env.rank)
-    return env, device, data, optim
 
 
 def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointManager) -> dict[str, Any]:
@@ -298,16 +80,16 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
     if cfg.checkpoint.enabled and Path(cfg.checkpoint.dir).resolve() != Path(cfg.run_dir).resolve():
         locks.append(RunDirLock(cfg.checkpoint.dir, "checkpoint.dir"))  # (one lock file, not two, where they meet)
     try:
-        refusal = _run_dir_refusal(cfg, locks) if env.rank == 0 else None
+        refusal = run_dir_refusal(cfg, locks) if env.rank == 0 else None
         # 0: torch's default, set explicitly: an earlier sweep job in this process may have set a count
         torch.set_num_threads(cfg.trainer.threads if cfg.trainer.threads > 0 else DEFAULT_THREADS)
         mesh = init_distributed(env, device)
         try:
-            refusal = _from_rank0(refusal, env.world_size)  # every rank refuses, none waits in a collective
+            refusal = all_ranks(refusal)[0]  # rank 0's: every rank refuses, none waits in a collective
             if refusal is not None:
                 raise ConfigError(refusal)
             record = record_config(cfg, cfg.run_dir, sys.argv[1:]) if env.rank == 0 else None
-            _setup_logging(env.rank, cfg.run_dir)
+            setup_logging(env.rank, cfg.run_dir)
             for lock in locks:
                 if lock.unavailable:
                     log.warning("%s=%s: %s", lock.key, lock.run_dir, lock.unavailable)
@@ -321,61 +103,6 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
     finally:
         for lock in locks:
             lock.release()
-
-
-def _run_dir_refusal(cfg: DictConfig, locks: list[RunDirLock]) -> str | None:
-    """Rank 0's checks of ``run_dir`` against other launches, the lock first (one line, or None; a refusal writes
-    nothing): read by one rank, since this launch's own record (written by rank 0 after them) would refuse a
-    later rank's. Any failure is a line too: the other ranks learn it after the process group is up."""
-    for lock in locks:
-        try:
-            lock.acquire()
-        except ConfigError as exc:
-            return str(exc)
-        except OSError as exc:
-            return f"{lock.key}={lock.run_dir!r}: cannot take its lock ({exc.strerror or exc})"
-    try:
-        earlier = earlier_launches(cfg.run_dir)
-        if not cfg.checkpoint.enabled and earlier:
-            return (
-                f"checkpoint.enabled=false but run_dir={cfg.run_dir!r} holds {len(earlier)} earlier launch(es) "
-                "(launches/): without checkpoints this launch would train from step 0 again, resuming nothing, "
-                "and append a second history to its metrics.jsonl; use another run_dir"
-            )
-        moved = _checkpoints_elsewhere(cfg, earlier)
-        if moved:
-            return moved
-        for lock in locks:
-            lock.note_holder()
-    except OSError as exc:
-        return f"run_dir={cfg.run_dir!r}: cannot read its launches or note this one ({exc.strerror or exc})"
-    return None
-
-
-def _checkpoints_elsewhere(cfg: DictConfig, earlier: list[Path]) -> str | None:
-    """A ``checkpoint.dir`` changed since the last launch in this run_dir, the new one empty and the old one not:
-    ``resume=auto`` would train from step 0 again without a word and append a second history to metrics.jsonl.
-    The refusal, or None."""
-    ckpt = cfg.checkpoint
-    if not (ckpt.enabled and earlier and ckpt.resume == "auto") or step_dirs(Path(ckpt.dir)):
-        return None
-    previous = OmegaConf.load(earlier[-1]).get("checkpoint", {}).get("dir")
-    if not previous or Path(previous).resolve() == Path(ckpt.dir).resolve() or not step_dirs(Path(previous)):
-        return None
-    return (
-        f"checkpoint.dir={ckpt.dir!r} holds no checkpoint, but the last launch in run_dir={cfg.run_dir!r} saved into "
-        f"{previous!r}: this launch would train from step 0 again and append a second history to its metrics.jsonl; "
-        f"keep checkpoint.dir={previous}, pass checkpoint.resume=<one of its step_* folders>, or use another run_dir"
-    )
-
-
-def _from_rank0(value: Any, world: int) -> Any:
-    """Rank 0's ``value`` on every rank (one broadcast; none with one rank)."""
-    if world == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 @contextlib.contextmanager
@@ -478,8 +205,8 @@ def _train(
             if cfg.trainer.eval_every > 0 and (done % cfg.trainer.eval_every == 0 or done == end):
                 last_eval = {"step": done, **evaluate(model, data, rank, world, device)}
                 metrics.write({"kind": "eval", **last_eval})
-                log.info("eval %s", _eval_text(last_eval))
-                step_log.postfix.update(_eval_postfix(last_eval))
+                log.info("eval %s", eval_text(last_eval))
+                step_log.postfix.update(eval_postfix(last_eval))
                 bar.set_postfix(**step_log.postfix)
                 step_log.t_since += last_eval["eval_s"]  # tokens/s counts training time only
             bar.update(1)

@@ -3,13 +3,13 @@
     python -m benchmarks.probes.bench_checksum                       # 1.07 GB state, 3 repeats
     python -m benchmarks.probes.bench_checksum --gb 2 --repeats 5 --dir /some/disk
 
-1. Throughput (GB/s) of XXH3-64 (what recipes/integrity.py uses) and, for comparison, XXH3-128, zlib's crc32
+1. Throughput (GB/s) of XXH3-64 (what recipes/checkpoint/checksums.py uses) and, for comparison, XXH3-128, zlib's crc32
    and adler32, hashlib's blake2b and sha256, over a 256 MiB buffer (best of 3).
 2. ``dcp.save`` of a state dict of FP32 tensors (``--gb`` GB in 64 MiB tensors) into ``--dir`` through DCP's
-   ``FileSystemWriter`` and through :class:`recipes.integrity.ChecksumFileSystemWriter`, alternating, each
+   ``FileSystemWriter`` and through :class:`recipes.checkpoint.checksums.ChecksumFileSystemWriter`, alternating, each
    ``--repeats`` times (files fsynced, as DCP does by default); the median seconds of each and their ratio.
 3. The save-time finite check (:func:`optim_factory.optimizers.export.all_finite`) and a verification read
-   (:func:`recipes.integrity.file_problem` of every file) of the same state, for reference.
+   (:func:`recipes.checkpoint.checksums.file_problem` of every file) of the same state, for reference.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: the repository root
 from optim_factory.optimizers.export import all_finite  # noqa: E402
-from recipes.integrity import ChecksumFileSystemWriter, file_problem  # noqa: E402
+from recipes.checkpoint.checksums import ChecksumFileSystemWriter, file_problem  # noqa: E402
 from scripts import cli_args  # noqa: E402
 
 TENSOR = 64 * 2**20  # bytes per tensor

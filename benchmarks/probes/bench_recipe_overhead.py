@@ -56,17 +56,13 @@ import torch.distributed as dist
 
 from optim_factory.factory import build_optimizer
 from recipes.distributed import init_distributed, shutdown
+from recipes.logs import MetricsWriter, StepLog
 from recipes.model import build_model
+from recipes.preflight import preflight
 from recipes.progress import progress_bar
+from recipes.step import TrainStep, shard_model
 from recipes.stop_signal import StopSignal
-from recipes.train import (
-    MetricsWriter,
-    StepLog,
-    TrainStep,
-    compose_config,
-    preflight,
-    shard_model,
-)
+from recipes.train import compose_config
 from scripts import cli_args
 
 LOOPS = ("bare", "bare+stop", "recipe", "recipe+clip")  # the default

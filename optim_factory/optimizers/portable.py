@@ -9,8 +9,7 @@ DTensor parameters (FSDP2), and its checkpoints interchange with TE's: the expor
 
 Storage, per state name (``exp_avg``, ``exp_avg_sq``, ``master_param``):
 
-* FP32: the tensor itself.
-* BF16: ``bfloat16`` tensor, no scale (round-to-nearest from FP32).
+* FP32: the tensor itself; BF16: a ``bfloat16`` tensor, no scale (round-to-nearest from FP32).
 * FP16: ``float16`` tensor holding ``x / scale`` with ``scale = absmax(x) / (65504 / 2)`` (FP32, per tensor).
 * FP8 (``torch.uint8`` in TE's arguments, ``torch.float8_e4m3fn`` accepted too): E4M3 tensor holding
   ``x / scale`` with ``scale = absmax(x) / 448``, saturated to +-448.
@@ -38,7 +37,8 @@ from optim_factory.optimizers.export import (
     split_bf16_remainder,
     wrap_like,
 )
-from optim_factory.optimizers.rules import PARAM_DTYPES, CheckedParamGroups, check_constructor, own_lr_tensor
+from optim_factory.optimizers.group_rules import PARAM_DTYPES, CheckedParamGroups, own_lr_tensor
+from optim_factory.optimizers.rules import check_constructor
 from optim_factory.optimizers.updates import Update, run_updates
 
 __all__ = ["PortableFusedAdam", "FP8_STORAGE_DTYPE"]

@@ -1,4 +1,5 @@
-"""The constructor rules of FusedAdam, written once: spellings, hyperparameters, state dtypes.
+"""The constructor rules of FusedAdam, written once: spellings, hyperparameters, state dtypes (a parameter
+group's rules, which build on these: optim_factory/optimizers/group_rules.py).
 
 Both optimizers (:class:`optim_factory.PortableFusedAdam` and the TE subclass :class:`optim_factory.FusedAdam`)
 run :func:`check_constructor` (the Adam options and the export options) first thing in ``__init__``; the
@@ -24,7 +25,6 @@ keeps catching it.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import math
 import re
@@ -38,20 +38,16 @@ import torch
 from optim_factory.optimizers.export.options import DEFAULT_CHUNK_BYTES, ExportOptions
 
 __all__ = [
+    "ADAM_ARGUMENTS",
     "OptionError",
     "AdamOptions",
     "parse_dtype",
     "parse_bytes",
     "check_hyperparameters",
-    "check_group",
-    "GROUP_KEYS",
-    "PARAM_DTYPES",
     "check_flags",
     "check_state_dtypes",
     "check_adam_options",
-    "CheckedParamGroups",
-    "check_group_params",
-    "own_lr_tensor",
+    "lookup_dtype",
     "DTYPE_SPELLINGS",
 ]
 
@@ -88,7 +84,8 @@ class OptionError(ValueError, RuntimeError):
         super().__init__(text if text is not None else f"{key}={value!r}: {allowed}")
 
 
-def _lookup(value: Any) -> torch.dtype | None:
+def lookup_dtype(value: Any) -> torch.dtype | None:
+    """The dtype a spelling or a ``torch.dtype`` names (:data:`DTYPE_SPELLINGS`), or None."""
     if isinstance(value, torch.dtype):
         text = str(value)
     elif isinstance(value, str):
@@ -101,7 +98,7 @@ def _lookup(value: Any) -> torch.dtype | None:
 def parse_dtype(value: Any, key: str = "dtype") -> torch.dtype:
     """A dtype spelling (see :data:`DTYPE_SPELLINGS`) or a ``torch.dtype`` -> the dtype TE's FusedAdam takes
     (FP8 -> ``torch.uint8``). Raises :class:`OptionError` naming ``key``."""
-    dtype = _lookup(value)
+    dtype = lookup_dtype(value)
     if dtype is None:
         raise OptionError(key, value, _MOMENT_ALLOWED)
     return dtype
@@ -168,131 +165,6 @@ def check_hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> t
     return lr, (out[0], out[1])
 
 
-# the keys FusedAdam reads from a parameter group (``step`` is its own count; ``param_names`` torch's); any other
-# key is the caller's (an LR scheduler's ``initial_lr``, a tag) and left alone, unless it is one of these misspelled
-GROUP_KEYS = ("params", "param_names", "lr", "betas", "eps", "weight_decay", "bias_correction", "step")
-
-
-def _check_step(step: Any) -> None:
-    """A group's ``step``: a count >= 0 (an int, or the one-element tensor of capturable groups)."""
-    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_complex():
-        count = float(step)
-    elif isinstance(step, int) and not isinstance(step, bool):
-        count = float(step)
-    else:
-        raise OptionError("step", step, "expected the group's step count (an int >= 0)")
-    if not (count >= 0 and count == int(count)):
-        raise OptionError("step", step, "expected the group's step count (an int >= 0)")
-
-
-def check_group(group: dict[str, Any], options: AdamOptions | None = None) -> None:
-    """A parameter group by the constructor's rules: :func:`check_hyperparameters` of its ``lr``, ``betas``, ``eps``
-    and ``weight_decay``; ``bias_correction`` a ``bool``; ``step`` (a loaded group's) a count >= 0; an
-    optimizer-wide option (``adam_w_mode``, ``amsgrad``, ``master_weights`` ...: FusedAdam reads them from its
-    constructor only) only with the optimizer's own value (``options``; torch's AdamW groups carry
-    ``amsgrad=False``, ``capturable=False``); no misspelling of a group key (``weight_decy``, ``bets``: a key no
-    longer than the one it nearly matches; ``weight_decay_mult``, ``lrs`` and other keys of the caller's stay)."""
-    check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-    check_flags(bias_correction=group["bias_correction"])
-    if "step" in group:
-        _check_step(group["step"])
-    for key in group:
-        if key in GROUP_KEYS or not isinstance(key, str):
-            continue
-        if key in _ADAM_ARGUMENTS:
-            mine = None if options is None else getattr(options, key)
-            if group[key] != mine and not (isinstance(mine, torch.dtype) and _lookup(group[key]) == mine):
-                raise OptionError(
-                    key,
-                    group[key],
-                    f"optimizer-wide in FusedAdam ({'unknown' if mine is None else repr(mine)} here): pass it to "
-                    "the constructor, not in a param group",
-                )
-            continue
-        near = [k for k in difflib.get_close_matches(key, GROUP_KEYS, n=3, cutoff=0.8) if len(key) <= len(k)]
-        if near:
-            raise OptionError(key, group[key], f"not a FusedAdam param group key; did you mean {near[0]}?")
-
-
-PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # TE's Float8Tensor reports one of these
-
-
-def check_group_params(group: dict[str, Any], state_dtypes: dict[str, torch.dtype] | None) -> None:
-    """The parameters of a group as FusedAdam's ``step()`` needs them, checked when the group is added (TE 2.20
-    raises in ``step()``, after it has counted the step and made the states; the portable twin after it has updated
-    the earlier parameters): FP32, FP16 or BF16 (FP8 tensors report one of these), not FP16 and BF16 in one group;
-    and, once the state dtypes are known (``state_dtypes``: ``name_to_dtype_map``), no 0-dimensional parameter with
-    FP16 states (their scale has shape [1], which TE 2.20.2's unscaling cannot multiply into a 0-d state on an
-    H200; its FP8 states, Float8Tensors, take 0-d parameters, and so does the portable twin)."""
-    dtypes = set()
-    for i, p in enumerate(group["params"]):
-        # (TE's step() makes every parameter's states, and checks dtypes only where there is a gradient)
-        if p.requires_grad and p.dtype not in PARAM_DTYPES:
-            raise OptionError(
-                "params", p.dtype, "expected fp32, fp16, bf16 (or TE's fp8) parameters",
-                f"parameter {i} has dtype {p.dtype}: FusedAdam updates fp32, fp16, bf16 and fp8 parameters",
-            )  # fmt: skip
-        if p.requires_grad:
-            dtypes.add(p.dtype)
-        scaled = [n for n, d in (state_dtypes or {}).items() if d == torch.float16]
-        if p.dim() == 0 and scaled:  # (with master_weights, TE keeps a master for FP32 parameters too)
-            raise OptionError(
-                "params", tuple(p.shape), "expected a parameter with at least one dimension",
-                f"parameter {i} is 0-dimensional: FusedAdam cannot unscale its FP16 states ({', '.join(scaled)}; "
-                "TE's scale has shape [1]); reshape it to (1,) or keep those states in bf16/fp8/fp32",
-            )  # fmt: skip
-    if {torch.float16, torch.bfloat16} <= dtypes:
-        raise OptionError(
-            "params", "fp16+bf16", "one of fp16 and bf16 per group",
-            "FusedAdam does not support a mix of float16 and bfloat16 model weights (in one param group)",
-        )  # fmt: skip
-
-
-def own_lr_tensor(group: dict[str, Any]) -> None:
-    """A capturable group's ``lr`` as a tensor of its own on its parameters' device. On the CPU ``.to()`` without
-    ``copy=True`` hands every group the defaults' tensor, so an LR scheduler's in-place update of one group would
-    change them all; TE's ``add_param_group`` leaves an added group with the defaults' CPU tensor, which its
-    capturable ``step()`` reads from the GPU: an illegal memory access (H200, TE 2.20.2)."""
-    if group["params"]:
-        lr_value = torch.as_tensor(group["lr"], dtype=torch.float32)
-        group["lr"] = lr_value.to(device=group["params"][0].device, copy=True)
-
-
-class CheckedParamGroups:
-    """Both FusedAdam classes inherit this: every parameter group (the constructor's, and each
-    ``add_param_group``) passes :func:`check_group` and :func:`check_group_params` once torch has filled its
-    defaults; a refused group is not added (a group's ``lr=-0.1`` or ``lr=nan`` would train to NaN, and its
-    checkpoint would then be refused at load, which checks the same rules). The constructors call
-    :meth:`_check_param_groups` once their state dtypes are known (the 0-d rule needs them)."""
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)  # type: ignore[misc]
-        index = len(self.param_groups) - 1  # type: ignore[attr-defined]
-        try:
-            check_group(self.param_groups[-1], getattr(self, "adam_options", None))  # type: ignore[attr-defined]
-            check_group_params(self.param_groups[-1], self._state_dtypes())  # type: ignore[attr-defined]
-        except OptionError as exc:
-            self.param_groups.pop()  # type: ignore[attr-defined]
-            raise OptionError(exc.key, exc.value, exc.allowed, f"param group {index}: {exc}") from None
-        if getattr(self, "capturable", False):  # set after the constructor's groups, which __init__ gives theirs
-            own_lr_tensor(self.param_groups[-1])  # type: ignore[attr-defined]
-
-    def _state_dtypes(self) -> dict[str, torch.dtype] | None:
-        """The dtype of each state this optimizer keeps (``None`` inside the constructor, before they are set)."""
-        dtypes = getattr(self, "name_to_dtype_map", None)
-        if dtypes is None or self.master_weights:  # type: ignore[attr-defined]
-            return dtypes
-        return {name: dtype for name, dtype in dtypes.items() if name != "master_param"}
-
-    def _check_param_groups(self) -> None:
-        """The end of both constructors: :func:`check_group_params` with the state dtypes, for every group."""
-        for index, group in enumerate(self.param_groups):  # type: ignore[attr-defined]
-            try:
-                check_group_params(group, self._state_dtypes())
-            except OptionError as exc:
-                raise OptionError(exc.key, exc.value, exc.allowed, f"param group {index}: {exc}") from None
-
-
 def check_flags(**flags: Any) -> None:
     """Every flag is a ``bool``: ``master_weights="yes"`` or ``1`` is refused instead of read as true."""
     for key, value in flags.items():
@@ -327,19 +199,19 @@ def check_state_dtypes(
     ``store_param_remainders=True`` whether or not an FP32 master makes the remainders real. Remainders without
     an FP32 master have no effect (as in TE): that is a ``UserWarning``, not silence.
     """
-    master = _lookup(master_weight_dtype)
+    master = lookup_dtype(master_weight_dtype)
     if master not in _MASTER_DTYPES:
         raise OptionError(
             "master_weight_dtype",
             master_weight_dtype,
             f"FusedAdam only supports fp32/fp16 master weights; {_MASTER_ALLOWED}",
         )
-    m = _lookup(exp_avg_dtype)
+    m = lookup_dtype(exp_avg_dtype)
     if m not in _MOMENT_DTYPES:
         raise OptionError(
             "exp_avg_dtype", exp_avg_dtype, f"FusedAdam only supports fp32/fp16/bf16/fp8 exp_avg. {_MOMENT_ALLOWED}"
         )
-    v = _lookup(exp_avg_sq_dtype)
+    v = lookup_dtype(exp_avg_sq_dtype)
     if v not in _MOMENT_DTYPES:
         raise OptionError(
             "exp_avg_sq_dtype",
@@ -464,7 +336,7 @@ def check_adam_options(
     )
 
 
-_ADAM_ARGUMENTS = tuple(inspect.signature(check_adam_options).parameters)
+ADAM_ARGUMENTS = tuple(inspect.signature(check_adam_options).parameters)
 
 
 def check_export_effect(export: ExportOptions, exp_avg_dtype: torch.dtype, exp_avg_sq_dtype: torch.dtype) -> None:
@@ -483,7 +355,7 @@ def check_constructor(arguments: dict[str, Any]) -> tuple[AdamOptions, ExportOpt
     """Both FusedAdam constructors' checks, from their arguments (``locals()`` of ``__init__``, whose names are
     TE 2.20's plus the export options): the Adam options (:func:`check_adam_options`) and the frozen
     :class:`ExportOptions` (a ``"64MiB"`` chunk size parsed). Raises :class:`OptionError` or ``ValueError``."""
-    adam = check_adam_options(**{name: arguments[name] for name in _ADAM_ARGUMENTS})
+    adam = check_adam_options(**{name: arguments[name] for name in ADAM_ARGUMENTS})
     export = ExportOptions.from_kwargs(
         arguments["state_dict_cpu_offload"],
         parse_bytes(arguments["state_dict_offload_chunk_bytes"], "state_dict_offload_chunk_bytes"),

@@ -1,11 +1,11 @@
-"""recipes.host_copies.HostCopies on CUDA: pinned buffers, a side stream, reused from one copy to the next."""
+"""recipes.checkpoint.host_copies on CUDA: pinned buffers, a side stream, reused from one copy to the next."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from recipes.host_copies import HostCopies
+from recipes.checkpoint.host_copies import HostCopies
 
 
 @pytest.mark.cuda_only

@@ -16,8 +16,10 @@ import torch
 from omegaconf import OmegaConf
 
 from optim_factory import ConfigError
-from recipes.config import command_line_error, record_config, shared_run_dir_error
-from recipes.train import USER_ERRORS, compose_config, preflight, train
+from recipes.command_line import command_line_error, shared_run_dir_error
+from recipes.launches import record_config
+from recipes.preflight import preflight
+from recipes.train import USER_ERRORS, compose_config, train
 from tests.recipe.runs import QUICK, ROOT, cli, refused, snapshot
 
 CONF = ROOT / "conf"

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from optim_factory import ConfigError
 from recipes.checkpoint import FALLBACK_HINT, MARKER, CheckpointError, is_complete, read_checkpoint, read_manifest
-from recipes.integrity import MANIFEST_DIGEST
+from recipes.checkpoint.checksums import MANIFEST_DIGEST
 from recipes.train import compose_config, train
 from tests.recipe.runs import QUICK, cli, complete_steps, run_cli, snapshot, stopped
 

@@ -1,5 +1,5 @@
 """Resume is explicit (issue 15, item 3; observations 4 and 6): every config change across a resume takes effect
-(hyperparameters), converts exactly (state layout) or is refused in one line (recipes/resume.py's table).
+(hyperparameters), converts exactly (state layout) or is refused in one line (recipes/checkpoint/resume.py's table).
 
 The layout tests compare the loaded optimizer states with the checkpoint's values (read back with
 ``read_checkpoint``), converted as the new config stores them.
@@ -19,12 +19,10 @@ from omegaconf import OmegaConf
 from optim_factory import ConfigError, build_optimizer
 from optim_factory.optimizers.export import join_bf16_remainder, local_tensor, split_bf16_remainder
 from recipes.checkpoint import CheckpointError, CheckpointManager, read_checkpoint
-from recipes.distributed import DistEnv, init_distributed, shutdown
-from recipes.integrity import MANIFEST_DIGEST
-from recipes.model import build_model
-from recipes.resume import (
+from recipes.checkpoint.checksums import MANIFEST_DIGEST
+from recipes.checkpoint.load import HYPERPARAMETERS
+from recipes.checkpoint.resume import (
     CONVERTED,
-    HYPERPARAMETERS,
     IGNORED,
     RESUME_RULES,
     T_HYPER_LOG,
@@ -32,6 +30,8 @@ from recipes.resume import (
     markdown_table,
     rule_for,
 )
+from recipes.distributed import DistEnv, init_distributed, shutdown
+from recipes.model import build_model
 from recipes.train import compose_config, shard_model, train
 from tests.recipe.runs import QUICK, ROOT, metrics, snapshot
 
@@ -306,9 +306,9 @@ def test_hyperparameters_follow_the_config(save, tmp_path, resume_live):
 
 def test_hyperparameter_changes_are_logged_and_recorded(save, tmp_path, caplog):
     save(tmp_path)
-    with caplog.at_level(logging.INFO, logger="recipes.resume"):
+    with caplog.at_level(logging.INFO, logger="recipes.checkpoint.resume"):
         train(compose_config([*QUICK, f"run_dir={tmp_path}", "optim.weight_decay=0", "trainer.max_steps=12"]))
-    lines = [r.getMessage() for r in caplog.records if r.name == "recipes.resume"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "recipes.checkpoint.resume"]
     assert "resume: optim.weight_decay 0.1 -> 0.0 (from the config)" in lines, lines
     assert "resume: trainer.max_steps 20 -> 12 (from the config)" in lines, lines
     recs = [r for r in metrics(tmp_path) if r["kind"] == "resume"]
@@ -353,7 +353,7 @@ def test_a_finished_run_started_with_another_optimizer_config_is_refused(tmp_pat
     assert (tmp_path / "metrics.jsonl").read_text() == metrics
     assert sorted((tmp_path / "launches").iterdir()) == launches  # the refused launch's record is gone
     assert (tmp_path / "train.log").read_text().splitlines()[-1].endswith(f"[recipes.train][ERROR] {line}")
-    assert not [r for r in caplog.records if r.name == "recipes.resume"]  # no change logged as if applied
+    assert not [r for r in caplog.records if r.name == "recipes.checkpoint.resume"]  # no change logged as if applied
     assert "no step is left" not in capsys.readouterr().err  # the console gets the line once, from main()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="recipes.train"):
@@ -393,7 +393,7 @@ def test_checkpoint_without_a_config_resumes_with_a_warning(save, tmp_path, resu
     manifest = json.loads(marker.read_text())
     del manifest["config"], manifest[MANIFEST_DIGEST]  # as written before either was recorded
     marker.write_text(json.dumps(manifest))
-    with caplog.at_level(logging.WARNING, logger="recipes.resume"):
+    with caplog.at_level(logging.WARNING, logger="recipes.checkpoint.resume"):
         _, _, _, ckpt = resume_live(tmp_path, "optim.eps=1e-3")
     assert ckpt.resume_changes == []
     assert any("has no config in its manifest" in r.getMessage() for r in caplog.records)

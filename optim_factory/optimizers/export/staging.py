@@ -25,15 +25,8 @@ from optim_factory.optimizers.export.host_memory import (
 )
 
 __all__ = [
-    "STAGING_SLOTS",
-    "SLOT_BYTES",
-    "MIN_SLICE_BYTES",
-    "MAX_UNSTAGE_THREADS",
-    "unstage_threads",
-    "split_bytes",
-    "fault_pieces",
-    "UnstageWorkers",
-    "Stager",
+    *("STAGING_SLOTS", "SLOT_BYTES", "MIN_SLICE_BYTES", "MAX_UNSTAGE_THREADS"),
+    *("unstage_threads", "split_bytes", "fault_pieces", "UnstageWorkers", "Stager"),
 ]
 
 STAGING_SLOTS = 4  # staging buffers in the ring

@@ -1,5 +1,6 @@
-"""Host copies of what an async checkpoint saves besides the optimizer's export buffers (the model state), into
-buffers kept from one save to the next. See docs/design.md, "Checkpoints".
+"""The one host copy of a nested state dict: what an async checkpoint saves besides the optimizer's export buffers
+(the model state), into buffers kept from one save to the next, and the template a load reads into (a fresh
+instance per load). See docs/design.md, "Checkpoints".
 
 CUDA tensors are copied into pinned buffers on a side stream: the copy runs at the link's bandwidth, neither
 blocks the caller nor queues behind or ahead of the caller's kernels, and a fresh pageable copy (page faults,
@@ -16,12 +17,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from optim_factory.optimizers.export import local_tensor, wrap_host_local
+from recipes.checkpoint.tree import map_leaves
 
 __all__ = ["HostCopies"]
 
 
 class HostCopies:
-    """Reusable host buffers for nested state dicts; one per checkpoint manager.
+    """Reusable host buffers for nested state dicts; one per checkpoint manager's saves.
 
     A buffer is keyed by the tensor's place in the dict, shape and dtype. :meth:`copy` overwrites the buffers of
     the previous copy, so the caller must not copy again before what it staged last is written (the checkpoint
@@ -39,7 +41,13 @@ class HostCopies:
         local tensor. The copies are only guaranteed complete once the returned function has returned."""
         events: dict[torch.device, Any] = {}
         sources: list[torch.Tensor] = []
-        staged = self._copy(obj, keep, (), events, sources)
+
+        def one(path: tuple, leaf: Any) -> Any:
+            if not isinstance(leaf, torch.Tensor) or (keep is not None and keep(leaf)):
+                return leaf
+            return self._tensor(leaf, path, events, sources)
+
+        staged = map_leaves(one, obj)
         done = [self._streams[device].record_event() for device in events]
 
         def wait() -> None:
@@ -48,15 +56,6 @@ class HostCopies:
             sources.clear()  # the sources stay referenced (never freed and reused) until their copies are done
 
         return staged, wait
-
-    def _copy(self, obj: Any, keep, path: tuple, events: dict, sources: list) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return obj if keep is not None and keep(obj) else self._tensor(obj, path, events, sources)
-        if isinstance(obj, dict):
-            return {k: self._copy(v, keep, (*path, k), events, sources) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [self._copy(v, keep, (*path, i), events, sources) for i, v in enumerate(obj)]
-        return obj
 
     def _tensor(self, tensor: torch.Tensor, path: tuple, events: dict, sources: list) -> torch.Tensor:
         local = local_tensor(tensor).detach()

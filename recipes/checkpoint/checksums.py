@@ -1,10 +1,10 @@
-"""Checkpoint integrity: checksums of every file recorded while DCP writes it, checked again before a load.
+"""Checksums of every checkpoint file, recorded while DCP writes it, checked again before a load.
 
 :class:`ChecksumFileSystemWriter` is DCP's ``FileSystemWriter`` with a file system whose write streams run a
 64-bit XXH3 hash over every byte on its way to the file (bytes already in memory: the file is never read back),
 so a save costs one extra pass over data that is hot in cache (measured on one core: XXH3 6.5-9.3 GB/s; zlib.crc32
 1-1.7 GB/s, too slow: docs/reliability.md). Each rank's writer knows the size and hash of the files
-it wrote (rank 0 also of ``.metadata``); :class:`recipes.checkpoint.CheckpointManager` gathers them into the
+it wrote (rank 0 also of ``.metadata``); the checkpoint manager (recipes/checkpoint/save.py) gathers them into the
 checkpoint's manifest. :func:`file_problem` reads a file back and says what is wrong with it, if anything.
 
 Only public DCP classes are subclassed (``FileSystemWriter``, ``FileSystem``): the writer's ``fs`` attribute,
@@ -159,18 +159,6 @@ def file_problem(directory: Path, name: str, record: dict[str, Any]) -> str | No
     if digest != record.get(ALGORITHM):
         return f"{name}: checksum mismatch ({ALGORITHM} {digest}, {record.get(ALGORITHM)} recorded)"
     return None
-
-
-def local_tensors(obj: Any):
-    """Every tensor in a nested state dict (the local shard of a DTensor), depth first."""
-    if isinstance(obj, torch.Tensor):
-        yield obj.to_local() if hasattr(obj, "to_local") else obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from local_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from local_tensors(v)
 
 
 def _manifest_digest(manifest: dict[str, Any]) -> str:

@@ -13,11 +13,8 @@ resumes (the resolved config is in the checkpoint's manifest) is
 
 Keys of no row follow the config and are logged like ``config`` rows (e.g. ``trainer.max_steps``, ``data.*``).
 
-The checkpoint manager calls :func:`check_config` before a load, :func:`align_template` on the state dict DCP
-loads into (so that DCP never casts a saved tensor to another dtype on its own: it would truncate an FP32
-master into int16 remainders), :func:`finish_masters` after DCP's read, and :func:`capture_hyperparameters` /
-:func:`restore_hyperparameters` around ``set_state_dict`` (DCP's flattened optimizer state restores each
-group's values from the checkpoint's value for the group's first parameter).
+The load (recipes/checkpoint/load.py) calls :func:`check_config` before it reads anything; the conversions are
+its own (the masters DCP cannot convert, the hyperparameters put back after ``set_state_dict``).
 """
 
 from __future__ import annotations
@@ -29,12 +26,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor
-
-from optim_factory.optimizers.export import join_bf16_remainder, local_tensor, split_bf16_remainder, wrap_host_local
-from recipes.checkpoint import CheckpointError, read_manifest
+from recipes.checkpoint.layout import CheckpointError, read_manifest
+from recipes.checkpoint.tree import leaves
 
 log = logging.getLogger(__name__)
 
@@ -154,14 +147,9 @@ def rule_for(key: str) -> Rule | None:
     return next((r for r in RESUME_RULES if fnmatch.fnmatchcase(key, r.pattern)), None)
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+def _flatten(tree: Any) -> dict[str, Any]:
     """Dotted keys; Enum choices as their values (as the manifest's JSON stores them)."""
-    if not isinstance(tree, dict):
-        return {prefix[:-1]: tree.value if isinstance(tree, Enum) else tree}
-    flat: dict[str, Any] = {}
-    for k, v in tree.items():
-        flat.update(_flatten(v, f"{prefix}{k}."))
-    return flat
+    return {".".join(keys): v.value if isinstance(v, Enum) else v for keys, v in leaves(tree, dicts_only=True)}
 
 
 def compare(saved: dict[str, Any], run: dict[str, Any]) -> list[Change]:
@@ -203,121 +191,6 @@ def check_config(path: Path, run_config: dict[str, Any] | None) -> list[Change]:
             "run_dir to train with it"
         )
     return changes
-
-
-@dataclass(frozen=True)
-class MasterFixup:
-    """A master whose saved form the optimizer cannot convert on its own (it sees the parameter before DCP's
-    ``set_state_dict`` loads the model): ``missing`` (master weights turned on) or ``join`` (int16 remainders
-    saved, a full master wanted)."""
-
-    tree: dict  # the template dict that holds it
-    key: str
-    fqn: str  # the parameter's name: its key in the model state dict
-    kind: str  # "missing" | "join" | "split"
-
-
-_STATE, _MASTER = "optim.state.", ".master_param"
-
-
-def align_template(state: dict[str, Any], path: Path) -> list[MasterFixup]:
-    """Make the (host) state dict DCP loads ``path`` into match what the checkpoint holds, in place.
-
-    A tensor saved with another dtype gets an empty template of the *saved* dtype, so DCP reads it unchanged and
-    the optimizer's ``load_state_dict`` converts it (FP32 master -> int16 remainders, BF16 <-> FP32 moments ...):
-    DCP itself would ``copy_`` it into the template's dtype (an FP32 master into int16: truncated garbage). A
-    ``master_param`` the checkpoint lacks (master weights turned on) is taken out of what DCP reads. Both, and
-    saved int16 remainders where a full master is wanted, are returned for :func:`finish_masters`. Any other
-    tensor the checkpoint lacks is one ``CheckpointError`` line naming the key.
-    """
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    fixups: list[MasterFixup] = []
-
-    def walk(tree: dict, prefix: str) -> None:
-        for k in list(tree):
-            key, value = f"{prefix}{k}", tree[k]
-            if isinstance(value, dict):
-                walk(value, f"{key}.")
-                continue
-            if not isinstance(value, torch.Tensor):
-                continue
-            is_master = key.startswith(_STATE) and key.endswith(_MASTER)
-            fqn = key[len(_STATE) : -len(_MASTER)] if is_master else ""
-            meta = saved.get(key)
-            if meta is None:
-                if not is_master:
-                    raise CheckpointError(  # DCP's own wording, in one line, before it reads anything
-                        f"checkpoint {path} cannot be loaded into this run: Missing key in checkpoint state_dict: {key}"
-                    )
-                fixups.append(MasterFixup(tree, k, fqn, "missing"))
-                del tree[k]
-                continue
-            dtype = getattr(getattr(meta, "properties", None), "dtype", None)
-            if dtype is not None and dtype != value.dtype:
-                if is_master and dtype == torch.int16:
-                    fixups.append(MasterFixup(tree, k, fqn, "join"))
-                elif is_master and value.dtype == torch.int16:  # an FP32 master saved, int16 remainders wanted
-                    fixups.append(MasterFixup(tree, k, fqn, "split"))
-                local = torch.empty(local_tensor(value).shape, dtype=dtype)
-                tree[k] = wrap_host_local(local, value) if isinstance(value, DTensor) else local
-
-    walk(state, "")
-    return fixups
-
-
-def finish_masters(state: dict[str, Any], fixups: list[MasterFixup]) -> None:
-    """After DCP's read: each master of ``fixups`` as the full FP32 master, from the *loaded* parameter (exact):
-    a missing master is the parameter widened; int16 remainders are joined with it. The optimizer's load then
-    converts it as it converts any saved FP32 master (to an FP16 master ...). ``split``: a saved FP32 master where
-    int16 remainders are wanted becomes the parameter (the master rounded as the remainder kernels round, which
-    differs from a plain BF16 rounding at ties) and the remainders, so that the two rejoin the saved master
-    exactly (the model is loaded after the optimizer, so the parameter is set here, in what the model loads)."""
-    for f in fixups:
-        param = state["model"][f.fqn]
-        local = local_tensor(param)
-        if f.kind == "split":
-            master = local_tensor(f.tree[f.key]).float()
-            remainders = torch.empty(master.shape, dtype=torch.int16)
-            split_bf16_remainder(master, local, remainders)  # writes the rounded parameter into the model's tree
-            f.tree[f.key] = wrap_host_local(remainders, param) if isinstance(param, DTensor) else remainders
-            continue
-        if f.kind == "join":
-            value = join_bf16_remainder(local, local_tensor(f.tree[f.key]))
-        else:
-            value = local.float()
-        f.tree[f.key] = wrap_host_local(value, param) if isinstance(param, DTensor) else value
-
-
-# the group values the config sets (DCP's load puts the checkpoint's back; restore_hyperparameters undoes that):
-# FusedAdam's, and AdamW's foreach (without it in this list the checkpoint's value stays)
-HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "foreach")
-
-
-def capture_hyperparameters(optimizer: torch.optim.Optimizer) -> list[tuple[list, dict[str, Any]]]:
-    """Each group's parameters and hyperparameters as the config built them (before a load replaces them)."""
-    return [
-        (
-            list(g["params"]),
-            {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k in HYPERPARAMETERS},
-        )
-        for g in optimizer.param_groups
-    ]
-
-
-def restore_hyperparameters(optimizer: torch.optim.Optimizer, captured: list[tuple[list, dict[str, Any]]]) -> None:
-    """Put the config's hyperparameters back into each group (after a load); the groups keep their parameters."""
-    if len(captured) != len(optimizer.param_groups):
-        raise CheckpointError(
-            f"the load changed the optimizer's groups ({len(captured)} -> {len(optimizer.param_groups)})"
-        )
-    for group, (params, values) in zip(optimizer.param_groups, captured):
-        if [id(p) for p in group["params"]] != [id(p) for p in params]:
-            raise CheckpointError("the load changed the parameters of an optimizer group")
-        for k, v in values.items():
-            if isinstance(v, torch.Tensor) and isinstance(group.get(k), torch.Tensor):
-                group[k].copy_(v)
-            else:
-                group[k] = v
 
 
 def log_changes(changes: list[Change]) -> None:

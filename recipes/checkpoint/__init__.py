@@ -1,0 +1,62 @@
+"""The recipe's checkpoints: DCP checkpoints of model + optimizer + trainer state, with export reports.
+
+Layout of ``checkpoint.dir``::
+
+    step_00000100/            one DCP checkpoint (``.metadata`` + ``__<rank>_<n>.distcp`` files)
+        COMPLETE.json         the manifest, written by rank 0 (atomically) only after DCP finished the save (sync
+                              or async): the export report, the size and XXH3-64 hash of every file (recorded while it
+                              was written, see checksums.py) and the resolved run config
+    step_00000200/ ...
+    step_00000150.damaged/    a checkpoint that failed verification, set aside (counted by neither resume nor keep_last)
+
+A checkpoint is *complete* when it has both ``.metadata`` and ``COMPLETE.json``. Resume (``auto``) picks the
+newest complete one; incomplete directories are reported and never loaded. ``keep_last`` deletes only older
+complete checkpoints, and never the newest verified one (the last saved or loaded).
+
+The modules, one job each (none imports a module that imports it):
+
+- ``tree.py``: the one walker over nested state dicts; ``checksums.py``: the checksumming writer and the file check;
+- ``layout.py``: step directories, the manifest, retention, the set-aside of a damaged checkpoint (no collectives);
+- ``resume.py``: what a resume does with each config key that differs from the checkpoint's (a pure table);
+- ``host_copies.py``: host copies of a nested state dict (the save's staging and the load's template);
+- ``stager.py``: the async save's stager; ``report.py``: what a save cost;
+- ``save.py`` and ``load.py``: the two halves of :class:`CheckpointManager` (``manager.py``).
+"""
+
+from recipes.checkpoint.layout import (
+    FALLBACK_HINT,
+    MARKER,
+    METADATA,
+    STEP_DIR,
+    CheckpointError,
+    DamagedCheckpoint,
+    disk_full,
+    is_complete,
+    read_checkpoint,
+    read_manifest,
+    step_dirs,
+)
+from recipes.checkpoint.manager import CheckpointManager
+from recipes.checkpoint.report import ExportReport
+from recipes.checkpoint.save import SAVE_PHASES
+from recipes.checkpoint.stager import ExportBufferStager
+from recipes.checkpoint.tree import state_bytes
+
+__all__ = [
+    "FALLBACK_HINT",
+    "MARKER",
+    "METADATA",
+    "SAVE_PHASES",
+    "STEP_DIR",
+    "CheckpointError",
+    "CheckpointManager",
+    "DamagedCheckpoint",
+    "ExportBufferStager",
+    "ExportReport",
+    "disk_full",
+    "is_complete",
+    "read_checkpoint",
+    "read_manifest",
+    "state_bytes",
+    "step_dirs",
+]

@@ -1,0 +1,158 @@
+"""A checkpoint directory on disk: its layout, its manifest, discovery and retention (no collectives: every
+module of the recipe may import it).
+
+``checkpoint.dir`` holds one ``step_<8 digits>/`` directory per checkpoint: DCP's ``.metadata`` and
+``__<rank>_<n>.distcp`` files and ``COMPLETE.json``, the manifest rank 0 writes (atomically) once DCP finished the
+save. A checkpoint is *complete* when it has both. A checkpoint that failed verification is renamed
+``<name>.damaged`` (:func:`set_aside`): neither discovery nor retention counts it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from optim_factory.errors import first_line
+from recipes.checkpoint.checksums import manifest_problem
+from recipes.checkpoint.tree import leaves
+
+log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the package
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+MARKER = "COMPLETE.json"
+METADATA = ".metadata"
+FALLBACK_HINT = "checkpoint.fallback=true resumes from the newest checkpoint that verifies"
+DCP_ERRORS = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint problem, in one line naming the checkpoint (or key) and what is wrong."""
+
+    older_may_load = True  # with checkpoint.fallback, an older checkpoint is tried (not for a refused config)
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose files or manifest fail verification: bytes on disk, not the environment, are wrong."""
+
+
+def one_line(exc: BaseException) -> str:
+    """A short description of ``exc``; for DCP's per-rank failures, the first rank's own error."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = sorted(failures.items(), key=lambda kv: kv[0])[0]
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            inner = inner[0]  # (exception, traceback)
+        return f"rank {rank}: {one_line(inner) if isinstance(inner, BaseException) else str(inner)[:300]}"
+    return f"{type(exc).__name__}: {first_line(exc, '')[:300]}"
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every ``step_*`` directory in ``root``, by step (none if ``root`` does not exist)."""
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
+
+
+def is_complete(path: Path) -> bool:
+    return (path / METADATA).is_file() and (path / MARKER).is_file()
+
+
+def complete(root: Path) -> list[tuple[int, Path]]:
+    return [(s, p) for s, p in step_dirs(root) if is_complete(p)]
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest (``COMPLETE.json``) of checkpoint ``path``: step, export report, ``files`` (name -> size and
+    hash; absent in checkpoints written before checksums were recorded) and ``config`` (the resolved run
+    config). A missing or unreadable manifest is a one-line CheckpointError."""
+    marker = Path(path) / MARKER
+    try:
+        manifest = json.loads(marker.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {path}: no {MARKER} (its save did not finish, or it was not written by this recipe); "
+            f"{FALLBACK_HINT}"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {MARKER} is unreadable ({one_line(exc)}); {FALLBACK_HINT}") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"checkpoint {path}: {MARKER} is not a JSON object; {FALLBACK_HINT}")
+    problem = manifest_problem(manifest)
+    if problem:
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: {MARKER}: {problem}; {FALLBACK_HINT}")
+    return manifest
+
+
+def read_checkpoint(path: Path, scratch: Path) -> dict[str, Any]:
+    """A checkpoint's contents as one flat ``{"model.<fqn>": tensor, "optim...": ..., "trainer.step": ...}``
+    dictionary, read on CPU without a process group (through a ``torch.save`` file written into ``scratch``)."""
+    target = Path(scratch) / f"{Path(path).parent.parent.name}-{Path(path).name}.pt"
+    dcp_to_torch_save(str(path), str(target))
+    tree = torch.load(target, weights_only=False)
+    return {".".join(map(str, keys)): v for keys, v in leaves(tree, dicts_only=True)}
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether a failed write ran out of space: ``ENOSPC`` anywhere in its chain or DCP's per-rank failures, or
+    the text torch's file writer gives a short write (``unexpected pos``)."""
+    seen: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e in seen:
+            continue
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    text = " ".join(str(e) for e in seen)
+    return "No space left on device" in text or "unexpected pos" in text
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes of the file system that holds ``path`` (or its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def retain(root: Path, keep_last: int, verified: Path | None) -> None:
+    """``keep_last``: delete the complete checkpoints older than the newest ``keep_last`` (0 keeps all), never
+    ``verified`` (the newest known good: the last saved or loaded)."""
+    if keep_last <= 0:
+        return
+    done = complete(root)
+    for step, path in done[: max(0, len(done) - keep_last)]:
+        if verified is not None and path.resolve() == verified.resolve():
+            log.info("keep_last=%d: keeping %s, the newest verified checkpoint", keep_last, path)
+            continue
+        log.info("keep_last=%d: deleting checkpoint %s (step %d)", keep_last, path, step)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def set_aside(path: Path) -> None:
+    """Rename a checkpoint that failed verification to ``<name>.damaged`` (``.damaged.<n>`` if taken), out of
+    discovery and retention, so that it never takes a good checkpoint's ``keep_last`` place; kept for
+    inspection, said in one line."""
+    aside, n = path.with_name(f"{path.name}.damaged"), 1
+    while aside.exists():
+        aside, n = path.with_name(f"{path.name}.damaged.{n}"), n + 1
+    try:
+        path.rename(aside)
+    except OSError as exc:
+        log.warning("could not set aside the damaged checkpoint %s: %s", path, one_line(exc))
+        return
+    log.warning("set aside the damaged checkpoint %s as %s: neither resume nor keep_last counts it", path, aside.name)

@@ -1,0 +1,267 @@
+"""The load of a checkpoint: the candidates (``checkpoint.resume``, with ``checkpoint.fallback`` the older ones),
+the config check (recipes/checkpoint/resume.py), verification against the manifest, DCP's read into host copies,
+the masters DCP cannot convert, and the config's hyperparameters put back (docs/reliability.md, "Resume").
+
+A load first verifies every file of the manifest (present, recorded size, recorded hash; the ranks share the files
+to read) and refuses a damaged checkpoint in one line, before anything is read into the model or optimizer; only a
+complete read is set into the live model and optimizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import operator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from optim_factory.optimizers.export import join_bf16_remainder, local_tensor, split_bf16_remainder, wrap_host_local
+from recipes.checkpoint import resume
+from recipes.checkpoint.checksums import file_problem
+from recipes.checkpoint.host_copies import HostCopies
+from recipes.checkpoint.layout import (
+    DCP_ERRORS,
+    FALLBACK_HINT,
+    MARKER,
+    STEP_DIR,
+    CheckpointError,
+    DamagedCheckpoint,
+    complete,
+    is_complete,
+    one_line,
+    read_manifest,
+    set_aside,
+    step_dirs,
+)
+from recipes.checkpoint.tree import leaves
+from recipes.distributed import all_ranks
+
+log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the package
+
+
+class Loads:
+    """The load half of :class:`recipes.checkpoint.manager.CheckpointManager` (its attributes are set there)."""
+
+    def resume_candidates(self) -> list[Path]:
+        """Checkpoints to try, newest first, per ``checkpoint.resume`` (empty: start fresh)."""
+        if not self.cfg.enabled or self.cfg.resume == "never":
+            return []
+        if self.cfg.resume != "auto":
+            return [Path(self.cfg.resume)]
+        for step, path in [(s, p) for s, p in step_dirs(self.root) if not is_complete(p)]:
+            log.warning("ignoring incomplete checkpoint %s (step %d): its save did not finish", path, step)
+        return [p for _, p in reversed(complete(self.root))]
+
+    def resume(self, model, optimizer, trainer_state: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
+        """Load the newest loadable checkpoint; with ``checkpoint.fallback``, older ones after a failure.
+
+        Returns (path, trainer state) or None when there is nothing to resume. A checkpoint that fails to load
+        raises CheckpointError (or, with fallback, is logged and skipped); the live model and optimizer are
+        only written once a checkpoint has been read completely. Once an older checkpoint has loaded, the
+        skipped ones that failed verification are set aside (``layout.set_aside``, by rank 0); a resume that
+        fails changes nothing on disk.
+        """
+        candidates = self.resume_candidates()
+        damaged: list[Path] = []
+        for i, path in enumerate(candidates):
+            try:
+                state = self.load(path, model, optimizer, trainer_state)
+            except CheckpointError as exc:
+                if not exc.older_may_load or not (self.cfg.fallback and i + 1 < len(candidates)):
+                    if exc.older_may_load and self.cfg.fallback:  # the hint's advice is taken: say why it did not help
+                        why = (
+                            "checkpoint.fallback applies to resume=auto, not to a given path"
+                            if self.cfg.resume != "auto"
+                            else "no older complete checkpoint is left to fall back to"
+                        )
+                        raise CheckpointError(str(exc).replace(FALLBACK_HINT, why)) from exc
+                    raise
+                why = str(exc).replace(f"; {FALLBACK_HINT}", "")  # the hint is being followed
+                log.warning("%s; checkpoint.fallback=true: trying the older %s", why, candidates[i + 1])
+                if isinstance(exc, DamagedCheckpoint):
+                    damaged.append(path)
+                continue
+            if self.rank == 0:  # no collective: every rank saw the same verdict (verification shares it)
+                for bad in damaged:
+                    set_aside(bad)
+            return path, state
+        return None
+
+    def load(self, path: Path, model, optimizer, trainer_state: dict[str, Any]) -> dict[str, Any]:
+        """Load ``path`` into model, optimizer and a copy of ``trainer_state``; return the loaded trainer state.
+
+        A config change that ``recipes.checkpoint.resume.RESUME_RULES`` refuses raises first (one line); the
+        checkpoint is then verified (:meth:`verify`). DCP reads into host copies of the state dicts; only a
+        complete read is set into the live model and optimizer, so a damaged or mismatched checkpoint leaves them
+        untouched.
+        """
+        changes = resume.check_config(path, self.run_config)  # a refused change: one line, nothing read yet
+        self.verify(path)
+        msd, osd = get_state_dict(model, optimizer, options=self.options)
+        copies = HostCopies()  # DCP reads into these; the live state is written only after a complete read
+        state, copied = copies.copy({"model": msd, "optim": osd, "trainer": dict(trainer_state)})
+        copied()
+        del msd, osd
+        masters = align_template(state, path)  # saved dtypes: DCP never casts, the optimizer does
+        hyperparameters = capture_hyperparameters(optimizer)
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except DCP_ERRORS as exc:  # DCP's errors are long: name the checkpoint and the first rank's error
+            raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {one_line(exc)}") from exc
+        finish_masters(state, masters)  # from the loaded parameters
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=self.options
+        )
+        restore_hyperparameters(optimizer, hyperparameters)  # the config's, not the checkpoint's
+        self.resume_changes = changes  # logged by the caller once it accepts them (resume.log_changes)
+        self.verified = Path(path)
+        return state["trainer"]
+
+    def verify(self, path: Path) -> None:
+        """Check ``path`` against its manifest: every file present, with the recorded size and hash.
+
+        The files (sorted by name) are dealt out to the ranks round-robin, so each byte is read once by one
+        rank whatever the world size (the checkpoint's files do not depend on it); the verdicts are shared
+        (one collective), so all ranks raise the same CheckpointError or none does. A checkpoint
+        written before checksums were recorded (no ``files`` in its manifest) is loaded with a warning.
+        """
+        manifest = read_manifest(path)
+        files = manifest.get("files")
+        problem = None
+        named = STEP_DIR.match(Path(path).name)
+        if named is not None and int(named.group(1)) != manifest.get("step"):
+            # renamed: resume=auto and keep_last go by the name, the run by the manifest's step
+            problem = f"its name says step {int(named.group(1))}, its {MARKER} step {manifest.get('step')} (renamed?)"
+        elif files is None:
+            if self.rank == 0:
+                log.warning(
+                    "checkpoint %s has no checksums (written before they were recorded): loading it unverified", path
+                )
+        else:
+            for name in sorted(files)[self.rank :: self.world]:
+                try:
+                    problem = file_problem(Path(path), name, files[name])
+                except OSError as exc:
+                    problem = f"{name}: unreadable ({exc.strerror or exc})"
+                if problem:
+                    break
+        problem = next((v for v in all_ranks(problem) if v), None)
+        if problem:
+            raise DamagedCheckpoint(f"checkpoint {path} is damaged: {problem}; {FALLBACK_HINT}")
+
+
+@dataclass(frozen=True)
+class MasterFixup:
+    """A master whose saved form the optimizer cannot convert on its own (it sees the parameter before DCP's
+    ``set_state_dict`` loads the model): ``missing`` (master weights turned on) or ``join`` (int16 remainders
+    saved, a full master wanted)."""
+
+    tree: dict  # the template dict that holds it
+    key: str
+    fqn: str  # the parameter's name: its key in the model state dict
+    kind: str  # "missing" | "join" | "split"
+
+
+_STATE, _MASTER = "optim.state.", ".master_param"
+
+
+def align_template(state: dict[str, Any], path: Path) -> list[MasterFixup]:
+    """Make the (host) state dict DCP loads ``path`` into match what the checkpoint holds, in place.
+
+    A tensor saved with another dtype gets an empty template of the *saved* dtype, so DCP reads it unchanged and
+    the optimizer's ``load_state_dict`` converts it (FP32 master -> int16 remainders, BF16 <-> FP32 moments ...):
+    DCP itself would ``copy_`` it into the template's dtype (an FP32 master into int16: truncated garbage). A
+    ``master_param`` the checkpoint lacks (master weights turned on) is taken out of what DCP reads. Both, and
+    saved int16 remainders where a full master is wanted, are returned for :func:`finish_masters`. Any other
+    tensor the checkpoint lacks is one ``CheckpointError`` line naming the key.
+    """
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    fixups: list[MasterFixup] = []
+
+    for keys, value in list(leaves(state, dicts_only=True)):
+        if not isinstance(value, torch.Tensor):
+            continue
+        *above, k = keys
+        tree = functools.reduce(operator.getitem, above, state)  # the dict that holds it
+        key = ".".join(map(str, keys))
+        is_master = key.startswith(_STATE) and key.endswith(_MASTER)
+        fqn = key[len(_STATE) : -len(_MASTER)] if is_master else ""
+        meta = saved.get(key)
+        if meta is None:
+            if not is_master:
+                raise CheckpointError(  # DCP's own wording, in one line, before it reads anything
+                    f"checkpoint {path} cannot be loaded into this run: Missing key in checkpoint state_dict: {key}"
+                )
+            fixups.append(MasterFixup(tree, k, fqn, "missing"))
+            del tree[k]
+            continue
+        dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+        if dtype is not None and dtype != value.dtype:
+            if is_master and dtype == torch.int16:
+                fixups.append(MasterFixup(tree, k, fqn, "join"))
+            elif is_master and value.dtype == torch.int16:  # an FP32 master saved, int16 remainders wanted
+                fixups.append(MasterFixup(tree, k, fqn, "split"))
+            local = torch.empty(local_tensor(value).shape, dtype=dtype)
+            tree[k] = wrap_host_local(local, value) if isinstance(value, DTensor) else local
+    return fixups
+
+
+def finish_masters(state: dict[str, Any], fixups: list[MasterFixup]) -> None:
+    """After DCP's read: each master of ``fixups`` as the full FP32 master, from the *loaded* parameter (exact):
+    a missing master is the parameter widened; int16 remainders are joined with it. The optimizer's load then
+    converts it as it converts any saved FP32 master (to an FP16 master ...). ``split``: a saved FP32 master where
+    int16 remainders are wanted becomes the parameter (the master rounded as the remainder kernels round, which
+    differs from a plain BF16 rounding at ties) and the remainders, so that the two rejoin the saved master
+    exactly (the model is loaded after the optimizer, so the parameter is set here, in what the model loads)."""
+    for f in fixups:
+        param = state["model"][f.fqn]
+        local = local_tensor(param)
+        if f.kind == "split":
+            master = local_tensor(f.tree[f.key]).float()
+            remainders = torch.empty(master.shape, dtype=torch.int16)
+            split_bf16_remainder(master, local, remainders)  # writes the rounded parameter into the model's tree
+            f.tree[f.key] = wrap_host_local(remainders, param) if isinstance(param, DTensor) else remainders
+            continue
+        if f.kind == "join":
+            value = join_bf16_remainder(local, local_tensor(f.tree[f.key]))
+        else:
+            value = local.float()
+        f.tree[f.key] = wrap_host_local(value, param) if isinstance(param, DTensor) else value
+
+
+# the group values the config sets (DCP's load puts the checkpoint's back; restore_hyperparameters undoes that):
+# FusedAdam's, and AdamW's foreach (without it in this list the checkpoint's value stays)
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "foreach")
+
+
+def capture_hyperparameters(optimizer: torch.optim.Optimizer) -> list[tuple[list, dict[str, Any]]]:
+    """Each group's parameters and hyperparameters as the config built them (before a load replaces them)."""
+    return [
+        (
+            list(g["params"]),
+            {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k in HYPERPARAMETERS},
+        )
+        for g in optimizer.param_groups
+    ]
+
+
+def restore_hyperparameters(optimizer: torch.optim.Optimizer, captured: list[tuple[list, dict[str, Any]]]) -> None:
+    """Put the config's hyperparameters back into each group (after a load); the groups keep their parameters."""
+    if len(captured) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"the load changed the optimizer's groups ({len(captured)} -> {len(optimizer.param_groups)})"
+        )
+    for group, (params, values) in zip(optimizer.param_groups, captured):
+        if [id(p) for p in group["params"]] != [id(p) for p in params]:
+            raise CheckpointError("the load changed the parameters of an optimizer group")
+        for k, v in values.items():
+            if isinstance(v, torch.Tensor) and isinstance(group.get(k), torch.Tensor):
+                group[k].copy_(v)
+            else:
+                group[k] = v

@@ -1,0 +1,44 @@
+"""The one walker over nested state dicts (dicts, lists and tuples of tensors and plain values)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["leaves", "local_tensors", "map_leaves", "state_bytes"]
+
+
+def leaves(tree: Any, path: tuple = (), *, dicts_only: bool = False) -> Iterator[tuple[tuple, Any]]:
+    """(path of keys and indices, value) of every leaf, depth first, in the containers' order; ``dicts_only``:
+    lists and tuples are leaves."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from leaves(v, (*path, k), dicts_only=dicts_only)
+    elif isinstance(tree, (list, tuple)) and not dicts_only:
+        for i, v in enumerate(tree):
+            yield from leaves(v, (*path, i))
+    else:
+        yield path, tree
+
+
+def map_leaves(fn: Callable[[tuple, Any], Any], tree: Any, path: tuple = ()) -> Any:
+    """The same containers (dict, list, tuple) with every leaf replaced by ``fn(path, leaf)``."""
+    if isinstance(tree, dict):
+        return {k: map_leaves(fn, v, (*path, k)) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map_leaves(fn, v, (*path, i)) for i, v in enumerate(tree))
+    return fn(path, tree)
+
+
+def local_tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of ``tree`` (the local shard of a DTensor), depth first."""
+    for _, v in leaves(tree):
+        if isinstance(v, torch.Tensor):
+            yield v.to_local() if hasattr(v, "to_local") else v
+
+
+def state_bytes(tree: Any) -> int:
+    """Bytes of the (local shards of the) tensors in a nested state dict."""
+    return sum(t.numel() * t.element_size() for t in local_tensors(tree))
