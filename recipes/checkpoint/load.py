@@ -54,8 +54,9 @@ class Loads:
             return []
         if self.cfg.resume != "auto":
             return [Path(self.cfg.resume)]
-        for step, path in [(s, p) for s, p in step_dirs(self.root) if not is_complete(p)]:
-            log.warning("ignoring incomplete checkpoint %s (step %d): its save did not finish", path, step)
+        for step, path in step_dirs(self.root):
+            if not is_complete(path):
+                log.warning("ignoring incomplete checkpoint %s (step %d): its save did not finish", path, step)
         return [p for _, p in reversed(complete(self.root))]
 
     def resume(self, model, optimizer, trainer_state: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
