@@ -1,4 +1,5 @@
-"""Our optimizers from other frameworks' configs (issue 16, item 3): the snippets of docs/drop-in.md, run.
+"""Our optimizers from a Hydra ``_target_`` block: docs/drop-in.md's block, run (the frameworks' own paths:
+tests/integrations/).
 
 ``hydra.utils.instantiate({"_target_": "optim_factory.PortableFusedAdam", "exp_avg_dtype": "bf16"}, ...)``
 builds the optimizer, with the dtype and size strings converted (``torch.bfloat16`` / ``bfloat16``,
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +17,6 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-import optim_factory
 from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "drop-in.md"
@@ -45,7 +44,7 @@ def model(device: str = "cpu") -> torch.nn.Module:
 
 def doc_yaml(target: str) -> str:
     """The doc's YAML text with its ``_target_`` set to ``target``."""
-    text = snippet("automodel-yaml")
+    text = snippet("target-yaml")
     assert "_target_: optim_factory.FusedAdam " in text
     return text.replace("_target_: optim_factory.FusedAdam ", f"_target_: {target} ")
 
@@ -98,44 +97,3 @@ def test_bad_value_in_a_block_names_the_key():
 def test_te_target_without_te_says_what_to_install():
     with pytest.raises(InstantiationException, match="needs NVIDIA Transformer Engine"):
         instantiate(doc_block("optim_factory.FusedAdam"), params=model().parameters())
-
-
-@pytest.mark.parametrize("target", TARGETS)
-def test_doc_yaml_block_through_automodel_config_loader(target, tmp_path):
-    loader = pytest.importorskip(
-        "nemo_automodel.components.config.loader", reason="nemo_automodel is not installed (pip install --no-deps)"
-    )
-    path = tmp_path / "recipe.yaml"
-    path.write_text(doc_yaml(target))
-    cfg = loader.load_yaml_config(path)
-    m = model("cuda" if target.endswith(".FusedAdam") else "cpu")
-    opt = cfg.optimizer.instantiate(params=m.parameters())
-    check_built(opt, target)
-    step_once(opt, m)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        "AdamW",
-        "PortableFusedAdam",
-        pytest.param(
-            "FusedAdam", marks=pytest.mark.skipif(not TE_AVAILABLE, reason="Transformer Engine is not importable")
-        ),
-    ],
-)
-def test_doc_torchtitan_builder(name):
-    namespace: dict = {}
-    exec(compile(snippet("torchtitan-builder"), str(DOC), "exec"), namespace)
-    device = "cuda" if name == "FusedAdam" else "cpu"
-    parts = [torch.nn.Linear(4, 4).to(device), torch.nn.Linear(4, 2).to(device)]
-    config = SimpleNamespace(
-        name=name, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, implementation="foreach"
-    )
-    optimizers = namespace["build_optimizers"](parts, config, {"exp_avg_dtype": "bf16", "master_weights": False})
-    assert len(optimizers) == 2
-    for opt, part in zip(optimizers, parts):
-        assert [p for g in opt.param_groups for p in g["params"]] == list(part.parameters())
-        assert opt.param_groups[0]["betas"] == (0.9, 0.95)
-        if name != "AdamW":
-            assert isinstance(opt, getattr(optim_factory, name)) and opt.exp_avg_dtype == torch.bfloat16

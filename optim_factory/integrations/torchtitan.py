@@ -1,0 +1,128 @@
+"""torchtitan 0.3 integration: optim-factory's ``FusedAdam`` and ``PortableFusedAdam`` in torchtitan's optimizer config.
+
+torchtitan builds its optimizers through ``OptimizersContainer.Config``: a list of ``ParamGroupConfig`` (a regex,
+an optimizer name, the group's keyword arguments) plus ``optimizer_factory_kwargs_by_name`` (arguments passed once
+to each optimizer's constructor). Its container resolves names from a fixed table (``Adam``, ``AdamW``,
+``DistMuon``), so this module ships a container that also knows ``FusedAdam`` and ``PortableFusedAdam``, and two
+ways to select it:
+
+- in a config_registry function, in place of ``default_adamw(lr=...)``::
+
+      optimizer=fused_adam(lr=8e-4, exp_avg_dtype="bf16", master_weights=True),
+
+- without editing any config, torchtitan's override mechanism swaps every ``AdamW`` group::
+
+      --override.imports optim_factory.integrations.torchtitan.use_fused_adam
+
+  with options as a JSON object: ``'optim_factory.integrations.torchtitan.use_fused_adam={"exp_avg_dtype": "bf16"}'``.
+
+Both split the options as torchtitan expects: the per-group hyperparameters (``lr``, ``betas``, ``eps``,
+``weight_decay``, ``bias_correction``) go into the groups' ``optimizer_kwargs``, every other option (``master_weights``,
+``exp_avg_dtype``, ``state_dict_cpu_offload`` ...) into ``optimizer_factory_kwargs_by_name``, because our classes take
+optimizer-wide options from their constructor only. The ``fused`` / ``foreach`` / ``param_names`` keys torchtitan adds
+to each group stay in the groups; our classes keep them and ignore them.
+
+Checkpoints go through torchtitan's own path (``OptimizersContainer.state_dict`` -> the optimizer's
+``state_dict()``), so ``state_dict_cpu_offload`` makes the export CPU-side, and ``CheckpointManager`` saves and
+reshards it with DCP like any optimizer's.
+
+Importing this module imports torchtitan; the rest of optim_factory never does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torchtitan.components.optimizer import OptimizersContainer as TitanOptimizersContainer
+from torchtitan.components.optimizer import ParamGroupConfig
+from torchtitan.config import derive, override
+
+import optim_factory
+from optim_factory.optimizers.group_rules import GROUP_KEYS
+
+__all__ = ["OPTIMIZER_NAMES", "GROUP_OPTIONS", "OptimizersContainer", "fused_adam", "split_options", "use_fused_adam"]
+
+OPTIMIZER_NAMES = ("FusedAdam", "PortableFusedAdam")
+"""The ``optimizer_name`` values this container adds to torchtitan's table (the classes of ``optim_factory``)."""
+
+GROUP_OPTIONS = tuple(k for k in GROUP_KEYS if k not in ("params", "param_names", "step"))
+"""The options our classes take per param group; every other option is the constructor's."""
+
+
+def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split options into (``ParamGroupConfig.optimizer_kwargs``, ``optimizer_factory_kwargs_by_name`` entry)."""
+    group = {k: v for k, v in options.items() if k in GROUP_OPTIONS}
+    return group, {k: v for k, v in options.items() if k not in GROUP_OPTIONS}
+
+
+def _check_name(name: str) -> None:
+    if name not in OPTIMIZER_NAMES:
+        raise ValueError(f"optimizer name {name!r}: expected one of {', '.join(OPTIMIZER_NAMES)}")
+
+
+class OptimizersContainer(TitanOptimizersContainer):
+    """torchtitan's ``OptimizersContainer`` that also resolves ``FusedAdam`` and ``PortableFusedAdam``.
+
+    Everything else (param groups by regex, one optimizer per model part and name, the FQN-keyed flat state dict
+    that ``CheckpointManager`` saves) is torchtitan's. Its own names (``AdamW`` ...) still resolve, so groups of
+    both kinds can share one config.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(TitanOptimizersContainer.Config):
+        """torchtitan's optimizer config, unchanged; declared here so that ``config.build()`` builds this class."""
+
+    @staticmethod
+    def _resolve_optimizer_factory(name: str) -> Callable[..., torch.optim.Optimizer]:
+        # torchtitan's only hook for a name -> class table (a private static method, called from __init__).
+        if name in OPTIMIZER_NAMES:
+            return getattr(optim_factory, name)  # FusedAdam is imported lazily: TE only when it is used
+        return TitanOptimizersContainer._resolve_optimizer_factory(name)
+
+
+def fused_adam(
+    lr: float = 8e-4,
+    *,
+    name: str = "FusedAdam",
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    weight_decay: float = 0.1,
+    **options: Any,
+) -> OptimizersContainer.Config:
+    """A catch-all param group of ``name`` (``FusedAdam`` or ``PortableFusedAdam``): our ``default_adamw``.
+
+    Same defaults as torchtitan's ``default_adamw``; ``options`` are any other constructor options of ours
+    (``master_weights=True``, ``exp_avg_dtype="bf16"``, ``state_dict_cpu_offload=True`` ...), routed by
+    ``split_options``.
+    """
+    _check_name(name)
+    group, factory = split_options({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, **options})
+    return OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name=name, optimizer_kwargs=group)],
+        optimizer_factory_kwargs_by_name={name: factory},
+    )
+
+
+@override(target=TitanOptimizersContainer.Config, description="optim-factory FusedAdam for AdamW groups")
+def use_fused_adam(config: TitanOptimizersContainer.Config, *, name: str = "FusedAdam", **options: Any):
+    """Swap every ``AdamW`` group of an optimizer config for ``name``, keeping its patterns and hyperparameters.
+
+    ``options`` set per-group hyperparameters (for the swapped groups) and constructor options, as in
+    ``fused_adam``. ``Adam`` groups (L2 weight decay, not decoupled) and other optimizers stay as they are.
+    """
+    _check_name(name)
+    group, factory = split_options(options)
+    swapped = [
+        replace(pg, optimizer_name=name, optimizer_kwargs={**pg.optimizer_kwargs, **group})
+        if pg.optimizer_name == "AdamW"
+        else pg
+        for pg in config.param_groups
+    ]
+    if not any(pg.optimizer_name == "AdamW" for pg in config.param_groups):
+        raise ValueError(f"use_fused_adam: no AdamW param group to swap for {name}")
+    by_name = dict(config.optimizer_factory_kwargs_by_name)
+    by_name[name] = {**by_name.get(name, {}), **factory}
+    return derive(config, OptimizersContainer.Config, param_groups=swapped, optimizer_factory_kwargs_by_name=by_name)

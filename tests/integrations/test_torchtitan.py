@@ -1,0 +1,259 @@
+"""optim_factory.integrations.torchtitan through torchtitan's own code: its config parser and overrides, its
+``OptimizersContainer``, its ``CheckpointManager`` (sync and ``async_mode="async"``) on 2 real gloo ranks (CPU),
+bitwise, and a resume of the 2-rank checkpoint on 1 rank. The docs' snippets are run as written."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integrations import INSTALL
+
+pytest.importorskip(
+    "torchtitan", reason=f"torchtitan is not installed: {INSTALL}"
+)
+
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: E402
+from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
+from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, default_adamw  # noqa: E402
+from torchtitan.config import ConfigManager, Configurable, OverrideConfig, apply_overrides  # noqa: E402
+
+import optim_factory  # noqa: E402
+from optim_factory.integrations import torchtitan as integration  # noqa: E402
+from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE  # noqa: E402
+from tests.distributed.launch import spawn, spawn_checks  # noqa: E402
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "drop-in.md"
+OPTIONS = {  # BF16 moments, FP32 master weights (of BF16 parameters), CPU-offloaded state_dict()
+    "master_weights": True,
+    "master_weight_dtype": "fp32",
+    "exp_avg_dtype": "bf16",
+    "exp_avg_sq_dtype": "bf16",
+    "state_dict_cpu_offload": True,
+}
+SHAPES = {"w0": (6, 4), "w1": (4, 6), "bias": (5,)}  # 5 rows: uneven shards on 2 ranks
+STEPS = 3
+pytestmark = pytest.mark.filterwarnings("ignore:state_dict_cpu_offload=True has no memory effect")  # CPU params
+DOC_OPTIONS = {k: v for k, v in OPTIONS.items() if k != "master_weight_dtype"}  # the docs' (FP32 master: default)
+
+
+def snippet(name: str) -> str:
+    """The fenced block that follows ``<!-- drop-in:<name> -->`` in the docs."""
+    match = re.search(rf"<!-- drop-in:{name} -->\n```\w+\n(.*?)```", DOC.read_text(), re.S)
+    assert match, f"{DOC.name} has no block {name}"
+    return match.group(1)
+
+
+class Net(torch.nn.Module):
+    """BF16 parameters, DTensors sharded on dim 0 over ``mesh`` (what FSDP2 gives an optimizer), plain without."""
+
+    def __init__(self, seed: int, mesh=None):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        for name, shape in SHAPES.items():
+            full = torch.randn(shape, generator=gen).to(torch.bfloat16)
+            value = distribute_tensor(full, mesh, [Shard(0)]) if mesh is not None else full
+            self.register_parameter(name, torch.nn.Parameter(value))
+
+
+def train(model: Net, optimizers, schedulers, first: int, steps: int) -> None:
+    """Steps with gradients that depend on the step only, the same on any number of ranks."""
+    for step in range(first, first + steps):
+        gen = torch.Generator().manual_seed(1000 + step)
+        for p in model.parameters():
+            full = torch.randn(p.shape, generator=gen).to(p.dtype)
+            p.grad = distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full
+        optimizers.step()
+        schedulers.step()
+        optimizers.zero_grad()
+
+
+def build(seed: int, mesh, folder: str, async_mode: str = "disabled"):
+    model = Net(seed, mesh)
+    optimizers = integration.fused_adam(lr=1e-2, name="PortableFusedAdam", **OPTIONS).build(model_parts=[model])
+    assert type(optimizers.optimizers[0]) is optim_factory.PortableFusedAdam
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
+    config = CheckpointManager.Config(enable=True, folder=folder, interval=1, keep_latest_k=0, async_mode=async_mode)
+    checkpointer = config.build(
+        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers, states={},
+        sd_adapter=None,
+    )  # fmt: skip
+    return model, optimizers, schedulers, checkpointer
+
+
+def snapshot(model: Net, optimizers, full: bool = False) -> dict:
+    """The optimizer's flat state dict (what CheckpointManager saves) and the parameters: local shards, or whole."""
+
+    def value(v):
+        if isinstance(v, DTensor):
+            v = v.full_tensor() if full else v.to_local()
+        return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+    out = {f"optim.{k}": value(v) for k, v in optimizers.state_dict().items()}
+    out.update({f"param.{k}": value(v) for k, v in model.named_parameters()})
+    return out
+
+
+def assert_bitwise(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys(), sorted(actual.keys() ^ expected.keys())
+    for key, want in expected.items():
+        got = actual[key]
+        if isinstance(want, torch.Tensor):
+            assert isinstance(got, torch.Tensor) and (got.dtype, got.shape) == (want.dtype, want.shape), key
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{key} differs"
+        else:
+            assert got == want, f"{key}: {got!r} != {want!r}"
+
+
+# ---- what the ranks run --------------------------------------------------------------------------------------------
+
+
+def roundtrip_two_ranks(rank: int, world: int, folder: str, async_mode: str) -> None:
+    """Save after 3 steps, load into fresh objects (other weights): same state and parameters, and the next step
+    gives the same bits as the run that never stopped. Writes the whole state for the 1-rank resume."""
+    mesh = init_device_mesh("cpu", (world,))
+    model, optimizers, schedulers, checkpointer = build(0, mesh, folder, async_mode)
+    train(model, optimizers, schedulers, 0, STEPS)
+    assert optimizers.optimizers[0].state_dict()["state"][0]["exp_avg"].device.type == "cpu"
+    checkpointer.save(curr_step=STEPS)
+    saved, saved_full = snapshot(model, optimizers), snapshot(model, optimizers, full=True)
+    checkpointer.maybe_wait_for_saving()  # async: the write goes on while this rank trains on
+    train(model, optimizers, schedulers, STEPS, 1)
+    next_step, next_full = snapshot(model, optimizers), snapshot(model, optimizers, full=True)
+    checkpointer.close()
+
+    model, optimizers, schedulers, checkpointer = build(1, mesh, folder)
+    assert checkpointer.load(step=STEPS)
+    assert_bitwise(snapshot(model, optimizers), saved)
+    train(model, optimizers, schedulers, STEPS, 1)
+    assert_bitwise(snapshot(model, optimizers), next_step)
+    checkpointer.close()
+    if rank == 0:
+        torch.save({"saved": saved_full, "next": next_full}, Path(folder, "expected.pt"))
+
+
+def resume_one_rank(rank: int, world: int, folder: str) -> None:
+    """The 2-rank checkpoint into plain (not sharded) parameters on 1 rank: whole state and next step, bitwise."""
+    expected = torch.load(Path(folder, "expected.pt"), weights_only=True)
+    model, optimizers, schedulers, checkpointer = build(1, None, folder)
+    assert checkpointer.load(step=STEPS)
+    assert_bitwise(snapshot(model, optimizers), expected["saved"])
+    train(model, optimizers, schedulers, STEPS, 1)
+    assert_bitwise(snapshot(model, optimizers), expected["next"])
+    checkpointer.close()
+
+
+@pytest.fixture(scope="module")
+def two_rank_folders(tmp_path_factory):
+    """One group of 2 ranks runs the sync and the async round trip (tests/distributed/launch.py)."""
+    folders = {mode: str(tmp_path_factory.mktemp(f"titan-{mode}")) for mode in ("disabled", "async")}
+    checks = [(mode, roundtrip_two_ranks, (folder, mode)) for mode, folder in folders.items()]
+    return folders, spawn_checks(2, checks, tmp_path_factory.mktemp("titan-done"))
+
+
+@pytest.mark.slow  # forked ranks
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_checkpoint_manager_round_trip_on_two_ranks_is_bitwise(two_rank_folders, async_mode):
+    folders, outcome = two_rank_folders
+    assert outcome[async_mode] is None, outcome[async_mode]
+    assert Path(folders[async_mode], f"step-{STEPS}", ".metadata").is_file()
+
+
+@pytest.mark.slow
+def test_two_rank_checkpoint_resumes_on_one_rank_bitwise(two_rank_folders):
+    folders, outcome = two_rank_folders
+    assert outcome["disabled"] is None, outcome["disabled"]
+    spawn(resume_one_rank, 1, folders["disabled"])  # the async save writes the same files
+
+
+# ---- the docs' snippets, through torchtitan's config parser -----------------------------------------------------
+
+
+class Job(Configurable):
+    """The fields of torchtitan's Trainer.Config that the config parser and the overrides use (Trainer itself
+    imports the data stack)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        hf_assets_path: str = "."
+        optimizer: OptimizersContainer.Config = field(default_factory=OptimizersContainer.Config)
+        override: OverrideConfig = field(default_factory=OverrideConfig)
+
+
+def stock_job() -> Job.Config:
+    """A config_registry function as torchtitan's models write them."""
+    return Job.Config(optimizer=default_adamw(lr=3e-4))
+
+
+def doc_job() -> Job.Config:
+    """The docs' config_registry snippet."""
+    scope: dict = {}
+    exec(snippet("torchtitan-config"), scope)
+    return Job.Config(optimizer=scope["optimizer"])
+
+
+def parse(config_fn: str, *args: str) -> Job.Config:
+    """torchtitan's CLI (``--module``/``--config`` and overrides), then the overrides as its Trainer applies them."""
+    config = ConfigManager().parse_args(["--module", __name__, "--config", config_fn, *args])
+    apply_overrides(config.override, config)
+    return config
+
+
+def check_options(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    assert type(optimizer) is optim_factory.PortableFusedAdam
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (lr, (0.9, 0.95), 1e-8, 0.1)
+    o = optimizer.adam_options
+    assert o.master_weights and o.master_weight_dtype == torch.float32
+    assert (o.exp_avg_dtype, o.exp_avg_sq_dtype) == (torch.bfloat16, torch.bfloat16)
+
+
+def test_docs_config_snippet_builds_our_container_through_torchtitans_parser():
+    config = parse("doc_job", "--optimizer.implementation", "foreach")  # a CLI override on top: the class stays
+    assert type(config.optimizer) is integration.OptimizersContainer.Config
+    assert config.optimizer.implementation == "foreach"
+    assert config.optimizer.param_groups[0].optimizer_name == "FusedAdam"
+    assert config.optimizer.optimizer_factory_kwargs_by_name == {"FusedAdam": DOC_OPTIONS}
+    # FusedAdam needs TE and CUDA; the same config with the portable class builds here
+    config.optimizer.param_groups[0].optimizer_name = "PortableFusedAdam"
+    config.optimizer.optimizer_factory_kwargs_by_name = {"PortableFusedAdam": DOC_OPTIONS}
+    optimizers = config.optimizer.build(model_parts=[Net(0)])
+    assert type(optimizers) is integration.OptimizersContainer
+    check_options(optimizers.optimizers[0], 8e-4)
+
+
+@pytest.mark.parametrize("name", ["FusedAdam", "PortableFusedAdam"])
+def test_docs_override_snippet_swaps_adamw_on_torchtitans_command_line(name):
+    args = shlex.split(snippet("torchtitan-override").replace('"name": "FusedAdam"', f'"name": "{name}"'))
+    config = parse("stock_job", *args)
+    assert type(config.optimizer) is integration.OptimizersContainer.Config
+    assert config.optimizer.param_groups[0].optimizer_name == name
+    assert config.optimizer.param_groups[0].optimizer_kwargs["lr"] == 3e-4  # the config's own hyperparameters
+    assert config.optimizer.optimizer_factory_kwargs_by_name[name] == DOC_OPTIONS
+    if name == "FusedAdam":  # resolves to the TE class, which refuses to build without TE
+        if TE_AVAILABLE and torch.cuda.is_available():
+            pytest.skip("built on CUDA by the GPU tests")
+        with pytest.raises(ImportError, match="transformer_engine"):
+            config.optimizer.build(model_parts=[Net(0)])
+    else:
+        check_options(config.optimizer.build(model_parts=[Net(0)]).optimizers[0], 3e-4)
+
+
+def test_override_refuses_a_config_without_adamw_and_an_unknown_name():
+    with pytest.raises(ValueError, match="no AdamW param group"):
+        integration.use_fused_adam(integration.fused_adam(name="PortableFusedAdam"))
+    with pytest.raises(ValueError, match="expected one of FusedAdam, PortableFusedAdam"):
+        integration.fused_adam(name="Fused_Adam")
+
+
+def test_torchtitans_own_names_still_resolve():
+    optimizers = integration.OptimizersContainer.Config(param_groups=default_adamw(lr=1e-3).param_groups).build(
+        model_parts=[Net(0)]
+    )
+    assert type(optimizers.optimizers[0]) is torch.optim.AdamW
