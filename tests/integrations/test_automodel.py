@@ -233,20 +233,31 @@ CASES = {  # name -> (parameter dtype, command-line overrides of the doc's block
 }
 
 
+TE_CASES = {  # TE's FusedAdam, the doc's block on CUDA (one rank, plain parameters): sync, and async (a GPU's)
+    "TE FusedAdam on CUDA": (torch.bfloat16, []),
+    "TE FusedAdam on CUDA, checkpoint.is_async": (torch.bfloat16, ["--checkpoint.is_async=true"]),
+}
+
+
 def round_trip(rank: int, world: int, name: str, tmp: str) -> None:
     """Train 3 steps, save_optimizer, load_optimizer into a fresh optimizer of a copy of the model: the state
-    is the same bit for bit, and so is the step after."""
+    is the same bit for bit, and so is the step after. PortableFusedAdam on FSDP2 parameters (CPU); TE's class
+    (``TE_CASES``) on one GPU."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dtype, overrides = CASES[name]
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    on_gpu = name in TE_CASES
+    dtype, overrides = (TE_CASES if on_gpu else CASES)[name]
+    mesh = None if on_gpu else init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     build = recipe_path()
     yaml_path = Path(tmp) / "recipe.yaml"
-    overrides = [PORTABLE, f"--checkpoint.checkpoint_dir={tmp}/ckpt", *overrides]
+    target = "--optimizer._target_=optim_factory.FusedAdam" if on_gpu else PORTABLE
+    overrides = [target, f"--checkpoint.checkpoint_dir={tmp}/ckpt", *overrides]
     step_dir = f"{tmp}/ckpt/epoch_0_step_3"
 
     def sharded(seed: int) -> torch.nn.Module:
+        if on_gpu:
+            return model(dtype, seed, device="cuda")
         m = model(dtype, seed)
         fully_shard(m, mesh=mesh)  # FSDP2: DTensor parameters, Shard(0) (Automodel's default strategy)
         return m
@@ -255,6 +266,7 @@ def round_trip(rank: int, world: int, name: str, tmp: str) -> None:
     (o1,), checkpointer = build(yaml_path, m1, overrides, device_mesh=mesh, dp_rank=rank)
     train(m1, o1, range(3), rank)
     checkpointer.save_optimizer(o1, m1, step_dir)
+    checkpointer.async_wait()  # async: the save finished (a no-op otherwise)
 
     m2 = sharded(1)
     with torch.no_grad():  # the model's weights as a model checkpoint would restore them
@@ -297,6 +309,15 @@ def two_ranks(tmp_path_factory) -> dict[str, str | None]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_checkpointer_round_trip_two_ranks(two_ranks, name):
     assert two_ranks[name] is None, f"{name}: {two_ranks[name]}"
+
+
+@needs_checkpointer
+@pytest.mark.slow
+@pytest.mark.skipif(not (TE_AVAILABLE and torch.cuda.is_available()), reason="needs Transformer Engine and CUDA")
+def test_te_fused_adam_checkpointer_round_trip_on_cuda(tmp_path):
+    outcome = spawn_checks(1, [(name, round_trip_case, (name, str(tmp_path / f"case{i}"))) for i, name in
+                               enumerate(TE_CASES)], tmp_path / "done")  # fmt: skip
+    assert outcome == dict.fromkeys(TE_CASES), outcome
 
 
 @needs_checkpointer

@@ -39,6 +39,7 @@ OPTIONS = {  # BF16 moments, FP32 master weights (of BF16 parameters), CPU-offlo
 }
 SHAPES = {"w0": (6, 4), "w1": (4, 6), "bias": (5,)}  # 5 rows: uneven shards on 2 ranks
 STEPS = 3
+TE_ON_CUDA = TE_AVAILABLE and torch.cuda.is_available()
 pytestmark = pytest.mark.filterwarnings("ignore:state_dict_cpu_offload=True has no memory effect")  # CPU params
 DOC_OPTIONS = {k: v for k, v in OPTIONS.items() if k != "master_weight_dtype"}  # the docs' (FP32 master: default)
 
@@ -53,11 +54,11 @@ def snippet(name: str) -> str:
 class Net(torch.nn.Module):
     """BF16 parameters, DTensors sharded on dim 0 over ``mesh`` (what FSDP2 gives an optimizer), plain without."""
 
-    def __init__(self, seed: int, mesh=None):
+    def __init__(self, seed: int, mesh=None, device: str = "cpu"):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         for name, shape in SHAPES.items():
-            full = torch.randn(shape, generator=gen).to(torch.bfloat16)
+            full = torch.randn(shape, generator=gen).to(device=device, dtype=torch.bfloat16)
             value = distribute_tensor(full, mesh, [Shard(0)]) if mesh is not None else full
             self.register_parameter(name, torch.nn.Parameter(value))
 
@@ -67,17 +68,18 @@ def train(model: Net, optimizers, schedulers, first: int, steps: int) -> None:
     for step in range(first, first + steps):
         gen = torch.Generator().manual_seed(1000 + step)
         for p in model.parameters():
-            full = torch.randn(p.shape, generator=gen).to(p.dtype)
+            full = torch.randn(p.shape, generator=gen).to(device=p.device, dtype=p.dtype)
             p.grad = distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full
         optimizers.step()
         schedulers.step()
         optimizers.zero_grad()
 
 
-def build(seed: int, mesh, folder: str, async_mode: str = "disabled"):
-    model = Net(seed, mesh)
-    optimizers = integration.fused_adam(lr=1e-2, name="PortableFusedAdam", **OPTIONS).build(model_parts=[model])
-    assert type(optimizers.optimizers[0]) is optim_factory.PortableFusedAdam
+def build(seed: int, mesh, folder: str, async_mode: str = "disabled", name: str = "PortableFusedAdam"):
+    """The model (on CUDA for TE's class), our container and scheduler, and torchtitan's CheckpointManager."""
+    model = Net(seed, mesh, "cuda" if name == "FusedAdam" else "cpu")
+    optimizers = integration.fused_adam(lr=1e-2, name=name, **OPTIONS).build(model_parts=[model])
+    assert type(optimizers.optimizers[0]) is getattr(optim_factory, name)
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
     config = CheckpointManager.Config(enable=True, folder=folder, interval=1, keep_latest_k=0, async_mode=async_mode)
     checkpointer = config.build(
@@ -114,11 +116,12 @@ def assert_bitwise(actual: dict, expected: dict) -> None:
 # ---- what the ranks run --------------------------------------------------------------------------------------------
 
 
-def roundtrip_two_ranks(rank: int, world: int, folder: str, async_mode: str) -> None:
+def roundtrip_two_ranks(rank: int, world: int, folder: str, async_mode: str, name: str = "PortableFusedAdam") -> None:
     """Save after 3 steps, load into fresh objects (other weights): same state and parameters, and the next step
-    gives the same bits as the run that never stopped. Writes the whole state for the 1-rank resume."""
-    mesh = init_device_mesh("cpu", (world,))
-    model, optimizers, schedulers, checkpointer = build(0, mesh, folder, async_mode)
+    gives the same bits as the run that never stopped. Writes the whole state for the 1-rank resume. TE's class
+    (on CUDA, one rank): the parameters are plain tensors."""
+    mesh = init_device_mesh("cpu", (world,)) if name == "PortableFusedAdam" else None
+    model, optimizers, schedulers, checkpointer = build(0, mesh, folder, async_mode, name)
     train(model, optimizers, schedulers, 0, STEPS)
     assert optimizers.optimizers[0].state_dict()["state"][0]["exp_avg"].device.type == "cpu"
     checkpointer.save(curr_step=STEPS)
@@ -128,7 +131,7 @@ def roundtrip_two_ranks(rank: int, world: int, folder: str, async_mode: str) -> 
     next_step, next_full = snapshot(model, optimizers), snapshot(model, optimizers, full=True)
     checkpointer.close()
 
-    model, optimizers, schedulers, checkpointer = build(1, mesh, folder)
+    model, optimizers, schedulers, checkpointer = build(1, mesh, folder, name=name)
     assert checkpointer.load(step=STEPS)
     assert_bitwise(snapshot(model, optimizers), saved)
     train(model, optimizers, schedulers, STEPS, 1)
@@ -163,6 +166,13 @@ def test_checkpoint_manager_round_trip_on_two_ranks_is_bitwise(two_rank_folders,
     folders, outcome = two_rank_folders
     assert outcome[async_mode] is None, outcome[async_mode]
     assert Path(folders[async_mode], f"step-{STEPS}", ".metadata").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TE_ON_CUDA, reason="TE's FusedAdam: needs Transformer Engine and CUDA (the GPU run)")
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_te_fused_adam_checkpoint_manager_round_trip_on_cuda_is_bitwise(async_mode, tmp_path):
+    spawn(roundtrip_two_ranks, 1, str(tmp_path), async_mode, "FusedAdam")
 
 
 @pytest.mark.slow
@@ -205,8 +215,8 @@ def parse(config_fn: str, *args: str) -> Job.Config:
     return config
 
 
-def check_options(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    assert type(optimizer) is optim_factory.PortableFusedAdam
+def check_options(optimizer: torch.optim.Optimizer, lr: float, name: str = "PortableFusedAdam") -> None:
+    assert type(optimizer) is getattr(optim_factory, name)
     group = optimizer.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (lr, (0.9, 0.95), 1e-8, 0.1)
     o = optimizer.adam_options
@@ -236,9 +246,9 @@ def test_docs_override_snippet_swaps_adamw_on_torchtitans_command_line(name):
     assert config.optimizer.param_groups[0].optimizer_name == name
     assert config.optimizer.param_groups[0].optimizer_kwargs["lr"] == 3e-4  # the config's own hyperparameters
     assert config.optimizer.optimizer_factory_kwargs_by_name[name] == DOC_OPTIONS
-    if name == "FusedAdam":  # resolves to the TE class, which refuses to build without TE
-        if TE_AVAILABLE and torch.cuda.is_available():
-            pytest.skip("built on CUDA by the GPU tests")
+    if name == "FusedAdam" and TE_ON_CUDA:
+        check_options(config.optimizer.build(model_parts=[Net(0, device="cuda")]).optimizers[0], 3e-4, name)
+    elif name == "FusedAdam":  # resolves to the TE class, which refuses to build without TE
         with pytest.raises(ImportError, match="transformer_engine"):
             config.optimizer.build(model_parts=[Net(0)])
     else:
