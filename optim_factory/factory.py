@@ -31,15 +31,9 @@ from optim_factory.config import (
     schema_keys,
 )
 from optim_factory.errors import ConfigError, config_error
+from optim_factory.optimizers.constructor import check_export_effect, parse_bytes
 from optim_factory.optimizers.export import ExportOptions, Pinning, local_tensor
-from optim_factory.optimizers.rules import (
-    OptionError,
-    check_export_effect,
-    check_hyperparameters,
-    check_state_dtypes,
-    parse_bytes,
-    parse_dtype,
-)
+from optim_factory.optimizers.rules import OptionError, check_hyperparameters, check_state_dtypes, parse_dtype
 from optim_factory.param_groups import build_param_groups, named_trainable
 
 __all__ = [

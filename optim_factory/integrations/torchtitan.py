@@ -75,6 +75,15 @@ class OptimizersContainer(TitanOptimizersContainer):
     class Config(TitanOptimizersContainer.Config):
         """torchtitan's optimizer config, unchanged; declared here so that ``config.build()`` builds this class."""
 
+    def __init__(self, config: Config, *, model_parts: list[torch.nn.Module]) -> None:
+        ours = sorted({pg.optimizer_name for pg in config.param_groups} & set(OPTIMIZER_NAMES))
+        if config.implementation == "fused_opt_states_bf16" and ours:  # torchtitan's hook: torch's Adam/AdamW only
+            raise ValueError(
+                f"optimizer.implementation=fused_opt_states_bf16 has no effect on {', '.join(ours)}: set "
+                "exp_avg_dtype=bf16 and exp_avg_sq_dtype=bf16 (optimizer_factory_kwargs_by_name) instead"
+            )
+        super().__init__(config, model_parts=model_parts)
+
     @staticmethod
     def _resolve_optimizer_factory(name: str) -> Callable[..., torch.optim.Optimizer]:
         # torchtitan's only hook for a name -> class table (a private static method, called from __init__).

@@ -29,6 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from optim_factory.optimizers.amp import scaler_for_step
+from optim_factory.optimizers.constructor import check_constructor
 from optim_factory.optimizers.export import (
     OffloadedStateDict,
     Pinning,
@@ -38,7 +39,6 @@ from optim_factory.optimizers.export import (
     wrap_like,
 )
 from optim_factory.optimizers.group_rules import PARAM_DTYPES, CheckedParamGroups, own_lr_tensor
-from optim_factory.optimizers.rules import check_constructor
 from optim_factory.optimizers.updates import Update, run_updates
 
 __all__ = ["PortableFusedAdam", "FP8_STORAGE_DTYPE"]

@@ -2,7 +2,7 @@
 group's rules, which build on these: optim_factory/optimizers/group_rules.py).
 
 Both optimizers (:class:`optim_factory.PortableFusedAdam` and the TE subclass :class:`optim_factory.FusedAdam`)
-run :func:`check_constructor` (the Adam options and the export options) first thing in ``__init__``; the
+run ``constructor.check_constructor`` (these rules and the export options) first thing in ``__init__``; the
 factory's ``validate_optim_config`` runs :func:`check_state_dtypes` (the part that needs no model) and turns its
 :class:`OptionError` into its one-line ``ConfigError``. So a value is refused with the same reason whether it
 comes from a recipe config, a Hydra ``_target_`` block or a direct call.
@@ -11,7 +11,7 @@ What the constructors accept, beyond TE's own argument types, so that a plain YA
 
 * dtypes as strings: ``fp32|fp16|bf16|fp8``, ``float32``, ``bfloat16``, ``torch.bfloat16``, ``float8_e4m3fn``,
   ``uint8`` ... (any case), or ``torch.dtype`` objects. FP8 is E4M3, which TE spells ``torch.uint8``.
-* sizes as ``64MiB`` / ``1GiB`` / ``4096B`` strings or ints (:func:`parse_bytes`).
+* sizes as ``64MiB`` / ``1GiB`` / ``4096B`` strings or ints (``constructor.parse_bytes``).
 * ``betas`` as any two-element sequence (a list, a tuple, OmegaConf's ``ListConfig``).
 
 Hyperparameters are checked as ``torch.optim.Adam`` checks them, with its messages; the values torch lets
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import re
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,14 +34,11 @@ from typing import Any
 
 import torch
 
-from optim_factory.optimizers.export.options import DEFAULT_CHUNK_BYTES, ExportOptions
-
 __all__ = [
     "ADAM_ARGUMENTS",
     "OptionError",
     "AdamOptions",
     "parse_dtype",
-    "parse_bytes",
     "check_hyperparameters",
     "check_flags",
     "check_state_dtypes",
@@ -71,8 +67,6 @@ _MASTER_DTYPES = (torch.float32, torch.float16)
 _SPELLINGS = "fp32|fp16|bf16|fp8 (also float32, bfloat16, torch.bfloat16, float8_e4m3fn, uint8, a torch.dtype)"
 _MOMENT_ALLOWED = f"expected {_SPELLINGS}"
 _MASTER_ALLOWED = "expected fp32|fp16 (also float32, float16, torch.float32, torch.float16, a torch.dtype)"
-_SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB)?\s*$")
-_UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
 class OptionError(ValueError, RuntimeError):
@@ -102,21 +96,6 @@ def parse_dtype(value: Any, key: str = "dtype") -> torch.dtype:
     if dtype is None:
         raise OptionError(key, value, _MOMENT_ALLOWED)
     return dtype
-
-
-def parse_bytes(value: Any, key: str) -> int | None:
-    """``None``, an int, or a string like ``"64MiB"`` (units B, KiB, MiB, GiB) -> bytes."""
-    if value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and (m := _SIZE.match(value)):
-        return int(m.group(1)) * _UNITS[m.group(2)]
-    default = f"{DEFAULT_CHUNK_BYTES >> 20}MiB"
-    allowed = (
-        f"expected null (the default: {default} chunks), 0 (one state at a time), bytes as an int or a size like 64MiB"
-    )
-    raise OptionError(key, value, allowed)
 
 
 # ------------------------------------------------------------------------------------------ hyperparameters
@@ -255,11 +234,6 @@ def _spelled(value: Any) -> str:
     return value if isinstance(value, str) else str(value)
 
 
-def _short(dtype: torch.dtype) -> str:
-    """The first spelling of ``dtype`` in :data:`DTYPE_SPELLINGS` (``fp32``, ``bf16`` ...)."""
-    return next(name for name, d in DTYPE_SPELLINGS.items() if d == dtype)
-
-
 # ------------------------------------------------------------------------------------------- all together
 @dataclass(frozen=True)
 class AdamOptions:
@@ -337,32 +311,3 @@ def check_adam_options(
 
 
 ADAM_ARGUMENTS = tuple(inspect.signature(check_adam_options).parameters)
-
-
-def check_export_effect(export: ExportOptions, exp_avg_dtype: torch.dtype, exp_avg_sq_dtype: torch.dtype) -> None:
-    """Export options that a valid FusedAdam accepts without any effect: a ``UserWarning`` each (moment dtypes as
-    :func:`check_state_dtypes` returns them)."""
-    if export.keep_bf16 and torch.bfloat16 not in (exp_avg_dtype, exp_avg_sq_dtype):
-        warnings.warn(
-            "state_dict_keep_bf16=True has no effect: no optimizer state is BF16 (exp_avg_dtype="
-            f"{_short(exp_avg_dtype)}, exp_avg_sq_dtype={_short(exp_avg_sq_dtype)})",
-            UserWarning,
-            stacklevel=1,  # one location: shown once per process, however many callers check the same config
-        )
-
-
-def check_constructor(arguments: dict[str, Any]) -> tuple[AdamOptions, ExportOptions]:
-    """Both FusedAdam constructors' checks, from their arguments (``locals()`` of ``__init__``, whose names are
-    TE 2.20's plus the export options): the Adam options (:func:`check_adam_options`) and the frozen
-    :class:`ExportOptions` (a ``"64MiB"`` chunk size parsed). Raises :class:`OptionError` or ``ValueError``."""
-    adam = check_adam_options(**{name: arguments[name] for name in ADAM_ARGUMENTS})
-    export = ExportOptions.from_kwargs(
-        arguments["state_dict_cpu_offload"],
-        parse_bytes(arguments["state_dict_offload_chunk_bytes"], "state_dict_offload_chunk_bytes"),
-        arguments["state_dict_offload_reuse_buffers"],
-        arguments["state_dict_offload_pinning"],
-        arguments["state_dict_keep_bf16"],
-        arguments["state_dict_offload_background"],
-    )
-    check_export_effect(export, adam.exp_avg_dtype, adam.exp_avg_sq_dtype)
-    return adam, export

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from optim_factory.optimizers.amp import scaler_for_step
+from optim_factory.optimizers.constructor import check_constructor
 from optim_factory.optimizers.export import OffloadedStateDict, Pinning
 from optim_factory.optimizers.group_rules import CheckedParamGroups
-from optim_factory.optimizers.rules import check_constructor
 
 __all__ = ["FusedAdam", "TE_AVAILABLE", "te_import_error"]
 

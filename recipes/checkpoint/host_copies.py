@@ -1,6 +1,6 @@
 """The one host copy of a nested state dict: what an async checkpoint saves besides the optimizer's export buffers
-(the model state), into buffers kept from one save to the next, and the template a load reads into (a fresh
-instance per load). See docs/design.md, "Checkpoints".
+(the model state), into pinned buffers kept from one save to the next, and the pageable template a load reads
+into (a fresh instance per load). See docs/design.md, "Checkpoints".
 
 CUDA tensors are copied into pinned buffers on a side stream: the copy runs at the link's bandwidth, neither
 blocks the caller nor queues behind or ahead of the caller's kernels, and a fresh pageable copy (page faults,
@@ -30,7 +30,11 @@ class HostCopies:
     manager waits for the previous save first). :meth:`close` drops every buffer.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pinned: bool = True) -> None:
+        """``pinned=False``: CUDA tensors are copied into fresh pageable memory at once, as other tensors are (the
+        load's template, read once: pinning it would lock a whole state copy per rank, kept by torch's caching
+        host allocator)."""
+        self.pinned = pinned
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._streams: dict[torch.device, Any] = {}
 
@@ -59,7 +63,7 @@ class HostCopies:
 
     def _tensor(self, tensor: torch.Tensor, path: tuple, events: dict, sources: list) -> torch.Tensor:
         local = local_tensor(tensor).detach()
-        if local.device.type != "cuda":
+        if local.device.type != "cuda" or not self.pinned:
             return tensor.detach().to("cpu", copy=True)
         key = (path, tuple(local.shape), local.dtype)
         buf = self._buffers.get(key)

@@ -105,7 +105,7 @@ class Loads:
         changes = resume.check_config(path, self.run_config)  # a refused change: one line, nothing read yet
         self.verify(path)
         msd, osd = get_state_dict(model, optimizer, options=self.options)
-        copies = HostCopies()  # DCP reads into these; the live state is written only after a complete read
+        copies = HostCopies(pinned=False)  # DCP reads into these; the live state is written after a complete read
         state, copied = copies.copy({"model": msd, "optim": osd, "trainer": dict(trainer_state)})
         copied()
         del msd, osd

@@ -40,7 +40,6 @@ class CheckpointManager(Saves, Loads):
         self.run_config = run_config
         self.root = Path(cfg.dir)
         self.rank = rank
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.device = device
         self.on_report = on_report
         self.options = StateDictOptions(flatten_optimizer_state_dict=cfg.flatten_optimizer_state_dict)
@@ -56,6 +55,11 @@ class CheckpointManager(Saves, Loads):
         self._in_the_way: set[str] | None = None  # step directories of earlier launches, rank 0's (_clear_in_the_way)
         self.verified: Path | None = None  # the newest checkpoint known good: last saved or loaded; never deleted
         self.resume_changes: list = []  # resume.Change: how the run's config differs from the loaded one's
+
+    @property
+    def world(self) -> int:
+        """The number of ranks now (a manager may be built before the process group)."""
+        return dist.get_world_size() if dist.is_initialized() else 1
 
     def complete(self) -> list[tuple[int, Path]]:
         """(step, path) of the complete checkpoints in ``checkpoint.dir``, by step."""

@@ -267,7 +267,7 @@ class Saves:
 
     def _check_before_writing(self, step: int, msd: dict, osd: dict, export_error: str | None, deferred: bool) -> None:
         """Refuse to save a state holding NaN or inf, or whose background export failed, or that cannot fit in
-        the free space of ``checkpoint.dir`` (rank 0 judges the space; all ranks agree: one all-reduce). A
+        the free space of ``checkpoint.dir`` (rank 0 judges the space; all ranks agree: one ``all_ranks`` collective). A
         deferred save has no collective in the save call: its export is checked once filled (:meth:`wait`), and
         a write that runs out of space says so."""
         if deferred:

@@ -24,11 +24,12 @@ def leaves(tree: Any, path: tuple = (), *, dicts_only: bool = False) -> Iterator
 
 
 def map_leaves(fn: Callable[[tuple, Any], Any], tree: Any, path: tuple = ()) -> Any:
-    """The same containers (dict, list, tuple) with every leaf replaced by ``fn(path, leaf)``."""
+    """The same dicts and lists with every leaf replaced by ``fn(path, leaf)``; a tuple is a leaf (a group's
+    ``betas``, a namedtuple: passed to ``fn`` whole)."""
     if isinstance(tree, dict):
         return {k: map_leaves(fn, v, (*path, k)) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(map_leaves(fn, v, (*path, i)) for i, v in enumerate(tree))
+    if isinstance(tree, list):
+        return [map_leaves(fn, v, (*path, i)) for i, v in enumerate(tree)]
     return fn(path, tree)
 
 

@@ -262,6 +262,13 @@ def test_override_refuses_a_config_without_adamw_and_an_unknown_name():
         integration.fused_adam(name="Fused_Adam")
 
 
+def test_torchtitans_bf16_states_option_is_refused_for_our_classes():
+    config = integration.fused_adam(name="PortableFusedAdam")
+    config.implementation = "fused_opt_states_bf16"
+    with pytest.raises(ValueError, match="^optimizer.implementation=fused_opt_states_bf16 has no effect on Portable"):
+        config.build(model_parts=[Net(0)])
+
+
 def test_torchtitans_own_names_still_resolve():
     optimizers = integration.OptimizersContainer.Config(param_groups=default_adamw(lr=1e-3).param_groups).build(
         model_parts=[Net(0)]

@@ -7,7 +7,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from optim_factory import ConfigError
-from recipes.train import compose_config
+from recipes.preflight import preflight
+from recipes.train import USER_ERRORS, compose_config
 
 BAD = [
     (["model.n_heads=3"], "model.d_model=64: must be divisible by model.n_heads=3"),
@@ -31,3 +32,21 @@ def test_bad_numbers_are_one_line(overrides, line):
 def test_the_defaults_pass():
     cfg = compose_config([])
     OmegaConf.to_object(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides,line",
+    [
+        (["data.digits=12", "model.d_model=0"], "model.d_model=0: must be >= 1"),  # model before data
+        (["trainer.max_steps=0", "data.seq_len=999999"], "trainer.max_steps=0: must be >= 1"),  # a group's, then across
+        (["data.seq_len=999999", "data.global_batch_size=0"], "data.global_batch_size=0: must be a positive multiple of"
+         " the world size (1 ranks), each rank takes an equal share"),  # the world size, then across groups
+    ],
+)  # fmt: skip
+def test_the_preflight_s_order(overrides, line, tmp_path):
+    """With several mistakes, the first refused: each group's own rules (model, data, checkpoint, trainer: the
+    schema's order), then the launcher, the device and the data for the world size, then the rules across
+    groups (recipes/preflight.py)."""
+    with pytest.raises(USER_ERRORS) as info:
+        preflight(compose_config([*overrides, f"run_dir={tmp_path}"]))
+    assert str(info.value) == line

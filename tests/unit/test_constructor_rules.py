@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from optim_factory import PortableFusedAdam
-from optim_factory.optimizers.rules import OptionError, parse_bytes, parse_dtype
+from optim_factory.optimizers.constructor import parse_bytes
+from optim_factory.optimizers.rules import OptionError, parse_dtype
 from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE
 from optim_factory.optimizers.te_fused_adam import FusedAdam as TEFusedAdam
 

@@ -1,5 +1,6 @@
-"""The code's layout (issue: the checkpoint package): in ``recipes/`` and ``optim_factory/`` no import cycle, lazy
-imports inside functions included; no module over 400 lines; no private name imported from another module."""
+"""The code's layout: in ``recipes/`` and ``optim_factory/`` no import cycle (imports inside functions, and the
+package ``__init__`` an import runs first, included); no module over 400 lines; no private name imported from
+another module."""
 
 from __future__ import annotations
 
@@ -40,9 +41,21 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str,
     return found
 
 
+def _with_parents(importer: str, dep: str, modules: dict[str, Path]) -> set[str]:
+    """``dep`` and the packages whose ``__init__`` importing it runs first (none the importer is inside: those
+    are already being imported when it runs)."""
+    parts = dep.split(".")
+    found = {dep} | {".".join(parts[:i]) for i in range(1, len(parts))}
+    inside = {".".join(importer.split(".")[:i]) for i in range(1, importer.count(".") + 2)}
+    return {m for m in found if m in modules and m not in inside}
+
+
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
-    return {m: {dep for dep, _ in _imports(m, p, modules)} - {m} for m, p in modules.items()}
+    return {
+        m: {d for dep, _ in _imports(m, p, modules) for d in _with_parents(m, dep, modules)} - {m}
+        for m, p in modules.items()
+    }
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -76,6 +89,12 @@ def test_the_cycle_check_finds_a_lazy_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycle(graph) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_an_import_runs_its_parent_packages_first():
+    modules = dict.fromkeys(["a", "a.b", "a.b.c", "a.d"], Path())
+    assert _with_parents("a.d", "a.b.c", modules) == {"a.b", "a.b.c"}  # a/__init__ runs already: a.d is in it
+    assert _with_parents("x", "a.b.c", modules) == {"a", "a.b", "a.b.c"}
 
 
 def test_a_lazy_import_is_an_edge(tmp_path):

@@ -183,7 +183,7 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
     inf in a state is a diverged run's: loading it would train on NaN; one min/max pass per state, one sync
     per device) and a non-negative ``exp_avg_sq``.
     """
-    from optim_factory.optimizers.group_rules import GROUP_KEYS, check_group  # rules imports this package's options
+    from optim_factory.optimizers.group_rules import GROUP_KEYS, check_group  # group_rules imports the export API
 
     required = [k for k in GROUP_KEYS if k not in ("param_names", "step")]
 
