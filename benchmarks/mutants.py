@@ -108,7 +108,8 @@ def run(rev: str, pytest_args: list[str]) -> list[dict]:
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
             seconds = time.perf_counter() - t0
-            failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+            # pytest's summary lines ("FAILED tests/...::name"), not a captured log line that starts with ERROR
+            failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED tests/", "ERROR tests/"))]
             result = "caught" if proc.returncode == 1 and failed else "missed" if proc.returncode == 0 else "error"
             if result == "error":
                 failed = [proc.stdout[-300:] + proc.stderr[-300:]]
