@@ -39,7 +39,7 @@ from recipes.data import DataError
 from recipes.distributed import LaunchError, all_ranks, init_distributed, shutdown
 from recipes.evaluate import evaluate
 from recipes.launches import record_config
-from recipes.logs import FILE_ONLY, MetricsWriter, StepLog, eval_postfix, eval_text, setup_logging
+from recipes.logs import FILE_ONLY, MetricsWriter, StepLog, eval_postfix, eval_text, log, setup_logging
 from recipes.model import build_model
 from recipes.preflight import preflight, run_dir_refusal
 from recipes.progress import progress_bar
@@ -47,7 +47,6 @@ from recipes.run_lock import RunDirLock
 from recipes.step import TrainStep, shard_model
 from recipes.stop_signal import StopSignal
 
-log = logging.getLogger("recipes.train")
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 EXIT_INTERRUPTED = 130  # a plain run stopped by Ctrl-C, as for any interrupted command
 

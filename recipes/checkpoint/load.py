@@ -32,7 +32,6 @@ from recipes.checkpoint.layout import (
     STEP_DIR,
     CheckpointError,
     DamagedCheckpoint,
-    complete,
     is_complete,
     one_line,
     read_manifest,
@@ -54,10 +53,13 @@ class Loads:
             return []
         if self.cfg.resume != "auto":
             return [Path(self.cfg.resume)]
+        done = []
         for step, path in step_dirs(self.root):
-            if not is_complete(path):
+            if is_complete(path):
+                done.append(path)
+            else:
                 log.warning("ignoring incomplete checkpoint %s (step %d): its save did not finish", path, step)
-        return [p for _, p in reversed(complete(self.root))]
+        return done[::-1]
 
     def resume(self, model, optimizer, trainer_state: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
         """Load the newest loadable checkpoint; with ``checkpoint.fallback``, older ones after a failure.
