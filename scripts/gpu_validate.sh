@@ -5,6 +5,9 @@
 #   bash scripts/gpu_validate.sh first    # first export without a pinned pool: 1 GPU, then 2 concurrent ranks
 #   bash scripts/gpu_validate.sh save     # 2 GPUs: bench_save (the save path side by side), bench_recipe_overhead
 #   bash scripts/gpu_validate.sh multi    # 2-GPU tests (torchrun) incl. the recipe
+#   bash scripts/gpu_validate.sh floors   # 1 GPU: a resume's peak (bench_resume), the loss to the loop against its
+#                                         # floor (bench_save: a, c, d)
+#   bash scripts/gpu_validate.sh writes   # durable writes against dd: synthetic 4 GB and the 805M recipe (bench_write)
 #   bash scripts/gpu_validate.sh stream   # streaming export acceptance: 2 GiB of BF16 states and one 1.07e9-element
 #                                         # state, every mode, fresh processes (first export, host memory over 10)
 # Logs and results go to ${OUT:-gpu-out}/ (pytest logs, gpu_results.jsonl, bench.md, bench_peak.png).
@@ -52,6 +55,29 @@ case "${1:-single}" in
     timeout 300 $py -m torch.distributed.run --standalone --nproc_per_node=2 -m benchmarks.probes.bench_recipe_overhead \
       --out "$out/recipe_overhead" > "$out/recipe_overhead.log" 2>&1
     echo "bench_recipe_overhead rc=$? in $(( $(date +%s) - start )) s"; cat "$out/recipe_overhead/bench_recipe_overhead.md" 2>/dev/null || tail -n 40 "$out/recipe_overhead.log" ;;
+  floors)
+    start=$(date +%s)
+    scratch=${SCRATCH:-/tmp/floors}; mkdir -p "$scratch"
+    timeout 200 $py -m torch.distributed.run --standalone --nproc_per_node=1 -m scripts.bench_resume \
+      --out "$out/bench_resume" --scratch "$scratch" > "$out/bench_resume.log" 2>&1
+    echo "bench_resume rc=$? in $(( $(date +%s) - start )) s"; cat "$out/bench_resume/bench_resume.md" 2>/dev/null || tail -n 30 "$out/bench_resume.log"
+    rm -rf "$scratch"/*; start=$(date +%s)
+    timeout 300 $py -m torch.distributed.run --standalone --nproc_per_node=1 -m scripts.bench_save --out "$out/bench_save" \
+      --scratch "$scratch" --repeats ${REPEATS:-3} --modes a-te-async-pinned,c-ours,d-ours-keep-bf16 > "$out/bench_save.log" 2>&1
+    echo "bench_save rc=$? in $(( $(date +%s) - start )) s"; cat "$out/bench_save/bench_save.md" 2>/dev/null || tail -n 40 "$out/bench_save.log"
+    rm -rf "$scratch" ;;
+  writes)
+    start=$(date +%s)
+    scratch=${SCRATCH:-/tmp/writes}; mkdir -p "$scratch"
+    timeout 150 $py -m scripts.bench_write --gb 4 --threads 1,2,4,8 --repeats 3 --scratch "$scratch" \
+      --out "$out/bench_write_synthetic" > "$out/bench_write_synthetic.log" 2>&1
+    echo "bench_write synthetic rc=$? in $(( $(date +%s) - start )) s"; tail -n 12 "$out/bench_write_synthetic.log"
+    rm -rf "$scratch"/*; start=$(date +%s)
+    recipe="model.d_model=2048 model.n_layers=16 model.n_heads=16 model.d_ff=8192 model.dtype=bf16 experiment=lowmem trainer.device=cuda"
+    timeout 400 $py -m scripts.bench_write --recipe "$recipe" --threads ${THREADS:-1,2,4,8} --repeats 2 --every 5 \
+      --scratch "$scratch" --out "$out/bench_write_recipe" > "$out/bench_write_recipe.log" 2>&1
+    echo "bench_write recipe rc=$? in $(( $(date +%s) - start )) s"; tail -n 12 "$out/bench_write_recipe.log"
+    rm -rf "$scratch" ;;
   multi)
     mkdir -p /tmp/smoke
     timeout 120 $py -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.distributed.run_worker \

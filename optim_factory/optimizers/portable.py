@@ -188,10 +188,10 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
         """Store FP32 ``unscaled`` into the low-precision ``scaled`` (local tensors), updating ``scale``."""
         if unscaled.dtype != torch.float32:
             raise TypeError(f"unscaled state must be float32, got {unscaled.dtype}")
-        unscaled = unscaled.to(scaled.device)
         if scaled.dtype == torch.bfloat16:
-            scaled.copy_(unscaled)
+            scaled.copy_(unscaled)  # converted where it is: a host state makes no device temporary
             return
+        unscaled = unscaled.to(scaled.device)
         if unscaled.numel() == 0:
             return  # nothing to scale (TE's torch.aminmax would raise here)
         max_range = _FP8_MAX if self.name_to_dtype_map[state_name] == torch.uint8 else _FP16_RANGE
@@ -270,10 +270,10 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
         self._initialize_state(param, "exp_avg", zero_buffer=True)
         self._initialize_state(param, "exp_avg_sq", zero_buffer=True)
         if self.master_weights:
-            self._initialize_state(
-                param, "master_param", zero_buffer=False, store_param_remainders=store_param_remainders
-            )
-            if not store_param_remainders:
+            self._initialize_state(param, "master_param", False, store_param_remainders)  # zero_buffer=False
+            if self.name_to_dtype_map["master_param"] == torch.float32 and not store_param_remainders:
+                local_tensor(self.state[param]["master_param"]).copy_(local_tensor(param).detach())  # no temporary
+            elif not store_param_remainders:  # scaled (FP16): through set_scaled_state, as TE sets it
                 self.set_scaled_state(param, "master_param", local_tensor(param).detach().clone().float())
 
     # ------------------------------------------------------------------ update

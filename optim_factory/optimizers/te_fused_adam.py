@@ -13,7 +13,7 @@ import torch
 
 from optim_factory.optimizers.amp import scaler_for_step
 from optim_factory.optimizers.constructor import check_constructor
-from optim_factory.optimizers.export import OffloadedStateDict, Pinning
+from optim_factory.optimizers.export import OffloadedStateDict, Pinning, local_tensor
 from optim_factory.optimizers.group_rules import CheckedParamGroups
 
 __all__ = ["FusedAdam", "TE_AVAILABLE", "te_import_error"]
@@ -120,6 +120,22 @@ class FusedAdam(OffloadedStateDict, CheckedParamGroups, _TEFusedAdam):  # type: 
         already unscaled are not unscaled again (:mod:`optim_factory.optimizers.amp`)."""
         self.wait_state_dict()
         return super().step(closure, scaler_for_step(grad_scaler, self))
+
+    def initialize_state(self, param: torch.Tensor, store_param_remainders: bool) -> None:
+        """TE's ``initialize_state``, except that an FP32 master of a plain parameter is converted into its state
+        directly: TE's ``set_scaled_state(param, ..., param.clone().detach().float())`` holds a temporary of 6 bytes
+        per element of the parameter (the largest one sets the peak of a state initialisation). Bitwise the same:
+        a BF16 or FP16 value converts to FP32 exactly."""
+        local = local_tensor(param)
+        plain = type(local) in (torch.Tensor, torch.nn.Parameter)  # TE's quantized parameters: TE's own path
+        if not (plain and self.master_weights and not store_param_remainders) or (
+            self.name_to_dtype_map["master_param"] != torch.float32
+        ):
+            return super().initialize_state(param, store_param_remainders)
+        self._initialize_state(param, "exp_avg", zero_buffer=True)
+        self._initialize_state(param, "exp_avg_sq", zero_buffer=True)
+        self._initialize_state(param, "master_param", zero_buffer=False)
+        local_tensor(self.state[param]["master_param"]).copy_(local.detach())
 
     def _on_device_state_dict(self) -> dict[str, Any]:
         return _TEFusedAdam.state_dict(self)

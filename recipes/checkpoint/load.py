@@ -21,7 +21,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from optim_factory.optimizers.export import join_bf16_remainder, local_tensor, split_bf16_remainder, wrap_host_local
+from optim_factory.optimizers.export import (
+    OffloadedStateDict,
+    join_bf16_remainder,
+    local_tensor,
+    split_bf16_remainder,
+    wrap_host_local,
+)
 from recipes.checkpoint import resume
 from recipes.checkpoint.checksums import file_problem
 from recipes.checkpoint.host_copies import HostCopies
@@ -106,6 +112,8 @@ class Loads:
         """
         changes = resume.check_config(path, self.run_config)  # a refused change: one line, nothing read yet
         self.verify(path)
+        if isinstance(optimizer, OffloadedStateDict):
+            optimizer.initialize_states()  # else DCP's template makes them by a step on zero gradients (allocated)
         msd, osd = get_state_dict(model, optimizer, options=self.options)
         copies = HostCopies(pinned=False)  # DCP reads into these; the live state is written after a complete read
         state, copied = copies.copy({"model": msd, "optim": osd, "trainer": dict(trainer_state)})

@@ -198,7 +198,7 @@ class Saves:
         t0 = time.perf_counter()
         in_flight = False
         stager = None
-        writer = ChecksumFileSystemWriter(path)
+        writer = ChecksumFileSystemWriter(path, thread_count=self.cfg.write_threads)
         try:
             if self.cfg.async_save:
                 stager = ExportBufferStager(optimizer, deferred=deferred, host_copies=self._host_copies)
@@ -396,4 +396,3 @@ class Saves:
                 self.reports.remove(p.report)  # never complete: not this launch's checkpoint
                 raise
         self._finalize(p.step, p.path, p.report, self._gather_checksums(p.writer), waited_since, p.held_s)
-

@@ -389,3 +389,27 @@ def test_te_capturable_step_with_grad_scaler_matches_adam(unscale, overflow_at):
     diff, steps = against_adam(te_cls(), unscale, overflow_at, device=DEV)
     assert diff < TOL, diff
     assert steps[0] == steps[1] == (3 if overflow_at is None else 2)
+
+
+@pytest.mark.parametrize("name,dtype,kw", [c[:3] for c in LIFECYCLE_CONFIGS], ids=[c[0] for c in LIFECYCLE_CONFIGS])
+def test_te_initialize_states_equals_te_s_own_initialisation_bitwise(name, dtype, kw):
+    """``initialize_states()`` (an FP32 master converted in place) against TE's ``initialize_state`` (its FP32
+    temporary), per configuration; then 3 steps of each stay bitwise equal (the first counts 1)."""
+    from transformer_engine.pytorch.optimizers import FusedAdam as TEFusedAdam
+
+    FusedAdam = te_cls()
+    p_te, p_ours = make_params(dtype, shapes=SHAPES, device=DEV), make_params(dtype, shapes=SHAPES, device=DEV)
+    te, ours = FusedAdam(p_te, **HP, **kw), FusedAdam(p_ours, **HP, **kw)
+    remainders = te.store_param_remainders and dtype == torch.bfloat16
+    for p in p_te:
+        TEFusedAdam.initialize_state(te, p, remainders)
+    for group in te.param_groups:  # the count initialize_states() gives; TE's first step adds 1 to it
+        group["step"] = torch.zeros([1], dtype=torch.int, device=DEV) if kw.get("capturable") else 0
+    ours.initialize_states()
+    assert [int(g["step"]) for g in ours.param_groups] == [0]
+    assert_state_dicts_bitwise(ours.state_dict(), te.state_dict())
+    run_steps(te, p_te, 0, 3)
+    run_steps(ours, p_ours, 0, 3)
+    assert_state_dicts_bitwise(ours.state_dict(), te.state_dict())
+    for a, b in zip(p_ours, p_te, strict=True):
+        assert_bitwise(a, b, "param")

@@ -39,6 +39,8 @@ needs_checkpointer = pytest.mark.skipif(
     bool(MISSING), reason=f"Automodel's Checkpointer imports {', '.join(MISSING)}: {INSTALL}"
 )
 PORTABLE = "--optimizer._target_=optim_factory.PortableFusedAdam"
+
+
 def snippet(name: str) -> str:
     """The fenced block that follows ``<!-- drop-in:<name> -->`` in docs/drop-in.md."""
     match = re.search(rf"<!-- drop-in:{name} -->\n```\w+\n(.*?)```", DOC.read_text(), re.S)

@@ -14,9 +14,7 @@ import torch
 
 from tests.integrations import INSTALL
 
-pytest.importorskip(
-    "torchtitan", reason=f"torchtitan is not installed: {INSTALL}"
-)
+pytest.importorskip("torchtitan", reason=f"torchtitan is not installed: {INSTALL}")
 
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: E402

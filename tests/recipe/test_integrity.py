@@ -199,7 +199,8 @@ def test_manifest_records_every_file_with_its_checksum_and_the_resolved_config(a
         path = tmp_path / "checkpoints" / f"step_{step:08d}"
         manifest = read_manifest(path)
         on_disk = {p.name for p in path.iterdir() if p.name != MARKER}
-        assert set(manifest["files"]) == on_disk == {".metadata", "__0_0.distcp"}
+        threads = cfg.checkpoint.write_threads  # one file per writer thread
+        assert set(manifest["files"]) == on_disk == {".metadata", *(f"__0_{i}.distcp" for i in range(threads))}
         for name, record in manifest["files"].items():
             data = (path / name).read_bytes()
             assert record == {"size": len(data), "xxh3_64": xxhash.xxh3_64(data).hexdigest()}, name

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from recipes.checkpoint import CheckpointError, read_manifest
+from recipes.config import CheckpointConfig
 from recipes.train import compose_config, train
 from tests.distributed.launch import recipe_ranks
 from tests.recipe.runs import QUICK, metrics, run_cli, stopped
@@ -53,10 +54,10 @@ def _run(run_dir, *extra):
 def test_every_rank_writes_its_file_and_rank_0_reports_all_bytes(two_rank_run):
     run_dir, stderr = two_rank_run
     assert "world_size=2" in stderr
+    threads = CheckpointConfig().write_threads  # one file per rank and writer thread
     assert set(read_manifest(run_dir / "checkpoints" / STEP10)["files"]) == {
         ".metadata",
-        "__0_0.distcp",
-        "__1_0.distcp",
+        *(f"__{rank}_{i}.distcp" for rank in range(2) for i in range(threads)),
     }
     _assert_reports_count_every_rank_s_bytes(run_dir, [10, 20])
 

@@ -125,10 +125,65 @@ def test_bench_save_dcp_stager_per_save_or_kept(tmp_path, monkeypatch, capsys, s
         assert built == ([1, 2, 3] if stager == "fresh" else [1, 1, 1]), (mode, built)
 
 
+def test_bench_save_s_floor_is_the_copy_less_the_overlapping_forward_and_backward():
+    from scripts.bench_save import floor_s
+
+    meta = {"link_gbps": 50.0, "forward_backward_s": 0.03, "model_bytes": 1e9}
+    assert floor_s(4e9, meta) == pytest.approx(5e9 / 50e9 - 0.03)  # optimizer export + model parameters
+    assert floor_s(0.5e9, {**meta, "forward_backward_s": 1.0}) == 0.0  # all of it hidden
+    assert floor_s(4e9, {**meta, "link_gbps": None}) is None  # CPU: no link
+
+
+def test_bench_write_sets_every_writer_row_beside_dd(tmp_path, monkeypatch, capsys):
+    args = ["--gb", "0.02", "--tensor-mib", "1", "--threads", "1,2", "--repeats", "2"]
+    code, err = run_script(
+        "bench_write", [*args, "--scratch", str(tmp_path / "s"), "--out", str(tmp_path)], monkeypatch, capsys
+    )
+    assert code is None, err[-3000:]
+    lines = (tmp_path / "bench_write.jsonl").read_text().splitlines()
+    meta, rows = json.loads(lines[0])["meta"], [json.loads(ln) for ln in lines[1:]]
+    assert len(meta["reference_gbps"]) == 2 and min(meta["reference_gbps"]) > 0
+    assert [(r["case"], r["threads"]) for r in rows] == [
+        ("synthetic", 1),
+        ("synthetic", 2),
+        ("synthetic+zip-crc32", 1),
+        ("synthetic+zip-crc32", 2),
+    ]
+    from scripts.bench_write import synthetic_state
+
+    nbytes = sum(t.numel() * t.element_size() for t in synthetic_state(0.02, 1).values())
+    for r in rows:  # the tensors' bytes, and each file's framing on top
+        assert len(r["gbps"]) == 2 and min(r["gbps"]) > 0 and nbytes < r["bytes"] < nbytes + 2**20, r
+    assert "| synthetic | 2 |" in (tmp_path / "bench_write.md").read_text()
+    assert list((tmp_path / "s").iterdir()) == []  # every checkpoint and the dd file deleted
+
+
+def test_bench_write_measures_the_recipe_s_own_checkpoints(tmp_path, monkeypatch, capsys):
+    args = ["--recipe", "experiment=quick trainer.threads=1", "--threads", "1,2", "--repeats", "2", "--every", "5"]
+    code, err = run_script(
+        "bench_write", [*args, "--scratch", str(tmp_path / "s"), "--out", str(tmp_path)], monkeypatch, capsys
+    )
+    assert code is None, err[-3000:]
+    rows = [json.loads(ln) for ln in (tmp_path / "bench_write.jsonl").read_text().splitlines()[1:]]
+    assert [(r["case"], r["threads"], len(r["gbps"])) for r in rows] == [("recipe", 1, 2), ("recipe", 2, 2)]
+    assert all(r["bytes"] > 0 for r in rows)
+
+
+def test_bench_resume_loads_every_state_bitwise_on_cpu(tmp_path, monkeypatch, capsys):
+    args = ["--device", "cpu", "--width", "32", "--layers", "2", "--out", str(tmp_path), "--scratch", str(tmp_path)]
+    code, err = run_script("bench_resume", args, monkeypatch, capsys)
+    assert code is None, err[-3000:]
+    rows = [json.loads(ln) for ln in (tmp_path / "bench_resume.jsonl").read_text().splitlines()[1:]]
+    assert [(r["case"], r["states_equal_saved"], r["step"]) for r in rows] == [
+        ("ours", True, [2]),
+        ("ours-dcp-init", True, [2]),
+    ]
+
+
 @pytest.mark.slow
 def test_every_script_imports_as_a_module_from_the_root_without_pythonpath():
     code = "import scripts.bench_export, scripts.fault_injection, scripts.fault_train, scripts.bench_save, "
-    code += "scripts.plot_bench_save, scripts.compare_backends"
+    code += "scripts.plot_bench_save, scripts.compare_backends, scripts.bench_write, scripts.bench_resume"
     env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -175,6 +230,8 @@ BAD_ARGUMENTS = [
     ("bench_save", ["--out", "{tmp}/o", "--chunk", "12XB"], "argument --chunk: --chunk='12XB': expected"),
     ("plot_bench_save", ["{tmp}/none.jsonl"], "argument jsonl: {tmp}/none.jsonl: no such file"),
     ("compare_backends", ["--device", "cpu"], "--against te needs Transformer Engine, which does not import here"),
+    ("bench_write", ["--scratch", "{tmp}/s", "--out", "{tmp}/o", "--threads", "0"], "expected positive integers"),
+    ("bench_resume", ["--out", "{tmp}/o", "--cases", "ours,bogus"], "--cases='ours,bogus': cases from te,"),
 ]
 
 

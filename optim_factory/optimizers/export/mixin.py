@@ -225,6 +225,25 @@ class OffloadedStateDict:
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():  # type: ignore[attr-defined]
             post_hook(self)
 
+    def initialize_states(self) -> None:
+        """Create the states every parameter's first ``step()`` creates (zeroed moments; with ``master_weights``
+        the master copy of the parameter) and a ``step`` count of 0 in every group that has none, without a
+        gradient and without changing a parameter. Parameters that have states keep them.
+
+        For a resume: DCP's ``get_state_dict`` / ``get_optimizer_state_dict`` on an optimizer without states
+        creates them by a ``step()`` on zero gradients (``_init_optim_state``), allocating a gradient for every
+        parameter; with the states already there it does not. The ``step`` count puts the key into the template,
+        so that the checkpoint's count is loaded. A first ``step()`` afterwards counts 1, as without this call.
+        """
+        self.wait_state_dict()
+        for group in self.param_groups:
+            if group["params"] and "step" not in group:
+                device = local_tensor(group["params"][0]).device
+                group["step"] = torch.zeros([1], dtype=torch.int, device=device) if self.capturable else 0
+            for p in group["params"]:
+                if len(self.state[p]) == 0:
+                    self.initialize_state(p, self.store_param_remainders and p.dtype == torch.bfloat16)
+
     def release_state_dict(self, state_dict: Any) -> int:
         """Give the pooled host buffers of an exported ``state_dict`` back for reuse; return how many.
 

@@ -1,0 +1,50 @@
+"""The recipe's checkpoint writer: several writer threads (one file each), every file with its XXH3, and
+``torch.save``'s zip CRC32 left out of the records while it writes (XXH3 covers every byte)."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+import zipfile
+
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+
+from recipes.checkpoint.checksums import ChecksumFileSystemWriter
+
+
+def _save(path, threads: int) -> tuple[dict, ChecksumFileSystemWriter]:
+    state = {f"t{i}": torch.randn(1000 + i, generator=torch.Generator().manual_seed(i)) for i in range(6)}
+    writer = ChecksumFileSystemWriter(path, thread_count=threads)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=writer)
+    return state, writer
+
+
+def test_records_carry_no_zip_crc32_the_setting_is_restored_and_the_checkpoint_loads(tmp_path):
+    torch.serialization.set_crc32_options(True)
+    state, writer = _save(tmp_path, threads=2)
+    assert torch.serialization.get_crc32_options() is True  # as it was before the save
+    metadata = pickle.loads((tmp_path / ".metadata").read_bytes())
+    crcs = []
+    for info in metadata.storage_data.values():
+        data = (tmp_path / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+        crcs += [entry.CRC for entry in zipfile.ZipFile(io.BytesIO(data)).infolist() if entry.filename.endswith("/0")]
+    assert len(crcs) == len(state) and set(crcs) == {0}, crcs  # each tensor's storage record
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(loaded, checkpoint_id=str(tmp_path))
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_each_writer_thread_writes_its_own_file_with_its_checksum(tmp_path):
+    _, writer = _save(tmp_path, threads=3)
+    records = writer.checksums()
+    assert sorted(records) == [".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
+    for name, record in records.items():
+        data = (tmp_path / name).read_bytes()
+        assert record == {"size": len(data), "xxh3_64": xxhash.xxh3_64(data).hexdigest()}, name
