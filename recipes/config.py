@@ -117,7 +117,7 @@ class CheckpointConfig:
     flatten_optimizer_state_dict: bool = True  # StateDictOptions(flatten_optimizer_state_dict=...)
     resume: str = "auto"  # auto (newest complete checkpoint) | never | <path of a step_* directory>
     fallback: bool = False  # resume=auto: if the newest complete checkpoint fails to load, try older ones
-    write_threads: int = 2  # DCP writer threads per rank, one file each (the disk's rate: scripts/bench_write.py)
+    write_threads: int = 0  # DCP writer threads per rank, one file each; 0: recipes.checkpoint.checksums.writer_threads
     enabled: bool = True
 
     def __post_init__(self) -> None:
@@ -126,8 +126,8 @@ class CheckpointConfig:
             raise CheckpointError(f"checkpoint.every_steps={self.every_steps}: must be >= 1")
         if self.keep_last < 0:
             raise CheckpointError(f"checkpoint.keep_last={self.keep_last}: must be >= 0 (0 keeps all)")
-        if self.write_threads < 1:
-            raise CheckpointError(f"checkpoint.write_threads={self.write_threads}: must be >= 1")
+        if self.write_threads < 0:
+            raise CheckpointError(f"checkpoint.write_threads={self.write_threads}: must be >= 0 (0: automatic)")
         if not self.enabled and self.resume not in ("auto", "never"):  # nothing would read it
             raise CheckpointError(
                 f"checkpoint.resume={self.resume!r} with checkpoint.enabled=false: nothing would be loaded; "

@@ -48,6 +48,16 @@ def converted_bytes(opt) -> list[int]:
     return out
 
 
+def exported_bytes(opt) -> int:
+    """The bytes of every exported state (FP32; int16 remainders): what a chunked export's chunks hold."""
+    total = 0
+    for p, st in opt.state.items():
+        for name in st:
+            remainder = opt.store_param_remainders and name == "master_param" and p.dtype == torch.bfloat16
+            total += p.numel() * (2 if remainder else 4)
+    return total
+
+
 def measure(fn):
     torch.cuda.synchronize() if DEV == "cuda" else None
     base = torch.cuda.memory_allocated()
@@ -94,12 +104,15 @@ def test_te_lifecycle_and_memory(name, dtype, kw, mode, record):
     else:
         if mode == "offloadOn":
             bound = max(per_state, default=0)
-        elif mode == "offloadDefault":  # 64 MiB chunks pack several states: two chunks, each at most all of them
-            bound = 2 * min(DEFAULT_CHUNK_BYTES, sum(per_state))
+        elif mode == "offloadDefault":  # 64 MiB chunks pack several states, FP32 ones too: two chunk buffers,
+            # each at most every state's bytes (measured within 0.5 MiB of that on an H200, 2026-12-02)
+            bound = 2 * min(DEFAULT_CHUNK_BYTES, exported_bytes(opt))
         else:
             bound = min(2 * CHUNK, 2 * max(per_state, default=0))
         assert peak <= bound + SLACK, (peak, bound)
-        assert retained == 0
+        # nothing of the export stays on the GPU; with FP8 states and 64 MiB chunks TE let go of 66 MiB of its
+        # own while they were read (fp16-params-fp16-master-fp8-bf16, H200, 2026-12-02): <= 0, not == 0
+        assert retained <= 0, retained
         for st in sd["state"].values():
             assert all(v.device.type == "cpu" for v in st.values())
     record(

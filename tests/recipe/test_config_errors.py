@@ -135,7 +135,7 @@ def test_a_rejected_run_changes_nothing_on_disk(tmp_path):
         ),  # not Hydra's first line: 'Ambiguous value for argument ...
         (["run_dir=???"], "run_dir: missing value (it has no default; set run_dir=...)"),
         (["checkpoint.every_steps=0"], "checkpoint.every_steps=0: must be >= 1"),
-        (["checkpoint.write_threads=0"], "checkpoint.write_threads=0: must be >= 1"),
+        (["checkpoint.write_threads=-1"], "checkpoint.write_threads=-1: must be >= 0 (0: automatic)"),
         (["optim.use_decoupled_grad=true"], "optim.use_decoupled_grad=true: FusedAdam would read"),
     ],
     ids=["enum", "type", "syntax", "comma", "missing", "checkpoint", "write-threads", "decoupled-grad"],

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from optim_factory import ConfigError
 from recipes.checkpoint import FALLBACK_HINT, MARKER, CheckpointError, is_complete, read_checkpoint, read_manifest
-from recipes.checkpoint.checksums import MANIFEST_DIGEST
+from recipes.checkpoint.checksums import MANIFEST_DIGEST, writer_threads
 from recipes.train import compose_config, train
 from tests.recipe.runs import QUICK, cli, complete_steps, run_cli, snapshot, stopped
 
@@ -199,7 +199,7 @@ def test_manifest_records_every_file_with_its_checksum_and_the_resolved_config(a
         path = tmp_path / "checkpoints" / f"step_{step:08d}"
         manifest = read_manifest(path)
         on_disk = {p.name for p in path.iterdir() if p.name != MARKER}
-        threads = cfg.checkpoint.write_threads  # one file per writer thread
+        threads = writer_threads(cfg.checkpoint.write_threads)  # one file per writer thread
         assert set(manifest["files"]) == on_disk == {".metadata", *(f"__0_{i}.distcp" for i in range(threads))}
         for name, record in manifest["files"].items():
             data = (path / name).read_bytes()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from recipes.checkpoint import CheckpointError, read_manifest
+from recipes.checkpoint.checksums import writer_threads
 from recipes.config import CheckpointConfig
 from recipes.train import compose_config, train
 from tests.distributed.launch import recipe_ranks
@@ -54,7 +55,7 @@ def _run(run_dir, *extra):
 def test_every_rank_writes_its_file_and_rank_0_reports_all_bytes(two_rank_run):
     run_dir, stderr = two_rank_run
     assert "world_size=2" in stderr
-    threads = CheckpointConfig().write_threads  # one file per rank and writer thread
+    threads = writer_threads(CheckpointConfig().write_threads)  # one file per rank and writer thread
     assert set(read_manifest(run_dir / "checkpoints" / STEP10)["files"]) == {
         ".metadata",
         *(f"__{rank}_{i}.distcp" for rank in range(2) for i in range(threads)),

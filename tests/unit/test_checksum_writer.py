@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import warnings
 import zipfile
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from recipes.checkpoint.checksums import ChecksumFileSystemWriter
+from recipes.checkpoint.checksums import ChecksumFileSystemWriter, writer_threads
 
 
 def _save(path, threads: int) -> tuple[dict, ChecksumFileSystemWriter]:
@@ -48,3 +50,15 @@ def test_each_writer_thread_writes_its_own_file_with_its_checksum(tmp_path):
     for name, record in records.items():
         data = (tmp_path / name).read_bytes()
         assert record == {"size": len(data), "xxh3_64": xxhash.xxh3_64(data).hexdigest()}, name
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity (Linux)")
+def test_automatic_writer_threads_follow_the_cpus_this_process_may_use_up_to_4():
+    allowed = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        assert writer_threads(0) == 1
+        assert writer_threads(3) == 3  # a number given is used as it is
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert writer_threads(0) == min(4, len(allowed))
