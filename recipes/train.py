@@ -32,6 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from optim_factory.factory import ConfigError, ValidatedOptim, build_optimizer
 from recipes.checkpoint import CheckpointError, CheckpointManager
+from recipes.checkpoint.checksums import writer_threads
 from recipes.checkpoint.resume import log_changes, nothing_to_do
 from recipes.command_line import command_line_error, config_error_line, shared_run_dir_error
 from recipes.config import register_configs
@@ -143,6 +144,10 @@ def _train(
         waits_before_step=True,  # TrainStep calls ckpt.wait_export before optimizer.step()
     )
     log.info("launcher=%s world_size=%d device=%s run_dir=%s", env.launcher, world, device, Path(cfg.run_dir).resolve())
+    if cfg.checkpoint.enabled:
+        given = cfg.checkpoint.write_threads
+        how = "0: min(4, the CPUs this process may use)" if given == 0 else str(given)
+        log.info("checkpoints: %d writer thread(s) per rank (checkpoint.write_threads=%s)", writer_threads(given), how)
     if cfg.trainer.warmup_steps > cfg.trainer.max_steps and rank == 0:
         log.warning(
             "trainer.warmup_steps=%d > trainer.max_steps=%d: the learning rate peaks at %.3g %% of optim.lr",

@@ -132,7 +132,7 @@ def render(rows: list[dict], meta: dict) -> str:
         "",
         *meta["environment"],
         f"- model: {meta['layers']} x Linear({meta['width']}, {meta['width']}) + GELU, FSDP2 over {meta['world']} "
-        f"rank(s), {meta['params'] / 1e6:.0f}M BF16 parameters, FP32 master, BF16 moments; the checkpoint after "
+        f"rank(s), {meta['params']:,} BF16 parameters, FP32 master, BF16 moments; the checkpoint after "
         "2 steps; MiB above the fresh model and optimizer",
         "",
         "| case | optimizer | live states (MiB) | peak (MiB) | peak - live (MiB) | goal: <= live + 2 chunks | "
@@ -151,13 +151,13 @@ def render(rows: list[dict], meta: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=cli_args.out_dir, required=True)
-    ap.add_argument("--scratch", type=cli_args.out_dir, help="where the checkpoint goes (default: a temp dir)")
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--width", type=cli_args.positive_int, default=4096)
-    ap.add_argument("--layers", type=cli_args.positive_int, default=32)
-    ap.add_argument("--cases", default=",".join(CASES), help=f"from {','.join(CASES)}")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli_args.HelpFormatter)
+    ap.add_argument("--out", type=cli_args.out_dir, required=True, help="bench_resume.md and .jsonl go here")
+    ap.add_argument("--scratch", type=cli_args.out_dir, default=Path(tempfile.gettempdir()), help="for the checkpoint")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA where there is one")
+    ap.add_argument("--width", type=cli_args.positive_int, default=4096, help="each Linear block's width")
+    ap.add_argument("--layers", type=cli_args.positive_int, default=32, help="Linear blocks (32 x 4096: 537M params)")
+    ap.add_argument("--cases", default=",".join(CASES), help="cases to run, comma-separated")
     args = ap.parse_args(argv)
     cases = args.cases.split(",")
     if not cases or any(c not in CASES for c in cases):
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (TE_AVAILABLE and device.type == "cuda"):
         cases = [c for c in cases if not c.startswith("te")]  # TE's class needs TE and CUDA
     mesh = init_distributed(env, device)
-    scratch = Path(args.scratch or tempfile.gettempdir()) / "bench_resume"
+    scratch = Path(args.scratch) / "bench_resume"
     checkpoint = scratch / "checkpoint"
     group = dist.new_group(backend="gloo")
     model = blocks(args.width, args.layers, device, mesh)
@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [resume(case, ctx) for case in cases]
     if dist.get_rank() == 0:
         meta = dict(
-            command="torchrun --standalone --nproc_per_node=1 -m scripts.bench_resume "
+            command=("torchrun --standalone --nproc_per_node=1" if "RANK" in os.environ else "python")
+            + " -m scripts.bench_resume "
             + " ".join(argv if argv is not None else sys.argv[1:]),
             environment=environment(device, "te" if TE_AVAILABLE and device.type == "cuda" else "portable"),
             width=args.width,
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
                 f.write(json.dumps(r) + "\n")
         (out / "bench_resume.md").write_text(render(rows, meta))
         print((out / "bench_resume.md").read_text(), flush=True)
-        shutil.rmtree(checkpoint, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     dist.barrier()
     shutdown()
 

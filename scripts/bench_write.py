@@ -16,7 +16,10 @@ The reference is ``dd if=/dev/zero bs=64M oflag=direct conv=fsync`` of the same 
   run's metrics.jsonl (``save_s``: the ``dcp.save`` call, the files fsynced).
 
 Rows are interleaved repeat by repeat so that a drifting disk moves every row alike; each row's median is given
-as a share of the reference's median. Writes ``bench_write.md`` and ``bench_write.jsonl`` into ``--out``.
+as a share of the reference's median. A share can exceed 100 %: the checkpoint's files are fsynced at their end,
+so the page cache takes bytes while the disk writes, where dd waits for each direct 64 MiB block. A virtual disk
+varies from run to run: use several repeats (a write of a few hundred MB says little). Writes ``bench_write.md``
+and ``bench_write.jsonl`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -151,7 +154,7 @@ def table(rows: list[dict], reference: list[float]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli_args.HelpFormatter)
     ap.add_argument("--scratch", type=cli_args.out_dir, required=True, help="a folder on the file system to measure")
     ap.add_argument("--out", type=cli_args.out_dir, required=True, help="bench_write.md and .jsonl go here")
     ap.add_argument("--threads", type=thread_list, default=[1, 2, 4, 8], help="writer threads per row, e.g. 1,4")

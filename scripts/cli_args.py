@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "HelpFormatter",
     "positive_int",
     "non_negative_int",
     "positive_float",
@@ -20,6 +21,10 @@ __all__ = [
     "device",
     "require_te",
 ]
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help``: the module docstring as written, and each option's default."""
 
 
 def _number(text: str, kind: type, minimum: float, what: str) -> int | float:

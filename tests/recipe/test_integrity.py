@@ -192,9 +192,12 @@ def test_a_crash_of_a_one_process_run_completes_the_save_in_flight(tmp_path, mon
 
 
 @pytest.mark.parametrize("async_save", [False, True])
-def test_manifest_records_every_file_with_its_checksum_and_the_resolved_config(async_save, tmp_path):
+def test_manifest_records_every_file_with_its_checksum_and_the_resolved_config(async_save, tmp_path, caplog):
     cfg = compose_config([*QUICK, f"run_dir={tmp_path}", f"checkpoint.async_save={async_save}", "optim.eps=1e-7"])
-    train(cfg)
+    with caplog.at_level(logging.INFO, logger="recipes.train"):
+        train(cfg)
+    said = f"checkpoints: {writer_threads(0)} writer thread(s) per rank (checkpoint.write_threads=0: min(4, the CPUs"
+    assert any(r.getMessage().startswith(said) for r in caplog.records), [r.getMessage() for r in caplog.records]
     for step in (10, 20):
         path = tmp_path / "checkpoints" / f"step_{step:08d}"
         manifest = read_manifest(path)

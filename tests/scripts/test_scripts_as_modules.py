@@ -173,7 +173,10 @@ def test_bench_resume_loads_every_state_bitwise_on_cpu(tmp_path, monkeypatch, ca
     args = ["--device", "cpu", "--width", "32", "--layers", "2", "--out", str(tmp_path), "--scratch", str(tmp_path)]
     code, err = run_script("bench_resume", args, monkeypatch, capsys)
     assert code is None, err[-3000:]
-    rows = [json.loads(ln) for ln in (tmp_path / "bench_resume.jsonl").read_text().splitlines()[1:]]
+    lines = (tmp_path / "bench_resume.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["meta"]["command"].startswith("python -m scripts.bench_resume --device cpu")
+    assert not (tmp_path / "bench_resume").exists()  # the checkpoint deleted
+    rows = [json.loads(ln) for ln in lines[1:]]
     assert [(r["case"], r["states_equal_saved"], r["step"]) for r in rows] == [
         ("ours", True, [2]),
         ("ours-dcp-init", True, [2]),
