@@ -15,11 +15,12 @@ The reference is ``dd if=/dev/zero bs=64M oflag=direct conv=fsync`` of the same 
   ``--every`` steps, ``--repeats`` checkpoints); each checkpoint's rate is its ``written_bytes / save_s`` from the
   run's metrics.jsonl (``save_s``: the ``dcp.save`` call, the files fsynced).
 
-Rows are interleaved repeat by repeat so that a drifting disk moves every row alike; each row's median is given
-as a share of the reference's median. A share can exceed 100 %: the checkpoint's files are fsynced at their end,
-so the page cache takes bytes while the disk writes, where dd waits for each direct 64 MiB block. A virtual disk
-varies from run to run: use several repeats (a write of a few hundred MB says little). Writes ``bench_write.md``
-and ``bench_write.jsonl`` into ``--out``.
+Synthetic rows are interleaved repeat by repeat, with a reference before each repeat, so that a drifting disk
+moves every row alike; with ``--recipe`` each thread count is one run, followed by one reference. Each row's median
+is given as a share of the references' median. A share can exceed 100 %: the checkpoint's files are fsynced at
+their end, so the page cache takes bytes while the disk writes, where dd waits for each direct 64 MiB block. A
+virtual disk varies from run to run: use several repeats (a write of a few hundred MB says little). Writes
+``bench_write.md`` and ``bench_write.jsonl`` into ``--out``.
 """
 
 from __future__ import annotations

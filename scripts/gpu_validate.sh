@@ -57,7 +57,7 @@ case "${1:-single}" in
     echo "bench_recipe_overhead rc=$? in $(( $(date +%s) - start )) s"; cat "$out/recipe_overhead/bench_recipe_overhead.md" 2>/dev/null || tail -n 40 "$out/recipe_overhead.log" ;;
   floors)
     start=$(date +%s)
-    scratch=${SCRATCH:-/tmp/floors}; mkdir -p "$scratch"
+    mkdir -p "${SCRATCH:-/tmp}"; scratch=$(mktemp -d "${SCRATCH:-/tmp}/floors.XXXX")  # deleted at the end, alone
     timeout 200 $py -m torch.distributed.run --standalone --nproc_per_node=1 -m scripts.bench_resume \
       --out "$out/bench_resume" --scratch "$scratch" > "$out/bench_resume.log" 2>&1
     echo "bench_resume rc=$? in $(( $(date +%s) - start )) s"; cat "$out/bench_resume/bench_resume.md" 2>/dev/null || tail -n 30 "$out/bench_resume.log"
@@ -68,7 +68,7 @@ case "${1:-single}" in
     rm -rf "$scratch" ;;
   writes)
     start=$(date +%s)
-    scratch=${SCRATCH:-/tmp/writes}; mkdir -p "$scratch"
+    mkdir -p "${SCRATCH:-/tmp}"; scratch=$(mktemp -d "${SCRATCH:-/tmp}/writes.XXXX")  # deleted at the end, alone
     timeout 150 $py -m scripts.bench_write --gb 4 --threads 1,2,4,8 --repeats 3 --scratch "$scratch" \
       --out "$out/bench_write_synthetic" > "$out/bench_write_synthetic.log" 2>&1
     echo "bench_write synthetic rc=$? in $(( $(date +%s) - start )) s"; tail -n 12 "$out/bench_write_synthetic.log"

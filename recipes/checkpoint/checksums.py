@@ -16,7 +16,6 @@ torch that wrote around them would fail the save loudly instead of writing unver
 from __future__ import annotations
 
 import json
-import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +25,8 @@ import torch
 import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+
+from optim_factory.optimizers.export.staging import cpus_per_rank
 
 ALGORITHM = "xxh3_64"  # the manifest's key for each file's hash (hex digest)
 MANIFEST_DIGEST = "manifest_xxh3_64"  # the manifest's hash of its own other keys (sorted JSON)
@@ -83,6 +84,24 @@ class _ChecksumStream:
         return False
 
 
+def _crc32_per_thread() -> bool:
+    """Whether ``torch.serialization.set_crc32_options`` in one thread leaves another thread's setting alone
+    (per thread in torch 2.13; one for the process in 2.11, seen on an H200). Tried once at import, restored."""
+    seen = []
+    before = torch.serialization.get_crc32_options()
+    try:
+        torch.serialization.set_crc32_options(not before)
+        thread = threading.Thread(target=lambda: seen.append(torch.serialization.get_crc32_options()))
+        thread.start()
+        thread.join()
+    finally:
+        torch.serialization.set_crc32_options(before)
+    return seen == [before]
+
+
+CRC32_PER_THREAD = _crc32_per_thread()
+
+
 class ChecksumFileSystem(FileSystem):
     """DCP's local file system, recording ``{file name: {"size", "xxh3_64"}}`` of every file written through it."""
 
@@ -93,11 +112,12 @@ class ChecksumFileSystem(FileSystem):
 
     @contextmanager
     def create_stream(self, path, mode: str):
-        """A stream that hashes what is written through it. While it is open, ``torch.save`` in this thread
-        writes its zip records without their CRC32 (torch's config is per thread, and DCP writes each file from
-        one thread): XXH3 here already covers every byte, checked before any load, and the CRC32 is another
-        pass over every byte (2 cores, 2 writer threads: 83 % of the disk's rate with it, 100 % without:
-        benchmarks/results/2026-12-02-cpu-writes/)."""
+        """A stream that hashes what is written through it. While it is open, ``torch.save`` in this thread writes
+        its zip records without their CRC32 where torch keeps that setting per thread (:data:`CRC32_PER_THREAD`;
+        DCP writes each file from one thread): XXH3 here already covers every byte, checked before any load, and
+        the CRC32 is another pass over every byte (2 CPUs, 2 writer threads: 93 % of the disk's rate with it,
+        115 % without: benchmarks/results/2026-12-02-cpu-writes/). Where the setting is one for the process
+        (torch 2.11), it is left as it is: turning it off would reach every other thread's ``torch.save``."""
         if "w" not in mode and "a" not in mode:
             with super().create_stream(path, mode) as stream:
                 yield stream
@@ -105,7 +125,7 @@ class ChecksumFileSystem(FileSystem):
         if "a" in mode:
             raise RuntimeError(f"{path}: append-mode writes cannot be checksummed")
         crc32 = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)
+        torch.serialization.set_crc32_options(crc32 and not CRC32_PER_THREAD)
         try:
             with super().create_stream(path, mode) as stream:
                 counted = _ChecksumStream(stream)
@@ -146,14 +166,12 @@ class ChecksumFileSystemWriter(FileSystemWriter):
 
 
 def writer_threads(write_threads: int) -> int:
-    """The DCP writer threads of ``checkpoint.write_threads``: itself, or for 0 min(4, the CPUs this process may use).
-    Measured against ``dd oflag=direct`` (durable writes): on 2 CPUs 2 threads write at the disk's rate and 4 at
-    81 % (benchmarks/results/2026-12-02-cpu-writes/); on an H200 host (16 CPUs) the 805M recipe's checkpoints
-    with 1, 2, 4, 8 threads at 87, 86, 110, 100 % (benchmarks/results/2026-12-02-h200-floors/)."""
-    if write_threads:
-        return write_threads
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(4, cpus)
+    """The DCP writer threads of ``checkpoint.write_threads``: itself, or for 0 min(4, the CPUs of this rank:
+    its affinity shared among the ranks on its host). Measured against ``dd oflag=direct`` (durable writes): on 2
+    CPUs 2 threads write at the disk's rate, 4 at 81 % (benchmarks/results/2026-12-02-cpu-writes/); on an H200
+    host (16 CPUs) the 805M recipe's checkpoints with 1, 2, 4, 8 threads at 87, 86, 110, 100 %
+    (benchmarks/results/2026-12-02-h200-floors/)."""
+    return write_threads or min(4, cpus_per_rank())
 
 
 def file_hash(path: Path) -> tuple[int, str]:

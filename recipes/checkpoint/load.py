@@ -107,8 +107,10 @@ class Loads:
 
         A config change that ``recipes.checkpoint.resume.RESUME_RULES`` refuses raises first (one line); the
         checkpoint is then verified (:meth:`verify`). DCP reads into host copies of the state dicts; only a
-        complete read is set into the live model and optimizer, so a damaged or mismatched checkpoint leaves them
-        untouched.
+        complete read is set into the live model and optimizer, so a damaged or mismatched checkpoint leaves the
+        model and the optimizer's values untouched. The optimizer's states exist from here on: our classes create
+        them by ``initialize_states()`` (zeros, the master from the parameter, step 0) before the template; for
+        another optimizer DCP creates them by a step on zero gradients.
         """
         changes = resume.check_config(path, self.run_config)  # a refused change: one line, nothing read yet
         self.verify(path)

@@ -191,3 +191,24 @@ def test_parameters_without_state_and_stateless_groups_save_and_load(optim, flat
                 assert torch.equal(torch.as_tensor(got), torch.as_tensor(v)), k
     finally:
         shutdown()
+
+
+def test_a_resume_into_a_fresh_optimizer_runs_no_step_and_allocates_no_gradient(tmp_path):
+    """The manager creates the fresh optimizer's states with initialize_states() before DCP's template, so DCP's
+    zero-gradient step (a gradient allocated for every parameter) never runs; the checkpoint's step count loads."""
+    _two_checkpoints(tmp_path)
+    cfg = compose_config([*QUICK, f"run_dir={tmp_path}"])
+    try:
+        mesh = init_distributed(DistEnv(0, 1, 0, "127.0.0.1", 0, "single"), torch.device("cpu"))
+        model = shard_model(build_model(cfg.model, seed=123, device=torch.device("cpu")), mesh)
+        opt = build_optimizer(cfg.optim, model)
+        steps = []
+        opt.register_step_pre_hook(lambda o, args, kwargs: steps.append("step"))
+        path, state = CheckpointManager(cfg.checkpoint, rank=0, device=torch.device("cpu")).resume(
+            model, opt, {"step": 0}
+        )
+        assert path.name == "step_00000020" and steps == []
+        assert all(p.grad is None for p in model.parameters())
+        assert {int(g["step"]) for g in opt.param_groups} == {20}
+    finally:
+        shutdown()

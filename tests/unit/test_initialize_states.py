@@ -125,3 +125,14 @@ def test_states_that_exist_are_kept():
     before = _states(opt)
     opt.initialize_states()
     _assert_equal(_states(opt), before)
+
+
+def test_every_group_gets_a_step_count_an_empty_one_too():
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        opt = PortableFusedAdam([{"params": list(model.parameters())}, {"params": []}], lr=1e-2, master_weights=True)
+    opt.initialize_states()
+    assert [g["step"] for g in opt.param_groups] == [0, 0]
+    _train(model, opt, 1)
+    assert [g["step"] for g in opt.param_groups] == [1, 1]  # as a first step counts without the call

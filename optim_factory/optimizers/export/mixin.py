@@ -227,8 +227,11 @@ class OffloadedStateDict:
 
     def initialize_states(self) -> None:
         """Create the states every parameter's first ``step()`` creates (zeroed moments; with ``master_weights``
-        the master copy of the parameter) and a ``step`` count of 0 in every group that has none, without a
-        gradient and without changing a parameter. Parameters that have states keep them.
+        the master copy of the parameter) and a ``step`` count of 0 in every group that has none (capturable: in
+        those with parameters, on their device), without a gradient and without changing a parameter. Parameters
+        that have states keep them. Until the first ``step()`` its ``state_dict()`` has states and a zero step,
+        which ``load_state_dict`` refuses as it refuses any such dictionary (a checkpoint before any step has
+        nothing to resume).
 
         For a resume: DCP's ``get_state_dict`` / ``get_optimizer_state_dict`` on an optimizer without states
         creates them by a ``step()`` on zero gradients (``_init_optim_state``), allocating a gradient for every
@@ -237,9 +240,10 @@ class OffloadedStateDict:
         """
         self.wait_state_dict()
         for group in self.param_groups:
-            if group["params"] and "step" not in group:
-                device = local_tensor(group["params"][0]).device
-                group["step"] = torch.zeros([1], dtype=torch.int, device=device) if self.capturable else 0
+            if "step" not in group and not self.capturable:
+                group["step"] = 0
+            elif "step" not in group and group["params"]:
+                group["step"] = torch.zeros([1], dtype=torch.int, device=local_tensor(group["params"][0]).device)
             for p in group["params"]:
                 if len(self.state[p]) == 0:
                     self.initialize_state(p, self.store_param_remainders and p.dtype == torch.bfloat16)

@@ -26,7 +26,7 @@ from optim_factory.optimizers.export.host_memory import (
 
 __all__ = [
     *("STAGING_SLOTS", "SLOT_BYTES", "MIN_SLICE_BYTES", "MAX_UNSTAGE_THREADS"),
-    *("unstage_threads", "split_bytes", "fault_pieces", "UnstageWorkers", "Stager"),
+    *("cpus_per_rank", "unstage_threads", "split_bytes", "fault_pieces", "UnstageWorkers", "Stager"),
 ]
 
 STAGING_SLOTS = 4  # staging buffers in the ring
@@ -41,10 +41,9 @@ _ALIGN = 64  # byte offset alignment of the segments in a slot
 _PAGE = mmap.PAGESIZE
 
 
-def unstage_threads(cpus: int | None = None, local_ranks: int | None = None) -> int:
-    """Host threads that empty the staging buffers: ``min(MAX_UNSTAGE_THREADS, cpus // local_ranks)``, at least 1,
-    where ``cpus`` is the number of CPUs this process may run on (its affinity) and ``local_ranks`` the processes
-    of the job on this host (``LOCAL_WORLD_SIZE``, set by torchrun; 1 without it)."""
+def cpus_per_rank(cpus: int | None = None, local_ranks: int | None = None) -> int:
+    """``cpus // local_ranks``, at least 1: ``cpus`` the CPUs this process may run on (its affinity), ``local_ranks``
+    the processes of the job on this host (``LOCAL_WORLD_SIZE``, set by torchrun; 1 without it)."""
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if local_ranks is None:
@@ -52,7 +51,12 @@ def unstage_threads(cpus: int | None = None, local_ranks: int | None = None) -> 
         if not raw.strip().isdigit() or int(raw) < 1:
             raise ValueError(f"LOCAL_WORLD_SIZE={raw!r}: expected a positive integer (torchrun sets it)")
         local_ranks = int(raw)
-    return max(1, min(MAX_UNSTAGE_THREADS, cpus // local_ranks))
+    return max(1, cpus // local_ranks)
+
+
+def unstage_threads(cpus: int | None = None, local_ranks: int | None = None) -> int:
+    """Host threads that empty the staging buffers: ``min(MAX_UNSTAGE_THREADS, cpus_per_rank(cpus, local_ranks))``."""
+    return min(MAX_UNSTAGE_THREADS, cpus_per_rank(cpus, local_ranks))
 
 
 def split_bytes(jobs: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
