@@ -146,7 +146,7 @@ def _train(
     log.info("launcher=%s world_size=%d device=%s run_dir=%s", env.launcher, world, device, Path(cfg.run_dir).resolve())
     if cfg.checkpoint.enabled:
         given = cfg.checkpoint.write_threads
-        how = "0: min(4, the CPUs this process may use)" if given == 0 else str(given)
+        how = "0: min(4, the CPUs of this rank)" if given == 0 else str(given)
         log.info("checkpoints: %d writer thread(s) per rank (checkpoint.write_threads=%s)", writer_threads(given), how)
     if cfg.trainer.warmup_steps > cfg.trainer.max_steps and rank == 0:
         log.warning(

@@ -169,7 +169,7 @@ def writer_threads(write_threads: int) -> int:
     """The DCP writer threads of ``checkpoint.write_threads``: itself, or for 0 min(4, the CPUs of this rank:
     its affinity shared among the ranks on its host). Measured against ``dd oflag=direct`` (durable writes): on 2
     CPUs 2 threads write at the disk's rate, 4 at 81 % (benchmarks/results/2026-12-02-cpu-writes/); on an H200
-    host (16 CPUs) the 805M recipe's checkpoints with 1, 2, 4, 8 threads at 87, 86, 110, 100 %
+    host (16 CPUs) the 805M recipe's checkpoints with 1 and 4 threads at 54 and 97 %
     (benchmarks/results/2026-12-02-h200-floors/)."""
     return write_threads or min(4, cpus_per_rank())
 
