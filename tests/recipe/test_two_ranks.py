@@ -52,10 +52,12 @@ def _run(run_dir, *extra):
     return train(compose_config([*OVER, f"run_dir={run_dir}", *extra]))
 
 
-def test_every_rank_writes_its_file_and_rank_0_reports_all_bytes(two_rank_run):
+def test_every_rank_writes_its_file_and_rank_0_reports_all_bytes(two_rank_run, monkeypatch):
     run_dir, stderr = two_rank_run
     assert "world_size=2" in stderr
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # as the ranks had it: the host's CPUs shared between them
     threads = writer_threads(CheckpointConfig().write_threads)  # one file per rank and writer thread
+    assert f"checkpoints: {threads} writer thread(s) per rank" in stderr
     assert set(read_manifest(run_dir / "checkpoints" / STEP10)["files"]) == {
         ".metadata",
         *(f"__{rank}_{i}.distcp" for rank in range(2) for i in range(threads)),
