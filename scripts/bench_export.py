@@ -106,6 +106,18 @@ CHUNK_OPTIONS = {  # mode -> (reuse, pinning of the pooled buffers)
 }
 
 
+def write_results(out, name: str, meta: dict, rows: list[dict], markdown: str) -> None:
+    """``out/name.jsonl`` (the meta line, then a line per row) and ``out/name.md``; the markdown is printed too."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"{name}.jsonl", "w") as f:
+        f.write(json.dumps({"meta": meta}) + "\n")
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    (out / f"{name}.md").write_text(markdown)
+    print(markdown, end="" if markdown.endswith("\n") else "\n", flush=True)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import sys
@@ -40,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from optim_factory.optimizers.export import local_tensor
 from recipes.distributed import init_distributed, pick_device, resolve_dist_env, shutdown
 from scripts import cli_args
-from scripts.bench_export import environment, sync
+from scripts.bench_export import environment, sync, write_results
 from scripts.bench_save import Trainer, blocks
 
 CASES = ("te", "te-dcp-cpu-offload", "ours", "ours-dcp-init")
@@ -204,14 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             world=dist.get_world_size(),
             params=params,
         )
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "bench_resume.jsonl", "w") as f:
-            f.write(json.dumps({"meta": meta}) + "\n")
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        (out / "bench_resume.md").write_text(render(rows, meta))
-        print((out / "bench_resume.md").read_text(), flush=True)
+        write_results(args.out, "bench_resume", meta, rows, render(rows, meta))
         shutil.rmtree(scratch, ignore_errors=True)
     dist.barrier()
     shutdown()

@@ -71,7 +71,7 @@ from recipes.checkpoint import CheckpointManager, state_bytes
 from recipes.config import CheckpointConfig
 from recipes.distributed import init_distributed, pick_device, resolve_dist_env, shutdown
 from scripts import cli_args
-from scripts.bench_export import d2h_bandwidth, environment, sync
+from scripts.bench_export import d2h_bandwidth, environment, sync, write_results
 
 MODES = (
     "a-te-async-pinned",
@@ -652,14 +652,7 @@ def main(argv: list[str] | None = None) -> None:
             stager_reusable=reusable,
             fresh_stagers=ctx["fresh_stagers"],
         )
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "bench_save.jsonl", "w") as f:
-            f.write(json.dumps({"meta": meta}) + "\n")
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        (out / "bench_save.md").write_text(render(summarize(rows), meta))
-        print((out / "bench_save.md").read_text(), flush=True)
+        write_results(args.out, "bench_save", meta, rows, render(summarize(rows), meta))
     dist.barrier()
     shutdown()
 
