@@ -32,7 +32,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from optim_factory.factory import ConfigError, ValidatedOptim, build_optimizer
 from recipes.checkpoint import CheckpointError, CheckpointManager
-from recipes.checkpoint.checksums import writer_threads
 from recipes.checkpoint.resume import log_changes, nothing_to_do
 from recipes.command_line import command_line_error, config_error_line, shared_run_dir_error
 from recipes.config import register_configs
@@ -147,7 +146,7 @@ def _train(
     if cfg.checkpoint.enabled:
         given = cfg.checkpoint.write_threads
         how = "0: min(4, the CPUs of this rank)" if given == 0 else str(given)
-        log.info("checkpoints: %d writer thread(s) per rank (checkpoint.write_threads=%s)", writer_threads(given), how)
+        log.info("checkpoints: %d writer thread(s) per rank (checkpoint.write_threads=%s)", ckpt.write_threads, how)
     if cfg.trainer.warmup_steps > cfg.trainer.max_steps and rank == 0:
         log.warning(
             "trainer.warmup_steps=%d > trainer.max_steps=%d: the learning rate peaks at %.3g %% of optim.lr",

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from scripts import cli_args
+from scripts.bench_export import write_results
 
 BLOCK = 64 * 2**20  # dd's block: the reference writes whole blocks
 
@@ -169,7 +170,6 @@ def main(argv: list[str] | None = None) -> None:
     if shutil.which("dd") is None:
         ap.error("dd is not on PATH: it writes the reference")
     args.scratch.mkdir(parents=True, exist_ok=True)
-    args.out.mkdir(parents=True, exist_ok=True)
 
     reference: list[float] = []
     rows: list[dict] = []
@@ -219,12 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         "",
         *table(rows, reference),
     ]
-    (args.out / "bench_write.md").write_text("\n".join(lines) + "\n")
-    with open(args.out / "bench_write.jsonl", "w") as f:
-        f.write(json.dumps({"meta": meta}) + "\n")
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, "bench_write", meta, rows, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from recipes.checkpoint.checksums import writer_threads
 from recipes.checkpoint.host_copies import HostCopies
 from recipes.checkpoint.layout import complete
 from recipes.checkpoint.load import Loads
@@ -43,6 +44,7 @@ class CheckpointManager(Saves, Loads):
         self.device = device
         self.on_report = on_report
         self.options = StateDictOptions(flatten_optimizer_state_dict=cfg.flatten_optimizer_state_dict)
+        self.write_threads = writer_threads(cfg.write_threads)  # DCP's writer threads per rank, for every save
         self._pending: InFlight | None = None
         self._host_copies = HostCopies()  # async saves: the model's host copies, reused from save to save
         # An async save plans and finishes on DCP's background thread with collectives of its own; on the

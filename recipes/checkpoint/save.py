@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from optim_factory.optimizers.export import OffloadedStateDict, all_finite
-from recipes.checkpoint.checksums import ALGORITHM, ChecksumFileSystemWriter, seal_manifest, writer_threads
+from recipes.checkpoint.checksums import ALGORITHM, ChecksumFileSystemWriter, seal_manifest
 from recipes.checkpoint.layout import (
     DCP_ERRORS,
     MARKER,
@@ -198,7 +198,7 @@ class Saves:
         t0 = time.perf_counter()
         in_flight = False
         stager = None
-        writer = ChecksumFileSystemWriter(path, thread_count=writer_threads(self.cfg.write_threads))
+        writer = ChecksumFileSystemWriter(path, thread_count=self.write_threads)
         try:
             if self.cfg.async_save:
                 stager = ExportBufferStager(optimizer, deferred=deferred, host_copies=self._host_copies)
