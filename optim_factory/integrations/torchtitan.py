@@ -24,7 +24,15 @@ to each group stay in the groups; our classes keep them and ignore them.
 
 Checkpoints go through torchtitan's own path (``OptimizersContainer.state_dict`` -> the optimizer's
 ``state_dict()``), so ``state_dict_cpu_offload`` makes the export CPU-side, and ``CheckpointManager`` saves and
-reshards it with DCP like any optimizer's.
+reshards it with DCP like any optimizer's. This module's ``CheckpointManager`` is torchtitan's with one change: it
+loads through :class:`optim_factory.checkpoint.ExactLoadPlanner`, so a checkpoint whose master or moments were
+saved in another format (int16 remainders and an FP32 master, with master weights turned on or off) converts
+exactly; torchtitan's own reads each state into the template's dtype. Select it in a config_registry function::
+
+      checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", ...),
+
+torchtitan's async modes save as without it: their stagers copy every tensor when the save starts, so a
+background export (``state_dict_offload_background``) is filled before ``state_dict()`` returns there.
 
 Importing this module imports torchtitan; the rest of optim_factory never does.
 """
@@ -36,14 +44,26 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torchtitan.components.checkpoint import MODEL
+from torchtitan.components.checkpoint import CheckpointManager as TitanCheckpointManager
 from torchtitan.components.optimizer import OptimizersContainer as TitanOptimizersContainer
 from torchtitan.components.optimizer import ParamGroupConfig
 from torchtitan.config import derive, override
 
 import optim_factory
+from optim_factory.checkpoint import ExactLoadPlanner
 from optim_factory.optimizers.group_rules import GROUP_KEYS
 
-__all__ = ["OPTIMIZER_NAMES", "GROUP_OPTIONS", "OptimizersContainer", "fused_adam", "split_options", "use_fused_adam"]
+__all__ = [
+    "OPTIMIZER_NAMES",
+    "GROUP_OPTIONS",
+    "CheckpointManager",
+    "OptimizersContainer",
+    "fused_adam",
+    "split_options",
+    "use_fused_adam",
+]
 
 OPTIMIZER_NAMES = ("FusedAdam", "PortableFusedAdam")
 """The ``optimizer_name`` values this container adds to torchtitan's table (the classes of ``optim_factory``)."""
@@ -90,6 +110,23 @@ class OptimizersContainer(TitanOptimizersContainer):
         if name in OPTIMIZER_NAMES:
             return getattr(optim_factory, name)  # FusedAdam is imported lazily: TE only when it is used
         return TitanOptimizersContainer._resolve_optimizer_factory(name)
+
+
+class CheckpointManager(TitanCheckpointManager):
+    """torchtitan's ``CheckpointManager`` whose DCP loads read the optimizer's states in their saved dtypes
+    (:class:`~optim_factory.checkpoint.ExactLoadPlanner`): our classes convert a changed master format exactly,
+    any other optimizer loads as it does with torchtitan's. Saving, async modes, HF loads, retention: torchtitan's."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(TitanCheckpointManager.Config):
+        """torchtitan's checkpoint config, unchanged; declared here so that ``config.build()`` builds this class."""
+
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        if from_hf:  # safetensors of the model: no optimizer state
+            return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=ExactLoadPlanner())
+        if MODEL in self.states:  # torchtitan flattens the model's states into state_dict and loads them itself
+            self.states[MODEL].load_state_dict(state_dict)
 
 
 def fused_adam(

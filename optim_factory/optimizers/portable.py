@@ -280,7 +280,7 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
         """Perform one optimisation step (``grad_scaler`` is used in capturable mode, as in TE)."""
-        self.wait_state_dict()  # a background export reads the states this step changes
+        self._before_step()
         loss = None
         if closure is not None:
             with torch.enable_grad():

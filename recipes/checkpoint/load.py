@@ -1,6 +1,7 @@
 """The load of a checkpoint: the candidates (``checkpoint.resume``, with ``checkpoint.fallback`` the older ones),
-the config check (recipes/checkpoint/resume.py), verification against the manifest, DCP's read into host copies,
-the masters DCP cannot convert, and the config's hyperparameters put back (docs/reliability.md, "Resume").
+the config check (recipes/checkpoint/resume.py), verification against the manifest, DCP's read into host copies
+(in the saved dtypes: ``optim_factory.checkpoint.ExactLoadPlanner``), and the config's hyperparameters put back
+(docs/reliability.md, "Resume").
 
 A load first verifies every file of the manifest (present, recorded size, recorded hash; the ranks share the files
 to read) and refuses a damaged checkpoint in one line, before anything is read into the model or optimizer; only a
@@ -9,25 +10,15 @@ complete read is set into the live model and optimizer.
 
 from __future__ import annotations
 
-import functools
 import logging
-import operator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
-from optim_factory.optimizers.export import (
-    OffloadedStateDict,
-    join_bf16_remainder,
-    local_tensor,
-    split_bf16_remainder,
-    wrap_host_local,
-)
+from optim_factory.checkpoint import ExactLoadPlanner, finish_load, prepare_load
 from recipes.checkpoint import resume
 from recipes.checkpoint.checksums import file_problem
 from recipes.checkpoint.host_copies import HostCopies
@@ -44,7 +35,6 @@ from recipes.checkpoint.layout import (
     set_aside,
     step_dirs,
 )
-from recipes.checkpoint.tree import leaves
 from recipes.distributed import all_ranks
 
 log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the package
@@ -114,23 +104,21 @@ class Loads:
         """
         changes = resume.check_config(path, self.run_config)  # a refused change: one line, nothing read yet
         self.verify(path)
-        if isinstance(optimizer, OffloadedStateDict):
-            optimizer.initialize_states()  # else DCP's template makes them by a step on zero gradients (allocated)
+        prepare_load(optimizer)  # else DCP's template makes the states by a step on zero gradients (allocated)
         msd, osd = get_state_dict(model, optimizer, options=self.options)
         copies = HostCopies(pinned=False)  # DCP reads into these; the live state is written after a complete read
         state, copied = copies.copy({"model": msd, "optim": osd, "trainer": dict(trainer_state)})
         copied()
         del msd, osd
-        masters = align_template(state, path)  # saved dtypes: DCP never casts, the optimizer does
         hyperparameters = capture_hyperparameters(optimizer)
-        try:
-            dcp.load(state, checkpoint_id=str(path))
+        try:  # the optimizer's states in their saved dtypes: the optimizer converts them, exactly
+            dcp.load(state, checkpoint_id=str(path), planner=ExactLoadPlanner())
         except DCP_ERRORS as exc:  # DCP's errors are long: name the checkpoint and the first rank's error
             raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {one_line(exc)}") from exc
-        finish_masters(state, masters)  # from the loaded parameters
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=self.options
         )
+        finish_load(optimizer)  # the masters from the parameters just loaded (set_state_dict loads the model last)
         restore_hyperparameters(optimizer, hyperparameters)  # the config's, not the checkpoint's
         self.resume_changes = changes  # logged by the caller once it accepts them (resume.log_changes)
         self.verified = Path(path)
@@ -167,85 +155,6 @@ class Loads:
         problem = next((v for v in all_ranks(problem) if v), None)
         if problem:
             raise DamagedCheckpoint(f"checkpoint {path} is damaged: {problem}; {FALLBACK_HINT}")
-
-
-@dataclass(frozen=True)
-class MasterFixup:
-    """A master whose saved form the optimizer cannot convert on its own (it sees the parameter before DCP's
-    ``set_state_dict`` loads the model): ``missing`` (master weights turned on) or ``join`` (int16 remainders
-    saved, a full master wanted)."""
-
-    tree: dict  # the template dict that holds it
-    key: str
-    fqn: str  # the parameter's name: its key in the model state dict
-    kind: str  # "missing" | "join" | "split"
-
-
-_STATE, _MASTER = "optim.state.", ".master_param"
-
-
-def align_template(state: dict[str, Any], path: Path) -> list[MasterFixup]:
-    """Make the (host) state dict DCP loads ``path`` into match what the checkpoint holds, in place.
-
-    A tensor saved with another dtype gets an empty template of the *saved* dtype, so DCP reads it unchanged and
-    the optimizer's ``load_state_dict`` converts it (FP32 master -> int16 remainders, BF16 <-> FP32 moments ...):
-    DCP itself would ``copy_`` it into the template's dtype (an FP32 master into int16: truncated garbage). A
-    ``master_param`` the checkpoint lacks (master weights turned on) is taken out of what DCP reads. Both, and
-    saved int16 remainders where a full master is wanted, are returned for :func:`finish_masters`. Any other
-    tensor the checkpoint lacks is one ``CheckpointError`` line naming the key.
-    """
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    fixups: list[MasterFixup] = []
-
-    for keys, value in list(leaves(state, dicts_only=True)):
-        if not isinstance(value, torch.Tensor):
-            continue
-        *above, k = keys
-        tree = functools.reduce(operator.getitem, above, state)  # the dict that holds it
-        key = ".".join(map(str, keys))
-        is_master = key.startswith(_STATE) and key.endswith(_MASTER)
-        fqn = key[len(_STATE) : -len(_MASTER)] if is_master else ""
-        meta = saved.get(key)
-        if meta is None:
-            if not is_master:
-                raise CheckpointError(  # DCP's own wording, in one line, before it reads anything
-                    f"checkpoint {path} cannot be loaded into this run: Missing key in checkpoint state_dict: {key}"
-                )
-            fixups.append(MasterFixup(tree, k, fqn, "missing"))
-            del tree[k]
-            continue
-        dtype = getattr(getattr(meta, "properties", None), "dtype", None)
-        if dtype is not None and dtype != value.dtype:
-            if is_master and dtype == torch.int16:
-                fixups.append(MasterFixup(tree, k, fqn, "join"))
-            elif is_master and value.dtype == torch.int16:  # an FP32 master saved, int16 remainders wanted
-                fixups.append(MasterFixup(tree, k, fqn, "split"))
-            local = torch.empty(local_tensor(value).shape, dtype=dtype)
-            tree[k] = wrap_host_local(local, value) if isinstance(value, DTensor) else local
-    return fixups
-
-
-def finish_masters(state: dict[str, Any], fixups: list[MasterFixup]) -> None:
-    """After DCP's read: each master of ``fixups`` as the full FP32 master, from the *loaded* parameter (exact):
-    a missing master is the parameter widened; int16 remainders are joined with it. The optimizer's load then
-    converts it as it converts any saved FP32 master (to an FP16 master ...). ``split``: a saved FP32 master where
-    int16 remainders are wanted becomes the parameter (the master rounded as the remainder kernels round, which
-    differs from a plain BF16 rounding at ties) and the remainders, so that the two rejoin the saved master
-    exactly (the model is loaded after the optimizer, so the parameter is set here, in what the model loads)."""
-    for f in fixups:
-        param = state["model"][f.fqn]
-        local = local_tensor(param)
-        if f.kind == "split":
-            master = local_tensor(f.tree[f.key]).float()
-            remainders = torch.empty(master.shape, dtype=torch.int16)
-            split_bf16_remainder(master, local, remainders)  # writes the rounded parameter into the model's tree
-            f.tree[f.key] = wrap_host_local(remainders, param) if isinstance(param, DTensor) else remainders
-            continue
-        if f.kind == "join":
-            value = join_bf16_remainder(local, local_tensor(f.tree[f.key]))
-        else:
-            value = local.float()
-        f.tree[f.key] = wrap_host_local(value, param) if isinstance(param, DTensor) else value
 
 
 # the group values the config sets (DCP's load puts the checkpoint's back; restore_hyperparameters undoes that):

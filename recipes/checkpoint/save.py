@@ -22,7 +22,6 @@ DCP's collectives for it run on a gloo group of their own, so that they never in
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -37,7 +36,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from optim_factory.optimizers.export import OffloadedStateDict, all_finite
+from optim_factory.checkpoint import deferred_export, defers_export, release_export
+from optim_factory.optimizers.export import all_finite
 from recipes.checkpoint.checksums import ALGORITHM, ChecksumFileSystemWriter, seal_manifest
 from recipes.checkpoint.layout import (
     DCP_ERRORS,
@@ -59,7 +59,6 @@ from recipes.checkpoint.stager import (
     NON_FINITE,
     ExportBufferStager,
     export_failure,
-    release,
 )
 from recipes.checkpoint.tree import local_tensors, state_bytes
 from recipes.distributed import all_ranks
@@ -134,14 +133,7 @@ class Saves:
         copied at staging, so the save waits for the export as a synchronous one does."""
         # From the options alone, never from this rank's export (a rank with nothing to stream has none pending):
         # every rank must take the same path, whose collectives differ. DCP takes a stager's Future from torch 2.9.
-        return (
-            self.waits_before_step
-            and self.cfg.async_save
-            and _STAGER_FUTURES
-            and isinstance(optimizer, OffloadedStateDict)
-            and optimizer.state_dict_offload_background
-            and optimizer.state_dict_offload_reuse_buffers
-        )
+        return self.waits_before_step and self.cfg.async_save and _STAGER_FUTURES and defers_export(optimizer)
 
     def _export(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
@@ -160,7 +152,7 @@ class Saves:
         t0 = time.perf_counter()
         # a background export returns unfilled here: waited for below (its failure recorded, not raised) or, deferred,
         # before the next step() (wait_export) and by the stager
-        with optimizer.deferred_state_dict() if isinstance(optimizer, OffloadedStateDict) else contextlib.nullcontext():
+        with deferred_export(optimizer):
             osd = get_optimizer_state_dict(model, optimizer, options=self.options)
         export_error = None if deferred else export_failure(optimizer)
         if on_cuda and not deferred:
@@ -185,12 +177,12 @@ class Saves:
             self.on_phase("export", step, path)
             self._check_before_writing(step, msd, osd, export_error, deferred)  # before anything on disk changes
         except CheckpointError:
-            release(optimizer, osd)
+            release_export(optimizer, osd)
             raise
         except BaseException:
             if deferred:
                 export_failure(optimizer)  # nothing stages it: its failure must not reach the next step()
-            release(optimizer, osd)
+            release_export(optimizer, osd)
             raise
         self._clear_in_the_way(step, path)
         nbytes = state_bytes(osd)
@@ -220,7 +212,7 @@ class Saves:
             if not in_flight:  # written (sync) or failed: nothing reads the export buffers any more
                 if deferred and (stager is None or stager.filled is None):
                     export_failure(optimizer)  # never staged: its failure must not reach the next step()
-                release(optimizer, osd)
+                release_export(optimizer, osd)
         save_s = time.perf_counter() - t0
         report = ExportReport(
             step=step,
@@ -385,7 +377,7 @@ class Saves:
         except DCP_ERRORS as exc:
             raise CheckpointError(self._write_failure(f"async save of {p.path} failed", p.path, exc)) from exc
         finally:
-            release(p.optimizer, p.osd)  # the save is over: the next export may reuse them
+            release_export(p.optimizer, p.osd)  # the save is over: the next export may reuse them
         if p.stager is not None:
             filled_at = p.stager.filled.result()
             p.report.export_s = filled_at - p.export_t0  # from the export call until its tensors were filled

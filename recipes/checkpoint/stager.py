@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from optim_factory.optimizers.export import OffloadedStateDict, all_finite
+from optim_factory import checkpoint as contract
+from optim_factory.optimizers.export import all_finite
 from recipes.checkpoint.host_copies import HostCopies
 from recipes.checkpoint.layout import one_line
 from recipes.checkpoint.tree import local_tensors
@@ -53,11 +54,11 @@ class ExportBufferStager(AsyncStager):
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future:
         """Host copies for DCP. Not deferred: once a background export has filled its tensors (a failed export
         raises here and nothing is written). Deferred: a Future of them, see the class docstring."""
-        offloads = isinstance(self.optimizer, OffloadedStateDict)
-        if offloads and not self.deferred:
-            self.optimizer.wait_state_dict()
-        leased = self.optimizer.is_leased_export_buffer if offloads else None
-        staged, copied = self.host_copies.copy(state_dict, keep=leased)
+        if not self.deferred:
+            failure = contract.export_failure(self.optimizer)
+            if failure is not None:
+                raise failure
+        staged, copied = self.host_copies.copy(state_dict, keep=contract.export_buffer_test(self.optimizer))
         if not self.deferred:
             copied()
             return staged
@@ -75,9 +76,7 @@ class ExportBufferStager(AsyncStager):
             if device is not None:
                 torch.cuda.set_device(device)
             copied()  # the model's copies (a side stream): the next step() changes the model too
-            # finished first, then its outcome taken (once): a step() that waits meanwhile still finds it pending
-            self.optimizer.state_exporter.join()
-            failure = export_failure(self.optimizer)
+            failure = export_failure(self.optimizer)  # a step() that waits meanwhile waits for the export too
             if failure is not None:
                 self.failure, self.verdict = failure, EXPORT_FAILED
             self.filled.set_result(time.perf_counter())  # the loop's next step() may run from here
@@ -99,15 +98,5 @@ class ExportBufferStager(AsyncStager):
 
 def export_failure(optimizer: Any) -> str | None:
     """Wait for a background export (``state_dict_offload_background``); its failure in one line, or None."""
-    if isinstance(optimizer, OffloadedStateDict):
-        try:
-            optimizer.wait_state_dict()
-        except Exception as exc:  # noqa: BLE001  (any failure of the export thread: nothing of it is saved)
-            return one_line(exc)
-    return None
-
-
-def release(optimizer: Any, osd: Any) -> None:
-    """Give an export's pooled host buffers back to the optimizer (only our FusedAdams have any)."""
-    if isinstance(optimizer, OffloadedStateDict):
-        optimizer.release_state_dict(osd)
+    failure = contract.export_failure(optimizer)
+    return None if failure is None else one_line(failure)

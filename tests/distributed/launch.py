@@ -18,7 +18,14 @@ import torch.multiprocessing as mp
 
 from scripts import forked
 
-PRELOAD = ["recipes.train", "tests.distributed.workers"]  # imported once by the forkserver
+# imported once by the forkserver (a module that is not installed is skipped): the recipe, the workers, and the
+# frameworks' checkpoint code the integration tests' ranks import (transformers through Automodel's: seconds a rank)
+PRELOAD = [
+    "recipes.train",
+    "tests.distributed.workers",
+    "optim_factory.integrations.torchtitan",
+    "optim_factory.integrations.automodel",
+]
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what the recipe reads
 
 

@@ -19,8 +19,9 @@ def run_at_step_10(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def two_checkpoints(tmp_path_factory):
-    """The quick job finished with ``checkpoint.keep_last=0``: complete checkpoints at steps 10 and 20. Read only."""
+    """The quick job finished with ``checkpoint.keep_last=0``: complete checkpoints at steps 10 and 20, each with
+    two ``.distcp`` files (``checkpoint.write_threads=2``: one per writer thread). Read only."""
     run_dir = tmp_path_factory.mktemp("two")
-    train(compose_config([*QUICK, f"run_dir={run_dir}", "checkpoint.keep_last=0"]))
+    train(compose_config([*QUICK, f"run_dir={run_dir}", "checkpoint.keep_last=0", "checkpoint.write_threads=2"]))
     assert complete_steps(run_dir) == [10, 20]
     return run_dir

@@ -84,6 +84,18 @@ def test_missing_file_is_refused(run_dir):
     _assert_refused(run_dir, "__0_0.distcp: missing")
 
 
+def test_the_last_file_of_a_rank_s_share_is_verified_too(run_dir):
+    """Each writer thread writes a file of its own: damage in the last of them (by name, as the ranks deal them
+    out) is refused as in the first."""
+    shards = sorted(p.name for p in (run_dir / "checkpoints" / STEP20).glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__0_1.distcp"], shards
+    last = _shard(run_dir, name=shards[-1])
+    data = bytearray(last.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit
+    last.write_bytes(bytes(data))
+    _assert_refused(run_dir, f"{shards[-1]}: checksum mismatch")
+
+
 def test_corrupted_metadata_is_refused(run_dir):
     meta = _shard(run_dir, name=".metadata")
     data = bytearray(meta.read_bytes())

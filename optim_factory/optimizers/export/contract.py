@@ -28,15 +28,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from optim_factory.optimizers.export.formats import MASTER, MasterConversion, load_master
 from optim_factory.optimizers.export.options import ExportOptions
 from optim_factory.optimizers.export.stream import StateExporter, StreamItem
 from optim_factory.optimizers.export.tensors import (
     aliases,
     all_finite,
     all_non_negative,
-    join_bf16_remainder,
     local_tensor,
-    split_bf16_remainder,
     wrap_like,
 )
 
@@ -162,6 +161,13 @@ def export_state(
 _LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def present(values: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's saved states without the empty dicts that stand for a missing one: DCP's
+    ``set_optimizer_state_dict`` gives each state the live optimizer has but its flat dictionary lacks (a
+    ``master_param`` that :class:`~optim_factory.checkpoint.ExactLoadPlanner` left out of the read) as ``{}``."""
+    return {k: v for k, v in values.items() if not (isinstance(v, dict) and not v)}
+
+
 def _where(g: int, i: int, group: dict) -> str:
     names = group.get("param_names")
     name = f" ({names[i]})" if isinstance(names, (list, tuple)) and i < len(names) else ""
@@ -229,6 +235,7 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
             values = state.get(key, {})
             if not isinstance(values, dict):
                 raise ValueError(f"load_state_dict: {_where(g, i, saved)}: expected a dict of states")
+            values = present(values)
             for name, value in values.items():
                 _check_state(optimizer, f"{_where(g, i, saved)}: {name}", name, value, param)
                 if value is not None:
@@ -315,7 +322,7 @@ def _check_state(optimizer: Any, where: str, name: str, value: Any, param: torch
         )
 
 
-def load_exported_state(optimizer: Any, state_dict: dict[str, Any]) -> None:
+def load_exported_state(optimizer: Any, state_dict: dict[str, Any]) -> list[MasterConversion]:
     """Load a dictionary made by :func:`export_state` (CPU or accelerator, plain tensors or DTensors).
 
     The whole dictionary is checked first (:func:`check_loadable`): a mismatch raises one ``ValueError`` line
@@ -326,55 +333,39 @@ def load_exported_state(optimizer: Any, state_dict: dict[str, Any]) -> None:
     to the optimizer's storage dtype (FP16/FP8 with a fresh scale, BF16, FP32, int16 remainders) in place.
     The caller's dictionary is not modified. Tensors in ``param_groups`` (a capturable ``lr``, ``step``) are
     put back on the device of their group's parameters.
+
+    A master saved in another format than the optimizer stores is converted by
+    :func:`~optim_factory.optimizers.export.formats.load_master`; the conversions that depend on the parameter
+    are returned, to be applied again (:meth:`MasterConversion.apply`) once the model is loaded: our optimizers
+    do that themselves before their next ``step()`` or ``state_dict()``.
     """
     check_loadable(optimizer, state_dict)
     saved_state = state_dict["state"]
     torch.optim.Optimizer.load_state_dict(optimizer, {**state_dict, "state": {}})
     id_map = param_index_map(optimizer, state_dict["param_groups"])
+    conversions = []
     for key, values in saved_state.items():
         param = id_map.get(key)
         if param is None:
             continue
         optimizer.state[param] = {}
-        wants_master = optimizer.master_weights and param.dtype != torch.float32
+        values = present(values)
         for name, value in values.items():
-            if value is None or (name == "master_param" and not wants_master):
-                continue  # master weights turned off: the parameter (loaded with the model) is the weight
+            if value is None or name == MASTER:
+                continue
             if name not in optimizer.name_to_dtype_map or not isinstance(value, torch.Tensor):
                 optimizer.state[param][name] = value
                 continue
-            local = local_tensor(value)
-            master_of_bf16 = name == "master_param" and param.dtype == torch.bfloat16
-            if master_of_bf16 and optimizer.store_param_remainders and local.dtype != torch.int16:
-                # an FP32 master saved without remainders: keep its low 16 bits; the parameter holds the rest, rounded
-                # as the remainder kernels round (a plain BF16 rounding differs at ties), so it is set too
-                remainder = torch.empty(local.shape, dtype=torch.int16, device=local.device)
-                rounded = torch.empty(local.shape, dtype=torch.bfloat16, device=local.device)
-                split_bf16_remainder(local.float(), rounded, remainder)
-                with torch.no_grad():
-                    local_tensor(param).copy_(rounded)
-                local = remainder
-            elif master_of_bf16 and local.dtype == torch.int16 and not optimizer.store_param_remainders:
-                # int16 remainders saved, an FP32 (or FP16) master wanted: rebuild the exact FP32 master
-                local = join_bf16_remainder(local_tensor(param).detach().to(local.device), local)
-            elif local.dtype != torch.int16:
-                local = local.float()
-                if aliases(local, value):
-                    local = local.clone()  # set_scaled_state may scale its argument in place
+            local = local_tensor(value).float()
+            if aliases(local, value):
+                local = local.clone()  # set_scaled_state may scale its argument in place
             optimizer.set_scaled_state(param, name, local)
-        if wants_master and values and "master_param" not in values:
-            _master_from_param(optimizer, param)
+        if values:
+            conversion = load_master(optimizer, param, values.get(MASTER))
+            if conversion is not None:
+                conversions.append(conversion)
     _place_group_tensors(optimizer)
-
-
-def _master_from_param(optimizer: Any, param: torch.Tensor) -> None:
-    """Master weights turned on since the save: the master starts as the (loaded) parameter, exactly."""
-    live = local_tensor(param).detach()
-    if optimizer.store_param_remainders and param.dtype == torch.bfloat16:
-        remainders = torch.zeros(live.shape, dtype=torch.int16, device=live.device)
-        optimizer.set_scaled_state(param, "master_param", remainders)
-    else:
-        optimizer.set_scaled_state(param, "master_param", live.float())
+    return conversions
 
 
 def _place_group_tensors(optimizer: torch.optim.Optimizer) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from optim_factory.optimizers.export.contract import export_state, load_exported_state, param_index_map
+from optim_factory.optimizers.export.formats import MasterConversion
 from optim_factory.optimizers.export.options import ExportOptions, Pinning
 from optim_factory.optimizers.export.stream import StateExporter
 from optim_factory.optimizers.export.tensors import local_tensor
@@ -34,11 +35,13 @@ class OffloadedStateDict:
     _export_options: ExportOptions
     _exporter: StateExporter
     _deferring: int  # > 0 inside deferred_state_dict()
+    _loaded_masters: list[MasterConversion]  # a load's masters that depend on the parameters (settle_masters)
 
     def _init_export(self, options: ExportOptions) -> None:
         self._export_options = options
         self._exporter = StateExporter(options)
         self._deferring = 0
+        self._loaded_masters = []
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``copy.deepcopy`` and pickle copy: every attribute (torch's ``Optimizer.__getstate__`` keeps only
@@ -50,7 +53,7 @@ class OffloadedStateDict:
             k: v
             for k, v in self.__dict__.items()
             if k != "_exporter" and not (k.startswith("_optimizer_") and k.endswith("_hooks"))
-        } | {"_deferring": 0}
+        } | {"_deferring": 0, "_loaded_masters": []}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         torch.optim.Optimizer.__setstate__(self, state)
@@ -140,6 +143,7 @@ class OffloadedStateDict:
         unfilled tensors. A pending export is waited for first (its failure raises here).
         """
         self.wait_state_dict()
+        self.settle_masters()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # type: ignore[attr-defined]
             pre_hook(self)
         o = self._export_options
@@ -221,9 +225,27 @@ class OffloadedStateDict:
             if result is not None:
                 state_dict = result
         with self._torch_hooks_held():
-            load_exported_state(self, state_dict)
+            conversions = load_exported_state(self, state_dict)
+        self._loaded_masters = conversions  # a failed load raised above and left the previous ones
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():  # type: ignore[attr-defined]
             post_hook(self)
+
+    def _before_step(self) -> None:
+        """What both classes' ``step()`` does first: wait for a background export (it reads the states the step
+        changes) and settle a load's masters (:meth:`settle_masters`)."""
+        self.wait_state_dict()
+        self.settle_masters()
+
+    def settle_masters(self) -> None:
+        """Convert the masters of the last load that depend on their parameters again, from the parameters as
+        they are now (``formats.MasterConversion``: int16 remainders joined into a full master, a full master split
+        into the parameter and remainders, a master made from the parameter). ``step()``, ``state_dict()``,
+        ``prepare_state_dict()`` and ``initialize_states()`` call it first, so a framework that loads the model
+        after the optimizer (DCP's ``set_state_dict``, torchtitan) gets the exact master without calling it; call it
+        yourself only to read ``opt.state`` directly after a load. Once per load: nothing to do afterwards."""
+        conversions, self._loaded_masters = self._loaded_masters, []
+        for conversion in conversions:
+            conversion.apply(self)
 
     def initialize_states(self) -> None:
         """Create the states every parameter's first ``step()`` creates (zeroed moments; with ``master_weights``
@@ -239,6 +261,7 @@ class OffloadedStateDict:
         so that the checkpoint's count is loaded. A first ``step()`` afterwards counts 1, as without this call.
         """
         self.wait_state_dict()
+        self.settle_masters()
         for group in self.param_groups:
             if "step" not in group and not self.capturable:
                 group["step"] = 0
@@ -271,6 +294,7 @@ class OffloadedStateDict:
         if not (self._export_options.cpu_offload and self._export_options.reuse_buffers):
             return None
         self._exporter.join()
+        self.settle_masters()
         with self._torch_hooks_held():  # the packing only: the user's hooks are for the export
             packed = torch.optim.Optimizer.state_dict(self)
         return self._exporter.prepare(self, param_index_map(self, packed["param_groups"]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -154,6 +155,7 @@ class StateExporter:
         self._convert_streams: dict[torch.device, Any] = {}
         self._thread = ProcessThreads(1, "export-stream")
         self._pending: Future | None = None
+        self._taking = threading.Lock()  # one of two waiters takes a finished export's outcome
         self._pending_pid = 0  # the process whose thread runs the pending export
         self._unstagers: dict[torch.device, UnstageWorkers] = {}
 
@@ -269,14 +271,23 @@ class StateExporter:
 
     def wait(self) -> None:
         """Block until the pending background export (if any) has finished; re-raise its failure (once: the
-        export is no longer pending afterwards)."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            if self._orphaned(pending):
-                raise RuntimeError(
-                    "a background export was running when this process was forked: its thread and the rest of "
-                    "its dictionary stayed in the parent"
-                )
+        export is no longer pending afterwards). It stays pending until it has finished, so that a ``step()`` on
+        another thread that waits meanwhile waits for it too; of two waiters, one takes the failure."""
+        pending = self._pending
+        if pending is None:
+            return
+        if self._orphaned(pending):
+            self._pending = None
+            raise RuntimeError(
+                "a background export was running when this process was forked: its thread and the rest of "
+                "its dictionary stayed in the parent"
+            )
+        pending.exception()  # finished, still pending for any other waiter
+        with self._taking:
+            taken = self._pending is pending
+            if taken:
+                self._pending = None
+        if taken:
             pending.result()
 
     def join(self) -> None:

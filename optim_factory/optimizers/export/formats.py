@@ -1,0 +1,117 @@
+"""The saved and the live format of a master weight, and the exact conversion between them (docs/export.md,
+"Loading another format").
+
+A checkpoint's ``master_param`` is one of: absent (saved without master weights), an FP32 tensor (an FP32 master,
+or an FP16 master exported as FP32: TE's ``state_dict()`` exports every state as FP32) or int16 remainders (the
+low 16 bits of the FP32 master of a BF16 parameter, whose high bits are the parameter). The optimizer stores one
+of: nothing (``master_weights=False``), an FP32 or FP16 master, or int16 remainders. Moments need no rule here:
+they are exported as FP32 (BF16 with ``state_dict_keep_bf16``) and any of those converts exactly into any stored
+moment dtype by ``set_scaled_state``.
+
+Three conversions need the parameter, and the parameter must be the one loaded from the same checkpoint:
+
+* ``join``: int16 remainders saved, a full master wanted: the FP32 master is the parameter's bits joined with them;
+* ``split``: a full master saved, remainders wanted: the parameter becomes the master rounded as the remainder
+  kernels round (which differs from a plain BF16 rounding at ties) and the remainders its low bits, so that the two
+  rejoin the saved master exactly;
+* ``from_param``: no master saved, master weights on: the master starts as the parameter, exactly.
+
+DCP's ``set_state_dict`` loads the optimizer before the model, and torchtitan's ``CheckpointManager`` does too, so
+the parameter a load sees may not be loaded yet. :func:`load_master` therefore applies a conversion with the
+parameter it sees and returns it; our optimizers apply it again, with the loaded parameter, before the next
+``step()`` or ``state_dict()`` (:meth:`MasterConversion.apply`), whatever order a framework loads in.
+
+A master of an FP32 parameter is never used by an update (the parameter is its own master) but is kept, loaded
+and exported, as TE's class keeps it: a checkpoint's keys are the same before and after any number of resumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from optim_factory.optimizers.export.tensors import aliases, join_bf16_remainder, local_tensor, split_bf16_remainder
+
+__all__ = ["MASTER", "MasterConversion", "load_master", "saved_format", "live_format", "wants_remainders"]
+
+MASTER = "master_param"
+
+
+def wants_remainders(optimizer: Any, param: torch.Tensor) -> bool:
+    """Whether ``optimizer`` stores ``param``'s master as int16 remainders."""
+    return bool(optimizer.master_weights and optimizer.store_param_remainders and param.dtype == torch.bfloat16)
+
+
+def live_format(optimizer: Any, param: torch.Tensor) -> str:
+    """How ``optimizer`` stores ``param``'s master, in words."""
+    if not optimizer.master_weights:
+        return "no master (master_weights=False)"
+    if wants_remainders(optimizer, param):
+        return "int16 remainders"
+    dtype = optimizer.name_to_dtype_map[MASTER]
+    return f"an {'FP16' if dtype == torch.float16 else 'FP32'} master"
+
+
+def saved_format(value: torch.Tensor | None) -> str:
+    """What a checkpoint's ``master_param`` holds, in words."""
+    if value is None:
+        return "no master"
+    if value.dtype == torch.int16:
+        return "int16 remainders"
+    return f"a {str(value.dtype).removeprefix('torch.')} master"
+
+
+@dataclass(frozen=True)
+class MasterConversion:
+    """A loaded master that depends on its parameter (``kind``: ``join``, ``split`` or ``from_param``, see the
+    module docstring), with the saved local tensor it converts (where the checkpoint put it, host memory as a rule:
+    it is moved to the parameter's device only while it is applied; ``None`` for ``from_param``)."""
+
+    param: torch.Tensor
+    kind: str
+    saved: torch.Tensor | None
+
+    @torch.no_grad()
+    def apply(self, optimizer: Any) -> None:
+        """Store the master from the parameter as it is now (``split`` also writes the parameter)."""
+        local = local_tensor(self.param)
+        saved = None if self.saved is None else self.saved.to(local.device)
+        if self.kind == "join":
+            optimizer.set_scaled_state(self.param, MASTER, join_bf16_remainder(local, saved))
+        elif self.kind == "split":
+            remainders = torch.empty(local.shape, dtype=torch.int16, device=local.device)
+            split_bf16_remainder(saved.float(), local, remainders)
+            optimizer.set_scaled_state(self.param, MASTER, remainders)
+        elif wants_remainders(optimizer, self.param):  # from_param: the parameter is the master, exactly
+            optimizer.set_scaled_state(self.param, MASTER, torch.zeros_like(local, dtype=torch.int16))
+        else:
+            optimizer.set_scaled_state(self.param, MASTER, local.detach().float())
+
+
+def load_master(optimizer: Any, param: torch.Tensor, saved: torch.Tensor | None) -> MasterConversion | None:
+    """Store a checkpoint's master of ``param`` (``saved``: a plain or DTensor, any device; ``None`` when the
+    checkpoint has none) in the optimizer's format; return the conversion to apply again once the parameter is
+    loaded, or ``None`` when the stored master does not depend on it. Without master weights nothing is stored:
+    the parameter, loaded with the model, is the weight."""
+    if not optimizer.master_weights:
+        return None
+    value = None if saved is None else local_tensor(saved)
+    remainders = wants_remainders(optimizer, param)
+    if value is None:
+        conversion = MasterConversion(param, "from_param", None)
+    elif value.dtype == torch.int16 and not remainders:
+        conversion = MasterConversion(param, "join", value)
+    elif value.dtype != torch.int16 and remainders:
+        conversion = MasterConversion(param, "split", value)
+    else:
+        value = value.to(local_tensor(param).device)
+        if value.dtype != torch.int16:
+            value = value.float()
+            if aliases(value, saved):
+                value = value.clone()  # set_scaled_state may scale its argument in place
+        optimizer.set_scaled_state(param, MASTER, value)
+        return None
+    conversion.apply(optimizer)
+    return conversion
