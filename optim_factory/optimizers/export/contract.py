@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from optim_factory.optimizers.export.formats import MASTER, MasterConversion, load_master
+from optim_factory.optimizers.export.formats import MASTER, MasterConversion, live_format, load_master, saved_format
 from optim_factory.optimizers.export.options import ExportOptions
 from optim_factory.optimizers.export.stream import StateExporter, StreamItem
 from optim_factory.optimizers.export.tensors import (
@@ -314,8 +314,13 @@ def _check_state(optimizer: Any, where: str, name: str, value: Any, param: torch
             f"load_state_dict: {where} has shape {tuple(local.shape)}, the parameter's (local) shape is "
             f"{tuple(live.shape)}"
         )
-    remainder = name == "master_param" and param.dtype == torch.bfloat16 and local.dtype == torch.int16
-    if local.dtype not in _LOADABLE_DTYPES and not remainder:
+    if name == MASTER and local.dtype == torch.int16 and param.dtype != torch.bfloat16:
+        raise ValueError(
+            f"load_state_dict: {where} is saved as {saved_format(local)}, which only a BF16 parameter's master "
+            f"can be; this parameter is {str(param.dtype).removeprefix('torch.')}, its master "
+            f"{live_format(optimizer, param)}: not convertible"
+        )
+    if local.dtype not in _LOADABLE_DTYPES and not (name == MASTER and local.dtype == torch.int16):
         raise ValueError(
             f"load_state_dict: {where} has dtype {local.dtype}; loadable: float32, bfloat16, float16 "
             "(int16 remainders for the master of a BF16 parameter)"
