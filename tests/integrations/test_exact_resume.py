@@ -259,8 +259,8 @@ def differences(got: dict, want: dict, tolerance: float = 0.0) -> list[str]:
 
 
 def reference(path: str, saved: str, live: str, steps: int, mesh) -> tuple[dict, dict]:
-    """The run that never stopped (sharded as the run checked, nothing saved): ``saved`` for 3 steps, converted in
-    memory into ``live``, then ``steps`` more; and the run that never changed format."""
+    """The run that never stopped (on ``mesh``, or plain: the update is element-wise; nothing saved): ``saved`` for
+    3 steps, converted in memory into ``live``, then ``steps`` more; and the run that never changed format."""
     before = Run(path, saved, 0, mesh, None)
     before.train(0, SAVED)
     after = Run(path, live, 1, mesh, None)
@@ -279,7 +279,8 @@ def check(run: Run, mesh, path: str, saved: str, live: str, step: int, rescaled:
     """``rescaled``: an FP16 master came from a checkpoint of another world size. TE scales an FP16 state per
     local shard (one scale per tensor a rank holds), so its values depend on the sharding it was stored under:
     such a case matches the reference (all of it on this world size) only to FP16's resolution."""
-    converted, unchanged = reference(path, saved, live, step - SAVED, mesh)
+    scaled = "fp16 master" in (saved, live)  # per-shard scales: the reference is sharded as the run
+    converted, unchanged = reference(path, saved, live, step - SAVED, mesh if scaled else None)
     got = snapshot(run)
     bad = differences(got, converted, RESCALED_TOLERANCE if rescaled else 0.0)
     if rescaled:  # int16 remainders are low bits: compared as the FP32 masters they make
