@@ -1,13 +1,13 @@
 """A changed master or moment format, resumed through every path a framework user takes: plain DCP (the README's
 loop, with ``ExactLoadPlanner``), torchtitan 0.3's ``CheckpointManager`` (``optim_factory.integrations.torchtitan``)
-and Automodel 0.7's ``Checkpointer`` (``optim_factory.integrations.automodel``), on 1 -> 2 -> 1 and 2 -> 1 -> 2 gloo
-ranks (forked).
+and Automodel 0.7's ``Checkpointer`` (``optim_factory.integrations.automodel``), on 1 -> 2 -> 1 gloo ranks (forked).
 
-Each case saves after 3 steps in the saved configuration, resumes in the live one (once: 2 steps and a save), and
-resumes that checkpoint (twice: 2 steps). After each resume's steps, the parameters and the whole exported state are
-bitwise those of a run that never stopped and changed format in memory at step 3 (``load_state_dict`` of the saved
-configuration's own state dict into the live configuration, the model loaded first): the conversion the optimizer
-defines, the same on every path, whatever order the path loads the model and the optimizer in. Where the conversion
+Each case saves after 3 steps in the saved configuration on 1 rank, resumes in the live one on 2 (once, 1 -> 2: 2
+steps and a save), and resumes that checkpoint on 1 (twice, 2 -> 1: 2 steps). After each resume's steps, the
+parameters and the whole exported state are bitwise those of a run that never stopped and changed format in memory
+at step 3 (``load_state_dict`` of the saved configuration's own state dict into the live configuration, the model
+loaded first): the conversion the optimizer defines, the same on every path, whatever order the path loads the model
+and the optimizer in. Where the conversion
 is exact (an FP32 master and int16 remainders, either way), the FP32 masters are also bitwise those of the run that
 never changed format.
 """
@@ -90,7 +90,7 @@ CASES = [("dcp", *pair) for pair in PAIRS] + [
     (p, *pair) for p in ("torchtitan", "automodel") for pair in FRAMEWORK_PAIRS
 ]
 EXACT = {("fp32 master", "remainders"), ("remainders", "fp32 master")}  # the FP32 master carries on unchanged
-CHAINS = {"1-2-1": (1, 2, 1), "2-1-2": (2, 1, 2)}  # world sizes of the first save, the resume, the second resume
+WORLDS = (1, 2, 1)  # world sizes of the first save, the resume (once: 1 -> 2) and the second resume (twice: 2 -> 1)
 SAVED, RESUMED = 3, 5  # the steps of the two checkpoints; each resume trains 2 steps
 # of a tensor's largest magnitude, where an FP16 master changed world size: two BF16 ulps (measured: 3.5e-3 at most,
 # a parameter one BF16 rounding apart after 2 steps; 1.5e-3 in FP16 masters)
@@ -291,17 +291,17 @@ def check(run: Run, mesh, path: str, saved: str, live: str, step: int, rescaled:
         assert not bad, f"FP32 masters not the unchanged run's at step {step}: {bad}"
 
 
-def case_folder(root: str, chain: str, path: str, saved: str, live: str) -> str:
-    return f"{root}/{chain}/{path}/{saved}->{live}".replace(" ", "_").replace(",", "")
+def case_folder(root: str, path: str, saved: str, live: str) -> str:
+    return f"{root}/{path}/{saved}->{live}".replace(" ", "_").replace(",", "")
 
 
-def phase(rank: int, world: int, root: str, chain: str, which: int) -> None:
-    """One phase of every case of ``chain`` on this group: 1 saves in the saved configuration, 2 resumes it in the
-    live one and saves, 3 resumes that. A failing case is recorded (per rank) and the others go on."""
+def phase(rank: int, world: int, root: str, which: int) -> None:
+    """One phase of every case on this group: 1 saves in the saved configuration, 2 resumes it in the live one and
+    saves, 3 resumes that. A failing case is recorded (per rank) and the others go on."""
     mesh = init_device_mesh("cpu", (world,)) if world > 1 else None
     failures: dict[str, str] = {}
     failed_before = set()
-    for file in Path(root).glob(f"{chain}.phase2.*.json"):
+    for file in Path(root).glob("phase2.*.json"):
         failed_before.update(json.loads(file.read_text()))
     for path, saved, live in CASES:
         case = f"{path}: {saved} -> {live}"
@@ -310,11 +310,11 @@ def phase(rank: int, world: int, root: str, chain: str, which: int) -> None:
         run = None
         try:
             if which == 1:
-                run = Run(path, saved, 0, mesh, case_folder(root, chain, path, saved, live))
+                run = Run(path, saved, 0, mesh, case_folder(root, path, saved, live))
                 run.train(0, SAVED)
                 run.save(SAVED)
             else:
-                run = Run(path, live, 2, mesh, case_folder(root, chain, path, saved, live))
+                run = Run(path, live, 2, mesh, case_folder(root, path, saved, live))
                 step = SAVED if which == 2 else RESUMED
                 run.load(step)
                 run.train(step, RESUMED - SAVED)
@@ -328,40 +328,28 @@ def phase(rank: int, world: int, root: str, chain: str, which: int) -> None:
             if run is not None:
                 run.close()
         dist.barrier()
-    Path(root, f"{chain}.phase{which}.rank{rank}.json").write_text(json.dumps(failures))
+    Path(root, f"phase{which}.rank{rank}.json").write_text(json.dumps(failures))
 
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory) -> dict[str, str]:
-    """Every case on both chains, in four groups of ranks; per case and chain, what failed (absent: passed)."""
+    """Every case, in three groups of ranks one after the other; per case, what failed (absent: passed)."""
     root = str(tmp_path_factory.mktemp("exact-resume"))
     done = tmp_path_factory.mktemp("exact-resume-done")
-    groups = {1: [], 2: []}
-    for which in (1, 2, 3):
-        for chain, worlds in CHAINS.items():
-            groups[worlds[which - 1]].append((which, chain))
-    outcome = {}
-    for which in (1, 2, 3):  # a phase runs after the phase before it, on its own world size
-        for world in (1, 2):
-            checks = [(f"{chain} {w}", phase, (root, chain, w)) for w, chain in groups[world] if w == which]
-            if checks:
-                outcome.update(spawn_checks(world, checks, done / f"{which}-{world}"))
     failures: dict[str, str] = {}
-    for name, problem in outcome.items():
-        if problem:
-            failures[f"group {name}"] = problem
+    for which, world in enumerate(WORLDS, start=1):
+        outcome = spawn_checks(world, [(f"phase {which}", phase, (root, which))], done / str(which))
+        failures.update({f"group {name}": why for name, why in outcome.items() if why})
     for file in Path(root).glob("*.json"):
-        chain = file.name.split(".")[0]
         for case, why in json.loads(file.read_text()).items():
-            failures.setdefault(f"{chain} {case}", why)
+            failures.setdefault(case, why)
     return failures
 
 
 @pytest.mark.slow  # forked ranks
-@pytest.mark.parametrize("chain", CHAINS)
 @pytest.mark.parametrize("path,saved,live", CASES, ids=[f"{p}: {a}->{b}" for p, a, b in CASES])
-def test_a_changed_format_resumes_exactly_twice(matrix, chain, path, saved, live):
+def test_a_changed_format_resumes_exactly_twice(matrix, path, saved, live):
     groups = [why for name, why in matrix.items() if name.startswith("group ")]
     assert not groups, groups[0]
-    why = matrix.get(f"{chain} {path}: {saved} -> {live}")
+    why = matrix.get(f"{path}: {saved} -> {live}")
     assert why is None, why
