@@ -20,9 +20,14 @@ import os
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
-from nemo_automodel.components.checkpoint.checkpointing import Checkpointer as AutomodelCheckpointer
 
 from optim_factory.checkpoint import ExactLoadPlanner
+from optim_factory.integrations import framework_import_error
+
+try:
+    from nemo_automodel.components.checkpoint.checkpointing import Checkpointer as AutomodelCheckpointer
+except ImportError as exc:
+    raise framework_import_error("nemo-automodel", exc) from exc
 
 __all__ = ["Checkpointer"]
 

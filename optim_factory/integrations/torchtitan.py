@@ -45,14 +45,19 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torchtitan.components.checkpoint import MODEL
-from torchtitan.components.checkpoint import CheckpointManager as TitanCheckpointManager
-from torchtitan.components.optimizer import OptimizersContainer as TitanOptimizersContainer
-from torchtitan.components.optimizer import ParamGroupConfig
-from torchtitan.config import derive, override
 
 import optim_factory
 from optim_factory.checkpoint import ExactLoadPlanner
+from optim_factory.integrations import framework_import_error
+
+try:  # torchtitan 0.3's names; its main branch has moved the checkpoint module
+    from torchtitan.components.checkpoint import MODEL
+    from torchtitan.components.checkpoint import CheckpointManager as TitanCheckpointManager
+    from torchtitan.components.optimizer import OptimizersContainer as TitanOptimizersContainer
+    from torchtitan.components.optimizer import ParamGroupConfig
+    from torchtitan.config import derive, override
+except ImportError as exc:
+    raise framework_import_error("torchtitan", exc) from exc
 from optim_factory.optimizers.group_rules import GROUP_KEYS
 
 __all__ = [
