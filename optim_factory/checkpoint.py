@@ -76,8 +76,8 @@ class ExactLoadPlanner(DefaultLoadPlanner):
             return
         saved = metadata.state_dict_metadata
         for fqn, value in list(self.state_dict.items()):
-            if not isinstance(value, torch.Tensor) or not _is_state(fqn):
-                continue
+            if type(value) not in (torch.Tensor, torch.nn.Parameter, DTensor) or not _is_state(fqn):
+                continue  # (a ShardedTensor template is DCP's to read, as without this planner)
             meta = saved.get(fqn)
             if meta is None and fqn.endswith("." + MASTER):
                 self._drop(fqn)
@@ -86,15 +86,18 @@ class ExactLoadPlanner(DefaultLoadPlanner):
 
     def _replace(self, fqn: str, tensor: torch.Tensor) -> None:
         self.state_dict[fqn] = tensor
-        if self.flatten_state_dict:  # the caller's nested dictionary holds what DCP reads
-            *above, last = self.mappings[fqn]
-            _container(self.original_state_dict, above)[last] = tensor
+        *above, last = self._path(fqn)  # the caller's dictionary holds what DCP reads
+        _container(self.original_state_dict, above)[last] = tensor
 
     def _drop(self, fqn: str) -> None:
         del self.state_dict[fqn]
-        if self.flatten_state_dict:
-            *above, last = self.mappings.pop(fqn)
-            del _container(self.original_state_dict, above)[last]
+        *above, last = self._path(fqn)
+        self.mappings.pop(fqn, None)
+        del _container(self.original_state_dict, above)[last]
+
+    def _path(self, fqn: str) -> tuple:
+        """Where ``fqn`` is in the caller's dictionary (a flat one's key is the path itself)."""
+        return tuple(self.mappings[fqn]) if self.flatten_state_dict else (fqn,)
 
 
 def _container(tree: Any, path: list) -> Any:
@@ -149,10 +152,11 @@ def deferred_export(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         yield
 
 
-def export_failure(optimizer: torch.optim.Optimizer) -> BaseException | None:
+def export_failure(optimizer: torch.optim.Optimizer) -> Exception | None:
     """Wait until a background export has filled its host tensors; return its failure, or ``None``. The failure
     is taken: no later wait raises it, and a dictionary whose export failed holds garbage (save nothing of it).
-    Safe on a thread beside the training loop: until the export has finished, a ``step()`` waits for it."""
+    Safe on a thread beside the training loop: until the export has finished, a ``step()`` waits for it, and a
+    ``step()`` that waits meanwhile raises the failure too."""
     if isinstance(optimizer, OffloadedStateDict):
         try:
             optimizer.wait_state_dict()

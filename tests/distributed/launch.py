@@ -13,19 +13,19 @@ import sys
 import traceback
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from scripts import forked
 
-# imported once by the forkserver (a module that is not installed is skipped): the recipe, the workers, and the
-# frameworks' checkpoint code the integration tests' ranks import (transformers through Automodel's: seconds a rank)
-PRELOAD = [
-    "recipes.train",
-    "tests.distributed.workers",
-    "optim_factory.integrations.torchtitan",
-    "optim_factory.integrations.automodel",
-]
+# imported once by the forkserver (a module that is not installed is skipped): the recipe, the workers, and, on a
+# machine without CUDA, the frameworks' checkpoint code the integration tests' ranks import (transformers through
+# Automodel's: seconds a rank). With CUDA they are not: importing them initialises CUDA, and a forked child of a
+# process that did cannot use it ("Cannot re-initialize CUDA in forked subprocess").
+PRELOAD = ["recipes.train", "tests.distributed.workers"]
+if not torch.cuda.is_available():
+    PRELOAD += ["optim_factory.integrations.torchtitan", "optim_factory.integrations.automodel"]
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what the recipe reads
 
 

@@ -86,8 +86,11 @@ FRAMEWORK_PAIRS = [
     ("fp16 master", "remainders"),
     ("bf16 moments, kept bf16", "fp32 master"),
 ]
+# "dcp": the README's loop, whose templates are the live parameters (DCP reads the model in place first);
+# "dcp, copies": the same with the model's template a copy (as a checkpointer that reads into host copies has it, the
+# recipe's), so that set_state_dict loads the optimizer before the model's values reach the parameters
 CASES = [("dcp", *pair) for pair in PAIRS] + [
-    (p, *pair) for p in ("torchtitan", "automodel") for pair in FRAMEWORK_PAIRS
+    (p, *pair) for p in ("dcp, copies", "torchtitan", "automodel") for pair in FRAMEWORK_PAIRS
 ]
 EXACT = {("fp32 master", "remainders"), ("remainders", "fp32 master")}  # the FP32 master carries on unchanged
 WORLDS = (1, 2, 1)  # world sizes of the first save, the resume (once: 1 -> 2) and the second resume (twice: 2 -> 1)
@@ -185,20 +188,21 @@ class Run:
 
     def load(self, step: int) -> None:
         where = f"{self.folder}/step-{step}"
-        if self.path == "torchtitan":  # the optimizer is loaded before the model
+        if self.path == "torchtitan":  # DCP reads the model in place, loads the optimizer, then torchtitan the model
             assert self.manager.load(step=step)
         elif self.path == "automodel":  # the model first, as Automodel's recipes load
             state = {"model": get_model_state_dict(self.model)}
             dcp.load(state, checkpoint_id=f"{where}/model_dcp")
             set_model_state_dict(self.model, state["model"])
             self.manager.load_optimizer(self.optimizer, self.model, where)
-        else:  # the README's loop: set_state_dict loads the optimizer before the model
+        else:  # the README's loop (set_state_dict loads the optimizer, then the model)
             msd, osd = get_state_dict(self.model, self.optimizer, options=FLAT)
+            if self.path == "dcp, copies":
+                msd = {k: v.detach().clone() for k, v in msd.items()}
             state = {"model": msd, "optim": osd}
             dcp.load(state, checkpoint_id=where, planner=ExactLoadPlanner())
-            set_state_dict(
-                self.model, self.optimizer, model_state_dict=msd, optim_state_dict=state["optim"], options=FLAT
-            )
+            optim = state["optim"]
+            set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=optim, options=FLAT)
 
     def close(self) -> None:
         if hasattr(self, "manager") and self.path == "torchtitan":

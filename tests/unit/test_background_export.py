@@ -4,12 +4,17 @@ and is never saved (issue 17, item 3)."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+from concurrent.futures import Future
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from optim_factory import PortableFusedAdam
-from optim_factory.optimizers.export import export_state
+from optim_factory.optimizers.export import ExportOptions, StateExporter, export_state
 from recipes.checkpoint import CheckpointError, CheckpointManager, ExportBufferStager, read_checkpoint
 from recipes.config import CheckpointConfig
 from tests.helpers import (
@@ -189,3 +194,32 @@ def test_a_plain_reader_never_gets_unfilled_tensors(tmp_path):
     for k, st in reference["state"].items():
         for name, v in st.items():
             assert_bitwise(written[f"optim.state.{names[id(params[k])]}.{name}"], v, f"dcp.save {k}.{name}")
+
+
+def test_every_thread_waiting_for_a_failed_export_gets_its_failure():
+    """The stager's thread and the loop's step() may wait for one background export at the same time: both get its
+    failure (one taking it must not make the other read unfilled buffers as a finished export); a wait that
+    starts once it was taken returns."""
+    exporter = StateExporter(ExportOptions())
+    pending: Future = Future()
+    exporter._pending, exporter._pending_pid = pending, os.getpid()  # a background export, still running
+    outcomes: list = []
+
+    def waiter() -> None:
+        try:
+            exporter.wait()
+            outcomes.append(None)
+        except RuntimeError as exc:
+            outcomes.append(str(exc))
+
+    threads = [threading.Thread(target=waiter) for _ in range(2)]
+    for t in threads:
+        t.start()
+    while len(pending._condition._waiters) < 2:  # both blocked on the export (CPython's Future internals)
+        time.sleep(0.001)
+    pending.set_exception(RuntimeError("export failed"))
+    for t in threads:
+        t.join()
+    assert outcomes == ["export failed", "export failed"]
+    exporter.wait()  # taken: nothing pending any more
+    assert not exporter.pending

@@ -5,6 +5,7 @@ loaded parameter, ``ExactLoadPlanner``, and exports that never alias live state.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import re
 from pathlib import Path
@@ -150,8 +151,8 @@ def test_an_fp32_master_loaded_as_remainders_sets_the_parameter(load_model_after
     assert_bitwise(rejoined, masters, "parameter and remainders rejoin the saved master")
 
 
-@pytest.mark.parametrize("saved,live", [("remainders", "fp32 master"), ("no master", "fp32 master"),
-                                        ("no master", "remainders")])  # fmt: skip
+@pytest.mark.parametrize("saved,live", [("remainders", "fp32 master"), ("fp32 master", "remainders"),
+                                        ("no master", "fp32 master"), ("no master", "remainders")])  # fmt: skip
 def test_a_master_that_needs_the_parameter_follows_a_model_loaded_after_the_optimizer(saved, live):
     """set_state_dict and torchtitan load the optimizer first: the master comes from the parameter as loaded when
     the optimizer next steps or exports, not from the parameter the load saw."""
@@ -171,6 +172,8 @@ def test_a_master_that_needs_the_parameter_follows_a_model_loaded_after_the_opti
         got = join_bf16_remainder(p.detach(), got) if got.dtype == torch.int16 else got
         if saved == "remainders":
             want = join_bf16_remainder(q.detach(), src.state[q]["master_param"])
+        elif saved == "fp32 master":  # split from the loaded parameter: rejoins the saved master
+            want = src.state[q]["master_param"]
         else:
             want = q.detach().float()
         assert_bitwise(got, want, f"param {i}: master")
@@ -310,3 +313,34 @@ def test_remainders_for_a_parameter_no_longer_bf16_are_refused_in_one_line_and_n
         "BF16 parameter's master can be; this parameter is float32, its master an FP32 master: not convertible"
     )
     LiveSnapshot.take(live).assert_same(before)  # (DCP itself reads the model's tensors in place: they are read)
+
+
+def test_a_conversion_still_to_apply_is_copied_with_the_optimizer_and_owns_its_saved_tensor():
+    """A load's pending join survives copy.deepcopy (the copy converts from its own, loaded parameters), and it
+    keeps its own copy of the saved remainders: the dictionary it was loaded from may be another optimizer's live
+    state (TE's export aliases it), which that optimizer's later steps change."""
+    params = make_params(torch.bfloat16)
+    src = PortableFusedAdam(params, lr=1e-2, **MASTERS["remainders"])
+    run_steps(src, params, 0, 2)
+    masters = [join_bf16_remainder(p.detach(), src.state[p]["master_param"]) for p in params]
+    dst_params = [torch.nn.Parameter(torch.zeros_like(p)) for p in params]
+    dst = PortableFusedAdam(dst_params, lr=1e-2, **MASTERS["fp32 master"])
+    dst.load_state_dict(src.state_dict())  # not offloaded: the remainders are src's live tensors
+    with torch.no_grad():  # the model, loaded after the optimizer
+        for p, q in zip(dst_params, params):
+            p.copy_(q)
+    run_steps(src, params, 2, 2)  # src's remainders change in place
+    twin = copy.deepcopy(dst)
+    for opt in (dst, twin):
+        exported = opt.state_dict()["state"]
+        for i, master in enumerate(masters):
+            assert_bitwise(exported[i]["master_param"], master, f"param {i}: the master saved at the load")
+
+
+def test_exact_load_planner_without_flattening_puts_the_saved_dtype_in_the_caller_s_dictionary(tmp_path):
+    """With ``flatten_state_dict=False`` (a flat dictionary) the caller's dictionary gets the saved-dtype tensor."""
+    saved = {"optim.state.w.master_param": torch.arange(-3, 3, dtype=torch.int16)}
+    dcp.save(saved, checkpoint_id=str(tmp_path))
+    template = {"optim.state.w.master_param": torch.zeros(6)}
+    dcp.load(template, checkpoint_id=str(tmp_path), planner=ExactLoadPlanner(flatten_state_dict=False))
+    assert_bitwise(template["optim.state.w.master_param"], saved["optim.state.w.master_param"], "read as saved")

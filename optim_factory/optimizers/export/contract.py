@@ -314,7 +314,7 @@ def _check_state(optimizer: Any, where: str, name: str, value: Any, param: torch
             f"load_state_dict: {where} has shape {tuple(local.shape)}, the parameter's (local) shape is "
             f"{tuple(live.shape)}"
         )
-    if name == MASTER and local.dtype == torch.int16 and param.dtype != torch.bfloat16:
+    if name == MASTER and local.dtype == torch.int16 and param.dtype != torch.bfloat16 and optimizer.master_weights:
         raise ValueError(
             f"load_state_dict: {where} is saved as {saved_format(local)}, which only a BF16 parameter's master "
             f"can be; this parameter is {str(param.dtype).removeprefix('torch.')}, its master "

@@ -63,11 +63,11 @@ def saved_format(value: torch.Tensor | None) -> str:
     return f"a {str(value.dtype).removeprefix('torch.')} master"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class MasterConversion:
     """A loaded master that depends on its parameter (``kind``: ``join``, ``split`` or ``from_param``, see the
-    module docstring), with the saved local tensor it converts (where the checkpoint put it, host memory as a rule:
-    it is moved to the parameter's device only while it is applied; ``None`` for ``from_param``)."""
+    module docstring), with a host copy of the saved local tensor it converts (its own: the caller's dictionary may
+    alias live state; moved to the parameter's device only while it is applied; ``None`` for ``from_param``)."""
 
     param: torch.Tensor
     kind: str
@@ -84,10 +84,12 @@ class MasterConversion:
             remainders = torch.empty(local.shape, dtype=torch.int16, device=local.device)
             split_bf16_remainder(saved.float(), local, remainders)
             optimizer.set_scaled_state(self.param, MASTER, remainders)
-        elif wants_remainders(optimizer, self.param):  # from_param: the parameter is the master, exactly
-            optimizer.set_scaled_state(self.param, MASTER, torch.zeros_like(local, dtype=torch.int16))
-        else:
+        else:  # from_param (a full master: remainders of a master from the parameter are zeros, never pending)
             optimizer.set_scaled_state(self.param, MASTER, local.detach().float())
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
 
 
 def load_master(optimizer: Any, param: torch.Tensor, saved: torch.Tensor | None) -> MasterConversion | None:
@@ -99,12 +101,13 @@ def load_master(optimizer: Any, param: torch.Tensor, saved: torch.Tensor | None)
         return None
     value = None if saved is None else local_tensor(saved)
     remainders = wants_remainders(optimizer, param)
+    if value is None and remainders:  # zero remainders: the parameter is the master, whatever it holds
+        optimizer.set_scaled_state(param, MASTER, torch.zeros_like(local_tensor(param), dtype=torch.int16))
+        return None
     if value is None:
         conversion = MasterConversion(param, "from_param", None)
-    elif value.dtype == torch.int16 and not remainders:
-        conversion = MasterConversion(param, "join", value)
-    elif value.dtype != torch.int16 and remainders:
-        conversion = MasterConversion(param, "split", value)
+    elif (value.dtype == torch.int16) != remainders:  # join, or split: 2 or 4 bytes per element until applied
+        conversion = MasterConversion(param, "split" if remainders else "join", _host_copy(value))
     else:
         value = value.to(local_tensor(param).device)
         if value.dtype != torch.int16:

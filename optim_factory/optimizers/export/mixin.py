@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from optim_factory.optimizers.export.contract import export_state, load_exported_state, param_index_map
-from optim_factory.optimizers.export.formats import MasterConversion
+from optim_factory.optimizers.export.formats import MasterConversion, wants_remainders
 from optim_factory.optimizers.export.options import ExportOptions, Pinning
 from optim_factory.optimizers.export.stream import StateExporter
 from optim_factory.optimizers.export.tensors import local_tensor
@@ -53,7 +53,7 @@ class OffloadedStateDict:
             k: v
             for k, v in self.__dict__.items()
             if k != "_exporter" and not (k.startswith("_optimizer_") and k.endswith("_hooks"))
-        } | {"_deferring": 0, "_loaded_masters": []}
+        } | {"_deferring": 0}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         torch.optim.Optimizer.__setstate__(self, state)
@@ -205,8 +205,8 @@ class OffloadedStateDict:
     def wait_state_dict(self) -> None:
         """Block until a background export (``state_dict_offload_background``) has filled its host tensors; re-raise
         its failure. The failure is raised once, by the first of this, ``step()``, ``load_state_dict()`` or
-        ``state_dict()`` to wait: a dictionary whose export failed holds garbage and must not be saved. Returns at
-        once when nothing is pending."""
+        ``state_dict()`` to wait (and by every other thread that was waiting for it meanwhile): a dictionary whose
+        export failed holds garbage and must not be saved. Returns at once when nothing is pending."""
         self._exporter.wait()
 
     @property
@@ -243,6 +243,11 @@ class OffloadedStateDict:
         ``prepare_state_dict()`` and ``initialize_states()`` call it first, so a framework that loads the model
         after the optimizer (DCP's ``set_state_dict``, torchtitan) gets the exact master without calling it; call it
         yourself only to read ``opt.state`` directly after a load. Once per load: nothing to do afterwards."""
+        if self._loaded_masters and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "settle_masters: a load's masters are still to be converted from the loaded parameters: call "
+                "optim_factory.checkpoint.finish_load(opt) once the model is loaded, before capturing a CUDA graph"
+            )
         conversions, self._loaded_masters = self._loaded_masters, []
         for conversion in conversions:
             conversion.apply(self)
@@ -269,7 +274,7 @@ class OffloadedStateDict:
                 group["step"] = torch.zeros([1], dtype=torch.int, device=local_tensor(group["params"][0]).device)
             for p in group["params"]:
                 if len(self.state[p]) == 0:
-                    self.initialize_state(p, self.store_param_remainders and p.dtype == torch.bfloat16)
+                    self.initialize_state(p, wants_remainders(self, p))
 
     def release_state_dict(self, state_dict: Any) -> int:
         """Give the pooled host buffers of an exported ``state_dict`` back for reuse; return how many.

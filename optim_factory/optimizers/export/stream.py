@@ -155,7 +155,7 @@ class StateExporter:
         self._convert_streams: dict[torch.device, Any] = {}
         self._thread = ProcessThreads(1, "export-stream")
         self._pending: Future | None = None
-        self._taking = threading.Lock()  # one of two waiters takes a finished export's outcome
+        self._taking = threading.Lock()  # a finished export stops being pending once, never a later one
         self._pending_pid = 0  # the process whose thread runs the pending export
         self._unstagers: dict[torch.device, UnstageWorkers] = {}
 
@@ -272,7 +272,8 @@ class StateExporter:
     def wait(self) -> None:
         """Block until the pending background export (if any) has finished; re-raise its failure (once: the
         export is no longer pending afterwards). It stays pending until it has finished, so that a ``step()`` on
-        another thread that waits meanwhile waits for it too; of two waiters, one takes the failure."""
+        another thread that waits meanwhile waits for it too; every waiter that waited for it meanwhile gets its
+        failure, a wait that starts once it has been taken does not."""
         pending = self._pending
         if pending is None:
             return
@@ -284,11 +285,9 @@ class StateExporter:
             )
         pending.exception()  # finished, still pending for any other waiter
         with self._taking:
-            taken = self._pending is pending
-            if taken:
+            if self._pending is pending:
                 self._pending = None
-        if taken:
-            pending.result()
+        pending.result()
 
     def join(self) -> None:
         """Block until the pending background export has finished, without raising or clearing its failure."""
