@@ -58,7 +58,7 @@ from recipes.checkpoint.stager import (
     NO_SPACE,
     NON_FINITE,
     ExportBufferStager,
-    export_failure,
+    export_failure_line,
 )
 from recipes.checkpoint.tree import local_tensors, state_bytes
 from recipes.distributed import all_ranks
@@ -154,7 +154,7 @@ class Saves:
         # before the next step() (wait_export) and by the stager
         with deferred_export(optimizer):
             osd = get_optimizer_state_dict(model, optimizer, options=self.options)
-        export_error = None if deferred else export_failure(optimizer)
+        export_error = None if deferred else export_failure_line(optimizer)
         if on_cuda and not deferred:
             torch.cuda.synchronize(self.device)
         export_s = time.perf_counter() - t0
@@ -181,7 +181,7 @@ class Saves:
             raise
         except BaseException:
             if deferred:
-                export_failure(optimizer)  # nothing stages it: its failure must not reach the next step()
+                export_failure_line(optimizer)  # nothing stages it: its failure must not reach the next step()
             release_export(optimizer, osd)
             raise
         self._clear_in_the_way(step, path)
@@ -211,7 +211,7 @@ class Saves:
         finally:
             if not in_flight:  # written (sync) or failed: nothing reads the export buffers any more
                 if deferred and (stager is None or stager.filled is None):
-                    export_failure(optimizer)  # never staged: its failure must not reach the next step()
+                    export_failure_line(optimizer)  # never staged: its failure must not reach the next step()
                 release_export(optimizer, osd)
         save_s = time.perf_counter() - t0
         report = ExportReport(

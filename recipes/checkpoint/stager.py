@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from optim_factory import checkpoint as contract
+from optim_factory.checkpoint import export_buffer_test, export_failure
 from optim_factory.optimizers.export import all_finite
 from recipes.checkpoint.host_copies import HostCopies
 from recipes.checkpoint.layout import one_line
@@ -55,10 +55,10 @@ class ExportBufferStager(AsyncStager):
         """Host copies for DCP. Not deferred: once a background export has filled its tensors (a failed export
         raises here and nothing is written). Deferred: a Future of them, see the class docstring."""
         if not self.deferred:
-            failure = contract.export_failure(self.optimizer)
+            failure = export_failure(self.optimizer)
             if failure is not None:
                 raise failure
-        staged, copied = self.host_copies.copy(state_dict, keep=contract.export_buffer_test(self.optimizer))
+        staged, copied = self.host_copies.copy(state_dict, keep=export_buffer_test(self.optimizer))
         if not self.deferred:
             copied()
             return staged
@@ -76,7 +76,7 @@ class ExportBufferStager(AsyncStager):
             if device is not None:
                 torch.cuda.set_device(device)
             copied()  # the model's copies (a side stream): the next step() changes the model too
-            failure = export_failure(self.optimizer)  # a step() that waits meanwhile waits for the export too
+            failure = export_failure_line(self.optimizer)  # a step() that waits meanwhile waits for the export too
             if failure is not None:
                 self.failure, self.verdict = failure, EXPORT_FAILED
             self.filled.set_result(time.perf_counter())  # the loop's next step() may run from here
@@ -96,7 +96,7 @@ class ExportBufferStager(AsyncStager):
         """Nothing to free."""
 
 
-def export_failure(optimizer: Any) -> str | None:
+def export_failure_line(optimizer: Any) -> str | None:
     """Wait for a background export (``state_dict_offload_background``); its failure in one line, or None."""
-    failure = contract.export_failure(optimizer)
+    failure = export_failure(optimizer)
     return None if failure is None else one_line(failure)

@@ -1,6 +1,7 @@
 """The export path shared by both FusedAdam backends, one job per module (docs/design.md, "Export"):
 
 * :mod:`.contract`: the TE-matching export and load (``export_state``, ``load_exported_state``);
+* :mod:`.formats`: a master's saved and live formats and the conversion between them (``load_master``);
 * :mod:`.options`: the frozen, validated export options (``ExportOptions``, ``Pinning``);
 * :mod:`.stream`: chunk planning and the stream pipeline (``StateExporter``);
 * :mod:`.host_memory`: host memory and pinning (``host_empty``, ``HostBufferPool``);
