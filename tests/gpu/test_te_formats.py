@@ -11,21 +11,13 @@ import itertools
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from optim_factory.checkpoint import ExactLoadPlanner, prepare_load
 from tests.helpers import assert_bitwise, deep_clone, make_params, run_steps
+from tests.unit.test_formats import FLAT, MASTERS, MOMENTS, PARAMS, keys, save  # the same configurations, on CUDA
 
-FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 HP = {"lr": 1e-2, "weight_decay": 0.1}
-PARAMS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-MASTERS = {
-    "no master": {},
-    "fp32 master": {"master_weights": True},
-    "fp16 master": {"master_weights": True, "master_weight_dtype": torch.float16},
-    "remainders": {"master_weights": True, "store_param_remainders": True},
-}
-MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
 FORMATS = {
     **MASTERS,
     "bf16 moments": {"master_weights": True, "exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
@@ -59,21 +51,12 @@ def build(cls, dtype: torch.dtype, seed: int = 0, **options):
         return None
 
 
-def save(model, opt, path) -> None:
-    msd, osd = get_state_dict(model, opt, options=FLAT)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
-
-
 def load(model, opt, path) -> None:
     prepare_load(opt)
     msd, osd = get_state_dict(model, opt, options=FLAT)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=str(path), planner=ExactLoadPlanner())
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=FLAT)
-
-
-def keys(opt) -> dict:
-    return {k: sorted(v) for k, v in opt.state_dict()["state"].items()}
 
 
 def assert_same(got, want, what: str) -> None:
