@@ -280,7 +280,7 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
         """Perform one optimisation step (``grad_scaler`` is used in capturable mode, as in TE)."""
-        self._before_step()
+        self._wait_and_settle()
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -118,7 +118,7 @@ class FusedAdam(OffloadedStateDict, CheckedParamGroups, _TEFusedAdam):  # type: 
         that argument (to a ``step(*args, **kwargs)`` the scaler sets ``opt.grad_scale``, which TE never reads, so a
         capturable step would run on scaled gradients and not skip on overflow). Gradients that ``scaler.unscale_``
         already unscaled are not unscaled again (:mod:`optim_factory.optimizers.amp`)."""
-        self._before_step()
+        self._wait_and_settle()
         return super().step(closure, scaler_for_step(grad_scaler, self))
 
     def initialize_state(self, param: torch.Tensor, store_param_remainders: bool) -> None:

@@ -28,7 +28,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from optim_factory.optimizers.export.formats import MASTER, MasterConversion, live_format, load_master, saved_format
+from optim_factory.optimizers.export.formats import (
+    MASTER,
+    MasterConversion,
+    fp32_own,
+    live_format,
+    load_master,
+    saved_format,
+)
 from optim_factory.optimizers.export.options import ExportOptions
 from optim_factory.optimizers.export.stream import StateExporter, StreamItem
 from optim_factory.optimizers.export.tensors import (
@@ -361,10 +368,7 @@ def load_exported_state(optimizer: Any, state_dict: dict[str, Any]) -> list[Mast
             if name not in optimizer.name_to_dtype_map or not isinstance(value, torch.Tensor):
                 optimizer.state[param][name] = value
                 continue
-            local = local_tensor(value).float()
-            if aliases(local, value):
-                local = local.clone()  # set_scaled_state may scale its argument in place
-            optimizer.set_scaled_state(param, name, local)
+            optimizer.set_scaled_state(param, name, fp32_own(value))
         if values:
             conversion = load_master(optimizer, param, values.get(MASTER))
             if conversion is not None:

@@ -34,7 +34,7 @@ import torch
 
 from optim_factory.optimizers.export.tensors import aliases, join_bf16_remainder, local_tensor, split_bf16_remainder
 
-__all__ = ["MASTER", "MasterConversion", "load_master", "saved_format", "live_format", "wants_remainders"]
+__all__ = ["MASTER", "MasterConversion", "fp32_own", "load_master", "saved_format", "live_format", "wants_remainders"]
 
 MASTER = "master_param"
 
@@ -88,6 +88,13 @@ class MasterConversion:
             optimizer.set_scaled_state(self.param, MASTER, local.detach().float())
 
 
+def fp32_own(saved: torch.Tensor) -> torch.Tensor:
+    """A saved state's local tensor as FP32, never aliasing ``saved`` (``set_scaled_state`` may scale its argument
+    in place): what ``set_scaled_state`` takes for every state but int16 remainders."""
+    value = local_tensor(saved).float()
+    return value.clone() if aliases(value, saved) else value
+
+
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
@@ -109,12 +116,7 @@ def load_master(optimizer: Any, param: torch.Tensor, saved: torch.Tensor | None)
     elif (value.dtype == torch.int16) != remainders:  # join, or split: 2 or 4 bytes per element until applied
         conversion = MasterConversion(param, "split" if remainders else "join", _host_copy(value))
     else:
-        value = value.to(local_tensor(param).device)
-        if value.dtype != torch.int16:
-            value = value.float()
-            if aliases(value, saved):
-                value = value.clone()  # set_scaled_state may scale its argument in place
-        optimizer.set_scaled_state(param, MASTER, value)
+        optimizer.set_scaled_state(param, MASTER, value if value.dtype == torch.int16 else fp32_own(saved))
         return None
     conversion.apply(optimizer)
     return conversion

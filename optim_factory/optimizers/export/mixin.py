@@ -142,8 +142,7 @@ class OffloadedStateDict:
         returns, so a plain reader (``torch.save``, ``dcp.save`` of ``get_optimizer_state_dict``) never reads
         unfilled tensors. A pending export is waited for first (its failure raises here).
         """
-        self.wait_state_dict()
-        self.settle_masters()
+        self._wait_and_settle()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # type: ignore[attr-defined]
             pre_hook(self)
         o = self._export_options
@@ -230,9 +229,9 @@ class OffloadedStateDict:
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():  # type: ignore[attr-defined]
             post_hook(self)
 
-    def _before_step(self) -> None:
-        """What both classes' ``step()`` does first: wait for a background export (it reads the states the step
-        changes) and settle a load's masters (:meth:`settle_masters`)."""
+    def _wait_and_settle(self) -> None:
+        """What ``step()`` (both classes), ``state_dict()`` and ``initialize_states()`` do first: wait for a background
+        export (it reads the states they change) and settle a load's masters (:meth:`settle_masters`)."""
         self.wait_state_dict()
         self.settle_masters()
 
@@ -265,8 +264,7 @@ class OffloadedStateDict:
         parameter; with the states already there it does not. The ``step`` count puts the key into the template,
         so that the checkpoint's count is loaded. A first ``step()`` afterwards counts 1, as without this call.
         """
-        self.wait_state_dict()
-        self.settle_masters()
+        self._wait_and_settle()
         for group in self.param_groups:
             if "step" not in group and not self.capturable:
                 group["step"] = 0
