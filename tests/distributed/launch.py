@@ -26,7 +26,8 @@ from scripts import forked
 PRELOAD = ["recipes.train", "tests.distributed.workers"]
 if not torch.cuda.is_available():
     PRELOAD += ["optim_factory.integrations.torchtitan", "optim_factory.integrations.automodel"]
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what the recipe reads
+# what torchrun gives its workers and the recipe reads (LOCAL_WORLD_SIZE: the host's CPUs shared between the ranks)
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def free_port() -> int:
@@ -134,7 +135,7 @@ def recipe_ranks(argv: list[str], world: int, out: Path, timeout: float = 300) -
             (argv,),
             stems[r],
             PRELOAD,
-            dict(zip(TORCHRUN_VARIABLES, (str(r), str(world), str(r), "127.0.0.1", str(port)))),
+            dict(zip(TORCHRUN_VARIABLES, (str(r), str(world), str(r), str(world), "127.0.0.1", str(port)))),
         )
         for r in range(world)
     ]

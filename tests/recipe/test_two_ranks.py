@@ -1,7 +1,7 @@
-"""A 2-rank torchrun run (20 steps, checkpoints at 10 and 20) and what its checkpoints do on 1 and 2 ranks:
-resharding both ways, verification shared by the ranks, and a resume on 1 rank that continues the same run.
-The later 2-rank launches run the entry point on 2 gloo ranks without torchrun's agent
-(tests/distributed/launch.py recipe_ranks)."""
+"""A 2-rank run (20 steps, checkpoints at 10 and 20) and what its checkpoints do on 1 and 2 ranks: resharding
+both ways, verification shared by the ranks, and a resume on 1 rank that continues the same run. The 2-rank
+launches run the entry point on 2 gloo ranks with torchrun's variables, without its agent (tests/distributed/launch.py
+recipe_ranks; tests/recipe/test_launchers.py runs the recipe under torchrun itself)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from recipes.checkpoint.checksums import writer_threads
 from recipes.config import CheckpointConfig
 from recipes.train import compose_config, train
 from tests.distributed.launch import recipe_ranks
-from tests.recipe.runs import QUICK, metrics, run_cli, stopped
+from tests.recipe.runs import QUICK, metrics, stopped
 
 pytestmark = pytest.mark.slow
 OVER = [*QUICK, "trainer.log_every=1", "trainer.eval_every=10", "checkpoint.keep_last=0"]
@@ -25,11 +25,12 @@ STEP10 = "step_00000010"
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
-    """``OVER`` under torchrun with 2 ranks: its run directory and the launch's stderr. Read only."""
-    run_dir = tmp_path_factory.mktemp("two_ranks") / "run"
-    proc = run_cli([*OVER, f"run_dir={run_dir}"], torchrun=2)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return run_dir, proc.stderr
+    """``OVER`` on 2 ranks: its run directory and rank 0's stderr. Read only."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    run_dir = tmp / "run"
+    ranks = recipe_ranks([*OVER, f"run_dir={run_dir}"], 2, tmp / "out")
+    assert [rank.returncode for rank in ranks] == [0, 0], ranks
+    return run_dir, ranks[0].stderr
 
 
 def _from_step_10(two_rank_run, run_dir: Path) -> Path:
