@@ -15,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from optim_factory.config import OPTIM_SCHEMAS, omegaconf_error_line
 from optim_factory.errors import first_line
+from recipes.checkpoint.tree import leaves
 from recipes.config import another_optimizers_line, known_keys
 
 
@@ -104,6 +105,26 @@ def _optional_groups(conf_dir: str) -> set[str]:
     mean "none", as by default."""
     defaults = OmegaConf.to_container(OmegaConf.load(Path(conf_dir) / "train.yaml")).get("defaults", [])
     return {k for d in defaults if isinstance(d, dict) for k, v in d.items() if v is None}
+
+
+def keys_set(overrides: list[str], conf_dir: str) -> list[str]:
+    """The config keys a launch's command-line ``overrides`` set, each standing for the keys under it too: the key
+    of each override; a group's name where an option of it is chosen (``optim=fused_adam_lowmem``), or, for an
+    option of a ``# @package _global_`` group (``experiment=quick``), the keys its file sets and the groups its
+    defaults list overrides."""
+    keys = []
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        key = key.split("@", 1)[0]
+        option = Path(conf_dir) / key / f"{value}.yaml"
+        if not option.is_file() or not option.read_text().startswith("# @package _global_"):
+            keys.append(key)
+            continue
+        preset = OmegaConf.to_container(OmegaConf.load(option))
+        for entry in preset.pop("defaults", []):
+            keys += [k.removeprefix("override ").strip("/") for k in entry] if isinstance(entry, dict) else []
+        keys += [".".join(path) for path, _ in leaves(preset, dicts_only=True)]
+    return keys
 
 
 def shared_run_dir_error(argv: list[str], compose: Callable[[list[str]], DictConfig], most: int = 256) -> str | None:

@@ -71,6 +71,31 @@ def eval_text(ev: dict[str, Any]) -> str:
     return f"step {ev['step']}: {acc}{loss} {ev['eval_loss']:.4f} ({ev['eval_examples']} {held}, {ev['eval_s']:.2f} s)"
 
 
+def done_text(summary: dict[str, Any], metrics: Path, checkpoint_dir: str | None) -> str:
+    """The run's last line, for a person: steps and loss, the last evaluation, the checkpoints a resume can use
+    (rank 0's ``kept_checkpoints``; ``checkpoint_dir`` None: checkpoints off), how to go on, and where the whole
+    summary is (``metrics``: its last record)."""
+    end = summary["end_step"]
+    parts = [f"steps {summary['start_step']}-{end}"]
+    if summary["first_loss"] is not None:
+        parts[0] += f", loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}"
+    if summary["eval"]:
+        ev = summary["eval"]
+        acc = f"accuracy {ev['accuracy']:.3f}" if "accuracy" in ev else f"eval loss {ev['eval_loss']:.4f}"
+        parts.append(f"{acc} at step {ev['step']}")
+    kept = summary["kept_checkpoints"] or []
+    if checkpoint_dir is None:
+        parts.append("no checkpoints (checkpoint.enabled=false)")
+    else:
+        newest = f", newest {Path(kept[-1]).name}" if kept else ""
+        parts.append(f"{len(kept)} checkpoint(s) in {checkpoint_dir}{newest}")
+    if summary["stopped_at"] is not None:
+        parts.append(f"stopped by {summary['stopped_by']}: the same command resumes at step {end}")
+    elif kept:
+        parts.append(f"to train on: the same command with trainer.max_steps above {end}")
+    return f"done: {'; '.join(parts)} (the summary: the last record of {metrics})"
+
+
 def eval_postfix(ev: dict[str, Any]) -> dict[str, str]:
     out = {"eval_loss": f"{ev['eval_loss']:.3f}"}
     if "accuracy" in ev:

@@ -12,7 +12,6 @@ anything is written: a config error is one line on stderr and exit code 2, and l
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import sys
@@ -33,13 +32,13 @@ from omegaconf.errors import OmegaConfBaseException
 from optim_factory.factory import ConfigError, ValidatedOptim, build_optimizer
 from recipes.checkpoint import CheckpointError, CheckpointManager
 from recipes.checkpoint.resume import log_changes, nothing_to_do
-from recipes.command_line import command_line_error, config_error_line, shared_run_dir_error
+from recipes.command_line import command_line_error, config_error_line, keys_set, shared_run_dir_error
 from recipes.config import register_configs
 from recipes.data import DataError
 from recipes.distributed import LaunchError, all_ranks, init_distributed, shutdown
 from recipes.evaluate import evaluate
 from recipes.launches import record_config
-from recipes.logs import FILE_ONLY, MetricsWriter, StepLog, eval_postfix, eval_text, log, setup_logging
+from recipes.logs import FILE_ONLY, MetricsWriter, StepLog, done_text, eval_postfix, eval_text, log, setup_logging
 from recipes.model import build_model
 from recipes.preflight import preflight, run_dir_refusal
 from recipes.progress import progress_bar
@@ -171,8 +170,9 @@ def _train(
         path, state = resumed
         start, resumed_from = int(state["step"]), str(path)
         torch.set_rng_state(state["rng_state"])
-        if rank == 0:
-            log_changes(ckpt.resume_changes)
+        if rank == 0:  # with this launch's overrides, where Hydra's command line gave them
+            typed = keys_set(list(HydraConfig.get().overrides.task), CONFIG_DIR) if HydraConfig.initialized() else None
+            log_changes(ckpt.resume_changes, typed)
         log.info("resuming from checkpoint %s at step %d (saved by %d rank(s))", path, start, state["world_size"])
         for change in ckpt.resume_changes:
             metrics.write(change.record())
@@ -264,7 +264,8 @@ def _train(
         "stopped_by": (stop.received or "a signal on another rank") if stopped_at is not None else None,
     }
     metrics.write({"kind": "summary", **summary})
-    log.info("done: %s", json.dumps(summary))
+    if rank == 0:
+        log.info(done_text(summary, metrics.path, cfg.checkpoint.dir if cfg.checkpoint.enabled else None))
     return summary
 
 

@@ -193,9 +193,22 @@ def check_config(path: Path, run_config: dict[str, Any] | None) -> list[Change]:
     return changes
 
 
-def log_changes(changes: list[Change]) -> None:
+def log_changes(changes: list[Change], typed: list[str] | None = None) -> None:
+    """Each change in one line: INFO, or WARNING where the config's value wins for a key this launch's command
+    line does not set (``typed``: the keys it sets, each with the keys under it; None where unknown: every line
+    INFO): an override of an earlier launch that this one left off, reverting without a word of the user's."""
     for c in changes:
-        log.info(c.line())
+        said = typed is None or any(c.key == k or c.key.startswith(k + ".") for k in typed)
+        if c.action == CONFIG and c.checkpoint is not _ABSENT and not said:
+            log.warning(
+                "%s: this launch does not set %s (add %s=%s to keep the checkpoint's)",
+                c.line(),
+                c.key,
+                c.key,
+                _show(c.checkpoint),
+            )
+        else:
+            log.info(c.line())
 
 
 def nothing_to_do(

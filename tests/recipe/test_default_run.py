@@ -30,6 +30,14 @@ def test_default_run_learns_checkpoints_and_resumes(tmp_path):
         assert r["export_bytes"] > 0 and r["export_s"] > 0 and r["export_gbps"] > 0 and "gpu_peak_mib" in r
     done = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if is_complete(p))
     assert done[-1] == f"step_{steps:08d}"
+    # the last line, for a person: what was reached, where the checkpoints are, how to go on, where the figures are
+    last, summary = proc.stderr.strip().splitlines()[-1], [r for r in recs if r["kind"] == "summary"][-1]
+    assert last.endswith(
+        f"done: steps 0-{steps}, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; accuracy "
+        f"{evals[-1]['accuracy']:.3f} at step {steps}; {len(done)} checkpoint(s) in {run_dir / 'checkpoints'}, newest "
+        f"{done[-1]}; to train on: the same command with trainer.max_steps above {steps} (the summary: the last "
+        f"record of {run_dir / 'metrics.jsonl'})"
+    ), last
 
     again = train(compose_config([f"run_dir={run_dir}", f"trainer.max_steps={steps + 20}"]))
     assert again["start_step"] == steps and again["resumed_from"].endswith(f"step_{steps:08d}")

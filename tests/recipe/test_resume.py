@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -30,10 +31,11 @@ from recipes.checkpoint.resume import (
     markdown_table,
     rule_for,
 )
+from recipes.command_line import keys_set
 from recipes.distributed import DistEnv, init_distributed, shutdown
 from recipes.model import build_model
-from recipes.train import compose_config, shard_model, train
-from tests.recipe.runs import QUICK, ROOT, metrics, snapshot
+from recipes.train import CONFIG_DIR, compose_config, shard_model, train
+from tests.recipe.runs import QUICK, ROOT, cli, metrics, snapshot
 
 STEP10 = "step_00000010"
 
@@ -313,6 +315,36 @@ def test_hyperparameter_changes_are_logged_and_recorded(save, tmp_path, caplog):
     assert "resume: trainer.max_steps 20 -> 12 (from the config)" in lines, lines
     recs = [r for r in metrics(tmp_path) if r["kind"] == "resume"]
     assert {"kind": "resume", "key": "optim.weight_decay", "checkpoint": 0.1, "config": 0.0, "action": "config"} in recs
+
+
+def test_an_override_the_resuming_command_leaves_off_is_a_warning_naming_both_values(tmp_path):
+    """The command line of the first launch set optim.lr and trainer.warmup_steps; the resuming one (main, as the
+    shell runs it) sets the warmup again and leaves optim.lr off: the config's lr wins, said as a WARNING with
+    both values; a key the command sets stays INFO."""
+    train(
+        compose_config(
+            [*QUICK, f"run_dir={tmp_path}", "optim.lr=0.001", "trainer.warmup_steps=3", "trainer.stop_at=10"]
+        )
+    )
+    proc = cli(*QUICK, f"run_dir={tmp_path}", "trainer.warmup_steps=4", "trainer.max_steps=12")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = re.findall(r"\[recipes\.checkpoint\.resume\]\[(\w+)\] (.*)", proc.stderr)
+    assert sorted(lines) == [
+        ("INFO", "resume: trainer.max_steps 20 -> 12 (from the config)"),
+        ("INFO", "resume: trainer.warmup_steps 3 -> 4 (from the config)"),
+        (
+            "WARNING",
+            "resume: optim.lr 0.001 -> 0.005 (from the config): this launch does not set optim.lr (add optim.lr=0.001 "
+            "to keep the checkpoint's)",
+        ),
+    ], proc.stderr[-3000:]
+
+
+def test_the_keys_a_command_line_sets_include_a_global_preset_s_own():
+    """A group's option sets the keys under the group; an ``experiment`` preset (``@package _global_``) the keys
+    of its file and the groups its defaults list overrides (lowmem: ``override /optim``), no others."""
+    typed = keys_set(["experiment=lowmem", "++trainer.seed=3", "data=tokens"], CONFIG_DIR)
+    assert typed == ["optim", "model.dtype", "run_dir", "trainer.seed", "data"]
 
 
 NO_DECAY_OFF = ["optim.param_groups.no_decay=[]", "optim.param_groups.no_decay_auto=false"]
