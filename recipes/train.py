@@ -166,6 +166,13 @@ def _train(
             # keys that would change nothing: refused, nothing recorded
             step = int(resumed[1]["step"])
             raise ConfigError(nothing_to_do(step, end, str(resumed[0]), ckpt.resume_changes, limit))
+        if resumed is not None and int(resumed[1]["step"]) < end and cfg.checkpoint.enabled:
+            space = ckpt.resume_space_problem()
+            if space is not None:
+                raise CheckpointError(
+                    f"not resuming from {resumed[0]}: no room for the run's next checkpoint ({space}); nothing "
+                    "was changed: free space there or set another checkpoint.dir"
+                )
     if resumed is not None:
         path, state = resumed
         start, resumed_from = int(state["step"]), str(path)

@@ -286,6 +286,12 @@ class Saves:
             return None
         return f"{self.root}: {free} bytes free, the save needs about {needed}"
 
+    def resume_space_problem(self) -> str | None:
+        """Every rank, before the first step of a resumed run: rank 0's line when the run's next save cannot fit
+        (the bytes of the checkpoint it resumed from against the free space of ``checkpoint.dir``), else None; a
+        launch refused here trains no interval for a save already known not to fit (one ``all_ranks``)."""
+        return all_ranks(self._space_problem({}, {}) if self.rank == 0 else None)[0]
+
     def _write_failure(self, what: str, path: Path, exc: BaseException) -> str:
         """The line of a failed write; out of space, rank 0 first removes this save's partial files (they hold
         the space an older checkpoint's next save or the user needs; older checkpoints are untouched)."""

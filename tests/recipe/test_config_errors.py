@@ -98,6 +98,16 @@ def test_help_lists_only_what_can_be_chosen():
     assert listed == {g: files for g, files in on_disk.items() if g != "hydra"}, groups
 
 
+def test_help_names_the_presets_and_the_docs():
+    """``--help`` starts with the usage, each preset (every option of conf/experiment/) and where the docs are."""
+    proc = cli("--help")
+    header = proc.stdout.split("== Configuration groups ==")[0]
+    assert header.startswith("python recipes/train.py [group=option ...] [key=value ...]\n"), header
+    presets = sorted(f"experiment={p.stem}" for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+    assert presets and all(f"  {p} " in header for p in presets), header
+    assert "docs/recipe.md" in header and "docs/recipe.md" in proc.stdout.strip().splitlines()[-1], proc.stdout
+
+
 def test_cfg_job_shows_the_presets_run_dir():
     proc = cli("experiment=lowmem", "--cfg", "job")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -45,7 +45,7 @@ def small_fs(tmp_path):
 def test_a_save_that_cannot_fit_is_refused_before_it_writes(async_save, small_fs, tmp_path):
     """Room for one checkpoint (1.71 MB of 3 MiB): step 10 saves, step 20 (needing what step 10 wrote) is one
     line naming the directory, the bytes free and needed, exit 2; step 10 untouched, nothing of step 20; the
-    next launch resumes from step 10 and is refused the same way before writing."""
+    next launch resuming from step 10 is refused in one line before its first step."""
     ck = small_fs(3 << 20) / "checkpoints"
     proc = cli(*QUICK, f"run_dir={tmp_path / 'run'}", f"checkpoint.dir={ck}", f"checkpoint.async_save={async_save}")
     line = stopped(proc)
@@ -57,9 +57,17 @@ def test_a_save_that_cannot_fit_is_refused_before_it_writes(async_save, small_fs
     assert sorted(p.name for p in ck.iterdir() if p.name != ".lock") == ["step_00000010"]
     before = snapshot(ck)
     assert is_complete(ck / "step_00000010")
+    trained = [r for r in metrics(tmp_path / "run") if r["kind"] == "train"]
     again = cli(*QUICK, f"run_dir={tmp_path / 'run'}", f"checkpoint.dir={ck}", f"checkpoint.async_save={async_save}")
-    assert stopped(again).startswith("not saving step 20: no room for it"), again.stderr
+    line = stopped(again)
+    assert line.startswith(
+        f"not resuming from {ck / 'step_00000010'}: no room for the run's next checkpoint ({ck}: "
+    ), line
+    numbers = re.fullmatch(r".*: (\d+) bytes free, the save needs about (\d+)\); nothing was changed: .*", line)
+    free, needed = map(int, numbers.groups())
+    assert free < written <= needed, line  # the step-10 checkpoint's files: its .distcp and .metadata, its markers
     assert snapshot(ck) == before
+    assert [r for r in metrics(tmp_path / "run") if r["kind"] == "train"] == trained  # refused before its first step
 
 
 def test_a_write_that_runs_out_of_space_says_disk_full(small_fs, tmp_path):

@@ -184,9 +184,11 @@ def test_backend_te_without_te_names_the_fix():
     assert msg.startswith("optim.backend='te':") and "pip install" in msg and "backend=portable" in msg
 
 
-def test_warnings_for_options_without_effect():
+def test_warnings_for_options_without_effect(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU the model is not on
     with pytest.warns(UserWarning, match="state_dict_cpu_offload=True has no memory effect"):
         build_optimizer({"state_dict_cpu_offload": True}, tiny_model())
+    monkeypatch.undo()
     with pytest.warns(UserWarning, match="no parameter is BF16"):
         build_optimizer({"master_weights": True, "store_param_remainders": True}, tiny_model())
     with pytest.warns(UserWarning, match="master_weights=true has no effect: no parameter is BF16 or FP16"):

@@ -61,10 +61,14 @@ class OffloadedStateDict:
         self._start_export_threads()
 
     def _warn_without_gpu(self) -> None:
-        """``state_dict_cpu_offload`` saves GPU memory; with no parameter on a GPU there is none to save: one
-        warning, at the constructor's caller (the optimizer calls this at the end of ``__init__``)."""
+        """``state_dict_cpu_offload`` saves GPU memory; with no parameter on the GPU this machine has there is none
+        to save: a warning at the constructor's caller (Python says it once per calling line and process). A
+        machine without a GPU says nothing: there the option runs code meant for a GPU on the CPU, as the
+        README's examples do. The optimizer calls this at the end of ``__init__``."""
         params = [p for g in self.param_groups for p in g["params"]]
-        if self._export_options.cpu_offload and params and not any(local_tensor(p).is_cuda for p in params):
+        if not (self._export_options.cpu_offload and params and torch.cuda.is_available()):
+            return
+        if not any(local_tensor(p).is_cuda for p in params):
             warnings.warn(
                 "state_dict_cpu_offload=True has no memory effect here: the parameters are not on a GPU",
                 UserWarning,
