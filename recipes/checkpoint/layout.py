@@ -31,6 +31,7 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 MARKER = "COMPLETE.json"
 METADATA = ".metadata"
 FALLBACK_HINT = "checkpoint.fallback=true resumes from the newest checkpoint that verifies"
+DAMAGED_KEPT = 2  # set-aside checkpoints kept for inspection in a checkpoint.dir: the newest set aside
 DCP_ERRORS = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
 
 
@@ -146,7 +147,9 @@ def retain(root: Path, keep_last: int, verified: Path | None) -> None:
 def set_aside(path: Path) -> None:
     """Rename a checkpoint that failed verification to ``<name>.damaged`` (``.damaged.<n>`` if taken), out of
     discovery and retention, so that it never takes a good checkpoint's ``keep_last`` place; kept for
-    inspection, said in one line."""
+    inspection, said in one line. Of the set-aside checkpoints in its folder the newest :data:`DAMAGED_KEPT` stay
+    (by the time they were set aside): the others are deleted, so that a run that meets damage again and again
+    does not fill the disk."""
     aside, n = path.with_name(f"{path.name}.damaged"), 1
     while aside.exists():
         aside, n = path.with_name(f"{path.name}.damaged.{n}"), n + 1
@@ -156,3 +159,7 @@ def set_aside(path: Path) -> None:
         log.warning("could not set aside the damaged checkpoint %s: %s", path, one_line(exc))
         return
     log.warning("set aside the damaged checkpoint %s as %s: neither resume nor keep_last counts it", path, aside.name)
+    aside_all = sorted(path.parent.glob("step_*.damaged*"), key=lambda p: (p.stat().st_ctime_ns, p.name))
+    for old in aside_all[:-DAMAGED_KEPT]:
+        log.info("deleting the set-aside checkpoint %s (the newest %d stay)", old, DAMAGED_KEPT)
+        shutil.rmtree(old, ignore_errors=True)

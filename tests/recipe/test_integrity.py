@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from optim_factory import ConfigError
 from recipes.checkpoint import FALLBACK_HINT, MARKER, CheckpointError, is_complete, read_checkpoint, read_manifest
 from recipes.checkpoint.checksums import MANIFEST_DIGEST, writer_threads
+from recipes.checkpoint.layout import DAMAGED_KEPT, set_aside
 from recipes.train import compose_config, train
 from tests.recipe.runs import QUICK, cli, complete_steps, run_cli, snapshot, stopped
 
@@ -285,6 +286,17 @@ def test_keep_last_never_deletes_the_newest_verified_checkpoint(run_dir):
     assert is_complete(ck / "step_00000015") and not (ck / "step_00000010").exists()
     summary = _run(run_dir, "trainer.max_steps=18", *common)
     assert summary["resumed_from"].endswith("step_00000015")
+
+
+def test_set_aside_checkpoints_are_bounded_to_the_newest(tmp_path):
+    """Four damaged checkpoints set aside in turn (step 2 twice: written again, damaged again): the newest
+    DAMAGED_KEPT set aside stay, whatever their steps."""
+    assert DAMAGED_KEPT == 2
+    for name in ("step_00000001", "step_00000002", "step_00000003", "step_00000002"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__0_0.distcp").write_text(name)
+        set_aside(tmp_path / name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002.damaged.1", "step_00000003.damaged"]
 
 
 def test_a_damaged_checkpoint_takes_no_keep_last_place(tmp_path, caplog):
