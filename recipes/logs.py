@@ -90,7 +90,8 @@ def done_text(summary: dict[str, Any], metrics: Path, checkpoint_dir: str | None
         newest = f", newest {Path(kept[-1]).name}" if kept else ""
         parts.append(f"{len(kept)} checkpoint(s) in {checkpoint_dir}{newest}")
     if summary["stopped_at"] is not None:
-        parts.append(f"stopped by {summary['stopped_by']}: the same command resumes at step {end}")
+        resumes = f": the same command resumes at step {end}" if checkpoint_dir is not None else ""
+        parts.append(f"stopped by {summary['stopped_by']}{resumes}")
     elif kept:
         parts.append(f"to train on: the same command with trainer.max_steps above {end}")
     return f"done: {'; '.join(parts)} (the summary: the last record of {metrics})"

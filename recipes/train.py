@@ -48,6 +48,10 @@ from recipes.stop_signal import StopSignal
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 EXIT_INTERRUPTED = 130  # a plain run stopped by Ctrl-C, as for any interrupted command
+INTERRUPTED_LINE = (  # a Ctrl-C outside the loop's stop (before it, or a second one: recipes/stop_signal.py)
+    "interrupted by Ctrl-C, without a checkpoint of the step in progress: the same command resumes from the newest "
+    "complete checkpoint"
+)
 
 
 class TrainingDiverged(RuntimeError):
@@ -367,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
         if done.code not in (0, EXIT_INTERRUPTED):  # a refusal (2), or an error of Hydra's own argument parser
             raise
         return done.code
+    except KeyboardInterrupt:  # the stop at once a Ctrl-C asks for, said in one line
+        sys.stderr.write(f"{INTERRUPTED_LINE}\n")
+        return EXIT_INTERRUPTED
     except (HydraException, OmegaConfBaseException) as exc:
         _refuse(config_error_line(exc, [a for a in argv if not a.startswith("-")]))
     finally:

@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 from recipes.stop_signal import StopSignal
+from recipes.train import INTERRUPTED_LINE
 from tests.distributed.launch import spawn
+from tests.recipe.runs import QUICK, cli
 
 GOOD, BAD = torch.tensor(False), torch.tensor(True)
 
@@ -129,3 +131,16 @@ def test_a_ctrl_c_during_the_last_step_is_the_end_of_the_run(tmp_path, monkeypat
     over = ["experiment=quick", "trainer.threads=1", "trainer.max_steps=4", "trainer.eval_every=4"]
     summary = train(compose_config([*over, f"run_dir={tmp_path}"]))  # its one evaluation: at the last step
     assert summary["end_step"] == 4 and summary["stopped_at"] is None and summary["stopped_by"] is None
+
+
+def test_a_ctrl_c_outside_the_loop_s_stop_is_one_line_and_exit_130(tmp_path, monkeypatch):
+    """A Ctrl-C that raises KeyboardInterrupt (before the loop's handler is installed, as here, or a second one
+    inside it): the entry point's one line and 130, no traceback."""
+    import recipes.train
+
+    def interrupted(cfg):
+        signal.raise_signal(signal.SIGINT)  # Python's own handler: KeyboardInterrupt here
+
+    monkeypatch.setattr(recipes.train, "preflight", interrupted)
+    proc = cli(*QUICK, f"run_dir={tmp_path}")
+    assert (proc.returncode, proc.stderr) == (130, f"{INTERRUPTED_LINE}\n")
