@@ -125,3 +125,21 @@ def test_relative_links_resolve():
                 broken.append(f"{path.relative_to(ROOT)}: {target}")
     assert not broken
     assert len(files) >= 9
+
+
+def test_every_drop_in_block_runs_in_a_test_and_framework_commands_are_marked_gpu():
+    """docs/drop-in.md: each fenced block follows a ``<!-- drop-in:<name> -->`` marker that a test under tests/
+    reads by name (the tests run the blocks as written); the frameworks' own launch commands, which need CUDA,
+    are marked as GPU commands."""
+    doc = (ROOT / "docs" / "drop-in.md").read_text()
+    lines = doc.splitlines()
+    openings = [i for i, line in enumerate(lines) if re.fullmatch(r"```[a-z]+", line)]
+    assert openings
+    sources = "".join(p.read_text() for p in (ROOT / "tests").rglob("*.py"))
+    for i in openings:
+        marker = re.fullmatch(r"<!-- drop-in:([\w-]+) -->", lines[i - 1])
+        assert marker, f"docs/drop-in.md:{i + 1}: a block without a drop-in marker"
+        assert f'"{marker.group(1)}"' in sources, f"no test reads the block {marker.group(1)}"
+    for command in ("`automodel recipe.yaml`", "`torchrun ... -m torchtitan.train`"):
+        paragraph = next(p for p in doc.split("\n\n") if command in p)
+        assert "**GPU command**" in paragraph, command
