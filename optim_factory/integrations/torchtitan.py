@@ -50,9 +50,9 @@ import optim_factory
 from optim_factory.checkpoint import ExactLoadPlanner
 from optim_factory.integrations import framework_import_error
 
-try:  # torchtitan 0.3's names; its main branch has moved the checkpoint module
-    from torchtitan.components.checkpoint import MODEL
-    from torchtitan.components.checkpoint import CheckpointManager as TitanCheckpointManager
+try:  # names torchtitan 0.3 and its main branch both provide (0.3's components.checkpoint is main's checkpointer)
+    from torchtitan.components.checkpointer import MODEL
+    from torchtitan.components.checkpointer import CheckpointManager as TitanCheckpointManager
     from torchtitan.components.optimizer import OptimizersContainer as TitanOptimizersContainer
     from torchtitan.components.optimizer import ParamGroupConfig
     from torchtitan.config import derive, override

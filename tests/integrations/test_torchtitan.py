@@ -18,7 +18,7 @@ pytest.importorskip("torchtitan", reason=f"torchtitan is not installed: {INSTALL
 
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: E402
-from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
+from torchtitan.components.checkpointer import CheckpointManager  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, default_adamw  # noqa: E402
 from torchtitan.config import ConfigManager, Configurable, OverrideConfig, apply_overrides  # noqa: E402
 
