@@ -107,6 +107,10 @@ def _optional_groups(conf_dir: str) -> set[str]:
     return {k for d in defaults if isinstance(d, dict) for k, v in d.items() if v is None}
 
 
+# Hydra's package header: a comment line before the file's first non-comment line
+GLOBAL_PACKAGE = re.compile(r"\A(?:#.*\n|\s*\n)*#\s*@package\s+_global_\s*$", re.M)
+
+
 def keys_set(overrides: list[str], conf_dir: str) -> list[str]:
     """The config keys a launch's command-line ``overrides`` set, each standing for the keys under it too: the key
     of each override; a group's name where an option of it is chosen (``optim=fused_adam_lowmem``), or, for an
@@ -117,7 +121,7 @@ def keys_set(overrides: list[str], conf_dir: str) -> list[str]:
         key, _, value = override.lstrip("+~").partition("=")
         key = key.split("@", 1)[0]
         option = Path(conf_dir) / key / f"{value}.yaml"
-        if not option.is_file() or not option.read_text().startswith("# @package _global_"):
+        if not option.is_file() or not GLOBAL_PACKAGE.search(option.read_text()):
             keys.append(key)
             continue
         preset = OmegaConf.to_container(OmegaConf.load(option))

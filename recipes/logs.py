@@ -71,10 +71,11 @@ def eval_text(ev: dict[str, Any]) -> str:
     return f"step {ev['step']}: {acc}{loss} {ev['eval_loss']:.4f} ({ev['eval_examples']} {held}, {ev['eval_s']:.2f} s)"
 
 
-def done_text(summary: dict[str, Any], metrics: Path, checkpoint_dir: str | None) -> str:
+def done_text(summary: dict[str, Any], metrics: Path, checkpoint_dir: str | None, limit: str) -> str:
     """The run's last line, for a person: steps and loss, the last evaluation, the checkpoints a resume can use
-    (rank 0's ``kept_checkpoints``; ``checkpoint_dir`` None: checkpoints off), how to go on, and where the whole
-    summary is (``metrics``: its last record)."""
+    (rank 0's ``kept_checkpoints``; ``checkpoint_dir`` None: checkpoints off), how to go on (``limit``: the key
+    whose value ended the run, ``trainer.max_steps`` or ``trainer.stop_at``), and where the whole summary is
+    (``metrics``: its last record)."""
     end = summary["end_step"]
     parts = [f"steps {summary['start_step']}-{end}"]
     if summary["first_loss"] is not None:
@@ -93,7 +94,7 @@ def done_text(summary: dict[str, Any], metrics: Path, checkpoint_dir: str | None
         resumes = f": the same command resumes at step {end}" if checkpoint_dir is not None else ""
         parts.append(f"stopped by {summary['stopped_by']}{resumes}")
     elif kept:
-        parts.append(f"to train on: the same command with trainer.max_steps above {end}")
+        parts.append(f"to train on: the same command with {limit} above {end}")
     return f"done: {'; '.join(parts)} (the summary: the last record of {metrics})"
 
 

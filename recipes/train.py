@@ -49,8 +49,7 @@ from recipes.stop_signal import StopSignal
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 EXIT_INTERRUPTED = 130  # a plain run stopped by Ctrl-C, as for any interrupted command
 INTERRUPTED_LINE = (  # a Ctrl-C outside the loop's stop (before it, or a second one: recipes/stop_signal.py)
-    "interrupted by Ctrl-C, without a checkpoint of the step in progress: the same command resumes from the newest "
-    "complete checkpoint"
+    "interrupted by Ctrl-C, at once: the step in progress is not saved; the complete checkpoints are as they were"
 )
 
 
@@ -119,6 +118,36 @@ def _unrecorded_if_refused(record: Path | None):
         raise
 
 
+def _resume(cfg, ckpt, model, optimizer, end: int, limit: str, record: Path | None, metrics, rank: int):
+    """(the step training starts at, the checkpoint it resumed from or None): the newest good checkpoint loaded
+    into ``model`` and ``optimizer`` with the process RNG, its config changes logged and recorded; refused (and
+    this launch's record removed) where a changed key would take effect in no step, or where the run's next save
+    cannot fit, before the first step."""
+    template = {"step": 0, "data_position": 0, "world_size": 0, "rng_state": torch.get_rng_state()}
+    with _unrecorded_if_refused(record):
+        resumed = ckpt.resume(model, optimizer, template)
+        if resumed is None:
+            return 0, None
+        path, state = resumed
+        start = int(state["step"])
+        if start >= end and ckpt.resume_changes:  # keys that would change nothing: refused, nothing recorded
+            raise ConfigError(nothing_to_do(start, end, str(path), ckpt.resume_changes, limit))
+        space = ckpt.resume_space_problem() if start < end and cfg.checkpoint.enabled else None
+        if space is not None:
+            raise CheckpointError(
+                f"not resuming from {path}: no room for the run's next checkpoint ({space}); free space there, or "
+                "give another checkpoint.dir with checkpoint.resume=<this checkpoint>"
+            )
+    torch.set_rng_state(state["rng_state"])
+    if rank == 0:  # with this launch's overrides, where Hydra's command line gave them
+        typed = keys_set(list(HydraConfig.get().overrides.task), CONFIG_DIR) if HydraConfig.initialized() else None
+        log_changes(ckpt.resume_changes, typed)
+    log.info("resuming from checkpoint %s at step %d (saved by %d rank(s))", path, start, state["world_size"])
+    for change in ckpt.resume_changes:
+        metrics.write(change.record())
+    return start, str(path)
+
+
 def _train(
     cfg: DictConfig,
     env,
@@ -159,34 +188,10 @@ def _train(
         )
 
     torch.manual_seed(cfg.trainer.seed + 1000 * rank)  # the process RNG (dropout-free model: recorded, restored)
-    start, resumed_from = 0, None
-    template = {"step": 0, "data_position": 0, "world_size": 0, "rng_state": torch.get_rng_state()}
     max_steps = cfg.trainer.max_steps
     end = min(max_steps, cfg.trainer.stop_at) if cfg.trainer.stop_at > 0 else max_steps
     limit = "trainer.stop_at" if end < max_steps else "trainer.max_steps"  # the key that ends this run
-    with _unrecorded_if_refused(record):
-        resumed = ckpt.resume(model, optimizer, template)
-        if resumed is not None and int(resumed[1]["step"]) >= end and ckpt.resume_changes:
-            # keys that would change nothing: refused, nothing recorded
-            step = int(resumed[1]["step"])
-            raise ConfigError(nothing_to_do(step, end, str(resumed[0]), ckpt.resume_changes, limit))
-        if resumed is not None and int(resumed[1]["step"]) < end and cfg.checkpoint.enabled:
-            space = ckpt.resume_space_problem()
-            if space is not None:
-                raise CheckpointError(
-                    f"not resuming from {resumed[0]}: no room for the run's next checkpoint ({space}); nothing "
-                    "was changed: free space there or set another checkpoint.dir"
-                )
-    if resumed is not None:
-        path, state = resumed
-        start, resumed_from = int(state["step"]), str(path)
-        torch.set_rng_state(state["rng_state"])
-        if rank == 0:  # with this launch's overrides, where Hydra's command line gave them
-            typed = keys_set(list(HydraConfig.get().overrides.task), CONFIG_DIR) if HydraConfig.initialized() else None
-            log_changes(ckpt.resume_changes, typed)
-        log.info("resuming from checkpoint %s at step %d (saved by %d rank(s))", path, start, state["world_size"])
-        for change in ckpt.resume_changes:
-            metrics.write(change.record())
+    start, resumed_from = _resume(cfg, ckpt, model, optimizer, end, limit, record, metrics, rank)
     if start >= end:
         log.info(nothing_to_do(start, end, resumed_from, [], limit))
 
@@ -276,7 +281,7 @@ def _train(
     }
     metrics.write({"kind": "summary", **summary})
     if rank == 0:
-        log.info(done_text(summary, metrics.path, cfg.checkpoint.dir if cfg.checkpoint.enabled else None))
+        log.info(done_text(summary, metrics.path, cfg.checkpoint.dir if cfg.checkpoint.enabled else None, limit))
     return summary
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -102,9 +103,8 @@ def read_checkpoint(path: Path, scratch: Path) -> dict[str, Any]:
     return {".".join(map(str, keys)): v for keys, v in leaves(tree, dicts_only=True)}
 
 
-def disk_full(exc: BaseException) -> bool:
-    """Whether a failed write ran out of space: ``ENOSPC`` anywhere in its chain or DCP's per-rank failures, or
-    the text torch's file writer gives a short write (``unexpected pos``)."""
+def _raised(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception in its chain and in DCP's per-rank failures (``CheckpointException.failures``)."""
     seen: list[BaseException] = []
     todo = [exc]
     while todo:
@@ -112,14 +112,26 @@ def disk_full(exc: BaseException) -> bool:
         if e in seen:
             continue
         seen.append(e)
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return True
         failures = getattr(e, "failures", None)
         if isinstance(failures, dict):
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
         todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return seen
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether a failed write ran out of space: ``ENOSPC`` anywhere in its chain or DCP's per-rank failures, or
+    the text torch's file writer gives a short write (``unexpected pos``)."""
+    seen = _raised(exc)
+    if any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in seen):
+        return True
     text = " ".join(str(e) for e in seen)
     return "No space left on device" in text or "unexpected pos" in text
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Whether a failed save was a Ctrl-C's ``KeyboardInterrupt`` (DCP wraps what a rank raised)."""
+    return any(isinstance(e, KeyboardInterrupt) for e in _raised(exc))
 
 
 def free_bytes(path: Path) -> int:
@@ -147,9 +159,9 @@ def retain(root: Path, keep_last: int, verified: Path | None) -> None:
 def set_aside(path: Path) -> None:
     """Rename a checkpoint that failed verification to ``<name>.damaged`` (``.damaged.<n>`` if taken), out of
     discovery and retention, so that it never takes a good checkpoint's ``keep_last`` place; kept for
-    inspection, said in one line. Of the set-aside checkpoints in its folder the newest :data:`DAMAGED_KEPT` stay
-    (by the time they were set aside): the others are deleted, so that a run that meets damage again and again
-    does not fill the disk."""
+    inspection, said in one line. Of the set-aside checkpoints in its folder the :data:`DAMAGED_KEPT` set aside
+    last stay (their modification time, set then): the others are deleted, so that a run that meets damage again
+    and again does not fill the disk."""
     aside, n = path.with_name(f"{path.name}.damaged"), 1
     while aside.exists():
         aside, n = path.with_name(f"{path.name}.damaged.{n}"), n + 1
@@ -159,7 +171,8 @@ def set_aside(path: Path) -> None:
         log.warning("could not set aside the damaged checkpoint %s: %s", path, one_line(exc))
         return
     log.warning("set aside the damaged checkpoint %s as %s: neither resume nor keep_last counts it", path, aside.name)
-    aside_all = sorted(path.parent.glob("step_*.damaged*"), key=lambda p: (p.stat().st_ctime_ns, p.name))
+    os.utime(aside)  # its modification time: when it was set aside (the order of the folders kept)
+    aside_all = sorted(path.parent.glob("step_*.damaged*"), key=lambda p: p.stat().st_mtime_ns)
     for old in aside_all[:-DAMAGED_KEPT]:
         log.info("deleting the set-aside checkpoint %s (the newest %d stay)", old, DAMAGED_KEPT)
         shutil.rmtree(old, ignore_errors=True)

@@ -194,21 +194,31 @@ def check_config(path: Path, run_config: dict[str, Any] | None) -> list[Change]:
 
 
 def log_changes(changes: list[Change], typed: list[str] | None = None) -> None:
-    """Each change in one line: INFO, or WARNING where the config's value wins for a key this launch's command
-    line does not set (``typed``: the keys it sets, each with the keys under it; None where unknown: every line
-    INFO): an override of an earlier launch that this one left off, reverting without a word of the user's."""
+    """Each change in one line: INFO, or WARNING where the config's value is used or converted to for a key this
+    launch's command line does not set (``typed``: the keys it sets, each with the keys under it; None where
+    unknown: every line INFO): an override of an earlier launch that this one left off, which reverts without a
+    word of the user's (a dropped ``experiment=lowmem`` converts the optimizer's states back to FP32)."""
     for c in changes:
         said = typed is None or any(c.key == k or c.key.startswith(k + ".") for k in typed)
-        if c.action == CONFIG and c.checkpoint is not _ABSENT and not said:
+        if c.action in (CONFIG, CONVERTED) and c.checkpoint is not _ABSENT and not said:
             log.warning(
                 "%s: this launch does not set %s (add %s=%s to keep the checkpoint's)",
                 c.line(),
                 c.key,
                 c.key,
-                _show(c.checkpoint),
+                _override_value(c.checkpoint),
             )
         else:
             log.info(c.line())
+
+
+def _override_value(value: Any) -> str:
+    """``value`` as a command-line override writes it (Hydra's grammar: ``null``, ``[a,b]``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_override_value(v) for v in value) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def nothing_to_do(

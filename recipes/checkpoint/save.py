@@ -46,6 +46,7 @@ from recipes.checkpoint.layout import (
     CheckpointError,
     disk_full,
     free_bytes,
+    interrupted,
     is_complete,
     one_line,
     retain,
@@ -207,6 +208,8 @@ class Saves:
             else:
                 dcp.save(state, checkpoint_id=str(path), storage_writer=writer)
         except DCP_ERRORS as exc:  # the previous checkpoint is complete and untouched; this one gets no marker
+            if interrupted(exc):  # a second Ctrl-C during the write: the stop at once it asks for
+                raise KeyboardInterrupt from exc
             raise CheckpointError(self._write_failure(f"saving {path} failed", path, exc)) from exc
         finally:
             if not in_flight:  # written (sync) or failed: nothing reads the export buffers any more

@@ -4,7 +4,7 @@
 #   bash scripts/slurm/local_cluster.sh start     # key, config, daemons; waits until the node is idle
 #   bash scripts/slurm/local_cluster.sh stop      # stops the daemons this script started
 # Steps as verified in ../shared/slurm/README.md (Slurm 22.05, munge 0.5). A requeued job starts again after
-# cred_expire (5 s; Slurm's default: 120) at the next pass of the main scheduler (sched_interval: 2 s; default 60).
+# cred_expire (10 s; Slurm's default: 120) at the next pass of the main scheduler (sched_interval: 2 s; default 60).
 set -euo pipefail
 state=/run/optim-factory-slurm
 case "${1:-}" in
@@ -32,7 +32,7 @@ ClusterName=optimfactory
 SlurmctldHost=${host}
 SlurmUser=root
 AuthType=auth/munge
-AuthInfo=cred_expire=5
+AuthInfo=cred_expire=10
 SchedulerParameters=sched_interval=2
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd

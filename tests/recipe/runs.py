@@ -56,11 +56,10 @@ def stopped(proc: subprocess.CompletedProcess) -> str:
     return last.removeprefix("error: ")
 
 
-def run_cli(args: list[str], *, torchrun: int = 0, timeout: int = 300, env: dict | None = None):
-    """``recipes/train.py`` as a process of its own (with ``torchrun``: that many ranks under torchrun), for the
-    tests of what only a process shows: its exit code and stderr as a shell sees them, signals, torchrun."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
-    cmd = [*(launcher if torchrun else [sys.executable]), "recipes/train.py", *args]
+def run_cli(args: list[str], *, timeout: int = 300, env: dict | None = None):
+    """``recipes/train.py`` as a process of its own, for the tests of what only a process shows: its exit code
+    and stderr as a shell sees them."""
+    cmd = [sys.executable, "recipes/train.py", *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env or ENV)
 
 

@@ -13,6 +13,7 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
 from recipes.checkpoint import disk_full, is_complete
+from recipes.checkpoint.layout import interrupted
 from tests.recipe.runs import QUICK, cli, metrics, snapshot, stopped
 
 # measured on this CPU with torch 2.13: the quick job's checkpoint writes about 1.71 MB (its .metadata varies with
@@ -63,7 +64,7 @@ def test_a_save_that_cannot_fit_is_refused_before_it_writes(async_save, small_fs
     assert line.startswith(
         f"not resuming from {ck / 'step_00000010'}: no room for the run's next checkpoint ({ck}: "
     ), line
-    numbers = re.fullmatch(r".*: (\d+) bytes free, the save needs about (\d+)\); nothing was changed: .*", line)
+    numbers = re.fullmatch(r".*: (\d+) bytes free, the save needs about (\d+)\); free space there, .*", line)
     free, needed = map(int, numbers.groups())
     assert free < written <= needed, line  # the step-10 checkpoint's files: its .distcp and .metadata, its markers
     assert snapshot(ck) == before
@@ -100,3 +101,12 @@ def test_disk_full_is_recognised_however_dcp_reports_it():
     other = CheckpointException("save failed", {1: (denied, traceback.extract_stack())})
     assert not disk_full(other)
     assert not disk_full(_raised(RuntimeError("saving failed"), OSError(errno.EIO, "I/O error")))
+
+
+def test_a_ctrl_c_inside_a_save_is_recognised_however_dcp_reports_it():
+    """A second Ctrl-C while DCP writes raises KeyboardInterrupt in a rank's thread; DCP reports it as that rank's
+    failure: the save re-raises it (the stop at once the user asked for), any other failure stays a failed save."""
+    per_rank = CheckpointException("save failed", {0: (KeyboardInterrupt(), traceback.extract_stack())})
+    assert interrupted(per_rank) and interrupted(_raised(RuntimeError("saving failed"), KeyboardInterrupt()))
+    denied = PermissionError(errno.EACCES, "Permission denied")
+    assert not interrupted(CheckpointException("save failed", {1: (denied, traceback.extract_stack())}))

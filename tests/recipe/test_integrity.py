@@ -289,14 +289,15 @@ def test_keep_last_never_deletes_the_newest_verified_checkpoint(run_dir):
 
 
 def test_set_aside_checkpoints_are_bounded_to_the_newest(tmp_path):
-    """Four damaged checkpoints set aside in turn (step 2 twice: written again, damaged again): the newest
-    DAMAGED_KEPT set aside stay, whatever their steps."""
+    """Four checkpoints written in the order of their steps, found damaged and set aside in another order: the
+    DAMAGED_KEPT set aside last stay, whatever their steps, names and the times they were written."""
     assert DAMAGED_KEPT == 2
-    for name in ("step_00000001", "step_00000002", "step_00000003", "step_00000002"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "__0_0.distcp").write_text(name)
-        set_aside(tmp_path / name)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002.damaged.1", "step_00000003.damaged"]
+    for step in (1, 2, 3, 4):
+        (tmp_path / f"step_{step:08d}").mkdir()
+        (tmp_path / f"step_{step:08d}" / "__0_0.distcp").write_text(str(step))
+    for step in (3, 2, 4, 1):
+        set_aside(tmp_path / f"step_{step:08d}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001.damaged", "step_00000004.damaged"]
 
 
 def test_a_damaged_checkpoint_takes_no_keep_last_place(tmp_path, caplog):

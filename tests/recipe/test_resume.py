@@ -318,20 +318,23 @@ def test_hyperparameter_changes_are_logged_and_recorded(save, tmp_path, caplog):
 
 
 def test_an_override_the_resuming_command_leaves_off_is_a_warning_naming_both_values(tmp_path):
-    """The command line of the first launch set optim.lr and trainer.warmup_steps; the resuming one (main, as the
-    shell runs it) sets the warmup again and leaves optim.lr off: the config's lr wins, said as a WARNING with
-    both values; a key the command sets stays INFO."""
-    train(
-        compose_config(
-            [*QUICK, f"run_dir={tmp_path}", "optim.lr=0.001", "trainer.warmup_steps=3", "trainer.stop_at=10"]
-        )
-    )
+    """The command line of the first launch set optim.lr, BF16 moments and trainer.warmup_steps; the resuming one
+    (main, as the shell runs it) sets the warmup again and leaves the others off: the config's lr is used and the
+    moments are converted back to FP32, each said as a WARNING with both values; a key the command sets stays
+    INFO."""
+    first = ["optim.lr=0.001", "optim.exp_avg_dtype=bf16", "trainer.warmup_steps=3", "trainer.stop_at=10"]
+    train(compose_config([*QUICK, f"run_dir={tmp_path}", *first]))
     proc = cli(*QUICK, f"run_dir={tmp_path}", "trainer.warmup_steps=4", "trainer.max_steps=12")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = re.findall(r"\[recipes\.checkpoint\.resume\]\[(\w+)\] (.*)", proc.stderr)
     assert sorted(lines) == [
         ("INFO", "resume: trainer.max_steps 20 -> 12 (from the config)"),
         ("INFO", "resume: trainer.warmup_steps 3 -> 4 (from the config)"),
+        (
+            "WARNING",
+            "resume: optim.exp_avg_dtype bf16 -> fp32 (converted): this launch does not set optim.exp_avg_dtype (add "
+            "optim.exp_avg_dtype=bf16 to keep the checkpoint's)",
+        ),
         (
             "WARNING",
             "resume: optim.lr 0.001 -> 0.005 (from the config): this launch does not set optim.lr (add optim.lr=0.001 "

@@ -93,7 +93,7 @@ def test_sbatch_trains_and_the_time_limit_signal_saves_requeues_resumes_and_comp
     """One batch job: srun starts torchrun, 2 ranks train. Then the time-limit signal as Slurm sends it for
     ``--signal=B:USR1@<s>`` (USR1 to the batch shell; sent here by ``scancel --signal=USR1 --batch`` once training
     runs, instead of waiting for slurmctld's 30 s time-limit check): the batch script stops the step
-    (checkpoint), requeues, and the requeued job (Slurm starts it again after cred_expire, 5 s in
+    (checkpoint), requeues, and the requeued job (Slurm starts it again after cred_expire, 10 s in
     scripts/slurm/local_cluster.sh) resumes from that checkpoint and finishes: the job completes, exit code 0."""
     run_dir, out = tmp_path / "run", tmp_path / "job.out"
     steps = 100  # the signal stops the first run a few steps after step 2 (measured: at 13); the requeued run ends it

@@ -101,12 +101,13 @@ def test_the_optimizer_owns_its_exporter_and_nothing_is_patched_onto_tensors_or_
 
 
 def test_the_constructor_warns_that_offload_saves_nothing_without_a_gpu(monkeypatch):
-    """As ``build_optimizer`` does (it builds through the constructor): on a machine with a GPU (this one's
-    ``torch.cuda.is_available`` made to say so), one warning for CPU parameters, none without the offload; on a
-    machine without one (the README's CPU examples), none."""
+    """As ``build_optimizer`` does (it builds through the constructor): on a machine with a GPU, one warning for
+    CPU parameters, none without the offload; on a machine without one (the README's CPU examples), none (this
+    machine's ``torch.cuda.is_available`` made to say each)."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        PortableFusedAdam(make_params(torch.float32), state_dict_cpu_offload=True)  # no GPU here: nothing to say
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        PortableFusedAdam(make_params(torch.float32), state_dict_cpu_offload=True)  # no GPU: nothing to say
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         PortableFusedAdam(make_params(torch.float32))
     with pytest.warns(UserWarning, match="state_dict_cpu_offload=True has no memory effect here") as record:
