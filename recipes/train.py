@@ -48,9 +48,8 @@ from recipes.stop_signal import StopSignal
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 EXIT_INTERRUPTED = 130  # a plain run stopped by Ctrl-C, as for any interrupted command
-INTERRUPTED_LINE = (  # a Ctrl-C outside the loop's stop (before it, or a second one: recipes/stop_signal.py)
-    "interrupted by Ctrl-C, at once: the step in progress is not saved; the complete checkpoints are as they were"
-)
+# a Ctrl-C outside the loop's clean stop (before it, or a second one: recipes/stop_signal.py)
+INTERRUPTED_LINE = "interrupted by Ctrl-C: the step in progress is not saved; the complete checkpoints are as they were"
 
 
 class TrainingDiverged(RuntimeError):
@@ -180,12 +179,9 @@ def _train(
         how = "0: min(4, the CPUs of this rank)" if given == 0 else str(given)
         log.info("checkpoints: %d writer thread(s) per rank (checkpoint.write_threads=%s)", ckpt.write_threads, how)
     if cfg.trainer.warmup_steps > cfg.trainer.max_steps and rank == 0:
-        log.warning(
-            "trainer.warmup_steps=%d > trainer.max_steps=%d: the learning rate peaks at %.3g %% of optim.lr",
-            cfg.trainer.warmup_steps,
-            cfg.trainer.max_steps,
-            100 * cfg.trainer.max_steps / cfg.trainer.warmup_steps,
-        )
+        warmup, steps = cfg.trainer.warmup_steps, cfg.trainer.max_steps
+        log.warning(f"trainer.warmup_steps={warmup} > trainer.max_steps={steps}: the learning rate peaks at "
+                    f"{100 * steps / warmup:.3g} % of optim.lr")  # fmt: skip
 
     torch.manual_seed(cfg.trainer.seed + 1000 * rank)  # the process RNG (dropout-free model: recorded, restored)
     max_steps = cfg.trainer.max_steps
