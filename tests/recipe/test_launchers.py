@@ -86,6 +86,31 @@ def test_sigterm_or_ctrl_c_finishes_the_step_saves_and_the_next_launch_resumes(s
 
 
 @pytest.mark.slow
+def test_ctrl_c_under_torchrun_saves_and_only_torchrun_prints_a_traceback(tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the launch's process group): torchrun's agent passes it to its
+    worker, which stops after the step with a checkpoint and exits 0; torchrun itself then ends with its own
+    SignalException traceback and exit code 1, as the README says. Nothing of the project's raises."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "recipes/train.py"]
+    cmd += [*QUICK, f"run_dir={tmp_path}", "trainer.max_steps=100000", "trainer.log_every=1"]
+    cmd.append("checkpoint.every_steps=50000")  # the only checkpoint: the stop's
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "step 3/" in line:
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    log = "".join(lines) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 1, log[-3000:]
+    stopped = [ln for ln in log.splitlines() if "stopping at step" in ln and "SIGINT (checkpoint saved)" in ln]
+    assert stopped, log[-3000:]
+    assert complete_steps(tmp_path) == [int(stopped[0].split("stopping at step ")[1].split()[0])]
+    assert log.count("Traceback") == 1 and "SignalException" in log and "KeyboardInterrupt" not in log, log[-3000:]
+    assert not [ln for ln in log.splitlines() if "File " in ln and f"{os.sep}recipes{os.sep}" in ln], log[-3000:]
+
+
+@pytest.mark.slow
 def test_ctrl_c_stops_a_sweep_not_only_its_job(tmp_path):
     """Ctrl-C in a -m sweep (basic launcher: the jobs run in this process) stops job 0 with a checkpoint and the
     sweep with it: jobs 1 and 2 must not start and train to the end, exit 0. Broken on purpose (a stopped job returns
