@@ -1,5 +1,6 @@
-"""torchtitan 0.3's own Trainer (llama3 debug model, shrunk) on 2 gloo ranks (CPU) with FSDP2, our optimizer selected by
-the docs' override (``--override.imports ...use_fused_adam=...``) and our ``CheckpointManager``: a run saved at step 2
+"""torchtitan 0.3's train entry point (its ConfigManager parses a command line naming this module's config_registry
+function, the llama3 debug model shrunk; the config builds its Trainer) on 2 gloo ranks (CPU) with FSDP2, our
+optimizer selected by the docs' override (``--override.imports ...use_fused_adam=...``) and our ``CheckpointManager``: a run saved at step 2
 (sync), resumed to step 4 (saved with ``async_mode="async"``) and resumed to step 6 ends bitwise where the run that
 never stopped does (parameters, optimizer state, LR schedule). The data and tokenizer are made here (no download)."""
 
@@ -24,7 +25,6 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
 from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
-from torchtitan.config.override import OverrideConfig, parse_cli_imports  # noqa: E402
 
 import optim_factory  # noqa: E402
 from optim_factory.integrations import torchtitan as integration  # noqa: E402
@@ -102,16 +102,15 @@ def override_token() -> str:
     return f"{target}={OPTIONS}"
 
 
-def trainer_config(folder: str, async_mode: str = "disabled", checkpoint: bool = True):
-    """torchtitan's llama3_debugmodel, shrunk, with our data, our optimizer (by override) and our CheckpointManager."""
+def tiny_debugmodel():
+    """A config_registry function (``--module <this module> --config tiny_debugmodel``): torchtitan's
+    llama3_debugmodel, shrunk, with our data and our CheckpointManager; the optimizer is the command line's."""
     from torchtitan.components.validate import Validator
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     config = llama3_debugmodel()
     config.model_spec.model.layers = config.model_spec.model.layers[:LAYERS]
     config.model_spec.parallelize_fn = titan_cpu.gloo_reductions(config.model_spec.parallelize_fn)
-    config.hf_assets_path = folder
-    config.dump_folder = folder
     config.tokenizer = ByteTokenizer.Config()
     config.dataloader = TinyDataLoader.Config()
     config.training.local_batch_size, config.training.seq_len, config.training.steps = BATCH, SEQ_LEN, STEPS
@@ -120,19 +119,23 @@ def trainer_config(folder: str, async_mode: str = "disabled", checkpoint: bool =
     config.activation_checkpoint = None  # no recompute in backward (parallelize_llama skips AC for None)
     config.validator = Validator.Config(enable=False)
     config.debug.seed = 0
-    config.parallelism.spmd_backend = "partial_dtensor"  # FSDP2 over the dp mesh (the default, spmd_types: see report)
-    config.override = OverrideConfig(imports=parse_cli_imports([override_token()]))
+    # FSDP2 over the dp mesh: the default backend, spmd_types, refuses the plain tensors of this CPU setup
+    config.parallelism.spmd_backend = "partial_dtensor"
     config.checkpoint = integration.CheckpointManager.Config(
-        enable=checkpoint, folder=str(Path(folder, "checkpoint")), interval=2, async_mode=async_mode,
-        last_save_model_only=False, keep_latest_k=0,
-    )  # fmt: skip
+        enable=True, folder="checkpoint", interval=2, last_save_model_only=False, keep_latest_k=0
+    )
     return config
 
 
-def run(folder: str, stop: int, async_mode: str = "disabled", checkpoint: bool = True) -> tuple[dict, int]:
-    """torchtitan's Trainer for a job of STEPS steps, stopped after step ``stop`` (a preemption: the LR schedule stays
-    the job's); it loads the latest checkpoint first. Its state, and the number of steps it ran."""
-    trainer = trainer_config(folder, async_mode, checkpoint).build()
+def run(folder: str, stop: int, async_mode: str = "disabled") -> tuple[dict, int]:
+    """torchtitan's train entry point (``torchtitan.train.main``: its ConfigManager parses the command line, the
+    config builds the Trainer, which trains) for a job of STEPS steps, stopped after step ``stop`` (a preemption:
+    the LR schedule stays the job's); it loads the latest checkpoint first. Its state, and the steps it ran."""
+    from torchtitan.config import ConfigManager
+
+    argv = ["--module", __name__, "--config", "tiny_debugmodel", "--override.imports", override_token()]
+    argv += ["--dump_folder", folder, "--hf_assets_path", folder, "--checkpoint.async_mode", async_mode]
+    trainer = ConfigManager().parse_args(argv).build()
     try:
         optimizer = trainer.optimizers.optimizers[0]
         assert type(optimizer) is optim_factory.PortableFusedAdam, type(optimizer)  # the override took effect
@@ -182,7 +185,7 @@ def uninterrupted_vs_resumed(rank: int, world: int, root: str) -> None:
 
     # rank 0 sleeps 2 s at the end of Trainer.train() (for the other ranks' logs): 8 s of 4 runs, not needed here
     torchtitan.trainer.time = types.SimpleNamespace(perf_counter=time.perf_counter, sleep=lambda seconds: None)
-    expected, ran = run(str(Path(root, "straight")), STEPS, checkpoint=False)
+    expected, ran = run(str(Path(root, "straight")), STEPS)
     assert ran == STEPS
     folder = str(Path(root, "resumed"))
     assert run(folder, 2)[1] == 2  # saves step 2, sync
