@@ -1,8 +1,9 @@
 """torchtitan 0.3's train entry point (its ConfigManager parses a command line naming this module's config_registry
 function, the llama3 debug model shrunk; the config builds its Trainer) on 2 gloo ranks (CPU) with FSDP2, our
-optimizer selected by the docs' override (``--override.imports ...use_fused_adam=...``) and our ``CheckpointManager``: a run saved at step 2
-(sync), resumed to step 4 (saved with ``async_mode="async"``) and resumed to step 6 ends bitwise where the run that
-never stopped does (parameters, optimizer state, LR schedule). The data and tokenizer are made here (no download)."""
+optimizer selected by the docs' override (``--override.imports ...use_fused_adam=...``) and our
+``CheckpointManager``: a run saved at step 2 (sync), resumed to step 4 (saved with ``async_mode="async"``) and
+resumed to step 6 ends bitwise where the run that never stopped does (parameters, optimizer state, LR schedule).
+The data and tokenizer are made here (no download)."""
 
 from __future__ import annotations
 
