@@ -133,6 +133,17 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     assert torch.equal(bits(a).cpu(), bits(b).cpu()), f"{what}: values differ"
 
 
+def assert_flat_bitwise(actual: dict, expected: dict) -> None:
+    """Two flat dictionaries (a key per tensor or value) with the same keys, tensors bitwise, values equal."""
+    assert actual.keys() == expected.keys(), sorted(actual.keys() ^ expected.keys())
+    for key, want in expected.items():
+        if isinstance(want, torch.Tensor):
+            assert isinstance(actual[key], torch.Tensor), key
+            assert_bitwise(actual[key], want, key)
+        else:
+            assert actual[key] == want, f"{key}: {actual[key]!r} != {want!r}"
+
+
 def assert_state_dicts_bitwise(a: dict, b: dict, what: str = "") -> None:
     assert a["state"].keys() == b["state"].keys(), what
     for k in a["state"]:

@@ -30,6 +30,7 @@ from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
 import optim_factory  # noqa: E402
 from optim_factory.integrations import torchtitan as integration  # noqa: E402
 from tests.distributed.launch import spawn  # noqa: E402
+from tests.helpers import assert_flat_bitwise  # noqa: E402
 from tests.integrations import titan_cpu  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "drop-in.md"
@@ -168,17 +169,6 @@ def snapshot(trainer) -> dict:
     return out
 
 
-def assert_bitwise(actual: dict, expected: dict) -> None:
-    assert actual.keys() == expected.keys(), sorted(actual.keys() ^ expected.keys())
-    for key, want in expected.items():
-        got = actual[key]
-        if isinstance(want, torch.Tensor):
-            assert (got.dtype, got.shape) == (want.dtype, want.shape), key
-            assert torch.equal(got, want), f"{key} differs"
-        else:
-            assert got == want, f"{key}: {got!r} != {want!r}"
-
-
 def uninterrupted_vs_resumed(rank: int, world: int, root: str) -> None:
     # in the ranks only: the shim stubs modules (HF datasets, tensorboard) that other tests' processes must not see
     titan_cpu.install()
@@ -195,7 +185,7 @@ def uninterrupted_vs_resumed(rank: int, world: int, root: str) -> None:
     assert ran == 2
     assert all(Path(folder, "checkpoint", f"step-{s}", ".metadata").is_file() for s in (2, 4))
     assert any(k.startswith("optim.") and "master_param" in k for k in expected), sorted(expected)[:8]
-    assert_bitwise(actual, expected)
+    assert_flat_bitwise(actual, expected)
 
 
 @pytest.mark.slow  # forked ranks
