@@ -112,16 +112,17 @@ GLOBAL_PACKAGE = re.compile(r"\A(?:#.*\n|\s*\n)*#\s*@package\s+_global_\s*$", re
 
 
 def keys_set(overrides: list[str], conf_dir: str) -> list[str]:
-    """The config keys a launch's command-line ``overrides`` set, each standing for the keys under it too: the key
-    of each override; a group's name where an option of it is chosen (``optim=fused_adam_lowmem``), or, for an
-    option of a ``# @package _global_`` group (``experiment=quick``), the keys its file sets and the groups its
-    defaults list overrides."""
+    """The config keys a launch's command-line ``overrides`` (Hydra's, parsed by Hydra's parser) set, each standing
+    for the keys under it too: the key of each override; a group's name where an option of it is chosen
+    (``optim=fused_adam_lowmem``), or, for an option of a ``# @package _global_`` group (``experiment=quick``), the
+    keys its file sets and the groups its defaults list overrides."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     keys = []
-    for override in overrides:
-        key, _, value = override.lstrip("+~").partition("=")
-        key = key.split("@", 1)[0]
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key, value = override.key_or_group, override.value()
         option = Path(conf_dir) / key / f"{value}.yaml"
-        if not option.is_file() or not GLOBAL_PACKAGE.search(option.read_text()):
+        if not isinstance(value, str) or not option.is_file() or not GLOBAL_PACKAGE.search(option.read_text()):
             keys.append(key)
             continue
         preset = OmegaConf.to_container(OmegaConf.load(option))
