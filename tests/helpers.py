@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -221,3 +223,13 @@ class LiveSnapshot:
                     assert torch.equal(a[k][3], b[k][3]), f"param_groups {k} value changed"
                 else:
                     assert a[k] == b[k], f"param_groups {k} changed"
+
+
+DROP_IN = Path(__file__).resolve().parent.parent / "docs" / "drop-in.md"
+
+
+def drop_in_block(name: str) -> str:
+    """The fenced block that follows ``<!-- drop-in:<name> -->`` in docs/drop-in.md (the tests run them as written)."""
+    match = re.search(rf"<!-- drop-in:{name} -->\n```\w+\n(.*?)```", DROP_IN.read_text(), re.S)
+    assert match, f"docs/drop-in.md has no block {name}"
+    return match.group(1)

@@ -14,7 +14,6 @@ it refuses (``fp32``, ``fp16``, ``fp8``, ``float8_e4m3fn``) fail inside Automode
 from __future__ import annotations
 
 import importlib.util
-import re
 from pathlib import Path
 
 import pytest
@@ -29,10 +28,10 @@ pytest.importorskip(
 
 from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE  # noqa: E402
 from tests.distributed.launch import spawn_checks  # noqa: E402
+from tests.helpers import drop_in_block  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:state_dict_cpu_offload=True has no memory effect")
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "drop-in.md"
 CHECKPOINTER_NEEDS = ("huggingface_hub", "safetensors", "transformers", "tokenizers", "regex", "httpx2")
 MISSING = [m for m in CHECKPOINTER_NEEDS if importlib.util.find_spec(m) is None]
 needs_checkpointer = pytest.mark.skipif(
@@ -41,23 +40,16 @@ needs_checkpointer = pytest.mark.skipif(
 PORTABLE = "--optimizer._target_=optim_factory.PortableFusedAdam"
 
 
-def snippet(name: str) -> str:
-    """The fenced block that follows ``<!-- drop-in:<name> -->`` in docs/drop-in.md."""
-    match = re.search(rf"<!-- drop-in:{name} -->\n```\w+\n(.*?)```", DOC.read_text(), re.S)
-    assert match, f"docs/drop-in.md has no block {name}"
-    return match.group(1)
-
-
 def recipe_path() -> dict:
     """The doc's ``build_like_the_recipe``."""
     namespace: dict = {}
-    exec(compile(snippet("automodel-recipe-path"), "docs/drop-in.md", "exec"), namespace)
+    exec(compile(drop_in_block("automodel-recipe-path"), "docs/drop-in.md", "exec"), namespace)
     return namespace["build_like_the_recipe"]
 
 
 def recipe_yaml(tmp: Path) -> Path:
     path = tmp / "recipe.yaml"
-    path.write_text(snippet("automodel-recipe-yaml"))
+    path.write_text(drop_in_block("automodel-recipe-yaml"))
     return path
 
 

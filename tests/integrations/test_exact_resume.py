@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -49,6 +48,7 @@ from optim_factory import PortableFusedAdam  # noqa: E402
 from optim_factory.checkpoint import ExactLoadPlanner  # noqa: E402
 from optim_factory.optimizers.export import join_bf16_remainder  # noqa: E402
 from tests.distributed.launch import spawn_checks  # noqa: E402
+from tests.helpers import drop_in_block  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:state_dict_cpu_offload=True has no memory effect")
 
@@ -100,15 +100,10 @@ SAVED, RESUMED = 3, 5  # the steps of the two checkpoints; each resume trains 2 
 RESCALED_TOLERANCE = 2**-7
 
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "drop-in.md"
-
-
 def doc_block(name: str) -> dict:
     """The names the fenced block after ``<!-- drop-in:<name> -->`` in docs/drop-in.md defines, run as written."""
-    match = re.search(rf"<!-- drop-in:{name} -->\n```python\n(.*?)```", DOC.read_text(), re.S)
-    assert match, f"{DOC.name} has no block {name}"
     scope: dict = {}
-    exec(compile(match.group(1), DOC.name, "exec"), scope)
+    exec(compile(drop_in_block(name), "docs/drop-in.md", "exec"), scope)
     return scope
 
 

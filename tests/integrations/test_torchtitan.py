@@ -4,7 +4,6 @@ bitwise, and a resume of the 2-rank checkpoint on 1 rank. The docs' snippets are
 
 from __future__ import annotations
 
-import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,9 +25,8 @@ import optim_factory  # noqa: E402
 from optim_factory.integrations import torchtitan as integration  # noqa: E402
 from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE  # noqa: E402
 from tests.distributed.launch import spawn, spawn_checks  # noqa: E402
-from tests.helpers import assert_flat_bitwise  # noqa: E402
+from tests.helpers import assert_flat_bitwise, drop_in_block  # noqa: E402
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "drop-in.md"
 OPTIONS = {  # BF16 moments, FP32 master weights (of BF16 parameters), CPU-offloaded state_dict()
     "master_weights": True,
     "master_weight_dtype": "fp32",
@@ -41,13 +39,6 @@ STEPS = 3
 TE_ON_CUDA = TE_AVAILABLE and torch.cuda.is_available()
 pytestmark = pytest.mark.filterwarnings("ignore:state_dict_cpu_offload=True has no memory effect")  # CPU params
 DOC_OPTIONS = {k: v for k, v in OPTIONS.items() if k != "master_weight_dtype"}  # the docs' (FP32 master: default)
-
-
-def snippet(name: str) -> str:
-    """The fenced block that follows ``<!-- drop-in:<name> -->`` in the docs."""
-    match = re.search(rf"<!-- drop-in:{name} -->\n```\w+\n(.*?)```", DOC.read_text(), re.S)
-    assert match, f"{DOC.name} has no block {name}"
-    return match.group(1)
 
 
 class Net(torch.nn.Module):
@@ -192,7 +183,7 @@ def stock_job() -> Job.Config:
 def doc_job() -> Job.Config:
     """The docs' config_registry snippet."""
     scope: dict = {}
-    exec(snippet("torchtitan-config"), scope)
+    exec(drop_in_block("torchtitan-config"), scope)
     return Job.Config(optimizer=scope["optimizer"])
 
 
@@ -228,7 +219,7 @@ def test_docs_config_snippet_builds_our_container_through_torchtitans_parser():
 
 @pytest.mark.parametrize("name", ["FusedAdam", "PortableFusedAdam"])
 def test_docs_override_snippet_swaps_adamw_on_torchtitans_command_line(name):
-    args = shlex.split(snippet("torchtitan-override").replace('"name": "FusedAdam"', f'"name": "{name}"'))
+    args = shlex.split(drop_in_block("torchtitan-override").replace('"name": "FusedAdam"', f'"name": "{name}"'))
     config = parse("stock_job", *args)
     assert type(config.optimizer) is integration.OptimizersContainer.Config
     assert config.optimizer.param_groups[0].optimizer_name == name

@@ -7,7 +7,6 @@ The data and tokenizer are made here (no download)."""
 
 from __future__ import annotations
 
-import re
 import shlex
 import time
 import types
@@ -30,10 +29,9 @@ from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
 import optim_factory  # noqa: E402
 from optim_factory.integrations import torchtitan as integration  # noqa: E402
 from tests.distributed.launch import spawn  # noqa: E402
-from tests.helpers import assert_flat_bitwise  # noqa: E402
+from tests.helpers import assert_flat_bitwise, drop_in_block  # noqa: E402
 from tests.integrations import titan_cpu  # noqa: E402
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "drop-in.md"
 STEPS, LAYERS, SEQ_LEN, BATCH = 6, 2, 32, 2
 OPTIONS = '{"name": "PortableFusedAdam", "master_weights": true}'  # FP32 params: an FP32 master of its own
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -96,9 +94,7 @@ class TinyDataLoader(ParallelAwareDataloader):
 
 def override_token() -> str:
     """The docs' ``--override.imports`` argument, with the portable class and FP32-parameter options."""
-    match = re.search(r"<!-- drop-in:torchtitan-override -->\n```\w+\n(.*?)```", DOC.read_text(), re.S)
-    assert match, f"{DOC.name} has no torchtitan-override block"
-    flag, token = shlex.split(match.group(1))
+    flag, token = shlex.split(drop_in_block("torchtitan-override"))
     assert flag == "--override.imports"
     target, _, _ = token.partition("=")
     return f"{target}={OPTIONS}"

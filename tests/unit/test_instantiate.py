@@ -8,9 +8,6 @@ builds the optimizer, with the dtype and size strings converted (``torch.bfloat1
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 import torch
 from hydra.errors import InstantiationException
@@ -18,8 +15,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE
+from tests.helpers import drop_in_block
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "drop-in.md"
 TARGETS = [
     pytest.param("optim_factory.PortableFusedAdam", id="portable"),
     pytest.param(
@@ -30,13 +27,6 @@ TARGETS = [
 ]
 
 
-def snippet(name: str) -> str:
-    """The fenced block that follows ``<!-- drop-in:<name> -->`` in docs/drop-in.md."""
-    match = re.search(rf"<!-- drop-in:{name} -->\n```\w+\n(.*?)```", DOC.read_text(), re.S)
-    assert match, f"docs/drop-in.md has no block {name}"
-    return match.group(1)
-
-
 def model(device: str = "cpu") -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)).to(device=device, dtype=torch.bfloat16)
@@ -44,7 +34,7 @@ def model(device: str = "cpu") -> torch.nn.Module:
 
 def doc_yaml(target: str) -> str:
     """The doc's YAML text with its ``_target_`` set to ``target``."""
-    text = snippet("target-yaml")
+    text = drop_in_block("target-yaml")
     assert "_target_: optim_factory.FusedAdam " in text
     return text.replace("_target_: optim_factory.FusedAdam ", f"_target_: {target} ")
 
