@@ -95,10 +95,6 @@ def fp32_own(saved: torch.Tensor) -> torch.Tensor:
     return value.clone() if aliases(value, saved) else value
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", copy=True)
-
-
 def load_master(optimizer: Any, param: torch.Tensor, saved: torch.Tensor | None) -> MasterConversion | None:
     """Store a checkpoint's master of ``param`` (``saved``: a plain or DTensor, any device; ``None`` when the
     checkpoint has none) in the optimizer's format; return the conversion to apply again once the parameter is
@@ -114,7 +110,7 @@ def load_master(optimizer: Any, param: torch.Tensor, saved: torch.Tensor | None)
     if value is None:
         conversion = MasterConversion(param, "from_param", None)
     elif (value.dtype == torch.int16) != remainders:  # join, or split: 2 or 4 bytes per element until applied
-        conversion = MasterConversion(param, "split" if remainders else "join", _host_copy(value))
+        conversion = MasterConversion(param, "split" if remainders else "join", value.detach().to("cpu", copy=True))
     else:
         optimizer.set_scaled_state(param, MASTER, value if value.dtype == torch.int16 else fp32_own(saved))
         return None
