@@ -21,7 +21,7 @@ from omegaconf import MISSING
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from optim_factory.errors import first_line
-from optim_factory.optimizers.export.options import Pinning
+from optim_factory.rules.export import Pinning
 
 __all__ = [
     "Choice",

@@ -1,28 +1,72 @@
-"""``ConfigError``: the one exception (and one-line format) of a bad optimizer config value; ``first_line``."""
+"""``ConfigError``: the one exception of a refused value (a rule's, or a config's), and ``first_line``: the one place
+an error is shortened to one line."""
 
 from __future__ import annotations
 
 from enum import Enum
 from typing import Any
 
-__all__ = ["ConfigError", "config_error", "first_line"]
+__all__ = ["ConfigError", "first_line"]
 
 
-class ConfigError(ValueError):
-    """A bad optimizer config value: one line naming the key, the value and what is allowed."""
+class ConfigError(ValueError, RuntimeError):
+    """A refused value, in one line. Every rule of ``optim_factory.rules`` raises it, and so does every config check.
+
+    * ``ConfigError(key, value, allowed)``: one value refused, ``<key>=<value!r>: <allowed>``; ``shown`` writes the
+      value otherwise than its repr, ``text`` words the whole line for a direct caller (``torch.optim.Adam``'s
+      ``Invalid learning rate: ...``, a param group's index). ``key``, ``value`` and ``allowed`` stay apart so that
+      the factory restates the refusal as a config key's (:meth:`under`).
+    * ``ConfigError(line)``: a refusal worded whole (an unknown key, a missing value, a directory another launch
+      holds); ``key``, ``value`` and ``allowed`` are None.
+
+    A ``ValueError``, as ``torch.optim.Adam`` raises for a bad hyperparameter, and a ``RuntimeError``, as TE's
+    ``FusedAdam`` raises for a bad dtype combination: code written against either keeps catching it.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        value: Any = None,
+        allowed: str | None = None,
+        *,
+        shown: str | None = None,
+        text: str | None = None,
+    ) -> None:
+        if allowed is None:
+            line, key = key, None
+        else:
+            line = text if text is not None else f"{key}={repr(value) if shown is None else shown}: {allowed}"
+        self.key, self.value, self.allowed, self.shown = key, value, allowed, shown
+        super().__init__(line)
+
+    def under(self, prefix: str) -> ConfigError:
+        """This refusal as a config key's, ``<prefix><key>=<value>: <allowed>`` (``optim.lr=nan: must be >= 0``): a
+        choice (an ``Enum``) shows its spelling, and ``text`` (the wording for direct callers) is left out. A
+        refusal worded whole is already a config's line: returned as it is."""
+        if self.key is None:
+            return self
+        value = self.value.value if isinstance(self.value, Enum) else self.value
+        return ConfigError(prefix + self.key, value, self.allowed, shown=self.shown)
 
 
-def config_error(key: str, value: Any, allowed: str) -> ConfigError:
-    """``optim.<key>=<value>: <allowed>`` as a :class:`ConfigError` (a schema choice shows its YAML spelling)."""
-    if isinstance(value, Enum):
-        value = value.value
-    return ConfigError(f"optim.{key}={value!r}: {allowed}")
-
-
-def first_line(error: BaseException | str, empty: str | None = None) -> str:
+def first_line(error: BaseException | str, empty: str | None = None, *, named: bool = False) -> str:
     """The first line of an error's text (stripped); for an error without text, ``empty`` (default: its type's
-    name). The one place the recipe and the factory shorten an error to one line."""
-    text = str(error).strip()
-    if text:
-        return text.splitlines()[0]
-    return empty if empty is not None else type(error).__name__
+    name). The one place the library and the recipe shorten an error to one line.
+
+    ``named``: for a report or a log line, ``<type>: <first line, at most 300 characters>``; an error that gathers
+    other ranks' errors (DCP's ``CheckpointException``: ``failures``, rank -> (exception, traceback)) as its first
+    rank's, ``rank <r>: ...``.
+    """
+    if not named or isinstance(error, str):
+        text = str(error).strip()
+        if text:
+            return text.splitlines()[0]
+        return empty if empty is not None else type(error).__name__
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = sorted(failures.items(), key=lambda kv: kv[0])[0]
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            inner = inner[0]  # (exception, traceback)
+        described = first_line(inner, named=True) if isinstance(inner, BaseException) else str(inner)[:300]
+        return f"rank {rank}: {described}"
+    return f"{type(error).__name__}: {first_line(error, '')[:300]}"

@@ -13,7 +13,8 @@ import logging
 import math
 import re
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -30,11 +31,11 @@ from optim_factory.config import (
     omegaconf_error_line,
     schema_keys,
 )
-from optim_factory.errors import ConfigError, config_error
-from optim_factory.optimizers.constructor import check_export_effect, parse_bytes
-from optim_factory.optimizers.export import ExportOptions, Pinning, local_tensor
-from optim_factory.optimizers.rules import OptionError, check_hyperparameters, check_state_dtypes, parse_dtype
+from optim_factory.errors import ConfigError
+from optim_factory.optimizers.export import ExportOptions, local_tensor
 from optim_factory.param_groups import build_param_groups, named_trainable
+from optim_factory.rules.adam import check_hyperparameters, check_state_dtypes, parse_dtype
+from optim_factory.rules.export import Pinning, check_export_effect, parse_bytes
 
 __all__ = [
     "ConfigError",
@@ -70,6 +71,17 @@ class ValidatedOptim:
 
 
 # ----------------------------------------------------------------------------------------------- validation
+@contextmanager
+def _config_keys() -> Iterator[None]:
+    """The one place a rule's refusal becomes the config's: a :class:`ConfigError` with a key raised inside (by
+    the rules of ``optim_factory.rules`` or the checks here) is raised again as the ``optim`` group's key
+    (``optim.lr=nan: must be >= 0``, :meth:`ConfigError.under`); a refusal worded whole is already the config's."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise exc.under("optim.") from None
+
+
 def _to_schema(cfg: Any) -> DictConfig:
     """Any of OmegaConf node / dataclass / mapping → a new read-only node typed by its schema.
 
@@ -87,7 +99,7 @@ def _to_schema(cfg: Any) -> DictConfig:
         raise ConfigError(f"optim: expected a mapping, an OmegaConf node or a dataclass, got {type(cfg).__name__}")
     name = cfg.get("name", "fused_adam")
     if name not in OPTIM_SCHEMAS:
-        raise config_error("name", name, f"expected one of {'|'.join(OPTIM_SCHEMAS)}")
+        raise ConfigError("name", name, f"expected one of {'|'.join(OPTIM_SCHEMAS)}")
     schema = OPTIM_SCHEMAS[name]
     _refuse_placeholders(cfg, "optim")
     _check_overrides(cfg.get("param_groups"))
@@ -118,17 +130,17 @@ def _check_overrides(param_groups: Any) -> None:
     leaf: ``optim.lr_mul: not a config key``, or ``optim.?=None`` for a mapping instead of a list)."""
     if not isinstance(param_groups, Mapping) or param_groups.get("overrides") is None:
         return
-    key = "optim.param_groups.overrides"
+    key = "param_groups.overrides"
     overrides = param_groups["overrides"]
     if not isinstance(overrides, (list, tuple)):
-        raise ConfigError(f"{key}={overrides!r}: expected a list of {{pattern, lr_mult, weight_decay_mult}} mappings")
+        raise ConfigError(key, overrides, "expected a list of {pattern, lr_mult, weight_decay_mult} mappings")
     for i, item in enumerate(overrides):
         if not isinstance(item, Mapping):
-            raise ConfigError(f"{key}[{i}]={item!r}: expected a mapping {{pattern, lr_mult, weight_decay_mult}}")
+            raise ConfigError(f"{key}[{i}]", item, "expected a mapping {pattern, lr_mult, weight_decay_mult}")
         try:
             OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GroupOverride), item))
         except OmegaConfBaseException as exc:
-            raise ConfigError(omegaconf_error_line(exc, f"{key}[{i}].", schema_keys(GroupOverride))) from None
+            raise ConfigError(omegaconf_error_line(exc, f"optim.{key}[{i}].", schema_keys(GroupOverride))) from None
 
 
 def _spell_dtypes(cfg: Mapping) -> dict:
@@ -141,18 +153,18 @@ def _spell_dtypes(cfg: Mapping) -> dict:
         if value is not None and not (isinstance(value, str) and value in StateDtype.__members__):
             try:
                 out[key] = spelling.get(parse_dtype(value, key), value)
-            except OptionError:
+            except ConfigError:
                 pass
     return out
 
 
 def _check_number(key: str, value: Any, *, positive: bool = False, lo: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise config_error(key, value, "expected a finite number")
+        raise ConfigError(key, value, "expected a finite number")
     if positive and value <= 0:
-        raise config_error(key, value, "must be > 0")
+        raise ConfigError(key, value, "must be > 0")
     if lo is not None and value < lo:
-        raise config_error(key, value, f"must be >= {lo}")
+        raise ConfigError(key, value, f"must be >= {lo}")
     return float(value)
 
 
@@ -160,11 +172,11 @@ def _check_patterns(key: str, patterns: Iterable[str]) -> None:
     """Each pattern a valid regular expression; ``key`` holds ``{i}`` where the index goes."""
     for i, pattern in enumerate(patterns):
         if not isinstance(pattern, str) or not pattern:
-            raise config_error(key.format(i=i), pattern, "expected a non-empty regular expression")
+            raise ConfigError(key.format(i=i), pattern, "expected a non-empty regular expression")
         try:
             re.compile(pattern)
         except re.error as exc:
-            raise config_error(key.format(i=i), pattern, f"not a valid regular expression ({exc})") from None
+            raise ConfigError(key.format(i=i), pattern, f"not a valid regular expression ({exc})") from None
 
 
 def validate_optim_config(cfg: Any) -> ValidatedOptim:
@@ -174,26 +186,23 @@ def validate_optim_config(cfg: Any) -> ValidatedOptim:
     result to :func:`build_optimizer`. Raises :class:`ConfigError`. Warns (``UserWarning``) where an option
     silently has no effect (remainders without an FP32 master).
     """
-    c = _to_schema(cfg)
-    if isinstance(c.lr, float) and c.lr <= 0:  # the one rule a config adds: torch accepts lr=0, which trains nothing
-        raise config_error("lr", c.lr, "must be > 0")
-    try:  # the constructors' own hyperparameter rules (one source: optimizers/rules.py)
-        check_hyperparameters(c.lr, list(c.betas), c.eps, c.weight_decay)
-    except OptionError as exc:
-        raise config_error(exc.key, exc.value, exc.allowed) from None
-    _check_patterns("param_groups.no_decay[{i}]", c.param_groups.no_decay)
-    _check_patterns("param_groups.overrides[{i}].pattern", [o.pattern for o in c.param_groups.overrides])
-    for i, o in enumerate(c.param_groups.overrides):
-        _check_number(f"param_groups.overrides[{i}].lr_mult", o.lr_mult, positive=True)
-        _check_number(f"param_groups.overrides[{i}].weight_decay_mult", o.weight_decay_mult, lo=0.0)
-    if OmegaConf.get_type(c) is AdamWConfig:
-        kwargs = dict(lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay, amsgrad=c.amsgrad)
-        return ValidatedOptim(c, MappingProxyType({**kwargs, "foreach": c.foreach}))
+    with _config_keys():
+        c = _to_schema(cfg)
+        if isinstance(c.lr, float) and c.lr <= 0:  # the one rule a config adds: torch accepts lr=0 (trains nothing)
+            raise ConfigError("lr", c.lr, "must be > 0")
+        check_hyperparameters(c.lr, list(c.betas), c.eps, c.weight_decay)  # the constructors' own rules
+        _check_patterns("param_groups.no_decay[{i}]", c.param_groups.no_decay)
+        _check_patterns("param_groups.overrides[{i}].pattern", [o.pattern for o in c.param_groups.overrides])
+        for i, o in enumerate(c.param_groups.overrides):
+            _check_number(f"param_groups.overrides[{i}].lr_mult", o.lr_mult, positive=True)
+            _check_number(f"param_groups.overrides[{i}].weight_decay_mult", o.weight_decay_mult, lo=0.0)
+        if OmegaConf.get_type(c) is AdamWConfig:
+            kwargs = dict(lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay, amsgrad=c.amsgrad)
+            return ValidatedOptim(c, MappingProxyType({**kwargs, "foreach": c.foreach}))
 
-    if c.amsgrad:
-        raise config_error("amsgrad", c.amsgrad, "FusedAdam does not support AMSGrad; use optim=adamw for it")
-    try:  # the optimizers' own dtype / capturable / master-weight rules (one source: optimizers/rules.py)
-        dtypes = check_state_dtypes(
+        if c.amsgrad:
+            raise ConfigError("amsgrad", c.amsgrad, "FusedAdam does not support AMSGrad; use optim=adamw for it")
+        dtypes = check_state_dtypes(  # the constructors' own dtype / capturable / master-weight rules
             master_weights=c.master_weights,
             master_weight_dtype=c.master_weight_dtype,
             exp_avg_dtype=c.exp_avg_dtype,
@@ -201,11 +210,8 @@ def validate_optim_config(cfg: Any) -> ValidatedOptim:
             capturable=c.capturable,
             store_param_remainders=c.store_param_remainders,
         )
-    except OptionError as exc:
-        raise config_error(exc.key, exc.value, exc.allowed) from None
-    try:  # the optimizers' own rules for the export options, checked before anything is built
         chunk = parse_bytes(c.state_dict_offload_chunk_bytes, "state_dict_offload_chunk_bytes")
-        export = ExportOptions(
+        export = ExportOptions(  # the constructors' own export option rules, before anything is built
             c.state_dict_cpu_offload,
             chunk,
             c.state_dict_offload_reuse_buffers,
@@ -213,8 +219,6 @@ def validate_optim_config(cfg: Any) -> ValidatedOptim:
             c.state_dict_keep_bf16,
             c.state_dict_offload_background,
         )
-    except ValueError as exc:
-        raise ConfigError(f"optim.{exc}") from None
     check_export_effect(export, dtypes.exp_avg_dtype, dtypes.exp_avg_sq_dtype)
     return ValidatedOptim(c, MappingProxyType(_fused_adam_kwargs(c, chunk)))
 
@@ -229,12 +233,12 @@ def choose_backend(requested: str, params: list[torch.Tensor]) -> tuple[str, str
         return "portable", "backend=portable requested"
     if requested == "te":
         if not TE_AVAILABLE:
-            raise config_error(
+            raise ConfigError(
                 "backend", "te", f"Transformer Engine is not importable ({te_import_error()}); {TE_INSTALL_HINT}"
             )
         if not on_cuda:
             needs = "TE's FusedAdam needs CUDA parameters; use backend=portable or auto on CPU"
-            raise config_error("backend", "te", needs)
+            raise ConfigError("backend", "te", needs)
         return "te", "backend=te requested"
     if TE_AVAILABLE and on_cuda:
         return "te", "auto: Transformer Engine is importable and the parameters are on CUDA"
@@ -299,13 +303,15 @@ def build_optimizer(cfg: Any, model: Any) -> torch.optim.Optimizer:
     v = cfg if isinstance(cfg, ValidatedOptim) else validate_optim_config(cfg)
     c = v.config
     named = named_trainable(model)
-    groups, summaries = build_param_groups(c, named, model if isinstance(model, torch.nn.Module) else None)
+    with _config_keys():
+        groups, summaries = build_param_groups(c, named, model if isinstance(model, torch.nn.Module) else None)
     params = [p for _, p in named]
     if v.name == "adamw":
         opt = torch.optim.AdamW(groups, **v.kwargs)
         log.info("optimizer: torch.optim.AdamW")
     else:
-        backend, why = choose_backend(c.backend, params)
+        with _config_keys():
+            backend, why = choose_backend(c.backend, params)
         bf16_params = any(p.dtype == torch.bfloat16 for p in params)
         if c.master_weights and not any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
             warnings.warn(

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from optim_factory.config import DEFAULT_NO_DECAY
-from optim_factory.errors import ConfigError, config_error
+from optim_factory.errors import ConfigError
 
 __all__ = ["GroupSummary", "named_trainable", "build_param_groups"]
 
@@ -138,13 +138,13 @@ def build_param_groups(
         if len(hits) > 1:
             pats = ", ".join(repr(overrides[i][1].pattern) for i in hits)
             overlap = f"patterns overlap on parameter {name!r}; make them disjoint"
-            raise config_error("param_groups.overrides", pats, overlap)
+            raise ConfigError("param_groups.overrides", pats, overlap)
         for i in hits:
             used_override[i] = True
         buckets.setdefault((hits[0] if hits else -1, name in reasons), []).append((name, param))
     for i, used in enumerate(used_override):
         if not used:
-            raise config_error(
+            raise ConfigError(
                 f"param_groups.overrides[{i}].pattern", overrides[i][1].pattern, "matches no trainable parameter"
             )
 

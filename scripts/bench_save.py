@@ -65,8 +65,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from optim_factory.optimizers.constructor import parse_bytes
 from optim_factory.optimizers.export import ExportOptions
+from optim_factory.rules.export import parse_bytes
 from recipes.checkpoint import CheckpointManager, state_bytes
 from recipes.config import CheckpointConfig
 from recipes.distributed import init_distributed, pick_device, resolve_dist_env, shutdown

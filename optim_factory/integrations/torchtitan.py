@@ -58,7 +58,7 @@ try:  # names torchtitan 0.3 and its main branch both provide (0.3's components.
     from torchtitan.config import derive, override
 except ImportError as exc:
     raise framework_import_error("torchtitan", exc) from exc
-from optim_factory.optimizers.group_rules import GROUP_KEYS
+from optim_factory.rules.groups import GROUP_KEYS
 
 __all__ = [
     "OPTIMIZER_NAMES",

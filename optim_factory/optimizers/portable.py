@@ -38,8 +38,8 @@ from optim_factory.optimizers.export import (
     split_bf16_remainder,
     wrap_like,
 )
-from optim_factory.optimizers.group_rules import PARAM_DTYPES, CheckedParamGroups, own_lr_tensor
 from optim_factory.optimizers.updates import Update, run_updates
+from optim_factory.rules.groups import PARAM_DTYPES, CheckedParamGroups, own_lr_tensor
 
 __all__ = ["PortableFusedAdam", "FP8_STORAGE_DTYPE"]
 
@@ -66,7 +66,7 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
         master_weight_dtype: ``torch.float32`` or ``torch.float16`` (or a string: ``fp32``, ``"torch.float16"`` ...).
         exp_avg_dtype: ``torch.float32``, ``torch.float16``, ``torch.bfloat16`` or ``torch.uint8`` (FP8), or a
             string (``fp32|fp16|bf16|fp8``, ``bfloat16``, ``torch.bfloat16``, ``float8_e4m3fn``; see
-            :mod:`optim_factory.optimizers.rules`).
+            :mod:`optim_factory.rules`).
         exp_avg_sq_dtype: as ``exp_avg_dtype``.
         use_decoupled_grad: read gradients from ``param.decoupled_grad`` instead of ``param.grad``.
         store_param_remainders: with BF16 parameters and an FP32 master, store only the master's low 16 bits.

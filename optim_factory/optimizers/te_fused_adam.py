@@ -14,7 +14,7 @@ import torch
 from optim_factory.optimizers.amp import scaler_for_step
 from optim_factory.optimizers.constructor import check_constructor
 from optim_factory.optimizers.export import OffloadedStateDict, Pinning, local_tensor
-from optim_factory.optimizers.group_rules import CheckedParamGroups
+from optim_factory.rules.groups import CheckedParamGroups
 
 __all__ = ["FusedAdam", "TE_AVAILABLE", "te_import_error"]
 
@@ -54,7 +54,7 @@ class FusedAdam(OffloadedStateDict, CheckedParamGroups, _TEFusedAdam):  # type: 
 
     The constructor also takes dtypes as strings (``bf16``, ``torch.bfloat16``, ``fp8`` ...) and sizes as
     ``"64MiB"``, and checks every option as :class:`PortableFusedAdam` does (see
-    :mod:`optim_factory.optimizers.rules`) before Transformer Engine is needed, so a Hydra ``_target_`` block
+    :mod:`optim_factory.rules`) before Transformer Engine is needed, so a Hydra ``_target_`` block
     that names this class builds it.
 
     Empty local shards (a parameter with fewer rows than FSDP2 ranks, or a 0-element parameter) step, export,

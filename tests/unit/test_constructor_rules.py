@@ -1,4 +1,4 @@
-"""The constructor rules (optim_factory/optimizers/rules.py) as both FusedAdam classes apply them.
+"""The constructor rules (optim_factory/rules/) as both FusedAdam classes apply them.
 
 Issue 15, observation 10: ``PortableFusedAdam`` refuses lr=NaN, lr<0, betas=(1.0, ...), betas=(0.9, 1.5), eps<0,
 weight_decay<0 and ``master_weights="yes"``. Issue 16, item 3: both classes take dtype and size strings.
@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from optim_factory import PortableFusedAdam
-from optim_factory.optimizers.constructor import parse_bytes
-from optim_factory.optimizers.rules import OptionError, parse_dtype
+from optim_factory.errors import ConfigError
 from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE
 from optim_factory.optimizers.te_fused_adam import FusedAdam as TEFusedAdam
+from optim_factory.rules.adam import parse_dtype
+from optim_factory.rules.export import parse_bytes
 
 CLASSES = [PortableFusedAdam, TEFusedAdam]
 
@@ -77,7 +78,7 @@ def test_bad_option_is_refused_in_one_line_before_anything_else(cls, kw, message
     with pytest.raises(ValueError) as info:  # TE subclass: before the Transformer Engine check (no ImportError)
         cls(params(), **kw)
     text = str(info.value)
-    assert isinstance(info.value, OptionError) and "\n" not in text
+    assert isinstance(info.value, ConfigError) and "\n" not in text
     assert message in text, text
     theirs = torch_adam_message(kw)
     if theirs is not None:  # torch.optim.Adam's own words, then what is allowed
@@ -177,7 +178,7 @@ def test_parse_bytes(value, expected):
 
 @pytest.mark.parametrize("value", ["64 MB", "1.5GiB", True, 1.0, "-1"])
 def test_parse_bytes_refuses(value):
-    with pytest.raises(OptionError, match=r"^k="):
+    with pytest.raises(ConfigError, match=r"^k="):
         parse_bytes(value, "k")
 
 

@@ -45,6 +45,7 @@ from optim_factory.optimizers.export.tensors import (
     local_tensor,
     wrap_like,
 )
+from optim_factory.rules.groups import GROUP_KEYS, check_group
 
 __all__ = ["export_state", "load_exported_state", "check_loadable", "param_index_map"]
 
@@ -186,7 +187,7 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
     naming the group, the parameter (index, and name where the dictionary has ``param_names``) and the mismatch.
 
     Checked: the dictionary's structure; group count and sizes; the keys FusedAdam's groups need, and the groups by
-    the constructor's rules (``group_rules.check_group``: hyperparameters, ``bias_correction``, ``step``, no
+    the constructor's rules (``rules.groups.check_group``: hyperparameters, ``bias_correction``, ``step``, no
     optimizer-wide keys); a non-zero ``step`` in every group that has states (without it the bias correction would
     restart at step 1 under moments of a later step); no states for an index no group lists (they would be dropped); the
     parameter names where both sides have them (the states would otherwise land on other parameters of the same
@@ -196,8 +197,6 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
     inf in a state is a diverged run's: loading it would train on NaN; one min/max pass per state, one sync
     per device) and a non-negative ``exp_avg_sq``.
     """
-    from optim_factory.optimizers.group_rules import GROUP_KEYS, check_group  # group_rules imports the export API
-
     required = [k for k in GROUP_KEYS if k not in ("param_names", "step")]
 
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):

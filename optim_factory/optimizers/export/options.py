@@ -3,38 +3,19 @@
 ``ExportOptions`` is built once from the optimizer's keyword-only constructor arguments (``state_dict_cpu_offload``,
 ``state_dict_offload_chunk_bytes``, ``state_dict_offload_reuse_buffers``, ``state_dict_offload_pinning``,
 ``state_dict_keep_bf16``, ``state_dict_offload_background``); an
-impossible combination raises one ``ValueError`` line naming the option. The factory validates configs with the
-same class, so these rules exist once. See docs/design.md, "Export options".
+impossible combination raises one ``ConfigError`` line naming the option (the rules:
+:mod:`optim_factory.rules.export`). The factory validates configs with the same class. See docs/design.md,
+"Export options".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
+from optim_factory.rules.export import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, Pinning, check_export_options
+
 __all__ = ["ExportOptions", "Pinning", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES"]
-
-DEFAULT_CHUNK_BYTES = 64 << 20  # the chunk of ``state_dict_cpu_offload=True`` alone: the GPU holds 2 (128 MiB)
-MIN_CHUNK_BYTES = 64  # one aligned piece; real budgets are MiBs
-
-
-class Pinning(str, Enum):
-    """How pooled host buffers of CUDA states become page-locked (see ``HostBufferPool``).
-
-    * ``register``: allocated pageable, pinned in place (``cudaHostRegister``) in the background once released;
-    * ``alloc``: allocated pinned (``cudaHostAlloc``; slow to allocate);
-    * ``none``: pageable, always filled through the pinned staging buffers.
-    """
-
-    register = "register"
-    alloc = "alloc"
-    none = "none"
-
-
-def _require_bool(key: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{key}={value!r}: expected True or False")
 
 
 @dataclass(frozen=True)
@@ -65,39 +46,10 @@ class ExportOptions:
     background: bool = False
 
     def __post_init__(self) -> None:
-        _require_bool("state_dict_cpu_offload", self.cpu_offload)
-        chunk = self.chunk_bytes
-        if chunk is not None:
-            if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0 or 0 < chunk < MIN_CHUNK_BYTES:
-                raise ValueError(
-                    f"state_dict_offload_chunk_bytes={chunk!r}: expected None (the default, "
-                    f"{DEFAULT_CHUNK_BYTES >> 20} MiB), 0 (one state at a time) or an int >= {MIN_CHUNK_BYTES} "
-                    "(bytes of converted data per chunk)"
-                )
-            if not self.cpu_offload:  # 0 included: without the offload nothing is exported in chunks or states
-                raise ValueError(
-                    f"state_dict_offload_chunk_bytes={chunk}: needs state_dict_cpu_offload=True "
-                    "(chunked streaming is a mode of the CPU-offloaded export)"
-                )
-        chunk = (DEFAULT_CHUNK_BYTES if self.cpu_offload else 0) if chunk is None else chunk
+        chunk, pinning = check_export_options(
+            self.cpu_offload, self.chunk_bytes, self.reuse_buffers, self.pinning, self.keep_bf16, self.background
+        )
         object.__setattr__(self, "chunk_bytes", chunk)
-        _require_bool("state_dict_offload_reuse_buffers", self.reuse_buffers)
-        _require_bool("state_dict_keep_bf16", self.keep_bf16)
-        _require_bool("state_dict_offload_background", self.background)
-        for key, on in (("background", self.background), ("reuse_buffers", self.reuse_buffers)):
-            if on and not chunk:
-                needs = "state_dict_cpu_offload=True" if not self.cpu_offload else "state_dict_offload_chunk_bytes != 0"
-                raise ValueError(f"state_dict_offload_{key}=True: needs {needs} (a mode of the chunked export)")
-        try:
-            pinning = Pinning(self.pinning.value if isinstance(self.pinning, Pinning) else self.pinning)
-        except ValueError:
-            allowed = "|".join(p.value for p in Pinning)
-            raise ValueError(f"state_dict_offload_pinning={self.pinning!r}: expected one of {allowed}") from None
-        if pinning is not Pinning.register and not self.reuse_buffers:
-            raise ValueError(
-                f"state_dict_offload_pinning={pinning.value}: needs state_dict_offload_reuse_buffers=True "
-                "(only pooled buffers are pinned)"
-            )
         object.__setattr__(self, "pinning", pinning)
 
     def describe(self) -> str:

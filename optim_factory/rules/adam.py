@@ -1,26 +1,24 @@
-"""The constructor rules of FusedAdam, written once: spellings, hyperparameters, state dtypes (a parameter
-group's rules, which build on these: optim_factory/optimizers/group_rules.py).
+"""The rules of FusedAdam's constructor options, written once: spellings, hyperparameters, flags, state dtypes
+(a parameter group's rules build on these: :mod:`optim_factory.rules.groups`; the export options':
+:mod:`optim_factory.rules.export`).
 
 Both optimizers (:class:`optim_factory.PortableFusedAdam` and the TE subclass :class:`optim_factory.FusedAdam`)
 run ``constructor.check_constructor`` (these rules and the export options) first thing in ``__init__``; the
-factory's ``validate_optim_config`` runs :func:`check_state_dtypes` (the part that needs no model) and turns its
-:class:`OptionError` into its one-line ``ConfigError``. So a value is refused with the same reason whether it
-comes from a recipe config, a Hydra ``_target_`` block or a direct call.
+factory's ``validate_optim_config`` runs :func:`check_hyperparameters` and :func:`check_state_dtypes` (the parts
+that need no model), and shows their :class:`~optim_factory.errors.ConfigError` as a config key's
+(``optim.<key>=<value>: <allowed>``). So a value is refused with the same reason whether it comes from a recipe
+config, a Hydra ``_target_`` block or a direct call.
 
 What the constructors accept, beyond TE's own argument types, so that a plain YAML block builds them:
 
 * dtypes as strings: ``fp32|fp16|bf16|fp8``, ``float32``, ``bfloat16``, ``torch.bfloat16``, ``float8_e4m3fn``,
   ``uint8`` ... (any case), or ``torch.dtype`` objects. FP8 is E4M3, which TE spells ``torch.uint8``.
-* sizes as ``64MiB`` / ``1GiB`` / ``4096B`` strings or ints (``constructor.parse_bytes``).
+* sizes as ``64MiB`` / ``1GiB`` / ``4096B`` strings or ints (``rules.export.parse_bytes``).
 * ``betas`` as any two-element sequence (a list, a tuple, OmegaConf's ``ListConfig``).
 
 Hyperparameters are checked as ``torch.optim.Adam`` checks them, with its messages; the values torch lets
 through but that cannot train (an infinite lr, eps or weight decay) are refused too. Flags must be ``bool``:
 ``master_weights="yes"`` is refused, not read as true.
-
-:class:`OptionError` is a ``ValueError`` (what ``torch.optim.Adam`` raises for bad hyperparameters) and a
-``RuntimeError`` (what TE's ``FusedAdam`` raises for bad dtype combinations), so code written against either
-keeps catching it.
 """
 
 from __future__ import annotations
@@ -34,9 +32,10 @@ from typing import Any
 
 import torch
 
+from optim_factory.errors import ConfigError
+
 __all__ = [
     "ADAM_ARGUMENTS",
-    "OptionError",
     "AdamOptions",
     "parse_dtype",
     "check_hyperparameters",
@@ -69,15 +68,6 @@ _MOMENT_ALLOWED = f"expected {_SPELLINGS}"
 _MASTER_ALLOWED = "expected fp32|fp16 (also float32, float16, torch.float32, torch.float16, a torch.dtype)"
 
 
-class OptionError(ValueError, RuntimeError):
-    """One refused constructor option, in one line. ``key``, ``value`` and ``allowed`` are kept apart so the
-    factory can restate them as ``optim.<key>=<value>: <allowed>``."""
-
-    def __init__(self, key: str, value: Any, allowed: str, text: str | None = None):
-        self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(text if text is not None else f"{key}={value!r}: {allowed}")
-
-
 def lookup_dtype(value: Any) -> torch.dtype | None:
     """The dtype a spelling or a ``torch.dtype`` names (:data:`DTYPE_SPELLINGS`), or None."""
     if isinstance(value, torch.dtype):
@@ -91,10 +81,10 @@ def lookup_dtype(value: Any) -> torch.dtype | None:
 
 def parse_dtype(value: Any, key: str = "dtype") -> torch.dtype:
     """A dtype spelling (see :data:`DTYPE_SPELLINGS`) or a ``torch.dtype`` -> the dtype TE's FusedAdam takes
-    (FP8 -> ``torch.uint8``). Raises :class:`OptionError` naming ``key``."""
+    (FP8 -> ``torch.uint8``). Raises :class:`ConfigError` naming ``key``."""
     dtype = lookup_dtype(value)
     if dtype is None:
-        raise OptionError(key, value, _MOMENT_ALLOWED)
+        raise ConfigError(key, value, _MOMENT_ALLOWED)
     return dtype
 
 
@@ -111,12 +101,13 @@ def _number(value: Any) -> float | None:
 def _check_non_negative(key: str, value: Any, torch_text: str) -> float:
     """torch's ``not 0.0 <= x`` check (which also refuses NaN) with torch's message, plus finiteness."""
     x = _number(value)
+    expected = "(expected a finite number >= 0)"
     if x is None:
-        raise OptionError(key, value, "expected a number", f"{torch_text}: {value!r} (expected a finite number >= 0)")
+        raise ConfigError(key, value, "expected a number", text=f"{torch_text}: {value!r} {expected}")
     if not 0.0 <= x:  # NaN fails here, as in torch
-        raise OptionError(key, value, "must be >= 0", f"{torch_text}: {value} (expected a finite number >= 0)")
+        raise ConfigError(key, value, "must be >= 0", text=f"{torch_text}: {value} {expected}")
     if not math.isfinite(x):
-        raise OptionError(key, value, "must be finite", f"{torch_text}: {value} (expected a finite number >= 0)")
+        raise ConfigError(key, value, "must be finite", text=f"{torch_text}: {value} {expected}")
     return x
 
 
@@ -128,16 +119,16 @@ def check_hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> t
     if not isinstance(lr, torch.Tensor):
         lr = float(lr)
     if isinstance(betas, (str, bytes)) or not isinstance(betas, Iterable):
-        raise OptionError("betas", betas, "expected two numbers (beta1, beta2), each in [0, 1)")
+        raise ConfigError("betas", betas, "expected two numbers (beta1, beta2), each in [0, 1)")
     pair = list(betas)
     if len(pair) != 2:
-        raise OptionError("betas", pair, "expected two numbers (beta1, beta2), each in [0, 1)")
+        raise ConfigError("betas", pair, "expected two numbers (beta1, beta2), each in [0, 1)")
     out = []
     for i, beta in enumerate(pair):
         b = _number(beta)
         if b is None or isinstance(beta, torch.Tensor) or not 0.0 <= b < 1.0:
             text = f"Invalid beta parameter at index {i}: {beta} (expected a number in [0, 1))"
-            raise OptionError(f"betas[{i}]", beta, "must be in [0, 1)", text)
+            raise ConfigError(f"betas[{i}]", beta, "must be in [0, 1)", text=text)
         out.append(b)
     _check_non_negative("eps", eps, "Invalid epsilon value")
     _check_non_negative("weight_decay", weight_decay, "Invalid weight_decay value")
@@ -148,7 +139,7 @@ def check_flags(**flags: Any) -> None:
     """Every flag is a ``bool``: ``master_weights="yes"`` or ``1`` is refused instead of read as true."""
     for key, value in flags.items():
         if not isinstance(value, bool):
-            raise OptionError(key, value, "expected True or False")
+            raise ConfigError(key, value, "expected True or False")
 
 
 # ------------------------------------------------------------------------------------------- state dtypes
@@ -180,38 +171,38 @@ def check_state_dtypes(
     """
     master = lookup_dtype(master_weight_dtype)
     if master not in _MASTER_DTYPES:
-        raise OptionError(
+        raise ConfigError(
             "master_weight_dtype",
             master_weight_dtype,
             f"FusedAdam only supports fp32/fp16 master weights; {_MASTER_ALLOWED}",
         )
     m = lookup_dtype(exp_avg_dtype)
     if m not in _MOMENT_DTYPES:
-        raise OptionError(
+        raise ConfigError(
             "exp_avg_dtype", exp_avg_dtype, f"FusedAdam only supports fp32/fp16/bf16/fp8 exp_avg. {_MOMENT_ALLOWED}"
         )
     v = lookup_dtype(exp_avg_sq_dtype)
     if v not in _MOMENT_DTYPES:
-        raise OptionError(
+        raise ConfigError(
             "exp_avg_sq_dtype",
             exp_avg_sq_dtype,
             f"FusedAdam only supports fp32/fp16/bf16/fp8 exp_avg_sq. {_MOMENT_ALLOWED}",
         )
     if capturable:
         if master_weights and master != torch.float32:
-            raise OptionError(
+            raise ConfigError(
                 "master_weight_dtype",
                 master_weight_dtype,
                 "Capturable mode only supports fp32 master weights. (capturable=True needs fp32)",
             )
         if not (m == v == torch.float32 or m == v == torch.bfloat16):
-            raise OptionError(
+            raise ConfigError(
                 "exp_avg_dtype",
                 f"{_spelled(exp_avg_dtype)}/{_spelled(exp_avg_sq_dtype)}",
                 "Capturable mode requires exp_avg_dtype and exp_avg_sq_dtype to be both fp32 or both bf16",
             )
         if store_param_remainders:
-            raise OptionError(
+            raise ConfigError(
                 "store_param_remainders", True, "Capturable mode doesn't support storing param remainders"
             )
     if not master_weights and master != torch.float32:  # TE's default: only a chosen other dtype is reported
@@ -276,7 +267,7 @@ def check_adam_options(
     use_decoupled_grad: Any,
     store_param_remainders: Any,
 ) -> AdamOptions:
-    """Every check a FusedAdam constructor makes before it allocates anything. Raises :class:`OptionError`."""
+    """Every check a FusedAdam constructor makes before it allocates anything. Raises :class:`ConfigError`."""
     flags = dict(
         amsgrad=amsgrad,
         bias_correction=bias_correction,
@@ -288,7 +279,7 @@ def check_adam_options(
     )
     check_flags(**flags)
     if amsgrad:
-        raise OptionError("amsgrad", True, "FusedAdam does not support the AMSGrad variant.")
+        raise ConfigError("amsgrad", True, "FusedAdam does not support the AMSGrad variant.")
     lr, betas = check_hyperparameters(lr, betas, eps, weight_decay)
     dtypes = check_state_dtypes(
         master_weights=master_weights,

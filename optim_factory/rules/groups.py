@@ -1,5 +1,5 @@
 """The rules of a FusedAdam parameter group, written once: its hyperparameters and flags by the constructor's
-rules (optim_factory/optimizers/rules.py), its keys, its parameters' dtypes; both FusedAdam classes check every
+rules (:mod:`optim_factory.rules.adam`), its keys, its parameters' dtypes; both FusedAdam classes check every
 group they add (:class:`CheckedParamGroups`), and a loaded state dict's groups pass the same rules."""
 
 from __future__ import annotations
@@ -9,14 +9,8 @@ from typing import Any
 
 import torch
 
-from optim_factory.optimizers.rules import (
-    ADAM_ARGUMENTS,
-    AdamOptions,
-    OptionError,
-    check_flags,
-    check_hyperparameters,
-    lookup_dtype,
-)
+from optim_factory.errors import ConfigError
+from optim_factory.rules.adam import ADAM_ARGUMENTS, AdamOptions, check_flags, check_hyperparameters, lookup_dtype
 
 __all__ = ["GROUP_KEYS", "PARAM_DTYPES", "CheckedParamGroups", "check_group", "check_group_params", "own_lr_tensor"]
 
@@ -33,9 +27,9 @@ def _check_step(step: Any) -> None:
     elif isinstance(step, int) and not isinstance(step, bool):
         count = float(step)
     else:
-        raise OptionError("step", step, "expected the group's step count (an int >= 0)")
+        raise ConfigError("step", step, "expected the group's step count (an int >= 0)")
     if not (count >= 0 and count == int(count)):
-        raise OptionError("step", step, "expected the group's step count (an int >= 0)")
+        raise ConfigError("step", step, "expected the group's step count (an int >= 0)")
 
 
 def check_group(group: dict[str, Any], options: AdamOptions | None = None) -> None:
@@ -55,7 +49,7 @@ def check_group(group: dict[str, Any], options: AdamOptions | None = None) -> No
         if key in ADAM_ARGUMENTS:
             mine = None if options is None else getattr(options, key)
             if group[key] != mine and not (isinstance(mine, torch.dtype) and lookup_dtype(group[key]) == mine):
-                raise OptionError(
+                raise ConfigError(
                     key,
                     group[key],
                     f"optimizer-wide in FusedAdam ({'unknown' if mine is None else repr(mine)} here): pass it to "
@@ -64,7 +58,7 @@ def check_group(group: dict[str, Any], options: AdamOptions | None = None) -> No
             continue
         near = [k for k in difflib.get_close_matches(key, GROUP_KEYS, n=3, cutoff=0.8) if len(key) <= len(k)]
         if near:
-            raise OptionError(key, group[key], f"not a FusedAdam param group key; did you mean {near[0]}?")
+            raise ConfigError(key, group[key], f"not a FusedAdam param group key; did you mean {near[0]}?")
 
 
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # TE's Float8Tensor reports one of these
@@ -81,23 +75,23 @@ def check_group_params(group: dict[str, Any], state_dtypes: dict[str, torch.dtyp
     for i, p in enumerate(group["params"]):
         # (TE's step() makes every parameter's states, and checks dtypes only where there is a gradient)
         if p.requires_grad and p.dtype not in PARAM_DTYPES:
-            raise OptionError(
+            raise ConfigError(
                 "params", p.dtype, "expected fp32, fp16, bf16 (or TE's fp8) parameters",
-                f"parameter {i} has dtype {p.dtype}: FusedAdam updates fp32, fp16, bf16 and fp8 parameters",
+                text=f"parameter {i} has dtype {p.dtype}: FusedAdam updates fp32, fp16, bf16 and fp8 parameters",
             )  # fmt: skip
         if p.requires_grad:
             dtypes.add(p.dtype)
         scaled = [n for n, d in (state_dtypes or {}).items() if d == torch.float16]
         if p.dim() == 0 and scaled:  # (with master_weights, TE keeps a master for FP32 parameters too)
-            raise OptionError(
+            raise ConfigError(
                 "params", tuple(p.shape), "expected a parameter with at least one dimension",
-                f"parameter {i} is 0-dimensional: FusedAdam cannot unscale its FP16 states ({', '.join(scaled)}; "
+                text=f"parameter {i} is 0-dimensional: FusedAdam cannot unscale its FP16 states ({', '.join(scaled)}; "
                 "TE's scale has shape [1]); reshape it to (1,) or keep those states in bf16/fp8/fp32",
             )  # fmt: skip
     if {torch.float16, torch.bfloat16} <= dtypes:
-        raise OptionError(
+        raise ConfigError(
             "params", "fp16+bf16", "one of fp16 and bf16 per group",
-            "FusedAdam does not support a mix of float16 and bfloat16 model weights (in one param group)",
+            text="FusedAdam does not support a mix of float16 and bfloat16 model weights (in one param group)",
         )  # fmt: skip
 
 
@@ -124,9 +118,9 @@ class CheckedParamGroups:
         try:
             check_group(self.param_groups[-1], getattr(self, "adam_options", None))  # type: ignore[attr-defined]
             check_group_params(self.param_groups[-1], self._state_dtypes())  # type: ignore[attr-defined]
-        except OptionError as exc:
+        except ConfigError as exc:
             self.param_groups.pop()  # type: ignore[attr-defined]
-            raise OptionError(exc.key, exc.value, exc.allowed, f"param group {index}: {exc}") from None
+            raise ConfigError(exc.key, exc.value, exc.allowed, text=f"param group {index}: {exc}") from None
         if getattr(self, "capturable", False):  # set after the constructor's groups, which __init__ gives theirs
             own_lr_tensor(self.param_groups[-1])  # type: ignore[attr-defined]
 
@@ -142,5 +136,5 @@ class CheckedParamGroups:
         for index, group in enumerate(self.param_groups):  # type: ignore[attr-defined]
             try:
                 check_group_params(group, self._state_dtypes())
-            except OptionError as exc:
-                raise OptionError(exc.key, exc.value, exc.allowed, f"param group {index}: {exc}") from None
+            except ConfigError as exc:
+                raise ConfigError(exc.key, exc.value, exc.allowed, text=f"param group {index}: {exc}") from None

@@ -1,0 +1,118 @@
+"""The rules of the export options (``state_dict_cpu_offload`` and the options of its streamed export), written
+once: what each accepts (:class:`Pinning`'s choices, chunk sizes as ints or ``"64MiB"``, flags), what each needs of
+the others (:func:`check_export_options`, which ``ExportOptions.__post_init__`` runs), and the options a valid
+optimizer takes without effect (:func:`check_export_effect`, a warning each). See docs/design.md, "Export options".
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from enum import Enum
+from typing import Any
+
+import torch
+
+from optim_factory.errors import ConfigError
+from optim_factory.rules.adam import DTYPE_SPELLINGS, check_flags
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "MIN_CHUNK_BYTES",
+    "Pinning",
+    "check_export_effect",
+    "check_export_options",
+    "parse_bytes",
+]
+
+DEFAULT_CHUNK_BYTES = 64 << 20  # the chunk of ``state_dict_cpu_offload=True`` alone: the GPU holds 2 (128 MiB)
+MIN_CHUNK_BYTES = 64  # one aligned piece; real budgets are MiBs
+
+
+class Pinning(str, Enum):
+    """How pooled host buffers of CUDA states become page-locked (see ``HostBufferPool``).
+
+    * ``register``: allocated pageable, pinned in place (``cudaHostRegister``) in the background once released;
+    * ``alloc``: allocated pinned (``cudaHostAlloc``; slow to allocate);
+    * ``none``: pageable, always filled through the pinned staging buffers.
+    """
+
+    register = "register"
+    alloc = "alloc"
+    none = "none"
+
+
+_SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB)?\s*$")
+_UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def parse_bytes(value: Any, key: str) -> int | None:
+    """``None``, an int, or a string like ``"64MiB"`` (units B, KiB, MiB, GiB) -> bytes."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and (m := _SIZE.match(value)):
+        return int(m.group(1)) * _UNITS[m.group(2)]
+    default = f"{DEFAULT_CHUNK_BYTES >> 20}MiB"
+    allowed = (
+        f"expected null (the default: {default} chunks), 0 (one state at a time), bytes as an int or a size like 64MiB"
+    )
+    raise ConfigError(key, value, allowed)
+
+
+def check_export_options(
+    cpu_offload: Any, chunk_bytes: Any, reuse_buffers: Any, pinning: Any, keep_bf16: Any, background: Any
+) -> tuple[int, Pinning]:
+    """The export options' rules (named as the constructors spell them), in order: each flag a ``bool``; a chunk
+    size ``None``, 0 or an int >= :data:`MIN_CHUNK_BYTES`, and only with the CPU offload; reused buffers and the
+    background export only with a chunked export; a :class:`Pinning` choice, other than ``register`` only with
+    reused buffers. Returns the chunk size in bytes (0: nothing chunked) and the pinning as a :class:`Pinning`."""
+    check_flags(state_dict_cpu_offload=cpu_offload)
+    chunk = chunk_bytes
+    if chunk is not None:
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0 or 0 < chunk < MIN_CHUNK_BYTES:
+            allowed = (
+                f"expected None (the default, {DEFAULT_CHUNK_BYTES >> 20} MiB), 0 (one state at a time) or an int "
+                f">= {MIN_CHUNK_BYTES} (bytes of converted data per chunk)"
+            )
+            raise ConfigError("state_dict_offload_chunk_bytes", chunk, allowed)
+        if not cpu_offload:  # 0 included: without the offload nothing is exported in chunks or states
+            needs = "needs state_dict_cpu_offload=True (chunked streaming is a mode of the CPU-offloaded export)"
+            raise ConfigError("state_dict_offload_chunk_bytes", chunk, needs)
+    chunk = (DEFAULT_CHUNK_BYTES if cpu_offload else 0) if chunk is None else chunk
+    check_flags(
+        state_dict_offload_reuse_buffers=reuse_buffers,
+        state_dict_keep_bf16=keep_bf16,
+        state_dict_offload_background=background,
+    )
+    for key, on in (("background", background), ("reuse_buffers", reuse_buffers)):
+        if on and not chunk:
+            needs = "state_dict_cpu_offload=True" if not cpu_offload else "state_dict_offload_chunk_bytes != 0"
+            raise ConfigError(f"state_dict_offload_{key}", True, f"needs {needs} (a mode of the chunked export)")
+    try:
+        chosen = Pinning(pinning.value if isinstance(pinning, Pinning) else pinning)
+    except ValueError:
+        allowed = "|".join(p.value for p in Pinning)
+        raise ConfigError("state_dict_offload_pinning", pinning, f"expected one of {allowed}") from None
+    if chosen is not Pinning.register and not reuse_buffers:
+        needs = "needs state_dict_offload_reuse_buffers=True (only pooled buffers are pinned)"
+        raise ConfigError("state_dict_offload_pinning", chosen, needs, shown=chosen.value)
+    return chunk, chosen
+
+
+def short_name(dtype: torch.dtype) -> str:
+    """The first spelling of ``dtype`` in :data:`DTYPE_SPELLINGS` (``fp32``, ``bf16`` ...)."""
+    return next(name for name, d in DTYPE_SPELLINGS.items() if d == dtype)
+
+
+def check_export_effect(export: Any, exp_avg_dtype: torch.dtype, exp_avg_sq_dtype: torch.dtype) -> None:
+    """Export options (an ``ExportOptions``) that a valid FusedAdam accepts without any effect: a ``UserWarning``
+    each (moment dtypes as :func:`~optim_factory.rules.adam.check_state_dtypes` returns them)."""
+    if export.keep_bf16 and torch.bfloat16 not in (exp_avg_dtype, exp_avg_sq_dtype):
+        warnings.warn(
+            "state_dict_keep_bf16=True has no effect: no optimizer state is BF16 (exp_avg_dtype="
+            f"{short_name(exp_avg_dtype)}, exp_avg_sq_dtype={short_name(exp_avg_sq_dtype)})",
+            UserWarning,
+            stacklevel=1,  # one location: shown once per process, however many callers check the same config
+        )
