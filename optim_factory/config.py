@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import MISSING
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
-from optim_factory.errors import first_line
+from optim_factory.errors import ConfigError, first_line
 from optim_factory.rules.export import Pinning
 
 __all__ = [
@@ -43,7 +43,7 @@ class Choice(str, Enum):
     """A config choice: member names are the YAML spellings (``exp_avg_dtype: bf16``), values equal the names.
 
     A ``str`` subclass, so ``Backend.te == "te"`` and f-strings print the plain spelling. OmegaConf rejects any
-    other value when the config is composed (one line through ``recipes.command_line.config_error_line``).
+    other value when the config is composed (one line: :func:`omegaconf_error_line`).
     """
 
     def __str__(self) -> str:
@@ -200,7 +200,7 @@ def omegaconf_error_line(exc: OmegaConfBaseException, prefix: str = "", known: l
     enum = re.fullmatch(r"Invalid value '.*', expected one of \[(.*)\]", msg)
     if enum:
         msg = "expected one of " + "|".join(s.strip() for s in enum.group(1).split(","))
-    return f"{prefix}{key}={getattr(exc, 'value', None)!r}: {msg}"
+    return str(ConfigError(f"{prefix}{key}", getattr(exc, "value", None), msg))
 
 
 def unknown_key_line(key: str, known: list[str]) -> str:

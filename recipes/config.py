@@ -19,7 +19,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from optim_factory.config import OPTIM_SCHEMAS, Choice, schema_keys, unknown_key_line
 from optim_factory.config import register_configs as register_optim_configs
-from optim_factory.factory import ConfigError
+from optim_factory.errors import ConfigError
 from recipes.checkpoint.layout import CheckpointError
 
 ADDITION_VOCAB = "0123456789+=\n"

@@ -47,14 +47,8 @@ class DamagedCheckpoint(CheckpointError):
 
 
 def one_line(exc: BaseException) -> str:
-    """A short description of ``exc``; for DCP's per-rank failures, the first rank's own error."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, inner = sorted(failures.items(), key=lambda kv: kv[0])[0]
-        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
-            inner = inner[0]  # (exception, traceback)
-        return f"rank {rank}: {one_line(inner) if isinstance(inner, BaseException) else str(inner)[:300]}"
-    return f"{type(exc).__name__}: {first_line(exc, '')[:300]}"
+    """``first_line(exc, named=True)``, for save.py, load.py and stager.py."""
+    return first_line(exc, named=True)
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
@@ -85,7 +79,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
             f"{FALLBACK_HINT}"
         ) from None
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path}: {MARKER} is unreadable ({one_line(exc)}); {FALLBACK_HINT}") from None
+        raise CheckpointError(
+            f"checkpoint {path}: {MARKER} is unreadable ({first_line(exc, named=True)}); {FALLBACK_HINT}"
+        ) from None
     if not isinstance(manifest, dict):
         raise CheckpointError(f"checkpoint {path}: {MARKER} is not a JSON object; {FALLBACK_HINT}")
     problem = manifest_problem(manifest)
@@ -168,7 +164,7 @@ def set_aside(path: Path) -> None:
     try:
         path.rename(aside)
     except OSError as exc:
-        log.warning("could not set aside the damaged checkpoint %s: %s", path, one_line(exc))
+        log.warning("could not set aside the damaged checkpoint %s: %s", path, first_line(exc, named=True))
         return
     log.warning("set aside the damaged checkpoint %s as %s: neither resume nor keep_last counts it", path, aside.name)
     os.utime(aside)  # its modification time: when it was set aside (the order of the folders kept)
