@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from optim_factory.optimizers.export import ExportOptions
+from optim_factory.optimizers.export import ExportOptions, Pinning
 from recipes.checkpoint import state_bytes
 from scripts import cli_args
 
@@ -156,7 +156,9 @@ def d2h_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5)
     return out
 
 
-def build(case: str, dtype_name: str, backend: str, device: torch.device):
+def build(case: str, dtype_name: str, backend: str, device: torch.device, mode: str = "default", chunk_bytes: int = 0):
+    """The case's parameters and an optimizer that exports as ``mode`` says (its export options are fixed at
+    construction), after one step."""
     param_dtype, kw = DTYPES[dtype_name]
     if backend == "te":
         from optim_factory import FusedAdam as cls
@@ -164,7 +166,7 @@ def build(case: str, dtype_name: str, backend: str, device: torch.device):
         from optim_factory import PortableFusedAdam as cls
     gen = torch.Generator(device=device).manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, device=device, generator=gen).to(param_dtype)) for s in CASES[case]]
-    opt = cls(params, lr=1e-3, **kw)
+    opt = cls(params, lr=1e-3, **kw, **export_options(mode, chunk_bytes))
     for p in params:
         p.grad = torch.randn(p.shape, device=device, generator=gen).to(param_dtype)
     opt.step()
@@ -173,18 +175,33 @@ def build(case: str, dtype_name: str, backend: str, device: torch.device):
     return params, opt
 
 
-def configure(opt, mode: str, chunk_bytes: int) -> None:
+def export_options(mode: str, chunk_bytes: int) -> dict:
+    """The optimizer's export keyword arguments for ``mode``."""
     chunked = mode in CHUNK_OPTIONS
     reuse, pinning = CHUNK_OPTIONS.get(mode, (False, "register"))
-    options = ExportOptions(mode == "offload" or chunked, chunk_bytes if chunked else 0, reuse, pinning)
-    opt.configure_export(options)
+    return dict(
+        state_dict_cpu_offload=mode == "offload" or chunked,
+        state_dict_offload_chunk_bytes=chunk_bytes if chunked else 0,
+        state_dict_offload_reuse_buffers=reuse,
+        state_dict_offload_pinning=pinning,
+    )
 
 
 def wait_pinning(opt) -> float:
-    """Seconds until the pool's background pinning of released buffers is done (between checkpoints)."""
+    """Seconds until the pool's background pinning of released buffers is done (between checkpoints): the pool's
+    one background thread pins them in order, then runs this preparation of nothing."""
     t0 = time.perf_counter()
-    opt.state_exporter.pool.wait_pinning()
+    opt.state_exporter.pool.prepare([]).result()
     return time.perf_counter() - t0
+
+
+def pool_pinned_bytes(opt) -> int:
+    """Host bytes the export's pool pinned in place (``cudaHostRegister``): its released buffers, once
+    :func:`wait_pinning` returned, where the options reuse buffers pinned that way (a buffer whose registration
+    CUDA refused is counted all the same)."""
+    o = opt.export_options
+    registers = o.cpu_offload and o.reuse_buffers and o.pinning is Pinning.register
+    return opt.state_exporter.pool.free_bytes() if registers else 0
 
 
 def run_mode(opt, mode: str, device: torch.device) -> tuple[int, int]:
@@ -208,11 +225,10 @@ def run_mode(opt, mode: str, device: torch.device) -> tuple[int, int]:
 def bench_case(
     case: str, dtype_name: str, backend: str, device: torch.device, repeats: int, modes, chunk_bytes: int
 ) -> list[dict]:
-    params, opt = build(case, dtype_name, backend, device)
-    n_params = sum(p.numel() for p in params)
     rows = []
     for mode in modes:
-        configure(opt, mode, chunk_bytes)
+        params, opt = build(case, dtype_name, backend, device, mode, chunk_bytes)
+        n_params = sum(p.numel() for p in params)
         gc.collect()
         t0 = time.perf_counter()
         run_mode(opt, mode, device)  # warm-up (the first export of this mode in this process)
@@ -242,16 +258,17 @@ def bench_case(
                 last_gbps=nbytes / times[-1] / 1e9,
             )
         )
-    del params, opt
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+        opt.state_exporter.close()
+        del params, opt
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
 def host_memory(opt) -> dict[str, int]:
     """This process's resident set and its pinned host bytes: torch's host allocator's plus those the export
-    pool pinned with cudaHostRegister."""
+    pool pinned with cudaHostRegister (:func:`pool_pinned_bytes`)."""
     rss = 0
     with open("/proc/self/status") as f:
         for line in f:
@@ -260,16 +277,14 @@ def host_memory(opt) -> dict[str, int]:
     pinned = 0
     if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
         stats = torch.cuda.host_memory_stats()
-        pinned = int(stats.get("allocated_bytes.current", 0))  # pinned blocks owned (in use + cached)
-    pinned += opt.state_exporter.pool.registered_bytes()
+        pinned = int(stats.get("allocated_bytes.current", 0)) + pool_pinned_bytes(opt)  # blocks in use + cached
     return {"rss": rss, "pinned": pinned}
 
 
 def fresh_process(case: str, dtype_name: str, backend: str, device: torch.device, mode: str, n: int, chunk: int):
     """Body of the ``--_fresh`` child: the first export of a new process, then n - 1 more; prints one JSON line.
     Mode ``chunked+reuse, prepared``: ``prepare_state_dict()`` runs (and is awaited, timed apart) first."""
-    params, opt = build(case, dtype_name, backend, device)
-    configure(opt, mode.removesuffix(PREPARED), chunk)
+    params, opt = build(case, dtype_name, backend, device, mode.removesuffix(PREPARED), chunk)
     prepare_s = 0.0
     if mode.endswith(PREPARED):
         t0 = time.perf_counter()

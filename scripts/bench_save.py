@@ -9,7 +9,7 @@ master as TE's ``store_param_remainders`` (the BF16 parameter and the missing 16
 The default size gives each of 2 ranks 2.2 GB of FP32-equivalent optimizer state (3 states x 4 B x 184M local
 parameters). Training uses one fixed batch.
 
-Modes (one optimizer; ``configure_export`` switches the export between them):
+Modes (each steps an optimizer of its own, over the one model, built with its export options):
 
 * ``a-te-async-pinned``: TE's export (offload off) via ``get_optimizer_state_dict`` + ``dcp.async_save`` with
   DCP's ``DefaultStager(StagingOptions(use_pinned_memory, use_async_staging, use_non_blocking_copy))``, the stager
@@ -71,7 +71,7 @@ from recipes.checkpoint import CheckpointManager, state_bytes
 from recipes.config import CheckpointConfig
 from recipes.distributed import init_distributed, pick_device, resolve_dist_env, shutdown
 from scripts import cli_args
-from scripts.bench_export import d2h_bandwidth, environment, sync, write_results
+from scripts.bench_export import d2h_bandwidth, environment, pool_pinned_bytes, sync, wait_pinning, write_results
 
 MODES = (
     "a-te-async-pinned",
@@ -104,15 +104,29 @@ def build(width: int, layers: int, device: torch.device, mesh, remainders: bool 
         from optim_factory import FusedAdam as cls
     else:
         from optim_factory import PortableFusedAdam as cls
-    opt = cls(
-        model.parameters(),
-        lr=1e-5,
-        master_weights=True,
-        exp_avg_dtype="bf16",
-        exp_avg_sq_dtype="bf16",
-        store_param_remainders=remainders,
-    )
-    return model, opt, cls.__name__
+
+    def make_opt(**export):
+        """An optimizer of the model with the export keyword arguments ``export`` (fixed at construction)."""
+        return cls(
+            list(model.parameters()),
+            lr=1e-5,
+            master_weights=True,
+            exp_avg_dtype="bf16",
+            exp_avg_sq_dtype="bf16",
+            store_param_remainders=remainders,
+            **export,
+        )
+
+    return model, make_opt, cls.__name__
+
+
+def switch_optimizer(ctx: dict, **export):
+    """A new optimizer of the model with the export keyword arguments ``export``, its states initialized, in place
+    of the run's (the trainer steps it from now on; its moments start again, which changes no byte a save moves)."""
+    ctx["opt"].state_exporter.close()
+    opt = ctx["opt"] = ctx["trainer"].opt = ctx["make_opt"](**export)
+    opt.initialize_states()
+    return opt
 
 
 class Trainer:
@@ -165,13 +179,14 @@ def rss_bytes() -> int:
 
 
 def pinned_bytes(opt, device: torch.device) -> int | None:
-    """Pinned host bytes that can be counted: torch's pinned host allocator plus our pool's registered buffers.
-    DCP's stager pins with ``cudaHostRegister`` (not counted here; see ``vm_pin_bytes``)."""
+    """Pinned host bytes that can be counted: torch's pinned host allocator plus our pool's registered buffers
+    (``scripts.bench_export.pool_pinned_bytes``). DCP's stager pins with ``cudaHostRegister`` (not counted here;
+    see ``vm_pin_bytes``)."""
     if device.type != "cuda":
         return None
     stats = torch.cuda.host_memory_stats()
     return int(stats.get("allocated_bytes.all.current", stats.get("allocated_bytes.current", 0))) + (
-        opt.state_exporter.pool.registered_bytes()
+        pool_pinned_bytes(opt)
     )
 
 
@@ -197,21 +212,28 @@ class Mode:
 
     def __init__(self, name: str, ctx: dict):
         self.name, self.ctx = name, ctx
-        opt, chunk = ctx["opt"], ctx["chunk"]
+        chunk = ctx["chunk"]
         self.manager = None
         self.stager = None
         self.pending = None  # what finish() waits for
         self.fresh_stagers = False  # a new DefaultStager per save (torch 2.11's stager serves one save)
         self.stagers_built = 0
         if name.startswith(("a-", "b-", "e-te")):
-            opt.configure_export(ExportOptions())  # TE's own state_dict()
+            switch_optimizer(ctx)  # TE's own state_dict()
             if name != "e-te-sync":
                 self.fresh_stagers = ctx["fresh_stagers"]
                 self.stager = self.new_stager()
         else:
             keep = name.startswith("d-")
             background = name in ("c-ours", "d-ours-keep-bf16")
-            opt.configure_export(ExportOptions(True, chunk, True, keep_bf16=keep, background=background))
+            opt = switch_optimizer(
+                ctx,
+                state_dict_cpu_offload=True,
+                state_dict_offload_chunk_bytes=chunk,
+                state_dict_offload_reuse_buffers=True,
+                state_dict_keep_bf16=keep,
+                state_dict_offload_background=background,
+            )
             cfg = CheckpointConfig(dir=str(ctx["root"]), every_steps=1, keep_last=0, async_save=name != "e-ours-sync")
             # hook() calls wait_export() before the next step(), as the recipe's loop does
             self.manager = CheckpointManager(cfg, rank=ctx["rank"], device=ctx["device"], waits_before_step=True)
@@ -263,7 +285,7 @@ class Mode:
             if self.fresh_stagers:  # the next save's stager, built here (outside the timed save call)
                 self.close()
                 self.stager = self.new_stager()
-        self.ctx["opt"].state_exporter.pool.wait_pinning()
+        wait_pinning(self.ctx["opt"])
 
     def close(self) -> None:
         if self.stager is not None:
@@ -602,7 +624,8 @@ def main(argv: list[str] | None = None) -> None:
     mesh = init_distributed(env, device)
     rank, world = dist.get_rank(), dist.get_world_size()
     scratch = Path(args.scratch or tempfile.gettempdir()) / "bench_save"
-    model, opt, opt_name = build(args.width, args.layers, device, mesh, remainders=args.store_param_remainders)
+    model, make_opt, opt_name = build(args.width, args.layers, device, mesh, remainders=args.store_param_remainders)
+    opt = make_opt()
     trainer = Trainer(model, opt, args.tokens, args.width, device)
     for _ in range(3):
         trainer.step()
@@ -612,6 +635,7 @@ def main(argv: list[str] | None = None) -> None:
     ctx = dict(
         model=model,
         opt=opt,
+        make_opt=make_opt,
         device=device,
         rank=rank,
         trainer=trainer,

@@ -43,7 +43,6 @@ from pathlib import Path
 import torch
 
 from optim_factory import FusedAdam, PortableFusedAdam
-from optim_factory.optimizers.export import ExportOptions
 from optim_factory.optimizers.export.host_memory import host_empty, register_host, unregister_host
 from optim_factory.optimizers.export.staging import unstage_threads
 from scripts import cli_args
@@ -79,7 +78,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build(device: torch.device, gib: float):
+def build(device: torch.device, gib: float, **export):
+    """Parameters of about ``gib`` GiB exported, and an optimizer with the export keyword arguments ``export``."""
     n = max(1, round(gib * (1 << 30) / (PARAM_NUMEL * EXPORTED_BYTES_PER_ELEMENT)))
     kw = dict(master_weights=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
     backend = "portable"
@@ -90,11 +90,11 @@ def build(device: torch.device, gib: float):
     opt = None
     if device.type == "cuda":
         try:  # TE's class; it raises ImportError when built without Transformer Engine
-            opt, backend = FusedAdam(params, lr=1e-3, **kw), "te"
+            opt, backend = FusedAdam(params, lr=1e-3, **kw, **export), "te"
         except ImportError:
             pass
     if opt is None:
-        opt = PortableFusedAdam(params, lr=1e-3, **kw)
+        opt = PortableFusedAdam(params, lr=1e-3, **kw, **export)
     for p in params:
         p.grad = torch.randn(p.shape, device=device, generator=gen).to(torch.bfloat16)
     opt.step()
@@ -155,8 +155,14 @@ def worker(rank: int, ranks: int, mode: str, args: dict, barrier, queue) -> None
         device = torch.device(f"cuda:{rank}" if args["device"] == "cuda" else "cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        params, opt, backend = build(device, args["gib"])
-        opt.configure_export(ExportOptions(True, args["chunk_mib"] * M, MODES[mode], "register"))
+        params, opt, backend = build(
+            device,
+            args["gib"],
+            state_dict_cpu_offload=True,
+            state_dict_offload_chunk_bytes=args["chunk_mib"] * M,
+            state_dict_offload_reuse_buffers=MODES[mode],
+            state_dict_offload_pinning="register",
+        )
         barrier.wait()
         link_name, link_gbps = link(device, min(LINK_BYTES, int(args["gib"] * (1 << 30))))
         gc.collect()
@@ -172,7 +178,7 @@ def worker(rank: int, ranks: int, mode: str, args: dict, barrier, queue) -> None
         del sd
         gc.collect()
         rss_freed = rss()
-        opt.state_exporter.pool.wait_pinning()  # reuse: released buffers get pinned; not during the sweep
+        opt.state_exporter.pool.prepare([]).result()  # reuse: released buffers get pinned; not during the sweep
         barrier.wait()
         sweep = thread_sweep(min(LINK_BYTES, int(args["gib"] * (1 << 30))))
         queue.put(

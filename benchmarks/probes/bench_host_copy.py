@@ -1,6 +1,6 @@
 """Which host pipeline can copy a device tensor into fresh pageable memory at >= 30 % of the pinned link (issue 17,
-item 2)? One run decides between the export's staging ring as it is, the ring with one event-waiting thread, and
-no staging at all (the destination faulted in and pinned in place in pieces, DMA straight into it).
+item 2)? One run decides between the export's staging ring as it is and no staging at all (the destination
+faulted in and pinned in place in pieces, DMA straight into it).
 
     python -m benchmarks.probes.bench_host_copy --out DIR                                   # 1 GPU
     torchrun --nproc_per_node=2 -m benchmarks.probes.bench_host_copy --out DIR  # 2 concurrent ranks, 1 GPU each
@@ -13,8 +13,7 @@ The variants (``--variants`` picks some; trials interleave them; with 2 ranks th
 before every trial):
 
 * ``ring``: the export's ``Stager`` as it is (``unstage_threads()`` threads, 8 MiB slots) -- today's export;
-* ``ring tT sS``: the same with T threads and S MiB slots; ``ring-waiter tT sS``: ``Stager(..., waiter=True)``,
-  one thread waits for the slots' events and hands the slices to the pool (whose threads never call CUDA);
+* ``ring tT sS``: the same with T threads and S MiB slots;
 * ``register tT pP``: no staging: T threads fault the destination in (``fault_in``, ``MADV_POPULATE_WRITE``)
   in pieces of P MiB, ahead of the copies and in parallel within a piece; one thread pins each faulted piece in
   place (``cudaHostRegister``); the main thread copies into each pinned piece on a side stream; one thread
@@ -56,7 +55,7 @@ from optim_factory.optimizers.export.host_memory import (
     unregister_host,
     worker_threads,
 )
-from optim_factory.optimizers.export.staging import SLOT_BYTES, Stager, unstage_threads
+from optim_factory.optimizers.export.staging import SLOT_BYTES, Stager, UnstageWorkers, unstage_threads
 from scripts import cli_args
 
 M = 1 << 20
@@ -69,7 +68,7 @@ RATE_BYTES = 512 * M  # bytes of each host-side rate measurement (at most --mib)
 @dataclass(frozen=True)
 class Variant:
     name: str
-    kind: str  # ring | ring-waiter | register
+    kind: str  # ring | register
     threads: int
     mib: int  # staging slot (ring) or pinned piece (register), MiB
 
@@ -82,7 +81,7 @@ def variants() -> list[Variant]:
     """Today's ring first, then the grid (without a duplicate of today's ring)."""
     today = Variant("ring", "ring", unstage_threads(), SLOT_BYTES // M)
     out = [today]
-    for kind, grains in (("ring", (8, 32)), ("ring-waiter", (8, 32)), ("register", (64, 256))):
+    for kind, grains in (("ring", (8, 32)), ("register", (64, 256))):
         for mib in grains:
             for threads in (8, 16):
                 v = Variant(f"{kind} t{threads} {'p' if kind == 'register' else 's'}{mib}", kind, threads, mib)
@@ -94,7 +93,8 @@ def variants() -> list[Variant]:
 def copy_ring(src: torch.Tensor, dst: torch.Tensor, chunk: int, v: Variant, stream) -> dict:
     """The export's staging path: ``src`` (bytes) into ``dst`` (bytes) chunk by chunk through a ``Stager``."""
     n = src.numel()
-    with Stager(n, stream, v.threads, slot_bytes=v.mib * M, waiter=v.kind == "ring-waiter") as stager:
+    workers = UnstageWorkers(v.threads, None if stream is None else stream.device)
+    with workers, Stager(n, stream, workers, slot_bytes=v.mib * M) as stager:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for c in range(0, n, chunk):
                 stager.put(src[c : c + chunk], dst[c : c + chunk])

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from optim_factory.optimizers.export import ExportOptions
 from scripts import cli_args
 
 VARIANTS = {"fp32 export": False, "bf16 kept": True}
@@ -51,7 +50,7 @@ def _state_bytes(sd: dict) -> int:
     return sum(v.numel() * v.element_size() for st in sd["state"].values() for v in st.values())
 
 
-def build(backend: str, tensors: int, numel: int, device: torch.device):
+def build(backend: str, tensors: int, numel: int, device: torch.device, keep: bool):
     if backend == "te":
         from optim_factory import FusedAdam as cls
     else:
@@ -67,6 +66,7 @@ def build(backend: str, tensors: int, numel: int, device: torch.device):
         state_dict_cpu_offload=True,
         state_dict_offload_chunk_bytes=64 << 20,
         state_dict_offload_reuse_buffers=True,
+        state_dict_keep_bf16=keep,
     )
     for p in params:
         p.grad = torch.randn(numel, generator=gen).to(device, torch.bfloat16)
@@ -74,8 +74,8 @@ def build(backend: str, tensors: int, numel: int, device: torch.device):
     return opt
 
 
-def measure(opt, keep: bool, root: Path, repeats: int, device: torch.device) -> dict:
-    opt.configure_export(ExportOptions(True, 64 << 20, True, keep_bf16=keep))
+def measure(opt, root: Path, repeats: int, device: torch.device) -> dict:
+    keep = opt.state_dict_keep_bf16
     opt.prepare_state_dict().result()
     export_s, save_s, load_s, disk = [], [], [], 0
     for i in range(repeats):
@@ -126,12 +126,13 @@ def main() -> None:
     device = torch.device("cuda" if args.backend == "te" or torch.cuda.is_available() else "cpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    opt = build(args.backend, args.tensors, args.numel, device)
     rows = {}
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"
         for name, keep in VARIANTS.items():
-            rows[name] = measure(opt, keep, Path(tmp), args.repeats, device)
+            opt = build(args.backend, args.tensors, args.numel, device, keep)  # the same states each time
+            rows[name] = measure(opt, Path(tmp), args.repeats, device)
+            opt.state_exporter.close()
     fp32 = rows["fp32 export"]
     hardware = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     lines = [

@@ -24,7 +24,7 @@ import torch
 
 from optim_factory.optimizers.export import host_empty
 from scripts import cli_args
-from scripts.bench_export import M, build, configure, sync
+from scripts.bench_export import M, build, sync
 
 
 def timed(fn) -> float:
@@ -61,8 +61,7 @@ def stall(backend: str, device: torch.device) -> None:
     print()
     print("| optimizer steps | steps | median (ms) | p90 (ms) | max (ms) | background work (s) |")
     print("|---|---|---|---|---|---|")
-    params, opt = build("64x4M", "bf16", backend, device)
-    configure(opt, "chunked+reuse", 64 * M)
+    params, opt = build("64x4M", "bf16", backend, device, "chunked+reuse", 64 * M)
     grads = [torch.randn_like(p) for p in params]
 
     def report(name: str, times: list[float], seconds: float | None) -> None:
@@ -83,12 +82,11 @@ def stall(backend: str, device: torch.device) -> None:
     opt.release_state_dict(sd)
     del sd
     # a second optimizer without preparation: its first export fills fresh buffers, released ones get pinned
-    params2, opt2 = build("64x4M", "bf16", backend, device)
-    configure(opt2, "chunked+reuse", 64 * M)
+    params2, opt2 = build("64x4M", "bf16", backend, device, "chunked+reuse", 64 * M)
     sd = opt2.state_dict()
     t0 = time.perf_counter()
     opt2.release_state_dict(sd)
-    pinning = opt2.state_exporter.pool.pinning_done()
+    pinning = opt2.state_exporter.pool.prepare([])  # done once the pool's thread has pinned the released buffers
     times = step_times(opt, params, grads, lambda n: pinning.done(), device)
     report("during the pinning of a released export (cudaHostRegister)", times, time.perf_counter() - t0)
     report("alone, after", step_times(opt, params, grads, lambda n: n >= 50, device), None)

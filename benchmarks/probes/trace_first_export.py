@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 
 from benchmarks.probes.bench_first_export import build, link, spawn_ranks, sync
-from optim_factory.optimizers.export import ExportOptions
 from optim_factory.optimizers.export.staging import unstage_threads
 from scripts import cli_args
 
@@ -136,8 +135,14 @@ def worker(rank: int, ranks: int, variant: str, gib: float, cuda: bool, same: bo
             torch.cuda.set_device(device)
         log: list = []
         _instrument(variant, log)
-        params, opt, backend = build(device, gib)
-        opt.configure_export(ExportOptions(True, 64 * M, False, "register"))
+        params, opt, backend = build(
+            device,
+            gib,
+            state_dict_cpu_offload=True,
+            state_dict_offload_chunk_bytes=64 * M,
+            state_dict_offload_reuse_buffers=False,
+            state_dict_offload_pinning="register",
+        )
         for turn in range(ranks) if same else [rank]:  # ranks sharing a device measure its link one at a time
             barrier.wait()
             if turn == rank:

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from optim_factory import build_optimizer
-from optim_factory.optimizers.export import ExportOptions, export_state
+from optim_factory.optimizers.export import export_state
 from recipes.checkpoint import CheckpointError, CheckpointManager, ExportBufferStager, state_bytes
 from recipes.config import CheckpointConfig
 from tests.helpers import FP8, LIFECYCLE_CONFIGS, assert_bitwise, local, run_steps
@@ -159,14 +159,21 @@ def chunked_export(rank: int, world: int, tmp: str) -> None:
     mesh = init_device_mesh(device, (world,))
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
     for cfg in CONFIGS:
-        model, opt = build(mesh, cfg, shapes=shapes, state_dict_offload_chunk_bytes=chunk)
-        run_steps(opt, list(model.parameters()), 0, 3)
-        keep = opt.state_dict_keep_bf16
-        reference = export_state(opt, cpu_offload=True, keep_bf16=keep)  # per state
-        opt.configure_export(ExportOptions(cpu_offload=True, chunk_bytes=0, keep_bf16=keep))  # per state
-        ref_flat = get_optimizer_state_dict(model, opt, options=flat)
+        ref_model, ref_opt = build(mesh, cfg, shapes=shapes, state_dict_offload_chunk_bytes=0)  # per state
+        run_steps(ref_opt, list(ref_model.parameters()), 0, 3)
+        ref_flat = get_optimizer_state_dict(ref_model, ref_opt, options=flat)
         for reuse, background in ((False, False), (True, False), (True, True)):
-            opt.configure_export(ExportOptions(True, chunk, reuse, keep_bf16=keep, background=background))
+            model, opt = build(  # the same model, steps and states as the reference's, exported in chunks
+                mesh,
+                cfg,
+                shapes=shapes,
+                state_dict_offload_chunk_bytes=chunk,
+                state_dict_offload_reuse_buffers=reuse,
+                state_dict_offload_background=background,
+            )
+            run_steps(opt, list(model.parameters()), 0, 3)
+            assert_same_model_and_state(ref_model, ref_opt, model, opt, f"{cfg} reuse={reuse} background={background}")
+            reference = export_state(opt, cpu_offload=True, keep_bf16=opt.state_dict_keep_bf16)  # per state
             for round_ in range(2):
                 what = f"{cfg} reuse={reuse} background={background} round {round_}"
                 sd = opt.state_dict()

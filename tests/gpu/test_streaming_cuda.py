@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from optim_factory import PortableFusedAdam
-from optim_factory.optimizers.export import ExportOptions, Pinning, export_state
+from optim_factory.optimizers.export import Pinning, export_state
+from tests.gpu.pinning import host_registered
 from tests.gpu.test_te_fused_adam import measure, te_cls
 from tests.helpers import FP8, assert_state_dicts_bitwise, local, make_params, run_steps
 
@@ -54,7 +55,7 @@ def test_cuda_chunked_export_bitwise_and_bounded(cfg, pinning, record):
         assert peak <= 2 * CHUNK + (1 << 20), peak
         assert_state_dicts_bitwise(sd, export_state(opt, cpu_offload=True), f"{cfg} {pinning} round {round_}")
         opt.release_state_dict(sd)
-        pool.wait_pinning()
+        pool.prepare([]).result()  # after the pool's thread has pinned the released buffers
         run_steps(opt, params, 2 + round_, 1)
     if pinning in (Pinning.register, Pinning.alloc):
         sd = opt.state_dict()
@@ -65,19 +66,18 @@ def test_released_buffers_get_pinned_in_place_and_unpinned_when_freed():
     params, opt = _build("bf16-fp16", reuse=True)
     pool = opt.state_exporter.pool
     sd = opt.state_dict()
-    total = sum(local(v).numel() * local(v).element_size() for st in sd["state"].values() for v in st.values())
     assert not any(local(v).is_pinned() for st in sd["state"].values() for v in st.values())  # first: pageable
     ptrs = {local(v).data_ptr() for st in sd["state"].values() for v in st.values()}
     opt.release_state_dict(sd)
-    pool.wait_pinning()
-    assert pool.registered_bytes() == total
+    pool.prepare([]).result()  # after the pool's thread has pinned the released buffers
+    assert all(host_registered(ptr) for ptr in ptrs)  # every released buffer
     again = opt.state_dict()
     assert {local(v).data_ptr() for st in again["state"].values() for v in st.values()} == ptrs
     assert all(local(v).is_pinned() for st in again["state"].values() for v in st.values())
     assert_state_dicts_bitwise(again, export_state(opt, cpu_offload=True), "after pinning")
     del sd, again  # leased and dropped: freed (and unpinned) with the dictionary
     gc.collect()
-    assert pool.registered_bytes() == 0
+    assert not any(host_registered(ptr) for ptr in ptrs)
 
 
 def test_prepared_buffers_are_pinned_before_the_first_export():
@@ -96,8 +96,8 @@ def test_cuda_background_export_overlaps_kernels_and_step_waits(backend, record)
     cls = PortableFusedAdam if backend == "portable" else te_cls()
     params = make_params(torch.bfloat16, shapes=[(4096, 1024)] * 4, device="cuda")
     kw = dict(master_weights=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
-    opt = cls(params, lr=1e-2, **kw, state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=CHUNK)
-    opt.configure_export(ExportOptions(True, CHUNK, True, background=True))  # reused buffers, in the background
+    background = dict(state_dict_offload_reuse_buffers=True, state_dict_offload_background=True)
+    opt = cls(params, lr=1e-2, **kw, state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=CHUNK, **background)
     x = torch.randn(4096, 4096, device="cuda")
 
     def forward_backward_step(step: int) -> None:  # kernels on the caller's stream, then step()
@@ -139,17 +139,27 @@ def test_cuda_background_export_overlaps_kernels_and_step_waits(backend, record)
     [(24 << 20, 1 << 20), (24 << 20, (1 << 20) + 64), (600_000, 1 << 17)],
     ids=["1MiB-slots", "slots-not-page-sized", "ring-under-a-huge-page"],
 )
-@pytest.mark.parametrize("waiter", [False, True], ids=["pool-waits", "waiter"])
-def test_stager_ring_on_cuda_copies_every_byte_and_leaves_nothing_behind(waiter, n, slot_bytes):
-    """The staging ring on a side stream, with the pool's threads waiting for the events or one waiter thread
-    (``Stager(waiter=True)``): every byte lands, wrapping small slots many times; no thread stays; every buffer is
-    pinned (each on its own: buffers of whole pages, also for a slot size that is not, else two registrations
-    would share a page and the second be refused with a warning)."""
+def test_stager_ring_on_cuda_copies_every_byte_and_leaves_nothing_behind(n, slot_bytes, monkeypatch):
+    """The staging ring on a side stream, the pool's threads waiting for the events: every byte lands, wrapping
+    small slots many times; no thread stays; every buffer is pinned (each on its own: buffers of whole pages, also
+    for a slot size that is not, else two registrations would share a page and the second be refused with a
+    warning), and unpinned by close."""
     import threading
     import warnings
 
+    import optim_factory.optimizers.export.staging as staging
     from optim_factory.optimizers.export.host_memory import host_empty
-    from optim_factory.optimizers.export.staging import Stager
+
+    pinned: list[int] = []  # the staging buffers the stager pinned, by address
+
+    def register_host(t):
+        done = host_memory_register(t)
+        if done:
+            pinned.append(t.data_ptr())
+        return done
+
+    host_memory_register = staging.register_host
+    monkeypatch.setattr(staging, "register_host", register_host)
 
     src = torch.arange(n // 4, dtype=torch.int32, device="cuda")
     dst = host_empty(src.shape, src.dtype)
@@ -158,14 +168,15 @@ def test_stager_ring_on_cuda_copies_every_byte_and_leaves_nothing_behind(waiter,
     before = threading.active_count()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "cudaHostRegister refused a staging buffer" fails the test
-        with Stager(n, stream, 4, slot_bytes=slot_bytes, waiter=waiter) as stager:
+        workers = staging.UnstageWorkers(4, stream.device)
+        with workers, staging.Stager(n, stream, workers, slot_bytes=slot_bytes) as stager:
             with torch.cuda.stream(stream):
                 for c in range(0, src.numel(), 1 << 20):
                     stager.put(src[c : c + (1 << 20)], dst[c : c + (1 << 20)])
             stager.flush()
-            pinned = stager.pinned_buffers
     assert torch.equal(dst, src.cpu())
-    assert pinned == min(4, -(-n // slot_bytes)), pinned  # every buffer of the ring was used and pinned
+    assert len(pinned) == min(4, -(-n // slot_bytes)), pinned  # every buffer of the ring was pinned
+    assert not any(host_registered(ptr) for ptr in pinned)  # and unpinned by close
     assert threading.active_count() == before
 
 
@@ -174,7 +185,7 @@ import concurrent.futures, ctypes, sys
 import torch
 from optim_factory.optimizers.export.host_memory import HostBufferPool, Slot
 from optim_factory.optimizers.export.options import Pinning
-from optim_factory.optimizers.export.staging import Stager
+from optim_factory.optimizers.export.staging import Stager, UnstageWorkers
 
 cuda = ctypes.CDLL("libcuda.so.1")
 def gpu0_context_active():
@@ -186,14 +197,14 @@ def gpu0_context_active():
 torch.cuda.set_device(1)  # a rank on GPU 1
 src = torch.arange(1 << 22, dtype=torch.int32, device="cuda:1")
 at_start = gpu0_context_active()
-for waiter in (False, True):  # the unstaging threads wait on CUDA events
-    dst = torch.empty(1 << 22, dtype=torch.int32)
-    side = torch.cuda.Stream(1)
-    side.wait_stream(torch.cuda.current_stream(1))
-    with torch.cuda.stream(side), Stager(src.numel() * 4, side, 4, slot_bytes=1 << 20, waiter=waiter) as stager:
+dst = torch.empty(1 << 22, dtype=torch.int32)  # the unstaging threads wait on CUDA events and pin
+side = torch.cuda.Stream(1)
+side.wait_stream(torch.cuda.current_stream(1))
+with UnstageWorkers(4, side.device) as workers, torch.cuda.stream(side):
+    with Stager(src.numel() * 4, side, workers, slot_bytes=1 << 20) as stager:
         stager.put(src, dst)
         stager.flush()
-    assert torch.equal(dst, src.cpu())
+assert torch.equal(dst, src.cpu())
 from optim_factory import PortableFusedAdam  # the background export's thread and its pool
 
 param = torch.nn.Parameter(torch.randn(1 << 20, device="cuda:1"))
@@ -210,7 +221,7 @@ for _ in range(2):
 pool = HostBufferPool()  # its pinning thread registers released buffers
 buf = pool.take(Slot("k", (1 << 20,), torch.float32, Pinning.register))
 pool.release(buf)
-pool.pinning_done().result()
+pool.prepare([]).result()  # after the pool's thread has pinned the released buffer
 assert pool.is_pinned(buf)
 after_ours = gpu0_context_active()
 # the control: a plain thread that uses device 0 (its default) makes the context the probe must see
@@ -238,7 +249,7 @@ def test_a_refused_registration_does_not_fail_the_next_kernel():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_export_threads_of_a_rank_on_gpu1_create_no_context_on_gpu0():
-    """The export's threads (unstaging pool, waiter, pool pinner) make the rank's GPU current: a new thread's is
+    """The export's threads (unstaging pool, pool pinner) make the rank's GPU current: a new thread's is
     device 0, where a first CUDA call would create a context on another rank's GPU. The control (a plain thread
     allocating on GPU 0) shows that the probe sees such a context; a plain thread that only waits on an event
     creates none, so it cannot be the control. Measured on 2 H200s with a background export thread that does not

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from optim_factory import PortableFusedAdam
-from optim_factory.optimizers.export import ExportOptions
+from optim_factory.optimizers.export import export_state
 from tests.helpers import (
     LIFECYCLE_CONFIGS,
     LiveSnapshot,
@@ -49,9 +49,7 @@ def test_lifecycle(name, dtype, kw, offload):
 
     before = LiveSnapshot.take(opt)
     exports = [opt.state_dict() for _ in range(3)]
-    opt.configure_export(ExportOptions())
-    reference = deep_clone(opt.state_dict())  # the option-off (TE) export
-    opt.configure_export(ExportOptions(cpu_offload=offload))
+    reference = deep_clone(export_state(opt, cpu_offload=False))  # the option-off (TE) export
     LiveSnapshot.take(opt).assert_same(before)
 
     for sd in exports:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from optim_factory import PortableFusedAdam
-from optim_factory.optimizers.export import ExportOptions, export_state
+from optim_factory.optimizers.export import export_state
 from recipes.checkpoint import state_bytes
 from tests.helpers import (
     FP8,
@@ -87,8 +87,7 @@ def test_a_bf16_export_loads_into_other_configurations_as_the_fp32_export_does(t
     run_steps(opt, params, 0, 3)
     kept = deep_clone(opt.state_dict())
     assert {v.dtype for st in kept["state"].values() for v in st.values()} == {torch.bfloat16}
-    opt.configure_export(ExportOptions(cpu_offload=True))
-    widened = deep_clone(opt.state_dict())
+    widened = deep_clone(export_state(opt, cpu_offload=True))
     a = PortableFusedAdam(clone_params(params), **HP, **target)
     b = PortableFusedAdam(clone_params(params), **HP, **target)
     a.load_state_dict(kept)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from optim_factory import PortableFusedAdam
-from optim_factory.optimizers.export import ExportOptions, export_state
+from optim_factory.optimizers.export import export_state
 from optim_factory.optimizers.export.host_memory import fault_in, host_empty
 from optim_factory.optimizers.export.staging import (
     MIN_SLICE_BYTES,
@@ -71,7 +71,7 @@ def _own_mappings(tensors: list[torch.Tensor]) -> dict[tuple[int, int], int]:
     }
 
 
-def _optimizer(chunk: int, reuse: bool) -> PortableFusedAdam:
+def _optimizer(chunk: int, reuse: bool, background: bool = False) -> PortableFusedAdam:
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(torch.bfloat16)) for s in SHAPES]
     opt = PortableFusedAdam(
@@ -80,6 +80,7 @@ def _optimizer(chunk: int, reuse: bool) -> PortableFusedAdam:
         state_dict_cpu_offload=True,
         state_dict_offload_chunk_bytes=chunk,
         state_dict_offload_reuse_buffers=reuse,
+        state_dict_offload_background=background,
         **KW,
     )
     for p in params:
@@ -126,7 +127,7 @@ def test_stager_faults_its_whole_ring_in_ahead_of_use():
     ring = STAGING_SLOTS * SLOT_BYTES
     src, dst = torch.ones(SLOT_BYTES // 4), torch.zeros(SLOT_BYTES // 4)
     before = set(_mappings())
-    with Stager(ring, None, 4) as stager:
+    with UnstageWorkers(4) as workers, Stager(ring, None, workers) as stager:
         stager.put(src, dst)  # one buffer's worth: only the first buffer is used
         stager.flush()
         deadline, staging = time.monotonic() + 10, 0
@@ -151,7 +152,7 @@ def test_a_failed_copy_neither_hangs_close_nor_goes_unreported(monkeypatch):
 
     def fail_after_sealing(flush: bool) -> None:
         dst = torch.zeros(SLOT_BYTES // 4 + M)
-        with Stager(4 * SLOT_BYTES, None, 2) as stager:
+        with UnstageWorkers(2) as workers, Stager(4 * SLOT_BYTES, None, workers) as stager:
             stager.put(torch.ones(dst.numel()), dst)  # seals the first buffer: its copy fails on a thread
             if flush:
                 stager.flush()
@@ -190,11 +191,11 @@ def test_unstage_threads_rule(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "threads, waiter, slot_bytes",
-    [(1, False, SLOT_BYTES), (3, False, SLOT_BYTES), (1, True, SLOT_BYTES), (3, True, M + 64)],
-    ids=["1-thread", "3-threads", "waiter-1-thread", "waiter-3-threads-small-slots"],
+    "threads, slot_bytes",
+    [(1, SLOT_BYTES), (3, SLOT_BYTES), (3, M + 64)],
+    ids=["1-thread", "3-threads", "3-threads-small-slots"],
 )
-def test_stager_copies_every_byte_through_the_ring(threads, waiter, slot_bytes):
+def test_stager_copies_every_byte_through_the_ring(threads, slot_bytes):
     gen = torch.Generator().manual_seed(1)
     sizes = [5, SLOT_BYTES // 4 + 3, 2 * SLOT_BYTES + 1, 0, 7 * M + 1, 3, (STAGING_SLOTS + 1) * SLOT_BYTES // 8]
     dtypes = [torch.float32, torch.int16, torch.uint8, torch.float32, torch.bfloat16, torch.float64, torch.float32]
@@ -202,7 +203,7 @@ def test_stager_copies_every_byte_through_the_ring(threads, waiter, slot_bytes):
     dsts = [host_empty(torch.Size([n]), d) for n, d in zip(sizes, dtypes)]
     before = threading.active_count()
     total = sum(s.numel() * s.element_size() for s in sources)
-    with Stager(total, None, threads, slot_bytes=slot_bytes, waiter=waiter) as stager:
+    with UnstageWorkers(threads) as workers, Stager(total, None, workers, slot_bytes=slot_bytes) as stager:
         for s, d in zip(sources, dsts):
             stager.put(s, d)
         stager.flush()
@@ -211,15 +212,15 @@ def test_stager_copies_every_byte_through_the_ring(threads, waiter, slot_bytes):
     assert threading.active_count() == before, "the stager's threads outlived it"
 
 
-def test_stager_waiter_empties_a_slot_before_it_is_filled_again():
-    """With the waiter, a slot's slices run on the pool after the waiter's own task has returned: refilling the
-    slot must wait for the slices too, or the next put overwrites staging bytes not yet copied out. Many small
-    slots wrapping the ring many times, with slices slowed down (many threads on few CPUs), expose that."""
+def test_stager_empties_a_slot_before_it_is_filled_again():
+    """Refilling a slot must wait for all of its slices, or the next put overwrites staging bytes not yet copied
+    out. Many small slots wrapping the ring many times, with slices slowed down (many threads on few CPUs),
+    expose that."""
     n = 48 * M
     src = torch.arange(n // 8, dtype=torch.int64)
     for _ in range(3):
         dst = host_empty(src.shape, src.dtype)
-        with Stager(n, None, 8, slot_bytes=2 * M, waiter=True) as stager:
+        with UnstageWorkers(8) as workers, Stager(n, None, workers, slot_bytes=2 * M) as stager:
             for c in range(0, src.numel(), 64 * 1024):
                 stager.put(src[c : c + 64 * 1024], dst[c : c + 64 * 1024])
             stager.flush()
@@ -232,7 +233,6 @@ def test_stager_waiter_empties_a_slot_before_it_is_filled_again():
         (dict(threads=0), "threads=0: expected an int >= 1"),
         (dict(slot_bytes=100), "slot_bytes=100: expected a positive multiple of 64"),
         (dict(slot_bytes=0), "slot_bytes=0: expected a positive multiple of 64"),
-        (dict(waiter="yes"), "waiter='yes': expected True or False"),
         (dict(total_bytes=0), "total_bytes=0: expected an int >= 1"),
     ],
 )
@@ -240,7 +240,8 @@ def test_stager_refuses_bad_options_in_one_line(kwargs, match):
     before = threading.active_count()
     args = dict(threads=2, total_bytes=M) | kwargs
     with pytest.raises(ValueError, match=match):
-        Stager(args.pop("total_bytes"), None, args.pop("threads"), **args)
+        with UnstageWorkers(args.pop("threads")) as workers:
+            Stager(args.pop("total_bytes"), None, workers, **args)
     assert threading.active_count() == before
 
 
@@ -248,13 +249,13 @@ def test_stager_refuses_mismatched_tensors_and_frees_its_threads_after_an_error(
     before = threading.active_count()
     dst = torch.zeros(SLOT_BYTES // 4 + M)
     with pytest.raises(ValueError, match="3 destination elements"):
-        with Stager(4 * SLOT_BYTES, None, 2) as stager:
+        with UnstageWorkers(2) as workers, Stager(4 * SLOT_BYTES, None, workers) as stager:
             stager.put(torch.ones(dst.numel()), dst)  # fills and seals a slot: its copy runs on a thread
             stager.put(torch.ones(4), torch.empty(3))
     assert threading.active_count() == before
     assert torch.equal(dst[: SLOT_BYTES // 4], torch.ones(SLOT_BYTES // 4))  # the sealed slot was copied
     with pytest.raises(ValueError, match="of its dtype"):
-        with Stager(64, None, 1) as stager:
+        with UnstageWorkers(1) as workers, Stager(64, None, workers) as stager:
             stager.put(torch.ones(4), torch.empty(4, dtype=torch.float64))
 
 
@@ -366,22 +367,19 @@ def test_unstaging_threads_start_with_the_optimizer_and_serve_every_export():
     opt.state_exporter.close()
 
 
-def test_configure_export_starts_and_ends_the_unstaging_threads():
-    """configure_export to a chunked export starts the threads, to any other export ends them; CPU buffers that
-    are reused are copied into directly, so such an optimizer starts none. Broken on purpose (no close for
-    other options): the threads of the chunked export stay."""
-    opt = _optimizer(4 * M, reuse=False)
-    opt.state_exporter.close()
+def test_only_an_optimizer_for_a_staged_chunked_export_starts_the_unstaging_threads():
+    """An optimizer built for a chunked export starts the threads, one built for any other export starts none: a
+    per-state export streams nothing, and CPU buffers that are reused are copied into directly. Broken on
+    purpose (threads for every offloaded export): the other two optimizers start them too."""
     before = _unstage_threads_alive()
-    chunked = opt.export_options
-    opt.configure_export(chunked)
+    opt = _optimizer(4 * M, reuse=False)
     assert len(_unstage_threads_alive() - before) == unstage_threads()
-    opt.configure_export(ExportOptions(cpu_offload=True, chunk_bytes=0))  # per state: nothing streams
-    assert _unstage_threads_alive() == before
-    opt.configure_export(ExportOptions(cpu_offload=True, chunk_bytes=4 * M, reuse_buffers=True))
-    assert _unstage_threads_alive() == before
-    opt.configure_export(chunked)
     opt.state_exporter.close()
+    assert _unstage_threads_alive() == before
+    for chunk, reuse in ((0, False), (4 * M, True)):  # per state; reused CPU buffers
+        other = _optimizer(chunk, reuse)
+        assert _unstage_threads_alive() == before, (chunk, reuse)
+        other.state_exporter.close()
 
 
 def test_a_temporary_exporter_ends_its_threads_with_its_export(monkeypatch):
@@ -422,10 +420,8 @@ def test_a_forked_child_exports_with_threads_of_its_own(mode):
     (the threads kept whatever the process), each mode's child hangs."""
     import multiprocessing as mp
 
-    opt = _optimizer(4 * M, reuse=mode == "prepared")
+    opt = _optimizer(4 * M, reuse=mode == "prepared", background=mode == "background")
     reference = export_state(opt, cpu_offload=True)
-    if mode == "background":
-        opt.configure_export(ExportOptions(True, chunk_bytes=4 * M, background=True))
     # the parent's threads exist before the fork: an export (and a preparation) ran here first
     opt.prepare_state_dict()
     opt.release_state_dict(opt.state_dict())
@@ -466,9 +462,8 @@ def test_a_child_forked_during_a_background_export_is_told_instead_of_waiting_fo
             return super()._stream_after(*args)
 
     monkeypatch.setattr(mixin, "StateExporter", Gated)
-    opt = _optimizer(4 * M, reuse=False)
+    opt = _optimizer(4 * M, reuse=False, background=True)
     reference = export_state(opt, cpu_offload=True)
-    opt.configure_export(ExportOptions(True, chunk_bytes=4 * M, background=True))
     with opt.deferred_state_dict():  # returns unfilled: the export is held at the gate
         sd = opt.state_dict()
     assert opt.state_dict_pending

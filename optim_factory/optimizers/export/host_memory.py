@@ -221,7 +221,6 @@ class HostBufferPool:
         self._buffers: dict[int, _Buffer] = {}  # id(tensor) -> record, dropped when the tensor is freed
         self._pinner = ProcessThreads(1, "export-pin")
         self._preparing: Future | None = None
-        self._registered = [0]  # bytes pinned with cudaHostRegister and not yet unpinned
 
     def _new(self, slot: Slot) -> torch.Tensor:
         """A new buffer for ``slot``: pinned by allocation, or pageable."""
@@ -275,9 +274,7 @@ class HostBufferPool:
         """Pin ``buf`` in place (background thread); it is unpinned when the tensor is freed."""
         if not register_host(buf):
             return  # stays pageable: exports keep filling it through the staging buffers
-        ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
-        self._registered[0] += nbytes
-        weakref.finalize(buf, _unregister, ptr, nbytes, self._registered).atexit = False
+        weakref.finalize(buf, unregister_host, buf.data_ptr()).atexit = False
         self._buffers[id(buf)].registered = True
 
     def _background(self, fn, *args) -> Future:
@@ -287,7 +284,9 @@ class HostBufferPool:
 
     def prepare(self, slots: Iterable[Slot]) -> Future:
         """Allocate, first-touch and pin (per the slot's pinning) a free buffer for every slot that has none,
-        on the background thread; the next export then finds them ready (no page faults, no pinning)."""
+        on the background thread; the next export then finds them ready (no page faults, no pinning). That one
+        thread also pins the released buffers, in order: the future is done once those released before are
+        pinned too."""
         self._preparing = self._background(self._prepare, list(slots))
         return self._preparing
 
@@ -311,24 +310,6 @@ class HostBufferPool:
             if preparing.exception() is not None:
                 warnings.warn(f"preparing export buffers failed: {preparing.exception()!r}", stacklevel=3)
 
-    def pinning_done(self) -> Future:
-        """A future that is done once the buffers released so far are pinned (benchmarks and tests)."""
-        return self._background(lambda: None)
-
-    def wait_pinning(self) -> None:
-        """Block until the buffers released so far are pinned (benchmarks and tests)."""
-        if self._pinner.started:
-            self.pinning_done().result()
-
-    def registered_bytes(self) -> int:
-        """Bytes pinned in place with ``cudaHostRegister`` and not yet unpinned."""
-        return self._registered[0]
-
     def free_bytes(self) -> int:
         """Bytes of released buffers waiting for the next export."""
         return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
-
-
-def _unregister(ptr: int, nbytes: int, counter: list[int]) -> None:
-    unregister_host(ptr)
-    counter[0] -= nbytes

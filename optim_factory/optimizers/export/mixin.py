@@ -29,7 +29,7 @@ class OffloadedStateDict:
     The optimizer calls :meth:`_init_export` in its ``__init__`` with its keyword-only export options; it then
     owns one frozen :class:`ExportOptions` (:attr:`export_options`) and one :class:`StateExporter` (with the pool
     of reusable host buffers). The options' constructor names are readable as attributes
-    (``opt.state_dict_cpu_offload`` ...), not writable: :meth:`configure_export` replaces the options, validated.
+    (``opt.state_dict_cpu_offload`` ...), not writable.
     """
 
     _export_options: ExportOptions
@@ -78,12 +78,11 @@ class OffloadedStateDict:
     def _start_export_threads(self) -> None:
         """For a chunked export: start the threads that empty its staging buffers now, one set per device of the
         parameters that stages (CUDA; CPU without reuse: reused CPU buffers are copied into directly), so that
-        no export waits for them; other options: end them (the optimizer calls this at the end of
-        ``__init__``; :meth:`configure_export` too)."""
+        no export waits for them; other options: none (the optimizer calls this at the end of ``__init__``, a
+        copy in ``__setstate__``)."""
         o = self._export_options
         if not (o.cpu_offload and o.chunk_bytes):
-            self._exporter.close()  # nothing streams: no thread is needed
-            return
+            return  # nothing streams: no thread is needed
         devices = {p.device for g in self.param_groups for p in g["params"]}
         staging = [d for d in devices if d.type == "cuda" or (d.type == "cpu" and not o.reuse_buffers)]
         for device in sorted(staging, key=str):
@@ -94,14 +93,6 @@ class OffloadedStateDict:
     def export_options(self) -> ExportOptions:
         """The export options (frozen)."""
         return self._export_options
-
-    def configure_export(self, options: ExportOptions) -> None:
-        """Export with other options from now on (benchmarks, tests); the buffer pool is kept."""
-        if not isinstance(options, ExportOptions):
-            raise TypeError(f"configure_export: expected ExportOptions, got {type(options).__name__}")
-        self._exporter.join()  # a pending export keeps its failure for wait_state_dict()
-        self._export_options = self._exporter.options = options
-        self._start_export_threads()
 
     @property
     def state_dict_cpu_offload(self) -> bool:
@@ -129,7 +120,7 @@ class OffloadedStateDict:
 
     @property
     def state_exporter(self) -> StateExporter:
-        """The optimizer's exporter and its buffer pool (``state_exporter.pool``: pinning waits, byte counts)."""
+        """The optimizer's exporter and its buffer pool (``state_exporter.pool``)."""
         return self._exporter
 
     # ------------------------------------------------------------------ export and load

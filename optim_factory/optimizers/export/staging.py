@@ -123,14 +123,6 @@ def _pin_after(pieces: list[Future], slot: torch.Tensor) -> bool:
     return register_host(slot)
 
 
-def _hand_off(event: Any, parts: list[list[tuple[int, int, int]]], workers: UnstageWorkers) -> list[Future]:
-    """Waiter: wait until the device has filled the slot, then hand its slices to the pool (which never calls
-    CUDA); returns the slices' futures."""
-    if event is not None:
-        event.synchronize()
-    return [workers.submit(_copy, None, part) for part in parts]
-
-
 class UnstageWorkers:
     """The host threads that empty a :class:`Stager`'s buffers into the destinations (and fault in and pin them).
 
@@ -199,8 +191,7 @@ class Stager:
     *sealed*: an event is recorded after its copies and its bytes are split into slices that the thread pool
     copies into the destinations once the event has completed. Before a buffer is filled again, the caller
     waits until its slices are done. The staging memory is allocated for one export and released by
-    :meth:`close` (with the threads if they are the stager's own), so no memory stays allocated between
-    exports. Used as a context manager.
+    :meth:`close`, so no memory stays allocated between exports. Used as a context manager.
 
     Preparing the staging memory is fresh memory's cost: faulting it in (the kernel zeroes every page) and, for
     CUDA, pinning it (``cudaHostRegister``, one call per buffer). The pool's threads fault the buffers in, in
@@ -209,39 +200,30 @@ class Stager:
     the first buffer, not for the whole ring. Pinning 128 MiB of fresh memory in one call took 31-34 ms on an
     H200 host, a sixth of a 2 GB export (benchmarks/results/2026-11-30-h200-fourth/first_export/); with the pool
     pinning rather than the caller, the first export reaches 35-36 % of the link on one GPU against 32-34 %, and
-    22-25 % against 20-24 % on each of two ranks (benchmarks/results/2026-11-30-h200-fifth/). With ``waiter=True``
-    the pool's threads never call CUDA: the caller pins each buffer before its first use.
+    22-25 % against 20-24 % on each of two ranks (benchmarks/results/2026-11-30-h200-fifth/).
 
-    ``threads`` is the pool: :class:`UnstageWorkers` (kept running by :meth:`close`; their device must be the
-    stream's, or ``None`` with ``waiter=True`` or on CPU) or a number of threads started for this stager alone
-    and ended by :meth:`close`. ``slot_bytes`` is the size of one staging buffer. With ``waiter=True`` one
-    extra thread waits for the sealed buffers' events in order and hands their slices to the pool, so the
-    pool's threads never call CUDA; by default every pool thread waits for its slot's event itself.
+    ``workers`` is the pool: live :class:`UnstageWorkers` for the stream's device (``None`` on CPU), kept
+    running by :meth:`close`; each of its threads waits for its slot's event itself. ``slot_bytes`` is the size
+    of one staging buffer.
     """
 
     def __init__(
         self,
         total_bytes: int,
         stream: Any,
-        threads: int | UnstageWorkers,
+        workers: UnstageWorkers,
         *,
         slot_bytes: int = SLOT_BYTES,
-        waiter: bool = False,
     ) -> None:
-        own = not isinstance(threads, UnstageWorkers)
-        if own and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"Stager threads={threads!r}: expected an int >= 1 or UnstageWorkers")
         if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes <= 0 or slot_bytes % _ALIGN:
             raise ValueError(f"Stager slot_bytes={slot_bytes!r}: expected a positive multiple of {_ALIGN}")
-        if not isinstance(waiter, bool):
-            raise ValueError(f"Stager waiter={waiter!r}: expected True or False")
         if isinstance(total_bytes, bool) or not isinstance(total_bytes, int) or total_bytes < 1:
             raise ValueError(f"Stager total_bytes={total_bytes!r}: expected an int >= 1")
-        # the pool's threads wait on events and pin (the stream's device current), except with the waiter
-        device = None if stream is None or waiter else stream.device
-        if not own and (not threads.alive or threads.device != device):
+        # the pool's threads wait on events and pin (the stream's device current)
+        device = None if stream is None else stream.device
+        if not workers.alive or workers.device != device:
             raise ValueError(
-                f"Stager: UnstageWorkers for device {threads.device} (alive={threads.alive}); this stager needs "
+                f"Stager: UnstageWorkers for device {workers.device} (alive={workers.alive}); this stager needs "
                 f"live workers for device {device}"
             )
         # whole pages per buffer (slot_bytes rounded up): each is pinned on its own, and two registrations may not
@@ -255,14 +237,10 @@ class Stager:
         self._jobs: list[list[tuple[int, int, int]]] = [[] for _ in self._slots]
         self._busy: list[list[Future]] = [[] for _ in self._slots]
         self._current, self._used = 0, 0
-        self._waits = waiter
-        self._device = None if stream is None else stream.device  # threads that wait on events make it current
-        self._own_workers = own
-        self._workers = UnstageWorkers(threads, device) if own else threads
-        self._threads = self._workers.threads
-        self._waiter: ThreadPoolExecutor | None = None  # the one thread that waits for events (waiter=True)
+        self._workers = workers
+        self._threads = workers.threads
         # per buffer: the pool's fault-in pieces (None once the buffer was prepared), its pinning by the pool
-        # (None: the caller pins it), whether it is pinned
+        # (CUDA; None on CPU), whether it is pinned
         self._faulting: list[list[Future] | None] = []
         self._pinning: list[Future | None] = []
         self._pinned = [False] * len(self._slots)
@@ -274,12 +252,6 @@ class Stager:
             self._stop_ring_jobs()
             self._unpin()
             raise
-
-    @property
-    def pinned_buffers(self) -> int:
-        """How many of the ring's buffers were pinned for their first use so far (CUDA only; the pool pins each
-        as soon as it is faulted in, the caller waits for that before the buffer's first use)."""
-        return sum(self._pinned)
 
     def __enter__(self) -> Stager:
         return self
@@ -319,29 +291,23 @@ class Stager:
             self._wait(i)
 
     def close(self) -> None:
-        """Wait for every copy (also after an error), then unpin and free the staging memory and the threads."""
+        """Wait for every copy (also after an error), then unpin and free the staging memory."""
         try:
             if self._stream is not None:
                 self._stream.synchronize()  # no device copy may still write into the staging memory
             for i in range(len(self._slots)):
                 self._wait(i, raise_errors=False)
         finally:
-            if self._waiter is not None:  # first: it may still hand slices to the pool
-                self._waiter.shutdown(wait=True)
-                self._waiter = None
             self._stop_ring_jobs()  # fault-ins and pins of buffers never used (every copy was waited for above)
             self._unpin()
             self._slots, self._memory = [], torch.empty(0, dtype=torch.uint8)
 
     def _stop_ring_jobs(self) -> None:
-        """Cancel the ring's fault-in and pin jobs that have not started, wait for the others; end the threads
-        if they are this stager's own."""
+        """Cancel the ring's fault-in and pin jobs that have not started, wait for the others."""
         jobs = [job for pieces in self._faulting if pieces for job in pieces]
         jobs += [job for job in self._pinning if job is not None]
         # a job cancelled here, or by closed workers, never completes: wait() would not return for it
         wait([job for job in jobs if not job.cancel()])
-        if self._own_workers:
-            self._workers.close()
 
     def _unpin(self) -> None:
         """Once the pool has stopped: unregister every pinned buffer, also those the pool pinned that were never
@@ -355,11 +321,11 @@ class Stager:
         self._pinned, self._pinning, self._faulting = [], [], []
 
     def _fault_in(self, slot: torch.Tensor) -> None:
-        """Have the pool fault ``slot`` in (:func:`fault_pieces`), then (CUDA, no waiter) pin it."""
+        """Have the pool fault ``slot`` in (:func:`fault_pieces`), then (CUDA) pin it."""
         pieces = [self._workers.submit(fault_in, slot[a:b]) for a, b in fault_pieces(slot.numel(), self._threads)]
-        pool_pins = self._stream is not None and not self._waits  # the pool's threads have the device current
+        cuda = self._stream is not None  # the pool's threads have the device current
         self._faulting.append(pieces)
-        self._pinning.append(self._workers.submit(_pin_after, list(pieces), slot) if pool_pins else None)
+        self._pinning.append(self._workers.submit(_pin_after, list(pieces), slot) if cuda else None)
 
     def _prepare(self, i: int) -> None:
         """Before buffer ``i``'s first use: wait until it is faulted in and (CUDA) pinned."""
@@ -368,8 +334,7 @@ class Stager:
             _result(piece)
         if self._stream is None:
             return
-        pinning = self._pinning[i]
-        self._pinned[i] = _result(pinning) if pinning is not None else register_host(self._slots[i])
+        self._pinned[i] = _result(self._pinning[i])
         if not self._pinned[i] and not self._refused:
             self._refused = True
             warnings.warn("cudaHostRegister refused a staging buffer: this export copies pageable", stacklevel=3)
@@ -380,21 +345,13 @@ class Stager:
         if self._stream is not None:
             event = torch.cuda.Event(blocking=True)  # waiting threads sleep instead of spinning
             event.record(self._stream)
-        parts = split_bytes(self._jobs[i], self._threads)
-        if self._waits:
-            if self._waiter is None:
-                self._waiter = worker_threads(1, "export-unstage-wait", self._device)
-            self._busy[i] = [self._waiter.submit(_hand_off, event, parts, self._workers)]
-        else:
-            self._busy[i] = [self._workers.submit(_copy, event, part) for part in parts]
+        self._busy[i] = [self._workers.submit(_copy, event, part) for part in split_bytes(self._jobs[i], self._threads)]
         self._jobs[i] = []
         self._current, self._used = (i + 1) % len(self._slots), 0
 
     def _wait(self, i: int, raise_errors: bool = True) -> None:
         busy, self._busy[i] = self._busy[i], []
-        while busy:  # a waiter's future yields the futures of the slices it handed to the pool
-            future = busy.pop(0)
+        for future in busy:
             error = _outcome(future)
             if error is not None and raise_errors:
                 raise error
-            busy.extend((future.result() if error is None else None) or ())

@@ -139,7 +139,7 @@ class StateExporter:
     only, emptied by :func:`~optim_factory.optimizers.export.staging.unstage_threads` host threads while the
     device fills the next one. On CPU the same steps run, the device copies synchronously. Those threads
     (:meth:`unstage_workers`, one set per device) are started once and kept between exports; the optimizer
-    starts them when it is configured for a chunked export, so that no export waits for them.
+    starts them when it is built for a chunked export, so that no export waits for them.
 
     :meth:`stream_background` runs the same pipeline on a background thread, with the conversions on a side
     stream that first waits for the caller's stream; at most one such export is pending (:meth:`wait`).
