@@ -31,8 +31,8 @@ class StopSignal:
 
     The loop checks after every step (:meth:`should_stop`); all ranks agree (a max all-reduce), save a checkpoint at
     that step, wait for in-flight saves and return. A requeued job then resumes from it. ``overlap=False`` makes
-    every check wait for the all-reduce (for the step-overhead benchmark: measured +4.4 % per step against +0.3 %
-    overlapped on 2 H200s, docs/recipe.md).
+    every check wait for the all-reduce (for the step-overhead benchmark: a check that waits lines up the ranks'
+    CPU threads every step, docs/recipe.md).
     """
 
     SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")

@@ -9,7 +9,7 @@ Each trial then launches the recipe (20 steps, a checkpoint every 4 steps) throu
 and kills it with SIGKILL: even trials at a random moment of the run (within 0.2 s after it logs a random step
 of 1 to 19), odd trials at a chosen point of a save (after the export, after DCP wrote or started writing,
 before the completion marker: ``--kill-at``). Then it relaunches until the run finishes. Each launch is a
-process of its own, forked from a forkserver that imported the recipe once (``scripts/forked.py``). A trial
+process of its own, forked from a forkserver that imported the recipe once (``tests/forked.py``). A trial
 fails if any launch resumed from a checkpoint that was not complete when it started, or if the final checkpoint
 (model, optimizer and trainer state) is not bitwise equal to the reference.
 """
@@ -32,7 +32,8 @@ import torch
 
 from recipes.checkpoint import SAVE_PHASES, is_complete, read_checkpoint
 from recipes.train import compose_config, train
-from scripts import cli_args, fault_train, forked
+from scripts import cli_args, fault_train
+from tests import forked
 
 STEPS, EVERY = 20, 4
 OVERRIDES: list[str] = []  # extra recipe overrides for every launch (--overrides)

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def exit_with_main(argv: list[str]) -> None:
     """:func:`main` as a forked process's whole life (``scripts/fault_injection.py`` launches its trainers so,
-    through ``scripts/forked.py``): the process exits with ``main``'s code."""
+    through ``tests/forked.py``): the process exits with ``main``'s code."""
     sys.exit(main(argv))
 
 

@@ -2,9 +2,9 @@
 its kernels (``grad * 1 / scale``).
 
 The usual gradient-clipping pattern, ``scaler.unscale_(opt); clip_grad_norm_(...); scaler.step(opt)``, unscales
-them first: TE 2.20.2's ``step()`` then divides them by the scale a second time (measured on an H200: 3 steps
-of ``Linear(4, 2)``, init scale 1024, L2 weight decay 0.5: parameters 0.275 off ``torch.optim.Adam`` under the
-same scaler, 6e-8 without ``unscale_``; the portable twin the same on CPU). :func:`scaler_for_step` hands
+them first: TE 2.20.2's ``step()`` then divides them by the scale a second time, and the parameters leave
+``torch.optim.Adam``'s under the same scaler (the portable twin the same; docs/design.md, "Measured figures
+behind the defaults"). :func:`scaler_for_step` hands
 ``step()`` a scaler that reports scale 1 for gradients already unscaled, and the scaler's own inf check, so the
 step still skips on overflow and unscales once.
 

@@ -2,8 +2,8 @@
 
 :class:`ChecksumFileSystemWriter` is DCP's ``FileSystemWriter`` with a file system whose write streams run a
 64-bit XXH3 hash over every byte on its way to the file (bytes already in memory: the file is never read back),
-so a save costs one extra pass over data that is hot in cache (measured on one core: XXH3 6.5-9.3 GB/s; zlib.crc32
-1-1.7 GB/s, too slow: docs/reliability.md). Each rank's writer knows the size and hash of the files
+so a save costs one extra pass over data that is hot in cache (XXH3: zlib.crc32 is several times slower per core,
+docs/design.md, "Measured figures behind the defaults"). Each rank's writer knows the size and hash of the files
 it wrote (rank 0 also of ``.metadata``); the checkpoint manager (recipes/checkpoint/save.py) gathers them into the
 checkpoint's manifest. :func:`file_problem` reads a file back and says what is wrong with it, if anything.
 
@@ -31,7 +31,7 @@ from optim_factory.checkpoint import cpus_per_rank
 ALGORITHM = "xxh3_64"  # the manifest's key for each file's hash (hex digest)
 MANIFEST_DIGEST = "manifest_xxh3_64"  # the manifest's hash of its own other keys (sorted JSON)
 READ_CHUNK = 16 * 2**20
-HASH_CHUNK = 2**20  # fits in L2: the write's copy reads what the hash just read (measured: docs/reliability.md)
+HASH_CHUNK = 2**20  # fits in L2: the write's copy reads what the hash just read
 
 
 def new_hasher():
@@ -115,8 +115,8 @@ class ChecksumFileSystem(FileSystem):
         """A stream that hashes what is written through it. While it is open, ``torch.save`` in this thread writes
         its zip records without their CRC32 where torch keeps that setting per thread (:data:`CRC32_PER_THREAD`;
         DCP writes each file from one thread): XXH3 here already covers every byte, checked before any load, and
-        the CRC32 is another pass over every byte (2 CPUs, 2 writer threads: 93 % of the disk's rate with it,
-        115 % without: benchmarks/results/2026-12-02-cpu-writes/). Where the setting is one for the process
+        the CRC32 is another pass over every byte, which slows the writer threads below the disk's rate
+        (docs/design.md, "Measured figures behind the defaults"). Where the setting is one for the process
         (torch 2.11), it is left as it is: turning it off would reach every other thread's ``torch.save``."""
         if "w" not in mode and "a" not in mode:
             with super().create_stream(path, mode) as stream:
@@ -167,10 +167,8 @@ class ChecksumFileSystemWriter(FileSystemWriter):
 
 def writer_threads(write_threads: int) -> int:
     """The DCP writer threads of ``checkpoint.write_threads``: itself, or for 0 min(4, the CPUs of this rank:
-    its affinity shared among the ranks on its host). Measured against ``dd oflag=direct`` (durable writes): on 2
-    CPUs 2 threads write at the disk's rate, 4 at 81 % (benchmarks/results/2026-12-02-cpu-writes/); on an H200
-    host (16 CPUs) the 805M recipe's checkpoints with 1 and 4 threads at 54 and 97 %
-    (benchmarks/results/2026-12-02-h200-floors/)."""
+    its affinity shared among the ranks on its host): one thread leaves a fast disk idle while it serializes, and
+    more threads than CPUs compete with each other (docs/design.md, "Measured figures behind the defaults")."""
     return write_threads or min(4, cpus_per_rank())
 
 

@@ -4,7 +4,7 @@ into (a fresh instance per load). See docs/design.md, "Checkpoints".
 
 CUDA tensors are copied into pinned buffers on a side stream: the copy runs at the link's bandwidth, neither
 blocks the caller nor queues behind or ahead of the caller's kernels, and a fresh pageable copy (page faults,
-the driver's staging: about 1.3 GB/s measured on H200s) is avoided after the first save. Other tensors are
+the driver's staging, far below the link's bandwidth) is avoided after the first save. Other tensors are
 copied as they are, at once.
 """
 

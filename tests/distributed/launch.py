@@ -1,5 +1,5 @@
 """Real gloo process groups on CPU for tests (no mocks of torch.distributed), and the recipe's ranks without a
-launcher. Every rank is a process of its own, forked from this pytest worker's forkserver (scripts/forked.py),
+launcher. Every rank is a process of its own, forked from this pytest worker's forkserver (tests/forked.py),
 which imports torch, the recipe and the test bodies once.
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from scripts import forked
+from tests import forked
 
 # imported once by the forkserver (a module that is not installed is skipped): the recipe, the workers, and, on a
 # machine without CUDA, the frameworks' checkpoint code the integration tests' ranks import (transformers through
@@ -150,5 +150,5 @@ def recipe_ranks(argv: list[str], world: int, out: Path, timeout: float = 300) -
 
 def recipe_process(argv: list[str], out: Path):
     """``recipes/train.py ARGV`` as one process of its own (no launcher), started: the process (signal it by its
-    ``pid``, wait with ``scripts.forked.join``); its stdout and stderr go to ``out``.stdout/.stderr."""
+    ``pid``, wait with ``tests.forked.join``); its stdout and stderr go to ``out``.stdout/.stderr."""
     return forked.start(_entry_point, (argv,), out, PRELOAD)

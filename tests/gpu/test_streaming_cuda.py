@@ -253,8 +253,8 @@ def test_export_threads_of_a_rank_on_gpu1_create_no_context_on_gpu0():
     device 0, where a first CUDA call would create a context on another rank's GPU. The control (a plain thread
     allocating on GPU 0) shows that the probe sees such a context; a plain thread that only waits on an event
     creates none, so it cannot be the control. Measured on 2 H200s with a background export thread that does not
-    set its device: 'False True True', the context after ours
-    (benchmarks/results/2026-11-30-h200-third/pytest_single.log)."""
+    set its device: 'False True True', the context after ours (in git history:
+    ``git log -- benchmarks/results/2026-11-30-h200-third``)."""
     import subprocess
     import sys
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from recipes.train import compose_config, train
-from scripts import forked
+from tests import forked
 from tests.distributed.launch import free_port, recipe_process
 from tests.recipe.runs import ENV, QUICK, ROOT, cli, complete_steps, metrics, run_cli
 

@@ -9,8 +9,9 @@ import pytest
 
 from recipes.checkpoint import MARKER, METADATA, SAVE_PHASES, CheckpointManager, is_complete
 from recipes.train import compose_config, train
-from scripts import fault_injection, forked
+from scripts import fault_injection
 from scripts.fault_train import main as fault_train_main
+from tests import forked
 from tests.recipe.runs import QUICK
 
 

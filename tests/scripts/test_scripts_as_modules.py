@@ -125,6 +125,45 @@ def test_bench_save_dcp_stager_per_save_or_kept(tmp_path, monkeypatch, capsys, s
         assert built == ([1, 2, 3] if stager == "fresh" else [1, 1, 1]), (mode, built)
 
 
+@pytest.mark.parametrize("torch_211", [False, True])
+def test_bench_save_a_keeps_one_stager_where_torch_allows_it_else_one_per_save_and_says_so(
+    tmp_path, monkeypatch, capsys, torch_211
+):
+    """--stager auto (the default) keeps one DefaultStager across (a)'s saves where this torch's stager serves a
+    second save (torch 2.13), found by trying one; with torch 2.11's stager (pytorch/pytorch#183413: its
+    ``_stage()`` closes the deep-copier it needs for the next save), simulated here, it builds one per save and
+    says so in its output and its table."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    import scripts.bench_save as bench_save
+
+    class Torch211Stager(DefaultStager):
+        def _stage(self, state_dict, **kwargs):
+            try:
+                return super()._stage(state_dict, **kwargs)
+            finally:
+                self._state_dict_stager.close()
+
+    if torch_211:
+        monkeypatch.setattr(bench_save, "DefaultStager", Torch211Stager)
+    elif not bench_save.stager_reusable():
+        pytest.skip("this torch's DefaultStager serves one save (pytorch/pytorch#183413)")
+    args = ["--device", "cpu", "--width", "64", "--layers", "2", "--tokens", "16", "--repeats", "1"]
+    args += ["--modes", "a-te-async-pinned", "--out", str(tmp_path), "--scratch", str(tmp_path / "s")]
+    monkeypatch.setattr(sys, "argv", ["bench_save.py"])
+    capsys.readouterr()
+    assert bench_save.main(args) is None
+    out = capsys.readouterr().out
+    lines = (tmp_path / "bench_save.jsonl").read_text().splitlines()
+    meta, rows = json.loads(lines[0])["meta"], [json.loads(ln) for ln in lines[1:]]
+    assert (meta["stager_reusable"], meta["fresh_stagers"]) == (not torch_211, torch_211)
+    assert [r["stagers_built"] for r in rows] == ([1, 2] if torch_211 else [1, 1])  # warm-up + 1 measured save
+    note = "a new one per save, so every save allocates and pins its staging memory (this torch's stager serves one "
+    note = note + "save: pytorch/pytorch#183413)" if torch_211 else "one kept across saves"
+    assert f"DCP's `DefaultStager` for (a) and (b): {note}" in out
+    assert f"- DCP's `DefaultStager` for (a) and (b): {note}\n" in (tmp_path / "bench_save.md").read_text()
+
+
 def test_bench_save_s_floor_is_the_copy_less_the_overlapping_forward_and_backward():
     from scripts.bench_save import floor_s
 

@@ -30,9 +30,9 @@ __all__ = [
 ]
 
 STAGING_SLOTS = 4  # staging buffers in the ring
-# bytes of one staging buffer (less when the export stages less), and the most unstaging threads: 32 MiB x 12 beat
-# 8 MiB x 8 in every trial of one process on an H200 (25 % against 18 % of the link; 2 ranks 12-20 % against
-# 7-15 %; benchmarks/results/2026-11-30-h200-fourth/first_export/)
+# bytes of one staging buffer (less when the export stages less), and the most unstaging threads: the pair that
+# copied fastest into fresh memory, on one GPU and on two ranks (docs/design.md, "Measured figures behind the
+# defaults")
 SLOT_BYTES = 32 << 20
 MIN_SLICE_BYTES = 1 << 20  # a thread copies at least this many bytes of a slot (fewer threads for less)
 MAX_UNSTAGE_THREADS = 12
@@ -127,9 +127,8 @@ class UnstageWorkers:
     """The host threads that empty a :class:`Stager`'s buffers into the destinations (and fault in and pin them).
 
     ``threads`` threads that make CUDA ``device`` current first (``None`` or not CUDA: plain threads), all started
-    here, before any export, and kept idle between exports until :meth:`close`. Started by the export itself, the
-    12 threads of an H200's first export take 15 of its 125 ms (``benchmarks/probes/trace_first_export.py``,
-    benchmarks/results/2026-12-01-h200-sixth/). Several stagers may use one set of workers, one after the other
+    here, before any export, and kept idle between exports until :meth:`close`: started by the export itself, their
+    start would be part of the first export's time. Several stagers may use one set of workers, one after the other
     or at once. In a forked child the threads do not exist: :attr:`alive` is false there, make new ones.
     """
 
@@ -197,10 +196,9 @@ class Stager:
     CUDA, pinning it (``cudaHostRegister``, one call per buffer). The pool's threads fault the buffers in, in
     pieces of whole huge pages, the first buffer's pieces first, while the caller starts, and pin each buffer
     once its pieces are in; the caller waits for a buffer only before its first use, so the device waits for
-    the first buffer, not for the whole ring. Pinning 128 MiB of fresh memory in one call took 31-34 ms on an
-    H200 host, a sixth of a 2 GB export (benchmarks/results/2026-11-30-h200-fourth/first_export/); with the pool
-    pinning rather than the caller, the first export reaches 35-36 % of the link on one GPU against 32-34 %, and
-    22-25 % against 20-24 % on each of two ranks (benchmarks/results/2026-11-30-h200-fifth/).
+    the first buffer, not for the whole ring: pinning the whole ring in one call on the caller's thread would hold
+    the export for a sizeable part of its time, and buffers pinned by the pool let the caller fill the first one
+    while the others are pinned (docs/design.md, "Measured figures behind the defaults").
 
     ``workers`` is the pool: live :class:`UnstageWorkers` for the stream's device (``None`` on CPU), kept
     running by :meth:`close`; each of its threads waits for its slot's event itself. ``slot_bytes`` is the size

@@ -1,5 +1,7 @@
 """What TE 2.20.2's FusedAdam and ours do in the cases a bug hunt found (2026-12-01), one section per process
-(a CUDA error in one leaves the context unusable): python3 probe.py a|b|c|d on a machine with CUDA and TE.
+(a CUDA error in one leaves the context unusable), on a machine with CUDA and TE:
+
+    python -m benchmarks.probes.te_fused_adam_cases a   # then b, c, d
 
 a: 0-d parameters with FP16/FP8/BF16 moments, a float64 parameter (what a raising step() leaves behind)
 b: GradScaler with capturable=True, with and without scaler.unscale_, against torch.optim.Adam

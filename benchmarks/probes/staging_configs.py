@@ -1,10 +1,10 @@
-"""The diagnostic behind staging_configs_*.log (kept with its results; not part of the package or its tests):
-where the first export's time goes, and staging configurations compared in one process per rank.
+"""Where the first export's time goes, and staging configurations compared in one process per rank (the
+diagnostic behind benchmarks/results/2026-11-30-h200-fourth/first_export/staging_configs_*.log):
 
-    python benchmarks/results/2026-11-30-h200-fourth/first_export/staging_configs.py 1   # then 2 (concurrent ranks)
+    python -m benchmarks.probes.staging_configs 1   # then 2 (concurrent ranks)
 
 It wraps the staging module's functions in this process only (timers; ``Stager``'s slot size and the thread count
-per configuration), exports the state of scripts/bench_first_export.py 15 times without a pool (3 interleaved
+per configuration), exports the state of benchmarks/probes/bench_first_export.py 15 times without a pool (3 interleaved
 trials of 5 configurations) and prints one JSON line per (trial, configuration, rank), then medians. Written for
 the tree at bfd7e4a (``staging._copy`` and ``Stager._wait`` exist there)."""
 
