@@ -77,7 +77,7 @@ def test_options_are_frozen_and_read_only_on_the_optimizer():
     with pytest.raises(TypeError):
         opt.configure_export({"cpu_offload": False})
     opt.configure_export(ExportOptions())
-    assert not opt.state_dict_cpu_offload and opt.state_exporter.options == ExportOptions()
+    assert not opt.state_dict_cpu_offload and opt.export_options == ExportOptions()
 
 
 def test_the_optimizer_owns_its_exporter_and_nothing_is_patched_onto_tensors_or_optimizers():
