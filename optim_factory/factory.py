@@ -31,8 +31,8 @@ from optim_factory.config import (
     schema_keys,
 )
 from optim_factory.errors import ConfigError, config_error
-from optim_factory.optimizers.constructor import check_export_effect, export_arguments
-from optim_factory.optimizers.export import ExportOptions, local_tensor
+from optim_factory.optimizers.constructor import check_export_effect, export_arguments, export_options
+from optim_factory.optimizers.export import local_tensor
 from optim_factory.optimizers.rules import OptionError, check_hyperparameters, check_state_dtypes, parse_dtype
 from optim_factory.param_groups import build_param_groups, named_trainable
 
@@ -204,12 +204,11 @@ def validate_optim_config(cfg: Any) -> ValidatedOptim:
     except OptionError as exc:
         raise config_error(exc.key, exc.value, exc.allowed) from None
     try:  # the optimizers' own rules for the export options, checked before anything is built
-        export_kwargs = export_arguments(c)
-        export = ExportOptions.from_options(export_kwargs)
+        export = export_options(c)
     except ValueError as exc:
         raise ConfigError(f"optim.{exc}") from None
     check_export_effect(export, dtypes.exp_avg_dtype, dtypes.exp_avg_sq_dtype)
-    return ValidatedOptim(c, MappingProxyType(_fused_adam_kwargs(c) | export_kwargs))
+    return ValidatedOptim(c, MappingProxyType(_fused_adam_kwargs(c) | export_arguments(c)))
 
 
 # ------------------------------------------------------------------------------------------------- backends
