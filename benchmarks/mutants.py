@@ -49,8 +49,8 @@ MUTANTS = [
     ),
     (
         "state_dict_keep_bf16 ignored by the streamed export (BF16 exported as FP32)",
-        "optim_factory/optimizers/export/stream.py",
-        "kept = source.dtype == torch.int16 or (keep_bf16 and source.dtype == torch.bfloat16 and scale is None)",
+        "optim_factory/optimizers/export/plan.py",
+        "kept = source.dtype == torch.int16 or (self.options.keep_bf16 and bf16)",
         "kept = source.dtype == torch.int16",
     ),
     (

@@ -32,10 +32,11 @@ from optim_factory.config import (
     schema_keys,
 )
 from optim_factory.errors import ConfigError
-from optim_factory.optimizers.export import ExportOptions, local_tensor
+from optim_factory.optimizers.constructor import export_arguments, export_options
+from optim_factory.optimizers.export import local_tensor
 from optim_factory.param_groups import build_param_groups, named_trainable
 from optim_factory.rules.adam import check_hyperparameters, check_state_dtypes, parse_dtype
-from optim_factory.rules.export import Pinning, check_export_effect, parse_bytes
+from optim_factory.rules.export import check_export_effect
 
 __all__ = [
     "ConfigError",
@@ -210,17 +211,9 @@ def validate_optim_config(cfg: Any) -> ValidatedOptim:
             capturable=c.capturable,
             store_param_remainders=c.store_param_remainders,
         )
-        chunk = parse_bytes(c.state_dict_offload_chunk_bytes, "state_dict_offload_chunk_bytes")
-        export = ExportOptions(  # the constructors' own export option rules, before anything is built
-            c.state_dict_cpu_offload,
-            chunk,
-            c.state_dict_offload_reuse_buffers,
-            Pinning(c.state_dict_offload_pinning),
-            c.state_dict_keep_bf16,
-            c.state_dict_offload_background,
-        )
+        export = export_options(c)  # the constructors' own export option rules, before anything is built
     check_export_effect(export, dtypes.exp_avg_dtype, dtypes.exp_avg_sq_dtype)
-    return ValidatedOptim(c, MappingProxyType(_fused_adam_kwargs(c, chunk)))
+    return ValidatedOptim(c, MappingProxyType(_fused_adam_kwargs(c) | export_arguments(c)))
 
 
 # ------------------------------------------------------------------------------------------------- backends
@@ -247,8 +240,9 @@ def choose_backend(requested: str, params: list[torch.Tensor]) -> tuple[str, str
     return "portable", "auto: the parameters are not on CUDA"
 
 
-def _fused_adam_kwargs(c: DictConfig, chunk_bytes: int | None) -> dict[str, Any]:
-    """The FusedAdam constructor's arguments from a schema-typed config (dtypes parsed; chunk size in bytes)."""
+def _fused_adam_kwargs(c: DictConfig) -> dict[str, Any]:
+    """The FusedAdam constructor's arguments but the export options (``export_arguments``) from a schema-typed
+    config (dtypes parsed)."""
     return dict(
         lr=c.lr,
         betas=tuple(c.betas),
@@ -264,12 +258,6 @@ def _fused_adam_kwargs(c: DictConfig, chunk_bytes: int | None) -> dict[str, Any]
         exp_avg_sq_dtype=parse_dtype(c.exp_avg_sq_dtype, "exp_avg_sq_dtype"),
         use_decoupled_grad=c.use_decoupled_grad,
         store_param_remainders=c.store_param_remainders,
-        state_dict_cpu_offload=c.state_dict_cpu_offload,
-        state_dict_offload_chunk_bytes=chunk_bytes,
-        state_dict_offload_reuse_buffers=c.state_dict_offload_reuse_buffers,
-        state_dict_offload_pinning=Pinning(c.state_dict_offload_pinning),
-        state_dict_keep_bf16=c.state_dict_keep_bf16,
-        state_dict_offload_background=c.state_dict_offload_background,
     )
 
 

@@ -20,7 +20,7 @@ import time
 import torch
 
 from benchmarks.probes.bench_first_export import build, link, rss
-from optim_factory.optimizers.export import ExportOptions, staging
+from optim_factory.optimizers.export import staging
 from optim_factory.optimizers.export import stream as stream_mod
 
 M = 1 << 20
@@ -30,8 +30,7 @@ CONFIGS = [(8, 8), (16, 32), (16, 16), (12, 32), (16, 64)]  # (threads, slot MiB
 def worker(rank, ranks, barrier, q):
     dev = torch.device(f"cuda:{rank}")
     torch.cuda.set_device(dev)
-    params, opt, backend = build(dev, 2.0)
-    opt.configure_export(ExportOptions(True, 64 * M, False, "register"))
+    params, opt, backend = build(dev, 2.0, state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=64 * M)
     barrier.wait()
     _, lk = link(dev, 512 * M)
     barrier.wait()

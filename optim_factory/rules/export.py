@@ -61,13 +61,14 @@ def parse_bytes(value: Any, key: str) -> int | None:
     raise ConfigError(key, value, allowed)
 
 
-def check_export_options(
-    cpu_offload: Any, chunk_bytes: Any, reuse_buffers: Any, pinning: Any, keep_bf16: Any, background: Any
-) -> tuple[int, Pinning]:
-    """The export options' rules (named as the constructors spell them), in order: each flag a ``bool``; a chunk
-    size ``None``, 0 or an int >= :data:`MIN_CHUNK_BYTES`, and only with the CPU offload; reused buffers and the
-    background export only with a chunked export; a :class:`Pinning` choice, other than ``register`` only with
-    reused buffers. Returns the chunk size in bytes (0: nothing chunked) and the pinning as a :class:`Pinning`."""
+def check_export_options(options: Any) -> tuple[int, Pinning]:
+    """The rules of ``options`` (an ``ExportOptions``; named as the constructors spell them), in order: each flag
+    a ``bool``; a chunk size ``None``, 0 or an int >= :data:`MIN_CHUNK_BYTES`, and only with the CPU offload;
+    reused buffers and the background export only with a chunked export; a :class:`Pinning` choice, other than
+    ``register`` only with reused buffers. Returns the chunk size in bytes (0: nothing chunked) and the pinning as
+    a :class:`Pinning`."""
+    cpu_offload, chunk_bytes, reuse_buffers = options.cpu_offload, options.chunk_bytes, options.reuse_buffers
+    pinning, keep_bf16, background = options.pinning, options.keep_bf16, options.background
     check_flags(state_dict_cpu_offload=cpu_offload)
     chunk = chunk_bytes
     if chunk is not None:

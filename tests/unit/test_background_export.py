@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from optim_factory import PortableFusedAdam
-from optim_factory.optimizers.export import ExportOptions, StateExporter, export_state
+from optim_factory.optimizers.export import StateExporter, export_state
 from recipes.checkpoint import CheckpointError, CheckpointManager, ExportBufferStager, read_checkpoint
 from recipes.config import CheckpointConfig
 from tests.helpers import (
@@ -200,7 +200,7 @@ def test_every_thread_waiting_for_a_failed_export_gets_its_failure():
     """The stager's thread and the loop's step() may wait for one background export at the same time: both get its
     failure (one taking it must not make the other read unfilled buffers as a finished export); a wait that
     starts once it was taken returns."""
-    exporter = StateExporter(ExportOptions())
+    exporter = StateExporter()
     pending: Future = Future()
     exporter._pending, exporter._pending_pid = pending, os.getpid()  # a background export, still running
     outcomes: list = []

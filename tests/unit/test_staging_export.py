@@ -385,16 +385,16 @@ def test_only_an_optimizer_for_a_staged_chunked_export_starts_the_unstaging_thre
 def test_a_temporary_exporter_ends_its_threads_with_its_export(monkeypatch):
     """export_state without the optimizer's exporter (TE's own class) uses a temporary one, whose threads end
     with the export, not whenever it is collected. Broken on purpose (no close): its workers are still alive."""
-    import optim_factory.optimizers.export.contract as contract
+    import optim_factory.optimizers.export.plan as plan
 
     workers: list[UnstageWorkers] = []
 
-    class Recording(contract.StateExporter):
+    class Recording(plan.StateExporter):
         def unstage_workers(self, device):
             workers.append(super().unstage_workers(device))
             return workers[-1]
 
-    monkeypatch.setattr(contract, "StateExporter", Recording)
+    monkeypatch.setattr(plan, "StateExporter", Recording)
     opt = _optimizer(4 * M, reuse=False)
     reference = export_state(opt, cpu_offload=True)
     assert_state_dicts_bitwise(export_state(opt, cpu_offload=True, chunk_bytes=4 * M), reference, "temporary")

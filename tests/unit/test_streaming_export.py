@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from optim_factory import PortableFusedAdam
-from optim_factory.optimizers.export import DEFAULT_CHUNK_BYTES, StateExporter, export_state, plan_chunks
+from optim_factory.optimizers.export import DEFAULT_CHUNK_BYTES, ExportPlan, StateExporter, export_state, plan_chunks
 from recipes.checkpoint import CheckpointManager, ExportBufferStager, read_checkpoint
 from recipes.config import CheckpointConfig
 from tests.helpers import (
@@ -107,8 +107,8 @@ def test_plan_packs_pieces_within_the_budget_and_covers_every_element_once():
     params = make_params(torch.float32, shapes=[(1000,), (3,), (0,), (77, 3), (1,)])
     opt = PortableFusedAdam(params, exp_avg_dtype=torch.bfloat16, **_options(256))
     run_steps(opt, params, 0, 1)
-    exporter = opt.state_exporter
-    items = [exporter.item(opt, p, i, n, reuse=False) for i, p in enumerate(params) for n in opt.state[p]]
+    plan = ExportPlan(opt.export_options, opt.state_exporter)  # reuse_buffers=False
+    items = [plan.item(opt, p, i, n) for i, p in enumerate(params) for n in opt.state[p]]
     for budget in (64, 256, 4000, 1 << 20):
         chunks = plan_chunks(items, budget)
         covered = {id(it): [] for it in items}

@@ -1,18 +1,27 @@
 """The export path shared by both FusedAdam backends, one job per module (docs/design.md, "Export"):
 
-* :mod:`.contract`: the TE-matching export and load (``export_state``, ``load_exported_state``);
+* :mod:`.plan`: one export, state by state, as its options say (``ExportPlan``, ``export_state``);
+* :mod:`.contract`: the load contract and the load (``check_loadable``, ``load_exported_state``);
 * :mod:`.formats`: a master's saved and live formats and the conversion between them (``load_master``);
-* :mod:`.options`: the frozen, validated export options (``ExportOptions``, ``Pinning``);
-* :mod:`.stream`: chunk planning and the stream pipeline (``StateExporter``);
+* :mod:`.options`: the frozen, validated export options (``ExportOptions``, ``Pinning``) and the names users
+  spell them by (``OPTION_NAMES``);
+* :mod:`.stream`: chunk planning and the stream pipeline with its resources (``StateExporter``);
 * :mod:`.host_memory`: host memory and pinning (``host_empty``, ``HostBufferPool``);
 * :mod:`.tensors`: DTensor and BF16-remainder bit helpers, shared with the portable backend;
 * :mod:`.mixin`: ``OffloadedStateDict``, the ``state_dict`` family both optimizer classes inherit.
 """
 
-from optim_factory.optimizers.export.contract import export_state, load_exported_state, param_index_map
+from optim_factory.optimizers.export.contract import load_exported_state, param_index_map
 from optim_factory.optimizers.export.host_memory import HostBufferPool, host_empty
 from optim_factory.optimizers.export.mixin import OffloadedStateDict
-from optim_factory.optimizers.export.options import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, ExportOptions, Pinning
+from optim_factory.optimizers.export.options import (
+    DEFAULT_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    OPTION_NAMES,
+    ExportOptions,
+    Pinning,
+)
+from optim_factory.optimizers.export.plan import ExportPlan, export_state
 from optim_factory.optimizers.export.stream import StateExporter, plan_chunks
 from optim_factory.optimizers.export.tensors import (
     all_finite,
@@ -28,6 +37,8 @@ __all__ = [
     "load_exported_state",
     "param_index_map",
     "ExportOptions",
+    "ExportPlan",
+    "OPTION_NAMES",
     "Pinning",
     "DEFAULT_CHUNK_BYTES",
     "MIN_CHUNK_BYTES",

@@ -1,22 +1,10 @@
-"""The TE-matching export contract: ``export_state`` builds what ``optimizer.state_dict()`` returns and
-``load_exported_state`` is its inverse. See docs/design.md, "The export contract".
+"""The load contract: what a state dict must look like to load (:func:`check_loadable`), and
+``load_exported_state``, the inverse of the export (``plan.export_state``). See docs/design.md, "The export
+contract".
 
-Both work on any optimizer with Transformer Engine's FusedAdam state API (``get_unscaled_state``,
-``set_scaled_state``, ``name_to_dtype_map``, ``store_param_remainders``): TE's own class and
-:class:`~optim_factory.PortableFusedAdam`.
-
-* ``cpu_offload=False``: exactly TE's ``FusedAdam.state_dict()``: every state converted to FP32 (int16 for
-  remainder masters) on the state's device, DTensor states re-wrapped as DTensors. FP32 states alias the live
-  state, as in TE.
-* ``cpu_offload=True``: the same keys, names, dtypes and bitwise-equal values, but each state is converted,
-  wrapped as a DTensor *on the parameter's device*, copied to CPU, and its device temporary dropped before the
-  next state is converted. At most one converted state lives on the accelerator at a time. Exported tensors
-  never alias live state, and tensors in ``param_groups`` (a capturable ``lr``, ``step``) are exported as CPU
-  copies; the live ``param_groups`` keep their objects and devices.
-* ``keep_bf16``: BF16 states are exported as BF16 (the stored values, bitwise) instead of FP32, in every mode;
-  everything else as above. Loading accepts BF16 or FP32 for any state.
-* ``cpu_offload=True`` with ``chunk_bytes``: the same result, bitwise, streamed in chunks by a
-  :class:`~optim_factory.optimizers.export.stream.StateExporter` (the accelerator holds at most two chunks).
+Both work on any optimizer with Transformer Engine's FusedAdam state API (``set_scaled_state``,
+``name_to_dtype_map``, ``store_param_remainders``): TE's own class and :class:`~optim_factory.PortableFusedAdam`.
+Loading accepts BF16 or FP32 for any state, on CPU or the accelerator, plain or DTensor.
 """
 
 from __future__ import annotations
@@ -26,7 +14,6 @@ from itertools import chain
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from optim_factory.optimizers.export.formats import (
     MASTER,
@@ -36,20 +23,10 @@ from optim_factory.optimizers.export.formats import (
     load_master,
     saved_format,
 )
-from optim_factory.optimizers.export.options import ExportOptions
-from optim_factory.optimizers.export.stream import StateExporter, StreamItem
-from optim_factory.optimizers.export.tensors import (
-    aliases,
-    all_finite,
-    all_non_negative,
-    local_tensor,
-    wrap_like,
-)
+from optim_factory.optimizers.export.tensors import all_finite, all_non_negative, local_tensor
 from optim_factory.rules.groups import GROUP_KEYS, check_group
 
-__all__ = ["export_state", "load_exported_state", "check_loadable", "param_index_map"]
-
-_CPU = torch.device("cpu")
+__all__ = ["load_exported_state", "check_loadable", "param_index_map"]
 
 
 def param_index_map(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> dict[Any, torch.Tensor]:
@@ -61,109 +38,6 @@ def param_index_map(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) 
             strict=True,
         )
     )
-
-
-def _to_cpu_copy(t: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
-    """A CPU tensor (or DTensor with a CPU local tensor) that never aliases ``live``."""
-    if t.device.type != "cpu":
-        return t.to(_CPU)
-    if live is not None and (local_tensor(t).numel() == 0 or aliases(t, live)):
-        return t.clone()
-    return t
-
-
-def _export_one(optimizer: Any, param: torch.Tensor, name: str, live: Any, cpu_offload: bool, keep_bf16: bool) -> Any:
-    """Export a single optimizer state of ``param``."""
-    if name not in optimizer.name_to_dtype_map or not isinstance(live, torch.Tensor):
-        # Not one of FusedAdam's states (e.g. added by a user): passed through, copied when offloading.
-        if cpu_offload and isinstance(live, torch.Tensor):
-            return _to_cpu_copy(live, live)
-        return live
-    if keep_bf16 and optimizer.name_to_dtype_map[name] == torch.bfloat16:
-        converted = local_tensor(live)  # the stored BF16 tensor (aliases live state, as TE's FP32 states do)
-    else:
-        converted = optimizer.get_unscaled_state(param, name)  # FP32 (int16 remainders), local, param's device
-    if isinstance(param, DTensor):
-        converted = wrap_like(converted, param)  # on the parameter's device, before any copy
-    if not cpu_offload:
-        return converted
-    return _to_cpu_copy(converted, live)
-
-
-def _export_group_value(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(_CPU, copy=True)
-    return value
-
-
-def export_state(
-    optimizer: Any,
-    *,
-    cpu_offload: bool,
-    chunk_bytes: int = 0,
-    reuse_buffers: bool = False,
-    keep_bf16: bool = False,
-    exporter: StateExporter | None = None,
-    background: bool = False,
-) -> dict[str, Any]:
-    """Build the state dict of a FusedAdam-like optimizer (see the module docstring for the contract).
-
-    Args:
-        optimizer: TE's FusedAdam (or a subclass) or :class:`~optim_factory.PortableFusedAdam`.
-        cpu_offload: export to CPU: one state at a time (``chunk_bytes=0``), or streamed in chunks.
-        chunk_bytes: with ``cpu_offload``, stream in chunks of at most this many bytes of converted output.
-        reuse_buffers: with ``chunk_bytes``, take host destinations from ``exporter``'s pool (pinned when the
-            states are on CUDA); the optimizer's ``release_state_dict`` gives them back.
-        keep_bf16: export BF16 states as they are stored (BF16) instead of converting them to FP32.
-        exporter: the optimizer's own :class:`StateExporter` (needed with ``reuse_buffers``; a temporary one is
-            used for a chunked export without it).
-        background: with ``chunk_bytes``, return once the host tensors are allocated; ``exporter`` fills them on
-            its background thread (``exporter.wait()`` waits and re-raises its failure).
-
-    Returns:
-        ``{"state": {index: {name: tensor}}, "param_groups": [...]}`` like ``torch.optim.Optimizer``.
-    """
-    chunk = chunk_bytes if cpu_offload else None  # 0 for an export that stays on the device
-    options = ExportOptions(cpu_offload, chunk, reuse_buffers, keep_bf16=keep_bf16, background=background)
-    if (reuse_buffers or background) and exporter is None:
-        raise ValueError("reuse_buffers or background: needs the optimizer's own exporter (it owns the buffer pool)")
-    if chunk_bytes and exporter is None:
-        with StateExporter(options) as temporary:  # its threads end with this export
-            return export_state(
-                optimizer, cpu_offload=cpu_offload, chunk_bytes=chunk_bytes, keep_bf16=keep_bf16, exporter=temporary
-            )
-    state_dict = torch.optim.Optimizer.state_dict(optimizer)
-    id_map = param_index_map(optimizer, state_dict["param_groups"])
-    if chunk_bytes:
-        exporter.pool.wait_preparation()  # never race a background prepare for the same slots
-    streamed: list[StreamItem] = []
-    for key, packed in state_dict["state"].items():
-        param = id_map.get(key)
-        if param is None:
-            continue
-        live_state = optimizer.state[param]
-        exported = {}
-        for name in packed:
-            live = live_state[name]
-            item = None
-            if chunk_bytes:
-                item = exporter.item(optimizer, param, key, name, reuse_buffers, keep_bf16)
-            if item is not None:
-                streamed.append(item)
-                exported[name] = item.result
-            else:
-                exported[name] = _export_one(optimizer, param, name, live, cpu_offload, keep_bf16)
-        state_dict["state"][key] = exported
-    if streamed and background:
-        exporter.stream_background(streamed, chunk_bytes)
-    elif streamed:
-        exporter.stream(streamed, chunk_bytes)
-    if cpu_offload:
-        state_dict["param_groups"] = [
-            {k: (v if k in ("params", "param_names") else _export_group_value(v)) for k, v in g.items()}
-            for g in state_dict["param_groups"]
-        ]
-    return state_dict
 
 
 _LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -256,6 +130,12 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
             f"load_state_dict: the state dict has states for {', '.join(map(repr, stray[:3]))}"
             f"{' ...' if len(stray) > 3 else ''}, which no parameter group lists (they would be dropped)"
         )
+    _check_values(checked)
+
+
+def _check_values(checked: list[tuple[str, torch.Tensor]]) -> None:
+    """The last checks of :func:`check_loadable`, on every state's (where, local tensor): finite values, and a
+    non-negative ``exp_avg_sq``."""
     if not all_finite(t for _, t in checked):
         where = next(where for where, t in checked if not all_finite([t]))
         raise ValueError(f"load_state_dict: {where} holds NaN or inf values (a diverged run's state): not loaded")
@@ -334,7 +214,7 @@ def _check_state(optimizer: Any, where: str, name: str, value: Any, param: torch
 
 
 def load_exported_state(optimizer: Any, state_dict: dict[str, Any]) -> list[MasterConversion]:
-    """Load a dictionary made by :func:`export_state` (CPU or accelerator, plain tensors or DTensors).
+    """Load a dictionary made by ``export_state`` (CPU or accelerator, plain tensors or DTensors).
 
     The whole dictionary is checked first (:func:`check_loadable`): a mismatch raises one ``ValueError`` line
     and leaves the optimizer exactly as it was.

@@ -9,27 +9,40 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import Any
+from operator import attrgetter
+from typing import Any, TypeVar
 
 import torch
 
-from optim_factory.optimizers.export.contract import export_state, load_exported_state, param_index_map
+from optim_factory.optimizers.export.contract import load_exported_state, param_index_map
 from optim_factory.optimizers.export.formats import MasterConversion, wants_remainders
-from optim_factory.optimizers.export.options import ExportOptions, Pinning
+from optim_factory.optimizers.export.options import OPTION_NAMES, ExportOptions
+from optim_factory.optimizers.export.plan import ExportPlan
 from optim_factory.optimizers.export.stream import StateExporter
 from optim_factory.optimizers.export.tensors import local_tensor
 
 __all__ = ["OffloadedStateDict"]
 
+_Class = TypeVar("_Class", bound=type)
 
+
+def _option_attributes(cls: _Class) -> _Class:
+    """Give ``cls`` one read-only attribute per export option, by the name users spell it
+    (``opt.state_dict_cpu_offload`` is ``opt.export_options.cpu_offload``; :data:`OPTION_NAMES`)."""
+    for option, name in OPTION_NAMES.items():
+        setattr(cls, option, property(attrgetter(f"_export_options.{name}"), doc=f"``export_options.{name}``"))
+    return cls
+
+
+@_option_attributes
 class OffloadedStateDict:
     """``state_dict`` / ``wait_state_dict`` / ``load_state_dict`` / ``release_state_dict`` /
     ``prepare_state_dict`` of both backends.
 
-    The optimizer calls :meth:`_init_export` in its ``__init__`` with its keyword-only export options; it then
-    owns one frozen :class:`ExportOptions` (:attr:`export_options`) and one :class:`StateExporter` (with the pool
-    of reusable host buffers). The options' constructor names are readable as attributes
-    (``opt.state_dict_cpu_offload`` ...), not writable.
+    The optimizer calls :meth:`_init_export` in its ``__init__`` with its :class:`ExportOptions`; it then owns
+    them (:attr:`export_options`, frozen) and one :class:`StateExporter` (the pool of reusable host buffers, the
+    export's threads). Each export is an :class:`ExportPlan` of the whole options and that exporter. The options'
+    constructor names are readable as attributes (``opt.state_dict_cpu_offload`` ...), not writable.
     """
 
     _export_options: ExportOptions
@@ -39,7 +52,7 @@ class OffloadedStateDict:
 
     def _init_export(self, options: ExportOptions) -> None:
         self._export_options = options
-        self._exporter = StateExporter(options)
+        self._exporter = StateExporter()
         self._deferring = 0
         self._loaded_masters = []
 
@@ -57,7 +70,7 @@ class OffloadedStateDict:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         torch.optim.Optimizer.__setstate__(self, state)
-        self._exporter = StateExporter(self._export_options)
+        self._exporter = StateExporter()
         self._start_export_threads()
 
     def _warn_without_gpu(self) -> None:
@@ -76,47 +89,20 @@ class OffloadedStateDict:
             )
 
     def _start_export_threads(self) -> None:
-        """For a chunked export: start the threads that empty its staging buffers now, one set per device of the
-        parameters that stages (CUDA; CPU without reuse: reused CPU buffers are copied into directly), so that
-        no export waits for them; other options: none (the optimizer calls this at the end of ``__init__``, a
-        copy in ``__setstate__``)."""
-        o = self._export_options
-        if not (o.cpu_offload and o.chunk_bytes):
-            return  # nothing streams: no thread is needed
+        """Get the exporter's threads ready for the options' exports (:meth:`ExportPlan.start_threads`); the
+        optimizer calls this at the end of ``__init__``, a copy in ``__setstate__``."""
         devices = {p.device for g in self.param_groups for p in g["params"]}
-        staging = [d for d in devices if d.type == "cuda" or (d.type == "cpu" and not o.reuse_buffers)]
-        for device in sorted(staging, key=str):
-            self._exporter.unstage_workers(device)
+        self._plan().start_threads(devices)
+
+    def _plan(self) -> ExportPlan:
+        """The plan of an export with the optimizer's options and exporter."""
+        return ExportPlan(self._export_options, self._exporter)
 
     # ------------------------------------------------------------------ options
     @property
     def export_options(self) -> ExportOptions:
         """The export options (frozen)."""
         return self._export_options
-
-    @property
-    def state_dict_cpu_offload(self) -> bool:
-        return self._export_options.cpu_offload
-
-    @property
-    def state_dict_offload_chunk_bytes(self) -> int:
-        return self._export_options.chunk_bytes
-
-    @property
-    def state_dict_offload_reuse_buffers(self) -> bool:
-        return self._export_options.reuse_buffers
-
-    @property
-    def state_dict_offload_pinning(self) -> Pinning:
-        return self._export_options.pinning
-
-    @property
-    def state_dict_keep_bf16(self) -> bool:
-        return self._export_options.keep_bf16
-
-    @property
-    def state_dict_offload_background(self) -> bool:
-        return self._export_options.background
 
     @property
     def state_exporter(self) -> StateExporter:
@@ -126,10 +112,10 @@ class OffloadedStateDict:
     # ------------------------------------------------------------------ export and load
     def _on_device_state_dict(self) -> dict[str, Any]:
         """The export with offload off (TE's own ``state_dict()``)."""
-        return export_state(self, cpu_offload=False)
+        return ExportPlan(ExportOptions()).export(self)
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state dict, exported as the options say (see :func:`export_state`).
+        """The optimizer's state dict, exported as the options say (see :class:`ExportPlan`).
 
         With ``state_dict_offload_background``, inside :meth:`deferred_state_dict` it returns once the host
         tensors are allocated, before they hold their values: the caller calls :meth:`wait_state_dict` before
@@ -145,15 +131,7 @@ class OffloadedStateDict:
             if not (o.cpu_offload or o.keep_bf16):
                 exported = self._on_device_state_dict()
             else:
-                exported = export_state(
-                    self,
-                    cpu_offload=o.cpu_offload,
-                    chunk_bytes=o.chunk_bytes,
-                    reuse_buffers=o.reuse_buffers,
-                    keep_bf16=o.keep_bf16,
-                    exporter=self._exporter,
-                    background=o.background,
-                )
+                exported = self._plan().export(self)
         if o.background and not self._deferring:
             self.wait_state_dict()  # nobody asked to wait later: filled before anyone can read it
         for post_hook in self._optimizer_state_dict_post_hooks.values():  # type: ignore[attr-defined]
@@ -295,4 +273,4 @@ class OffloadedStateDict:
         self.settle_masters()
         with self._torch_hooks_held():  # the packing only: the user's hooks are for the export
             packed = torch.optim.Optimizer.state_dict(self)
-        return self._exporter.prepare(self, param_index_map(self, packed["param_groups"]))
+        return self._plan().prepare(self, param_index_map(self, packed["param_groups"]))

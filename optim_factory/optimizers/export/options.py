@@ -1,21 +1,26 @@
 """The export options: one frozen, validated object per optimizer.
 
-``ExportOptions`` is built once from the optimizer's keyword-only constructor arguments (``state_dict_cpu_offload``,
-``state_dict_offload_chunk_bytes``, ``state_dict_offload_reuse_buffers``, ``state_dict_offload_pinning``,
-``state_dict_keep_bf16``, ``state_dict_offload_background``); an
-impossible combination raises one ``ConfigError`` line naming the option (the rules:
+``ExportOptions`` is built once from the optimizer's keyword-only constructor arguments, whose names each field
+carries (:data:`OPTION_NAMES`: ``state_dict_cpu_offload`` for ``cpu_offload`` ...; the config keys are the same);
+an impossible combination raises one ``ConfigError`` line naming the option (the rules:
 :mod:`optim_factory.rules.export`). The factory validates configs with the same class. See docs/design.md,
 "Export options".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from optim_factory.rules.export import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, Pinning, check_export_options
 
-__all__ = ["ExportOptions", "Pinning", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES"]
+__all__ = ["ExportOptions", "Pinning", "OPTION_NAMES", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES"]
+
+
+def _option(name: str, default: Any) -> Any:
+    """A field of :class:`ExportOptions` with ``name``, the name users spell it by (constructor keyword, config key)."""
+    return field(default=default, metadata={"option": name})
 
 
 @dataclass(frozen=True)
@@ -38,17 +43,15 @@ class ExportOptions:
             ``state_dict()`` wait for it, ``wait_state_dict()`` waits and re-raises its failure.
     """
 
-    cpu_offload: bool = False
-    chunk_bytes: int | None = None
-    reuse_buffers: bool = False
-    pinning: Pinning = Pinning.register
-    keep_bf16: bool = False
-    background: bool = False
+    cpu_offload: bool = _option("state_dict_cpu_offload", False)
+    chunk_bytes: int | None = _option("state_dict_offload_chunk_bytes", None)
+    reuse_buffers: bool = _option("state_dict_offload_reuse_buffers", False)
+    pinning: Pinning = _option("state_dict_offload_pinning", Pinning.register)
+    keep_bf16: bool = _option("state_dict_keep_bf16", False)
+    background: bool = _option("state_dict_offload_background", False)
 
     def __post_init__(self) -> None:
-        chunk, pinning = check_export_options(
-            self.cpu_offload, self.chunk_bytes, self.reuse_buffers, self.pinning, self.keep_bf16, self.background
-        )
+        chunk, pinning = check_export_options(self)
         object.__setattr__(self, "chunk_bytes", chunk)
         object.__setattr__(self, "pinning", pinning)
 
@@ -68,21 +71,13 @@ class ExportOptions:
         return ", ".join(how)
 
     @classmethod
-    def from_kwargs(
-        cls,
-        state_dict_cpu_offload: Any,
-        state_dict_offload_chunk_bytes: Any,
-        state_dict_offload_reuse_buffers: Any,
-        state_dict_offload_pinning: Any,
-        state_dict_keep_bf16: Any,
-        state_dict_offload_background: Any,
-    ) -> ExportOptions:
-        """Build from the constructors' keyword names (the names users and configs spell)."""
-        return cls(
-            state_dict_cpu_offload,
-            state_dict_offload_chunk_bytes,
-            state_dict_offload_reuse_buffers,
-            state_dict_offload_pinning,
-            state_dict_keep_bf16,
-            state_dict_offload_background,
-        )
+    def from_options(cls, values: Mapping[str, Any]) -> ExportOptions:
+        """Build from ``values`` by the names users spell (:data:`OPTION_NAMES`: a constructor's arguments, a
+        config); other keys are ignored. Both constructors and the factory build their options this way
+        (``constructor.export_options``)."""
+        return cls(**{name: values[option] for option, name in OPTION_NAMES.items()})
+
+
+OPTION_NAMES: dict[str, str] = {f.metadata["option"]: f.name for f in fields(ExportOptions)}
+"""The export options by the names users spell (constructor keywords, config keys) -> :class:`ExportOptions`'
+fields, in the fields' order: ``{"state_dict_cpu_offload": "cpu_offload", ...}``."""

@@ -12,12 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from optim_factory.optimizers.export.host_memory import HostBufferPool, ProcessThreads, Slot, host_empty
-from optim_factory.optimizers.export.options import ExportOptions, Pinning
+from optim_factory.optimizers.export.host_memory import HostBufferPool, ProcessThreads
 from optim_factory.optimizers.export.staging import Stager, UnstageWorkers, unstage_threads
-from optim_factory.optimizers.export.tensors import local_tensor, wrap_host_local
 
 __all__ = ["StreamItem", "Piece", "plan_chunks", "StateExporter"]
 
@@ -89,37 +86,6 @@ def _chunk_bytes(chunk: list[Piece]) -> int:
     return last.offset + (last.stop - last.start) * last.item.dst.element_size()
 
 
-def _fp8_torch_dtype(te_fp8_dtype: Any) -> torch.dtype:
-    name = str(getattr(te_fp8_dtype, "name", te_fp8_dtype)).lower()  # an IntEnum: str() is its number
-    if "e5m2" in name:
-        return torch.float8_e5m2
-    if "e4m3" in name:
-        return torch.float8_e4m3fn
-    raise RuntimeError(f"unknown FP8 format {te_fp8_dtype!r}")
-
-
-def _state_source(optimizer: Any, param: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The raw local storage of one state (flat) and the FP32 factor that unscales it, or ``None`` when the
-    state cannot be streamed element by element (non-contiguous storage).
-
-    This reads the optimizers' storage as TE 2.20's ``get_unscaled_state`` does (TE's ``Float8Tensor`` data and
-    ``_scale_inv``, the per-state ``_scales`` of FP16 states), so that each chunk is converted with the same
-    arithmetic: see docs/design.md, "Streaming".
-    """
-    stored = local_tensor(optimizer.state[param][name])
-    data = getattr(stored, "_data", None)
-    if data is not None and hasattr(stored, "_scale_inv"):
-        # TE's Float8Tensor: its float() is E4M3 -> FP32 times scale_inv, element by element
-        source, scale = data.view(_fp8_torch_dtype(stored._fp8_dtype)), stored._scale_inv
-    elif optimizer.name_to_dtype_map[name] in (torch.float16, torch.uint8):
-        source, scale = stored, optimizer._scales[param][name]  # FP16 (both backends), FP8 (portable)
-    else:
-        source, scale = stored, None  # FP32, int16 remainders (copied as they are), BF16 (widened)
-    if not source.is_contiguous():
-        return None
-    return source.reshape(-1), scale
-
-
 def _convert(piece: Piece, out: torch.Tensor) -> None:
     """Exactly what ``get_unscaled_state`` computes, for one piece: widen to FP32, then times the scale."""
     out.copy_(piece.source())
@@ -128,7 +94,9 @@ def _convert(piece: Piece, out: torch.Tensor) -> None:
 
 
 class StateExporter:
-    """Streams converted optimizer states into host tensors (the ``chunk_bytes`` mode of the export).
+    """Streams converted optimizer states into host tensors (the ``chunk_bytes`` mode of the export), with the
+    resources that outlive one export: the pool of reusable host buffers, the unstaging threads, the background
+    thread. What streams, and into which destination, is the export's plan (``plan.ExportPlan``).
 
     Per chunk: the pieces that need converting (BF16/FP16/FP8 states) are converted into one of two device
     buffers on the current stream; a side stream copies every piece (converted, or straight from FP32/int16
@@ -139,17 +107,17 @@ class StateExporter:
     only, emptied by :func:`~optim_factory.optimizers.export.staging.unstage_threads` host threads while the
     device fills the next one. On CPU the same steps run, the device copies synchronously. Those threads
     (:meth:`unstage_workers`, one set per device) are started once and kept between exports; the optimizer
-    starts them when it is built for a chunked export, so that no export waits for them.
+    starts them when it is built for a chunked export (``ExportPlan.start_threads``), so that no export waits for
+    them.
 
     :meth:`stream_background` runs the same pipeline on a background thread, with the conversions on a side
     stream that first waits for the caller's stream; at most one such export is pending (:meth:`wait`).
 
-    Each FusedAdam of this package creates one in ``__init__`` and owns it (with its :attr:`pool`); an optimizer
-    without one (TE's own class, in tests) can be given a temporary one.
+    Each FusedAdam of this package creates one in ``__init__`` and owns it (with its :attr:`pool`); the export of
+    an optimizer without one (TE's own class, in tests) uses a temporary one.
     """
 
-    def __init__(self, options: ExportOptions) -> None:
-        self.options = options
+    def __init__(self) -> None:
         self.pool = HostBufferPool()
         self._copy_streams: dict[torch.device, Any] = {}
         self._convert_streams: dict[torch.device, Any] = {}
@@ -181,54 +149,6 @@ class StateExporter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def _streamable(
-        self, optimizer: Any, param: torch.Tensor, name: str, keep_bf16: bool
-    ) -> tuple[torch.Tensor, Any, Slot] | None:
-        """Source, scale and pool slot of a state that streams; ``None``: it does not (not an optimizer state
-        tensor, or not contiguous) and is exported per state."""
-        live = optimizer.state[param][name]
-        if name not in optimizer.name_to_dtype_map or not isinstance(live, torch.Tensor):
-            return None
-        found = _state_source(optimizer, param, name)
-        if found is None:
-            return None
-        source, scale = found
-        kept = source.dtype == torch.int16 or (keep_bf16 and source.dtype == torch.bfloat16 and scale is None)
-        dtype = source.dtype if kept else torch.float32  # int16 remainders, kept BF16: copied as they are
-        pinning = self.options.pinning if source.device.type == "cuda" else Pinning.none
-        return source, scale, Slot(None, tuple(local_tensor(live).shape), dtype, pinning)
-
-    def item(
-        self, optimizer: Any, param: torch.Tensor, key: Any, name: str, reuse: bool, keep_bf16: bool = False
-    ) -> StreamItem | None:
-        """The streaming plan for one state, with its host destination; ``None``: export it per state."""
-        found = self._streamable(optimizer, param, name, keep_bf16)
-        if found is None:
-            return None
-        source, scale, slot = found
-        cuda = source.device.type == "cuda"
-        # CUDA: pinned destinations are copied into directly, pageable ones through the pinned staging buffers.
-        # CPU: reused destinations directly, fresh ones staged (the same steps, so CPU tests cover both paths).
-        if reuse:
-            dst = self.pool.take(Slot((key, name), slot.shape, slot.dtype, slot.pinning))
-            staged = cuda and not self.pool.is_pinned(dst)
-        else:
-            dst, staged = host_empty(torch.Size(slot.shape), slot.dtype), True
-        result = wrap_host_local(dst, param) if isinstance(param, DTensor) else dst
-        return StreamItem(source, scale, dst, result, staged)
-
-    def prepare(self, optimizer: Any, params: dict[Any, torch.Tensor]) -> Future:
-        """Get a ready pooled buffer for every state of ``params`` (packed index -> parameter) in the background
-        (see :meth:`HostBufferPool.prepare`)."""
-        slots = []
-        for key, param in params.items():
-            for name in optimizer.state.get(param, {}):
-                found = self._streamable(optimizer, param, name, self.options.keep_bf16)
-                if found is not None:
-                    slot = found[2]
-                    slots.append(Slot((key, name), slot.shape, slot.dtype, slot.pinning))
-        return self.pool.prepare(slots)
 
     def stream(self, items: list[StreamItem], chunk_bytes: int) -> None:
         """Fill every item's destination; returns when all host tensors hold their final values."""
