@@ -1,6 +1,6 @@
 """The code's layout: in ``recipes/`` and ``optim_factory/`` no import cycle (imports inside functions, and the
-package ``__init__`` an import runs first, included); no module over 400 lines; no private name imported from
-another module."""
+package ``__init__`` an import runs first, included); no module over 400 lines and no function over 80; no
+private name imported from another module."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("recipes", "optim_factory")
 MOST_LINES = 400
+MOST_FUNCTION_LINES = 80
 
 
 def _modules() -> dict[str, Path]:
@@ -106,6 +107,17 @@ def test_a_lazy_import_is_an_edge(tmp_path):
 def test_no_module_over_400_lines():
     lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in _modules().values()}
     assert not {path: n for path, n in lines.items() if n > MOST_LINES}
+
+
+def test_no_function_over_80_lines():
+    long = {
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name}": node.end_lineno - node.lineno + 1
+        for path in _modules().values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MOST_FUNCTION_LINES
+    }
+    assert not long
 
 
 def test_no_private_name_imported_from_another_module():
