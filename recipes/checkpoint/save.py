@@ -62,7 +62,7 @@ FINITE, NO_SPACE, NON_FINITE, EXPORT_FAILED = 0, 1, 2, 3  # a save's verdict, ag
 @dataclass
 class InFlight:
     """An async save between its :meth:`Saver.save` call and its :meth:`Saver.wait`; a deferred export's
-    completion (:meth:`stage`) is its own."""
+    completion (:meth:`finish`) is its own."""
 
     step: int
     path: Path
@@ -78,7 +78,7 @@ class InFlight:
     failure: str | None = None  # a deferred export's failure in one line
     export_waited: bool = False  # wait_export() ran (later calls return at once)
 
-    def stage(self, staged: dict[str, Any], copied: Callable[[], None]) -> Future:
+    def finish(self, staged: dict[str, Any], copied: Callable[[], None]) -> Future:
         """The stager's ``finish`` for a deferred export: a Future of ``staged`` that completes on a thread of its
         own once the copies are complete, the export is filled (the next ``step()`` changes the model and the
         optimizer: the loop waits for :attr:`filled` before it) and ``staged`` was checked for non-finite values.
@@ -170,7 +170,7 @@ class Saver:
 
         A deferred export (``export.defers``) returns before the optimizer's export is filled: the model and every
         tensor that is not a pooled export buffer are copied here, the rest (wait, finite check) runs in the
-        background (:meth:`InFlight.stage`), and :meth:`wait` refuses the save on every rank if the export failed
+        background (:meth:`InFlight.finish`), and :meth:`wait` refuses the save on every rank if the export failed
         or holds non-finite values. Call :meth:`wait_export` before the next ``optimizer.step()``."""
         self.wait()  # one save in flight at most; its buffers are never touched by the next export
         held_since = time.perf_counter()  # this checkpoint holds the loop from here (the wait above: the previous)
@@ -190,9 +190,9 @@ class Saver:
             raise
         self._clear_in_the_way(step, path)
         nbytes = state_bytes(osd)
+        t0 = time.perf_counter()
         writer = ChecksumFileSystemWriter(path, thread_count=self.write_threads)
         pending = InFlight(step, path, optimizer, osd, writer, held_since) if self.cfg.async_save else None
-        t0 = time.perf_counter()
         self._write({"model": msd, "optim": osd, "trainer": trainer_state}, path, writer, optimizer, pending, deferred)
         save_s = time.perf_counter() - t0
         report = ExportReport(
@@ -222,7 +222,7 @@ class Saver:
         in_flight = False
         try:
             if pending is not None:
-                finish = pending.stage if deferred else None  # the export's completion is the save's
+                finish = pending.finish if deferred else None  # the export's completion is the save's
                 stager = ExportBufferStager(optimizer, host_copies=self.host_copies, finish=finish)
                 future = dcp.async_save(
                     state,

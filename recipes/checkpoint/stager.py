@@ -30,7 +30,7 @@ class ExportBufferStager(AsyncStager):
 
     ``finish`` (a background export into pooled buffers, still being filled): :meth:`stage` starts the copies and
     returns ``finish(staged, copied)``, the Future of the save that owns the export
-    (``recipes.checkpoint.save.InFlight.stage``), which completes once the copies and the export are done.
+    (``recipes.checkpoint.save.InFlight.finish``), which completes once the copies and the export are done.
     """
 
     _synchronize_after_execute = False
