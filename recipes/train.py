@@ -147,50 +147,52 @@ def _resume(cfg, ckpt, model, optimizer, end: int, limit: str, record: Path | No
     return start, str(path)
 
 
-def _train(
-    cfg: DictConfig,
-    env,
-    device,
-    data,
-    mesh,
-    optim: ValidatedOptim,
-    manager_cls: type[CheckpointManager],
-    record: Path | None,
-) -> dict[str, Any]:
-    """The job after its checks; ``record``: this launch's ``launches/`` file (rank 0), removed if the resume
-    refuses the launch (launches/ holds accepted launches only)."""
-    rank, world = env.rank, env.world_size
-    metrics = MetricsWriter(cfg.run_dir, rank)
+def _setup(cfg: DictConfig, env, device, mesh, optim: ValidatedOptim, manager_cls, record: Path | None, metrics):
+    """(model, optimizer, checkpoint manager) of the run, with the launch's first log lines."""
     model = shard_model(build_model(cfg.model, seed=cfg.trainer.seed, device=device), mesh)
     with _unrecorded_if_refused(record):  # the checks that need the model (backend, override patterns)
         optimizer = build_optimizer(optim, model)
-    base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
     ckpt = manager_cls(
         cfg.checkpoint,
-        rank=rank,
+        rank=env.rank,
         device=device,
         on_report=metrics.checkpoint,
         run_config=OmegaConf.to_container(cfg, resolve=True),  # stored in every checkpoint's manifest
         waits_before_step=True,  # TrainStep calls ckpt.wait_export before optimizer.step()
     )
-    log.info("launcher=%s world_size=%d device=%s run_dir=%s", env.launcher, world, device, Path(cfg.run_dir).resolve())
+    world, where = env.world_size, Path(cfg.run_dir).resolve()
+    log.info("launcher=%s world_size=%d device=%s run_dir=%s", env.launcher, world, device, where)
     if cfg.checkpoint.enabled:
         given = cfg.checkpoint.write_threads
         how = "0: min(4, the CPUs of this rank)" if given == 0 else str(given)
         log.info("checkpoints: %d writer thread(s) per rank (checkpoint.write_threads=%s)", ckpt.write_threads, how)
-    if cfg.trainer.warmup_steps > cfg.trainer.max_steps and rank == 0:
+    if cfg.trainer.warmup_steps > cfg.trainer.max_steps and env.rank == 0:
         warmup, steps = cfg.trainer.warmup_steps, cfg.trainer.max_steps
         log.warning(f"trainer.warmup_steps={warmup} > trainer.max_steps={steps}: the learning rate peaks at "
                     f"{100 * steps / warmup:.3g} % of optim.lr")  # fmt: skip
+    return model, optimizer, ckpt
 
-    torch.manual_seed(cfg.trainer.seed + 1000 * rank)  # the process RNG (dropout-free model: recorded, restored)
+
+def _train(cfg: DictConfig, env, device, data, mesh, optim: ValidatedOptim, manager_cls, record) -> dict[str, Any]:
+    """The job after its checks: setup, resume, loop, summary (``record``: this launch's ``launches/`` file)."""
+    metrics = MetricsWriter(cfg.run_dir, env.rank)
+    model, optimizer, ckpt = _setup(cfg, env, device, mesh, optim, manager_cls, record, metrics)
+    base_lrs = [float(g["lr"]) for g in optimizer.param_groups]  # the config's, before a resume
+    torch.manual_seed(cfg.trainer.seed + 1000 * env.rank)  # the process RNG (dropout-free model: recorded, restored)
     max_steps = cfg.trainer.max_steps
     end = min(max_steps, cfg.trainer.stop_at) if cfg.trainer.stop_at > 0 else max_steps
     limit = "trainer.stop_at" if end < max_steps else "trainer.max_steps"  # the key that ends this run
-    start, resumed_from = _resume(cfg, ckpt, model, optimizer, end, limit, record, metrics, rank)
+    start, resumed_from = _resume(cfg, ckpt, model, optimizer, end, limit, record, metrics, env.rank)
     if start >= end:
         log.info(nothing_to_do(start, end, resumed_from, [], limit))
+    run = _loop(cfg, env, model, optimizer, data, device, base_lrs, ckpt, metrics, start, end)
+    return _summary(cfg, env.rank, ckpt, metrics, start, end, resumed_from, limit, *run)
 
+
+def _loop(cfg: DictConfig, env, model, optimizer, data, device, base_lrs, ckpt, metrics, start: int, end: int):
+    """Steps ``start`` to ``end``, evaluated and saved where due, until a stop signal: (the step log, the last
+    evaluation, the step it stopped at or None, the signal or None)."""
+    rank, world, max_steps = env.rank, env.world_size, cfg.trainer.max_steps
     bar = progress_bar(total=end, initial=start, enabled=cfg.trainer.progress if rank == 0 else False)
     train_step = TrainStep(
         model,
@@ -209,8 +211,7 @@ def _train(
     step_log = StepLog(
         metrics, bar, world=world, start=start, end=end, max_steps=max_steps, every=cfg.trainer.log_every
     )
-    last_eval = None
-    stop, stopped_at = StopSignal(saves=cfg.checkpoint.enabled), None
+    stop, stopped_at, last_eval = StopSignal(saves=cfg.checkpoint.enabled), None, None
     model.train()
     try:
         for step in range(start, end):
@@ -235,13 +236,8 @@ def _train(
                     "trainer.grad_clip, or check the data)"
                 )
             if ckpt.due(done, end) or (stopping and cfg.checkpoint.enabled):
-                trainer_state = {
-                    "step": done,
-                    "data_position": done,
-                    "world_size": world,
-                    "rng_state": torch.get_rng_state(),
-                }
-                ckpt.save(done, model, optimizer, trainer_state)
+                state = {"step": done, "data_position": done, "world_size": world, "rng_state": torch.get_rng_state()}
+                ckpt.save(done, model, optimizer, state)
             if stopping and done < end:  # a stop at the last step is the end of the run
                 stopped_at = done
                 log.warning(
@@ -259,6 +255,11 @@ def _train(
         stop.restore()  # also when a step or a save raises
     bar.close()
     ckpt.close()
+    return step_log, last_eval, stopped_at, stop.received
+
+
+def _summary(cfg, rank: int, ckpt, metrics, start, end, resumed_from, limit, step_log, last_eval, stopped_at, signal):
+    """The run's summary (``metrics.jsonl``'s last record; rank 0 logs it for a person)."""
     summary = {
         "start_step": start,
         "resumed_from": resumed_from,
@@ -273,7 +274,7 @@ def _train(
         # (rank 0 only: it writes the completion markers and applies keep_last, other ranks would race it)
         "kept_checkpoints": [str(p) for _, p in ckpt.complete()] if rank == 0 else None,
         "stopped_at": stopped_at,
-        "stopped_by": (stop.received or "a signal on another rank") if stopped_at is not None else None,
+        "stopped_by": (signal or "a signal on another rank") if stopped_at is not None else None,
     }
     metrics.write({"kind": "summary", **summary})
     if rank == 0:

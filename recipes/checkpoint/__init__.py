@@ -19,8 +19,11 @@ The modules, one job each (none imports a module that imports it):
 - ``layout.py``: step directories, the manifest, retention, the set-aside of a damaged checkpoint (no collectives);
 - ``resume.py``: what a resume does with each config key that differs from the checkpoint's (a pure table);
 - ``host_copies.py``: host copies of a nested state dict (the save's staging and the load's template);
-- ``stager.py``: the async save's stager; ``report.py``: what a save cost;
-- ``save.py`` and ``load.py``: the two halves of :class:`CheckpointManager` (``manager.py``).
+- ``stager.py``: the async save's stager (DCP's ``AsyncStager``); ``report.py``: what a save cost;
+- ``save.py``: :class:`~recipes.checkpoint.save.Saver`, every save from its export to its sealed manifest and
+  ``keep_last`` (an async save in flight, with a deferred export's completion, is its ``InFlight``);
+- ``load.py``: :class:`~recipes.checkpoint.load.Loader`, the resume (candidates, config check, verification, read);
+- ``manager.py``: :class:`CheckpointManager`, a saver and a loader given their inputs, the run's one interface.
 """
 
 from recipes.checkpoint.layout import (

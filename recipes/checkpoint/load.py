@@ -5,7 +5,8 @@ the config check (recipes/checkpoint/resume.py), verification against the manife
 
 A load first verifies every file of the manifest (present, recorded size, recorded hash; the ranks share the files
 to read) and refuses a damaged checkpoint in one line, before anything is read into the model or optimizer; only a
-complete read is set into the live model and optimizer.
+complete read is set into the live model and optimizer. One :class:`Loader` per run, built by the checkpoint
+manager (recipes/checkpoint/manager.py), which hands the loaded checkpoint to the saver as the newest verified one.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from optim_factory.checkpoint import ExactLoadPlanner, finish_load, prepare_load
 from recipes.checkpoint import resume
@@ -40,10 +42,17 @@ from recipes.distributed import all_ranks
 log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the package
 
 
-class Loads:
-    """The load half of :class:`recipes.checkpoint.manager.CheckpointManager` (its attributes are set there)."""
+class Loader:
+    """The loads of one run: which checkpoint to resume from, its verification and its read."""
 
-    def resume_candidates(self) -> list[Path]:
+    def __init__(self, cfg, *, rank: int, options: StateDictOptions, run_config: dict[str, Any] | None):
+        """``cfg``: the run's ``checkpoint`` config; ``options``: DCP's state dict options (as the saves');
+        ``run_config``: the run's resolved config, checked against a checkpoint's (recipes/checkpoint/resume.py)."""
+        self.cfg, self.rank, self.options, self.run_config = cfg, rank, options, run_config
+        self.root = Path(cfg.dir)
+        self.resume_changes: list = []  # resume.Change: how the run's config differs from the last loaded one's
+
+    def candidates(self) -> list[Path]:
         """Checkpoints to try, newest first, per ``checkpoint.resume`` (empty: start fresh)."""
         if not self.cfg.enabled or self.cfg.resume == "never":
             return []
@@ -66,7 +75,7 @@ class Loads:
         skipped ones that failed verification are set aside (``layout.set_aside``, by rank 0); a resume that
         fails changes nothing on disk.
         """
-        candidates = self.resume_candidates()
+        candidates = self.candidates()
         damaged: list[Path] = []
         for i, path in enumerate(candidates):
             try:
@@ -121,7 +130,6 @@ class Loads:
         finish_load(optimizer)  # the masters from the parameters just loaded (set_state_dict loads the model last)
         restore_hyperparameters(optimizer, hyperparameters)  # the config's, not the checkpoint's
         self.resume_changes = changes  # logged by the caller once it accepts them (resume.log_changes)
-        self.verified = Path(path)
         return state["trainer"]
 
     def verify(self, path: Path) -> None:
@@ -145,7 +153,8 @@ class Loads:
                     "checkpoint %s has no checksums (written before they were recorded): loading it unverified", path
                 )
         else:
-            for name in sorted(files)[self.rank :: self.world]:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            for name in sorted(files)[self.rank :: world]:
                 try:
                     problem = file_problem(Path(path), name, files[name])
                 except OSError as exc:
