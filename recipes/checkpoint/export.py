@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from optim_factory.checkpoint import deferred_export, defers_export, export_failure
-from recipes.checkpoint.layout import one_line
+from optim_factory.errors import first_line
 
 STAGER_FUTURES = hasattr(dcp.state_dict_saver, "AsyncSaveResponse")  # async_save accepts a stager's Future
 
@@ -21,7 +21,7 @@ STAGER_FUTURES = hasattr(dcp.state_dict_saver, "AsyncSaveResponse")  # async_sav
 def export_failure_line(optimizer: Any) -> str | None:
     """Wait for a background export (``state_dict_offload_background``); its failure in one line, or None."""
     failure = export_failure(optimizer)
-    return None if failure is None else one_line(failure)
+    return None if failure is None else first_line(failure, named=True)
 
 
 def defers(optimizer: Any, *, async_save: bool, waits_before_step: bool) -> bool:

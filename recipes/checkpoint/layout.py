@@ -46,11 +46,6 @@ class DamagedCheckpoint(CheckpointError):
     """A checkpoint whose files or manifest fail verification: bytes on disk, not the environment, are wrong."""
 
 
-def one_line(exc: BaseException) -> str:
-    """``first_line(exc, named=True)``, for save.py, load.py and stager.py."""
-    return first_line(exc, named=True)
-
-
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
     """(step, path) of every ``step_*`` directory in ``root``, by step (none if ``root`` does not exist)."""
     if not root.is_dir():

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from optim_factory.checkpoint import ExactLoadPlanner, finish_load, prepare_load
+from optim_factory.errors import first_line
 from recipes.checkpoint import resume
 from recipes.checkpoint.checksums import file_problem
 from recipes.checkpoint.host_copies import HostCopies
@@ -32,7 +33,6 @@ from recipes.checkpoint.layout import (
     CheckpointError,
     DamagedCheckpoint,
     is_complete,
-    one_line,
     read_manifest,
     set_aside,
     step_dirs,
@@ -123,7 +123,8 @@ class Loader:
         try:  # the optimizer's states in their saved dtypes: the optimizer converts them, exactly
             dcp.load(state, checkpoint_id=str(path), planner=ExactLoadPlanner())
         except DCP_ERRORS as exc:  # DCP's errors are long: name the checkpoint and the first rank's error
-            raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {one_line(exc)}") from exc
+            line = first_line(exc, named=True)
+            raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {line}") from exc
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=self.options
         )

@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from optim_factory.checkpoint import release_export
+from optim_factory.errors import first_line
 from optim_factory.optimizers.export import all_finite
 from recipes.checkpoint.checksums import ALGORITHM, ChecksumFileSystemWriter, seal_manifest
 from recipes.checkpoint.export import defers, export_failure_line, export_state
@@ -44,7 +45,6 @@ from recipes.checkpoint.layout import (
     free_bytes,
     interrupted,
     is_complete,
-    one_line,
     retain,
     step_dirs,
 )
@@ -105,7 +105,7 @@ class InFlight:
             if self.verdict == FINITE and not all_finite(local_tensors(staged)):
                 self.verdict = NON_FINITE
         except BaseException as exc:  # noqa: BLE001  (never raise into DCP's upload thread on one rank)
-            self.failure, self.verdict = one_line(exc), EXPORT_FAILED
+            self.failure, self.verdict = first_line(exc, named=True), EXPORT_FAILED
         finally:
             if not self.filled.done():
                 self.filled.set_result(time.perf_counter())
@@ -307,11 +307,12 @@ class Saver:
         """The line of a failed write; out of space, rank 0 first removes this save's partial files (they hold
         the space an older checkpoint's next save or the user needs; older checkpoints are untouched)."""
         if not disk_full(exc):
-            return f"{what}: {one_line(exc)}"
+            return f"{what}: {first_line(exc, named=True)}"
         if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)
         free = free_bytes(self.root)
-        return f"disk full: {what}, its partial files removed ({free} bytes free in {self.root}): {one_line(exc)}"
+        line = first_line(exc, named=True)
+        return f"disk full: {what}, its partial files removed ({free} bytes free in {self.root}): {line}"
 
     def _agree(
         self, step: int, verdict: int, export_error: str | None, path: Path | None = None, space: str | None = None
