@@ -15,11 +15,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.fsdp as fsdp
 
 from tests.integrations import INSTALL
 
 pytest.importorskip("torchtitan", reason=f"torchtitan is not installed: {INSTALL}")
 pytest.importorskip("torchdata", reason="torchtitan's Trainer imports torchdata: pip install --no-deps torchdata")
+if not hasattr(fsdp, "DataParallelMeshDims"):  # imported by torchtitan 0.3's Trainer (2.13 has it)
+    pytest.skip(
+        f"torchtitan 0.3's Trainer needs torch.distributed.fsdp.DataParallelMeshDims, which torch {torch.__version__} "
+        "lacks (our integration itself is tested on this torch by test_torchtitan.py)",
+        allow_module_level=True,
+    )
 
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
