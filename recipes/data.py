@@ -52,8 +52,7 @@ class AdditionTask:
     """Sequences like ``"07+45=052\\n07+..."``: two ``digits``-digit operands and their zero-padded sum.
 
     Every sequence starts at a problem, so the model meets problems at the positions where evaluation puts them
-    (learned position embeddings: with random offsets the model learns slower; docs/design.md, "Measured figures
-    behind the defaults").
+    (learned position embeddings: a problem at a position the model rarely saw it at in training is harder).
     """
 
     digits: int

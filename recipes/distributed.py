@@ -181,6 +181,11 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def world_size() -> int:
+    """The number of ranks now: 1 without a process group (a checkpoint manager may be built before one)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def all_ranks(value: Any, group=None) -> list[Any]:
     """Every rank's ``value``, by rank (one ``all_gather_object``; none without a group of several ranks): the
     recipe's one collective for ranks that must agree (a verdict, rank 0's list, every rank's records)."""

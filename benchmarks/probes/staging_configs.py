@@ -5,8 +5,8 @@ diagnostic behind benchmarks/results/2026-11-30-h200-fourth/first_export/staging
 
 It wraps the staging module's functions in this process only (timers; ``Stager``'s slot size and the thread count
 per configuration), exports the state of benchmarks/probes/bench_first_export.py 15 times without a pool (3 interleaved
-trials of 5 configurations) and prints one JSON line per (trial, configuration, rank), then medians. Written for
-the tree at bfd7e4a (``staging._copy`` and ``Stager._wait`` exist there)."""
+trials of 5 configurations) and prints one JSON line per (trial, configuration, rank), then medians. It patches
+private names of the staging module (``staging._copy``, ``Stager._wait``): a change to them needs a change here."""
 
 import functools
 import gc

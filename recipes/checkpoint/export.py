@@ -36,7 +36,7 @@ def defers(optimizer: Any, *, async_save: bool, waits_before_step: bool) -> bool
     return waits_before_step and async_save and STAGER_FUTURES and defers_export(optimizer)
 
 
-def export_state(
+def timed_export(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     device: torch.device,

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -37,7 +36,7 @@ from recipes.checkpoint.layout import (
     set_aside,
     step_dirs,
 )
-from recipes.distributed import all_ranks
+from recipes.distributed import all_ranks, world_size
 
 log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the package
 
@@ -154,8 +153,7 @@ class Loader:
                     "checkpoint %s has no checksums (written before they were recorded): loading it unverified", path
                 )
         else:
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            for name in sorted(files)[self.rank :: world]:
+            for name in sorted(files)[self.rank :: world_size()]:
                 try:
                     problem = file_problem(Path(path), name, files[name])
                 except OSError as exc:

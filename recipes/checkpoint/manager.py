@@ -81,7 +81,7 @@ class CheckpointManager:
     def save(self, step: int, model, optimizer, trainer_state: dict[str, Any]) -> ExportReport:
         """Export and save a checkpoint for ``step`` (``Saver.save``), once the previous save is finished
         (:meth:`wait`). With a deferred export, call :meth:`wait_export` before the next ``optimizer.step()``."""
-        self.wait()  # one save in flight at most; its buffers are never touched by the next export
+        self.wait()  # this object's wait, which a subclass may observe (Saver.save finds nothing in flight then)
         return self.saver.save(step, model, optimizer, trainer_state)
 
     def wait(self) -> None:
@@ -113,10 +113,6 @@ class CheckpointManager:
         """Every rank, before the first step of a resumed run: rank 0's line when the run's next save cannot fit,
         else None (``Saver.resume_space_problem``)."""
         return self.saver.resume_space_problem()
-
-    def resume_candidates(self) -> list[Path]:
-        """Checkpoints to try, newest first, per ``checkpoint.resume`` (empty: start fresh)."""
-        return self.loader.candidates()
 
     def resume(self, model, optimizer, trainer_state: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
         """Load the newest loadable checkpoint (``Loader.resume``): (path, trainer state), or None."""

@@ -34,7 +34,7 @@ from optim_factory.checkpoint import release_export
 from optim_factory.errors import first_line
 from optim_factory.optimizers.export import all_finite
 from recipes.checkpoint.checksums import ALGORITHM, ChecksumFileSystemWriter, seal_manifest
-from recipes.checkpoint.export import defers, export_failure_line, export_state
+from recipes.checkpoint.export import defers, export_failure_line, timed_export
 from recipes.checkpoint.host_copies import HostCopies
 from recipes.checkpoint.layout import (
     DCP_ERRORS,
@@ -51,7 +51,7 @@ from recipes.checkpoint.layout import (
 from recipes.checkpoint.report import ExportReport
 from recipes.checkpoint.stager import ExportBufferStager
 from recipes.checkpoint.tree import local_tensors, state_bytes
-from recipes.distributed import all_ranks
+from recipes.distributed import all_ranks, world_size
 
 log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the package
 
@@ -176,7 +176,7 @@ class Saver:
         held_since = time.perf_counter()  # this checkpoint holds the loop from here (the wait above: the previous)
         path = self.root / f"step_{step:08d}"
         deferred = defers(optimizer, async_save=self.cfg.async_save, waits_before_step=self.waits_before_step)
-        msd, osd, export_s, peak, export_error = export_state(model, optimizer, self.device, self.options, deferred)
+        msd, osd, export_s, peak, export_error = timed_export(model, optimizer, self.device, self.options, deferred)
         try:
             self.on_phase("export", step, path)
             self._check_before_writing(step, msd, osd, export_error, deferred)  # before anything on disk changes
@@ -290,8 +290,7 @@ class Saver:
         previous = next((r.written_bytes for r in reversed(self.reports) if r.written_bytes), None)
         if previous is None and self.verified is not None and self.verified.is_dir():
             previous = sum(p.stat().st_size for p in self.verified.iterdir() if p.is_file())
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        needed = previous or world * state_bytes({"model": msd, "optim": osd})
+        needed = previous or world_size() * state_bytes({"model": msd, "optim": osd})
         free = free_bytes(self.root)
         if needed <= free:
             return None

@@ -92,7 +92,8 @@ class ExportPlan:
     background thread with ``background``); otherwise exported whole (:meth:`whole`). Either way a BF16 state
     stays BF16 with ``keep_bf16``. The optimizer makes one per export from the options and the exporter it
     owns; :meth:`start_threads` and :meth:`prepare` get the exporter ready for the exports these options make.
-    Without an exporter (``export_state`` on TE's own class) a chunked export uses a temporary one.
+    Without an exporter (``export_state``, which never reuses buffers nor exports in the background) a chunked
+    export uses a temporary one.
     """
 
     def __init__(self, options: ExportOptions, exporter: StateExporter | None = None) -> None:
@@ -103,10 +104,6 @@ class ExportPlan:
         """``{"state": {index: {name: tensor}}, "param_groups": [...]}`` like ``torch.optim.Optimizer``, exported
         (see the module docstring for the contract)."""
         o = self.options
-        if (o.reuse_buffers or o.background) and self.exporter is None:
-            raise ValueError(
-                "reuse_buffers or background: needs the optimizer's own exporter (it owns the buffer pool)"
-            )
         if o.chunk_bytes and self.exporter is None:
             with StateExporter() as temporary:  # its threads end with this export
                 return ExportPlan(o, temporary).export(optimizer)
@@ -211,34 +208,19 @@ class ExportPlan:
         return self.exporter.pool.prepare(slots)
 
 
-def export_state(
-    optimizer: Any,
-    *,
-    cpu_offload: bool,
-    chunk_bytes: int = 0,
-    reuse_buffers: bool = False,
-    keep_bf16: bool = False,
-    exporter: StateExporter | None = None,
-    background: bool = False,
-) -> dict[str, Any]:
+def export_state(optimizer: Any, *, cpu_offload: bool, chunk_bytes: int = 0, keep_bf16: bool = False) -> dict[str, Any]:
     """Build the state dict of a FusedAdam-like optimizer (see the module docstring for the contract): an
-    :class:`ExportPlan` of the :class:`ExportOptions` these arguments name.
+    :class:`ExportPlan` of the :class:`ExportOptions` these arguments name, into fresh memory (a chunked export
+    streams through a temporary :class:`StateExporter`).
 
     Args:
         optimizer: TE's FusedAdam (or a subclass) or :class:`~optim_factory.PortableFusedAdam`.
         cpu_offload: export to CPU: one state at a time (``chunk_bytes=0``), or streamed in chunks.
         chunk_bytes: with ``cpu_offload``, stream in chunks of at most this many bytes of converted output.
-        reuse_buffers: with ``chunk_bytes``, take host destinations from ``exporter``'s pool (pinned when the
-            states are on CUDA); the optimizer's ``release_state_dict`` gives them back.
         keep_bf16: export BF16 states as they are stored (BF16) instead of converting them to FP32.
-        exporter: the optimizer's own :class:`StateExporter` (needed with ``reuse_buffers``; a temporary one is
-            used for a chunked export without it).
-        background: with ``chunk_bytes``, return once the host tensors are allocated; ``exporter`` fills them on
-            its background thread (``exporter.wait()`` waits and re-raises its failure).
 
     Returns:
         ``{"state": {index: {name: tensor}}, "param_groups": [...]}`` like ``torch.optim.Optimizer``.
     """
     chunk = chunk_bytes if cpu_offload else None  # 0 for an export that stays on the device
-    options = ExportOptions(cpu_offload, chunk, reuse_buffers, keep_bf16=keep_bf16, background=background)
-    return ExportPlan(options, exporter).export(optimizer)
+    return ExportPlan(ExportOptions(cpu_offload, chunk, keep_bf16=keep_bf16)).export(optimizer)
