@@ -73,7 +73,7 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
     """Run the training job that ``cfg`` describes; returns a summary (first/last loss, steps, checkpoints).
 
     ``manager_cls``: the checkpoint manager to use, a subclass of :class:`CheckpointManager` (e.g. one that
-    overrides its :meth:`~CheckpointManager.on_phase`, as ``scripts/fault_train.py`` does).
+    overrides its :meth:`~CheckpointManager.on_phase`, as ``tests/fault/fault_train.py`` does).
     """
     env, device, data, optim = preflight(cfg)
     locks = [RunDirLock(cfg.run_dir)]  # one launch per run_dir and per checkpoint.dir at once (rank 0 holds them)

@@ -1,12 +1,11 @@
-"""What a user runs: benchmarks, backend comparison and fault injection, as modules from the repository root.
+"""What a user runs: benchmarks and backend comparison, as modules from the repository root.
 
     python -m scripts.bench_export ...        # GPU export benchmark (tables + PNG)
     python -m scripts.bench_save ...          # the save path side by side (torchrun); plot_bench_save: its PNG
     python -m scripts.compare_backends ...    # PortableFusedAdam vs TE's FusedAdam, every configuration
-    python -m scripts.fault_injection ...     # kill -9 trials against checkpoint/resume
-    python -m scripts.fault_train ...         # the recipe, killed at one point of one save (for the above)
 
 ``python -m`` puts the repository root on ``sys.path``, so the scripts import ``optim_factory``, ``recipes``
 and each other as packages (no ``sys.path`` edits). ``bash scripts/gpu_validate.sh`` and ``scripts/slurm/``
-are shell entry points. One-off probes behind published measurements: benchmarks/probes/.
+are shell entry points. One-off probes behind published measurements: benchmarks/probes/; fault injection, which
+kills the recipe's trainers, is test infrastructure: tests/fault/.
 """

@@ -43,12 +43,14 @@ import statistics
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
 
 from optim_factory.optimizers.export import ExportOptions, Pinning
 from recipes.checkpoint import state_bytes
+from recipes.checkpoint.tree import local_tensors
 from scripts import cli_args
 
 ROOT = Path(__file__).resolve().parent.parent  # the fresh processes run ``-m scripts.bench_export`` from here
@@ -195,13 +197,29 @@ def wait_pinning(opt) -> float:
     return time.perf_counter() - t0
 
 
-def pool_pinned_bytes(opt) -> int:
-    """Host bytes the export's pool pinned in place (``cudaHostRegister``): its released buffers, once
-    :func:`wait_pinning` returned, where the options reuse buffers pinned that way (a buffer whose registration
-    CUDA refused is counted all the same)."""
-    o = opt.export_options
-    registers = o.cpu_offload and o.reuse_buffers and o.pinning is Pinning.register
-    return opt.state_exporter.pool.free_bytes() if registers else 0
+class PoolBuffers:
+    """The pooled host buffers that ``opt``'s exports leased, where its options reuse buffers pinned in place
+    (``cudaHostRegister``): seen by a state-dict post-hook (torch's ``Optimizer.register_state_dict_post_hook``,
+    which the optimizer runs on the exported dictionary) and held weakly, so that a buffer is forgotten once freed.
+    A buffer the pool prepared counts from the first export that leases it."""
+
+    def __init__(self, opt) -> None:
+        self.opt = opt
+        self.buffers: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        o = opt.export_options
+        if o.cpu_offload and o.reuse_buffers and o.pinning is Pinning.register:
+            opt.register_state_dict_post_hook(self._record)
+
+    def _record(self, opt, exported: dict) -> None:
+        for t in local_tensors(exported):
+            if opt.is_leased_export_buffer(t):
+                self.buffers[id(t)] = t
+
+    def pinned_bytes(self) -> int:
+        """Bytes of those buffers that the pool has pinned (those whose registration CUDA refused stay pageable
+        and are not counted); after :func:`wait_pinning`, every released one the pool could pin."""
+        pool = self.opt.state_exporter.pool
+        return sum(t.numel() * t.element_size() for t in self.buffers.values() if pool.is_pinned(t))
 
 
 def run_mode(opt, mode: str, device: torch.device) -> tuple[int, int]:
@@ -266,9 +284,9 @@ def bench_case(
     return rows
 
 
-def host_memory(opt) -> dict[str, int]:
+def host_memory(pool_buffers: PoolBuffers) -> dict[str, int]:
     """This process's resident set and its pinned host bytes: torch's host allocator's plus those the export
-    pool pinned with cudaHostRegister (:func:`pool_pinned_bytes`)."""
+    pool pinned with cudaHostRegister (:class:`PoolBuffers`)."""
     rss = 0
     with open("/proc/self/status") as f:
         for line in f:
@@ -277,7 +295,7 @@ def host_memory(opt) -> dict[str, int]:
     pinned = 0
     if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
         stats = torch.cuda.host_memory_stats()
-        pinned = int(stats.get("allocated_bytes.current", 0)) + pool_pinned_bytes(opt)  # blocks in use + cached
+        pinned = int(stats.get("allocated_bytes.current", 0)) + pool_buffers.pinned_bytes()  # blocks in use + cached
     return {"rss": rss, "pinned": pinned}
 
 
@@ -285,6 +303,7 @@ def fresh_process(case: str, dtype_name: str, backend: str, device: torch.device
     """Body of the ``--_fresh`` child: the first export of a new process, then n - 1 more; prints one JSON line.
     Mode ``chunked+reuse, prepared``: ``prepare_state_dict()`` runs (and is awaited, timed apart) first."""
     params, opt = build(case, dtype_name, backend, device, mode.removesuffix(PREPARED), chunk)
+    pool_buffers = PoolBuffers(opt)
     prepare_s = 0.0
     if mode.endswith(PREPARED):
         t0 = time.perf_counter()
@@ -298,7 +317,7 @@ def fresh_process(case: str, dtype_name: str, backend: str, device: torch.device
         pin_waits.append(wait_pinning(opt))  # not timed: as between two checkpoints
         gc.collect()
         if i + 1 in (2, n):
-            memory[i + 1] = host_memory(opt)
+            memory[i + 1] = host_memory(pool_buffers)
     print(
         "FRESH "
         + json.dumps(

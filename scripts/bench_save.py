@@ -71,7 +71,7 @@ from recipes.checkpoint import CheckpointManager, state_bytes
 from recipes.config import CheckpointConfig
 from recipes.distributed import init_distributed, pick_device, resolve_dist_env, shutdown
 from scripts import cli_args
-from scripts.bench_export import d2h_bandwidth, environment, pool_pinned_bytes, sync, wait_pinning, write_results
+from scripts.bench_export import PoolBuffers, d2h_bandwidth, environment, sync, wait_pinning, write_results
 
 MODES = (
     "a-te-async-pinned",
@@ -178,15 +178,15 @@ def rss_bytes() -> int:
     return proc_status("VmRSS") or 0
 
 
-def pinned_bytes(opt, device: torch.device) -> int | None:
+def pinned_bytes(pool_buffers: PoolBuffers, device: torch.device) -> int | None:
     """Pinned host bytes that can be counted: torch's pinned host allocator plus our pool's registered buffers
-    (``scripts.bench_export.pool_pinned_bytes``). DCP's stager pins with ``cudaHostRegister`` (not counted here;
-    see ``vm_pin_bytes``)."""
+    (``scripts.bench_export.PoolBuffers``: those an export leased). DCP's stager pins with ``cudaHostRegister``
+    (not counted here; see ``vm_pin_bytes``)."""
     if device.type != "cuda":
         return None
     stats = torch.cuda.host_memory_stats()
     return int(stats.get("allocated_bytes.all.current", stats.get("allocated_bytes.current", 0))) + (
-        pool_pinned_bytes(opt)
+        pool_buffers.pinned_bytes()
     )
 
 
@@ -239,6 +239,7 @@ class Mode:
             self.manager = CheckpointManager(cfg, rank=ctx["rank"], device=ctx["device"], waits_before_step=True)
             opt.prepare_state_dict().result()
         self.options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=name.startswith("b-"))
+        self.pool_buffers = PoolBuffers(ctx["opt"])  # what of the pinned host memory is our pool's
 
     def new_stager(self) -> DefaultStager:
         cuda = self.ctx["device"].type == "cuda"
@@ -302,7 +303,7 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
     dist.barrier()
     mode = Mode(name, ctx)
     profiles: list[cProfile.Profile] = []
-    rss0, pinned0 = rss_bytes(), pinned_bytes(ctx["opt"], device)
+    rss0, pinned0 = rss_bytes(), pinned_bytes(mode.pool_buffers, device)
     rows = []
     for repeat in range(-1, repeats):  # -1: the warm-up checkpoint
         before = [trainer.step()[0] for _ in range(3)]
@@ -313,7 +314,7 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
             step += 1
             plain_peak = gpu_peak_mib(device, base)
         path = root / f"step_{step:08d}"
-        rss_a, pinned_a = rss_bytes(), pinned_bytes(ctx["opt"], device)
+        rss_a, pinned_a = rss_bytes(), pinned_bytes(mode.pool_buffers, device)
         base = gpu_base(device)
         if ctx.get("profile") and repeat >= 0:
             profiles.append(cProfile.Profile())
@@ -345,8 +346,8 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
                 gpu_peak_step_excess_mib=None if peak_step is None else max(0.0, peak_step - plain_peak),
                 rss_delta_bytes=rss_bytes() - rss_a,
                 rss_held_bytes=rss_bytes() - rss0,
-                pinned_delta_bytes=None if pinned_a is None else pinned_bytes(ctx["opt"], device) - pinned_a,
-                pinned_held_bytes=None if pinned0 is None else pinned_bytes(ctx["opt"], device) - pinned0,
+                pinned_delta_bytes=None if pinned_a is None else pinned_bytes(mode.pool_buffers, device) - pinned_a,
+                pinned_held_bytes=None if pinned0 is None else pinned_bytes(mode.pool_buffers, device) - pinned0,
                 vm_pin_bytes=proc_status("VmPin"),
                 disk_bytes=disk_bytes(path) if rank == 0 else None,
                 complete_s=complete_s,

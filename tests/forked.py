@@ -1,5 +1,5 @@
 """Processes forked from a forkserver that imported the recipe once: a process starts in a fraction of a second
-instead of the seconds an interpreter spends importing torch (scripts/fault_injection.py's trainers, the test
+instead of the seconds an interpreter spends importing torch (tests/fault/fault_injection.py's trainers, the test
 suite's ranks).
 
 Each child runs ``target(*args)`` with the caller's environment at start (``os.environ`` then, not the

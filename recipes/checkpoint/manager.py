@@ -68,7 +68,7 @@ class CheckpointManager:
     def on_phase(self, phase: str, step: int, path: Path) -> None:
         """Called at each point of ``SAVE_PHASES`` of the save of ``step`` into ``path``; does nothing here.
 
-        For subclasses that observe saves (``scripts/fault_train.py`` kills the process there):
+        For subclasses that observe saves (``tests/fault/fault_train.py`` kills the process there):
         ``"export"``: the optimizer is exported (deferred: its export started), nothing of ``path`` is written;
         ``"write"``: ``dcp.save`` returned (sync) or ``dcp.async_save`` started writing (the save is in flight:
         :attr:`export_filling`), no completion marker yet; ``"marker"``: the save

@@ -14,13 +14,13 @@ from recipes.checkpoint import FALLBACK_HINT, CheckpointError, CheckpointManager
 from recipes.distributed import DistEnv, init_distributed, shutdown
 from recipes.model import build_model
 from recipes.train import compose_config, shard_model, train
-from scripts import fault_injection
+from tests.fault import fault_injection
 from tests.recipe.runs import QUICK, complete_steps, snapshot
 
 
 @pytest.mark.slow
 def test_fault_injection_reduced(tmp_path, capsys):
-    """2 trials per mode of ``python -m scripts.fault_injection`` through its ``main`` (the trainers it kills -9
+    """2 trials per mode of ``python -m tests.fault.fault_injection`` through its ``main`` (the trainers it kills -9
     are processes of their own: at a random step and inside a save; the full run:
     benchmarks/results/2026-11-29-cpu-fault-injection/). Every trial killed its trainer and passed."""
     out, trials = tmp_path / "table.md", tmp_path / "trials.json"

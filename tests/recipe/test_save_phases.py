@@ -1,4 +1,4 @@
-"""CheckpointManager.on_phase (the save points that scripts/fault_train.py kills at) and the run summary."""
+"""CheckpointManager.on_phase (the save points that tests/fault/fault_train.py kills at) and the run summary."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 
 from recipes.checkpoint import MARKER, METADATA, SAVE_PHASES, CheckpointManager, is_complete
 from recipes.train import compose_config, train
-from scripts import fault_injection
-from scripts.fault_train import main as fault_train_main
 from tests import forked
+from tests.fault import fault_injection
+from tests.fault.fault_train import main as fault_train_main
 from tests.recipe.runs import QUICK
 
 
@@ -41,7 +41,7 @@ def test_on_phase_runs_at_each_save_point_in_order(tmp_path, async_save):
 
 @pytest.mark.slow
 def test_fault_train_kills_inside_the_save_and_refuses_an_unreached_or_bad_point(tmp_path, capsys):
-    # a process of its own, launched as scripts/fault_injection.py launches its trainers
+    # a process of its own, launched as tests/fault/fault_injection.py launches its trainers
     run_dir = tmp_path / "a"
     proc, stderr = fault_injection.launch(run_dir, "sync", "marker:8")
     assert forked.join([proc], 300) == [-signal.SIGKILL], stderr.read_text()[-2000:]

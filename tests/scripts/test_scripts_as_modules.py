@@ -1,6 +1,7 @@
-"""The scripts: each through its own ``main([...])`` in this process (argparse's refusals are its
-``SystemExit(2)`` with one line on stderr); as processes (``python -m scripts.<name>`` from the repository root,
-without sys.path edits) where the process is what is tested: the imports, torchrun's ranks."""
+"""The scripts, and the fault-injection tools of tests/fault/: each through its own ``main([...])`` in this
+process (argparse's refusals are its ``SystemExit(2)`` with one line on stderr); as processes (``python -m
+scripts.<name>`` from the repository root, without sys.path edits) where the process is what is tested: the
+imports, torchrun's ranks."""
 
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 # no PYTHONPATH: from the repository root, ``-m`` alone must find scripts, optim_factory and recipes
 ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+PACKAGES = {"fault_injection": "tests.fault", "fault_train": "tests.fault"}  # the others: scripts
 
 
 def run_script(script: str, args: list[str], monkeypatch, capsys) -> tuple[object, str]:
-    """``python -m scripts.<script> ARGS`` through its ``main(ARGS)`` here: (its exit code, stderr). argparse names
-    the program after ``sys.argv[0]``, as the process would (``<script>.py``)."""
-    module = importlib.import_module(f"scripts.{script}")
-    monkeypatch.setattr(sys, "argv", [str(ROOT / "scripts" / f"{script}.py")])
+    """``python -m <package>.<script> ARGS`` (``scripts``, or ``tests.fault`` for the fault-injection tools) through
+    its ``main(ARGS)`` here: (its exit code, stderr). argparse names the program after ``sys.argv[0]``, as the
+    process would (``<script>.py``)."""
+    package = PACKAGES.get(script, "scripts")
+    module = importlib.import_module(f"{package}.{script}")
+    monkeypatch.setattr(sys, "argv", [str(ROOT.joinpath(*package.split("."), f"{script}.py"))])
     capsys.readouterr()
     try:
         code = module.main(args)
@@ -224,7 +228,7 @@ def test_bench_resume_loads_every_state_bitwise_on_cpu(tmp_path, monkeypatch, ca
 
 @pytest.mark.slow
 def test_every_script_imports_as_a_module_from_the_root_without_pythonpath():
-    code = "import scripts.bench_export, scripts.fault_injection, scripts.fault_train, scripts.bench_save, "
+    code = "import scripts.bench_export, tests.fault.fault_injection, tests.fault.fault_train, scripts.bench_save, "
     code += "scripts.plot_bench_save, scripts.compare_backends, scripts.bench_write, scripts.bench_resume"
     env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)

@@ -11,7 +11,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from optim_factory import PortableFusedAdam
-from optim_factory.optimizers.export import DEFAULT_CHUNK_BYTES, ExportPlan, StateExporter, export_state, plan_chunks
+from optim_factory.optimizers.export import (
+    DEFAULT_CHUNK_BYTES,
+    ExportPlan,
+    HostBufferPool,
+    StateExporter,
+    export_state,
+    host_memory,
+    plan_chunks,
+)
 from recipes.checkpoint import CheckpointManager, ExportBufferStager, read_checkpoint
 from recipes.config import CheckpointConfig
 from tests.helpers import (
@@ -40,6 +48,23 @@ def _options(chunk: int | None, reuse: bool = False) -> dict:
 
 def _storages(sd: dict) -> set[int]:
     return {local(v).untyped_storage().data_ptr() for st in sd["state"].values() for v in st.values() if v.numel()}
+
+
+def _pool_allocations(monkeypatch) -> list[torch.Tensor]:
+    """The host buffers that pools allocate from now on, in order: a pool buffer not pinned by allocation is a
+    ``host_empty`` of ``host_memory``."""
+    allocated, fresh = [], host_memory.host_empty
+
+    def recorded(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        allocated.append(fresh(shape, dtype))
+        return allocated[-1]
+
+    monkeypatch.setattr(host_memory, "host_empty", recorded)
+    return allocated
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _live_storages(opt) -> set[int]:
@@ -125,13 +150,13 @@ def test_plan_packs_pieces_within_the_budget_and_covers_every_element_once():
     assert len(plan_chunks(items, 64)) >= 2 * 1000 * 4 // 64  # exp_avg and exp_avg_sq of the 1000-element state alone
 
 
-def test_unreleased_exports_are_never_overwritten_and_memory_stays_flat():
+def test_unreleased_exports_are_never_overwritten_and_memory_stays_flat(monkeypatch):
     params = make_params(torch.float32, shapes=SHAPES)
     opt = PortableFusedAdam(params, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.float16, **_options(64, True))
+    allocated = _pool_allocations(monkeypatch)
     run_steps(opt, params, 0, 1)
     kept = opt.state_dict()
     frozen = deep_clone(kept)
-    pool = opt.state_exporter.pool
     for step in range(10):  # export, step, export: the kept (unreleased) export never changes
         run_steps(opt, params, 1 + step, 1)
         other = opt.state_dict()
@@ -139,8 +164,8 @@ def test_unreleased_exports_are_never_overwritten_and_memory_stays_flat():
         assert opt.release_state_dict(other) == sum(len(st) for st in other["state"].values())
         assert opt.release_state_dict(other) == 0  # released once only
         if step == 1:
-            free_after_2 = pool.free_bytes()
-    assert pool.free_bytes() == free_after_2  # one set of buffers, reused: no growth over 10 exports
+            allocated_after_2 = _nbytes(allocated)
+    assert _nbytes(allocated) == allocated_after_2  # one set of buffers, reused: no growth over 10 exports
     assert_state_dicts_bitwise(kept, frozen, "kept export")
     assert opt.release_state_dict({"state": {0: {"exp_avg": torch.zeros(3)}}}) == 0  # not ours: ignored
     assert all(opt.is_leased_export_buffer(v) for st in kept["state"].values() for v in st.values())
@@ -209,10 +234,10 @@ def test_buffers_read_by_an_in_flight_async_save_are_never_overwritten(tmp_path)
     assert _storages(opt.state_dict()) & _storages(expected) == set()
 
 
-def test_checkpoint_manager_releases_export_buffers_only_after_the_save(tmp_path):
+def test_checkpoint_manager_releases_export_buffers_only_after_the_save(tmp_path, monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
     opt = PortableFusedAdam(model.parameters(), exp_avg_dtype=torch.bfloat16, **_options(64, True))
-    pool = opt.state_exporter.pool
+    allocated = _pool_allocations(monkeypatch)
     cfg = CheckpointConfig(dir=str(tmp_path / "ck"), every_steps=1, async_save=True)
     manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
     expected = {}
@@ -220,10 +245,12 @@ def test_checkpoint_manager_releases_export_buffers_only_after_the_save(tmp_path
         run_steps(opt, list(model.parameters()), step, 1)
         expected[step] = export_state(opt, cpu_offload=True)
         manager.save(step, model, opt, {"step": step})
-        assert pool.free_bytes() == 0, "export buffers released while their async save may still read them"
+        assert allocated and all(opt.is_leased_export_buffer(t) for t in allocated), (
+            "export buffers released while their async save may still read them"
+        )
         if step == 1:
             manager.wait()
-            assert pool.free_bytes() > 0  # the save is over: its buffers are back in the pool
+            assert not all(opt.is_leased_export_buffer(t) for t in allocated)  # the save is over: back in the pool
     manager.close()
     for step, sd in expected.items():
         written = read_checkpoint(tmp_path / "ck" / f"step_{step:08d}", tmp_path)
@@ -234,19 +261,42 @@ def test_checkpoint_manager_releases_export_buffers_only_after_the_save(tmp_path
                 assert_bitwise(written[f"optim.state.{fqn}.{state_name}"], v, f"step {step} {fqn}.{state_name}")
 
 
-def test_prepare_readies_the_buffers_of_the_next_export():
+def test_prepare_readies_the_buffers_of_the_next_export(monkeypatch):
     params = make_params(torch.float32, shapes=SHAPES)
     opt = PortableFusedAdam(params, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.uint8, **_options(64, True))
     assert PortableFusedAdam(make_params(torch.float32), **_options(64)).prepare_state_dict() is None  # no reuse
     run_steps(opt, params, 0, 2)
-    pool = opt.state_exporter.pool
+    allocated = _pool_allocations(monkeypatch)
     opt.prepare_state_dict().result()
-    prepared = pool.free_bytes()
+    prepared = _nbytes(allocated)
     states = sum(local(v).numel() * 4 for st in opt.state.values() for v in st.values())
     assert prepared == states  # one FP32 buffer per state
     opt.prepare_state_dict()  # a second prepare adds nothing, and the export waits for it
     sd = opt.state_dict()
-    assert pool.free_bytes() == 0  # the export took the prepared buffers (none left over, none allocated)
+    # the export took the prepared buffers (none left over, none allocated)
+    assert all(opt.is_leased_export_buffer(t) for t in allocated) and _nbytes(allocated) == prepared
     assert opt.release_state_dict(sd) == sum(len(st) for st in sd["state"].values())
-    assert pool.free_bytes() == prepared
+    assert not any(opt.is_leased_export_buffer(t) for t in allocated)  # all the prepared bytes are free again
     assert_state_dicts_bitwise(sd, export_state(opt, cpu_offload=True), "export into prepared buffers")
+
+
+def test_waiting_for_pinning_keeps_a_failed_preparation_and_starts_no_thread(monkeypatch):
+    """``prepare([])`` waits for the pinning of released buffers only: a failed ``prepare_state_dict()`` before it
+    is still reported by the next export, and a pool that never pinned anything starts no thread for it."""
+    before = set(threading.enumerate())
+    assert HostBufferPool().prepare([]).done()  # nothing to pin: done at once
+    assert not any(t.name.startswith("export-pin") for t in set(threading.enumerate()) - before)
+    params = make_params(torch.float32, shapes=SHAPES)
+    opt = PortableFusedAdam(params, exp_avg_dtype=torch.bfloat16, **_options(64, True))
+    run_steps(opt, params, 0, 1)
+
+    def refused(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        raise MemoryError("no host memory for the test")
+
+    monkeypatch.setattr(host_memory, "host_empty", refused)
+    assert isinstance(opt.prepare_state_dict().exception(), MemoryError)
+    opt.state_exporter.pool.prepare([]).result()
+    monkeypatch.undo()
+    with pytest.warns(UserWarning, match="preparing export buffers failed: MemoryError"):
+        sd = opt.state_dict()
+    assert_state_dicts_bitwise(sd, export_state(opt, cpu_offload=True), "export after a failed preparation")

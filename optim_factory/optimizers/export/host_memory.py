@@ -286,9 +286,18 @@ class HostBufferPool:
         """Allocate, first-touch and pin (per the slot's pinning) a free buffer for every slot that has none,
         on the background thread; the next export then finds them ready (no page faults, no pinning). That one
         thread also pins the released buffers, in order: the future is done once those released before are
-        pinned too."""
-        self._preparing = self._background(self._prepare, list(slots))
-        return self._preparing
+        pinned too. With no slots it only waits for that pinning: it is not the preparation that
+        :meth:`wait_preparation` reports on, and where this process never started the thread (nothing to pin)
+        the future is done at once."""
+        slots = list(slots)
+        if not slots and not self._pinner.started:
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        future = self._background(self._prepare, slots)
+        if slots:
+            self._preparing = future
+        return future
 
     def _prepare(self, slots: list[Slot]) -> None:
         for slot in slots:
@@ -309,7 +318,3 @@ class HostBufferPool:
             preparing, self._preparing = self._preparing, None
             if preparing.exception() is not None:
                 warnings.warn(f"preparing export buffers failed: {preparing.exception()!r}", stacklevel=3)
-
-    def free_bytes(self) -> int:
-        """Bytes of released buffers waiting for the next export."""
-        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)

@@ -1,11 +1,11 @@
 """Fault injection: kill -9 the trainer at random moments and inside saves; every resume must be exact.
 
-    python -m scripts.fault_injection --trials 20 --modes sync,async --out table.md   # full
-    python -m scripts.fault_injection --trials 2                                      # CI size
-    python -m scripts.fault_injection --trials 4 --overrides "optim=fused_adam_lowmem model.dtype=bf16"  # streamed
+    python -m tests.fault.fault_injection --trials 20 --modes sync,async --out table.md   # full
+    python -m tests.fault.fault_injection --trials 2                                      # CI size
+    python -m tests.fault.fault_injection --trials 4 --overrides "optim=fused_adam_lowmem model.dtype=bf16"  # streamed
 
 Per mode (``checkpoint.async_save`` false/true) an uninterrupted reference run is made once, in this process.
-Each trial then launches the recipe (20 steps, a checkpoint every 4 steps) through ``scripts/fault_train.py``
+Each trial then launches the recipe (20 steps, a checkpoint every 4 steps) through ``tests/fault/fault_train.py``
 and kills it with SIGKILL: even trials at a random moment of the run (within 0.2 s after it logs a random step
 of 1 to 19), odd trials at a chosen point of a save (after the export, after DCP wrote or started writing,
 before the completion marker: ``--kill-at``). Then it relaunches until the run finishes. Each launch is a
@@ -32,8 +32,9 @@ import torch
 
 from recipes.checkpoint import SAVE_PHASES, is_complete, read_checkpoint
 from recipes.train import compose_config, train
-from scripts import cli_args, fault_train
+from scripts import cli_args
 from tests import forked
+from tests.fault import fault_train
 
 STEPS, EVERY = 20, 4
 OVERRIDES: list[str] = []  # extra recipe overrides for every launch (--overrides)
@@ -71,12 +72,12 @@ def overrides(run_dir: Path, mode: str) -> list[str]:
 
 
 def launch(run_dir: Path, mode: str, kill_at: str | None = None):
-    """``python -m scripts.fault_train [--kill-at ...] <overrides>`` as a forked process, started; the process
+    """``python -m tests.fault.fault_train [--kill-at ...] <overrides>`` as a forked process, started; the process
     and the file its stderr goes to."""
     stem = run_dir.with_name(f"{run_dir.name}.launch")
     argv = [*(["--kill-at", kill_at] if kill_at else []), *overrides(run_dir, mode)]
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = forked.start(fault_train.exit_with_main, (argv,), stem, ["scripts.fault_train"], env)
+    proc = forked.start(fault_train.exit_with_main, (argv,), stem, ["tests.fault.fault_train"], env)
     return proc, Path(f"{stem}.stderr")
 
 
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
     lines = [
         f"Fault injection, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, torch {torch.__version__}: "
-        f"`python -m scripts.fault_injection --trials {args.trials} --modes {args.modes} --seed {args.seed}"
+        f"`python -m tests.fault.fault_injection --trials {args.trials} --modes {args.modes} --seed {args.seed}"
         f"{' --overrides ' + repr(args.overrides) if args.overrides else ''}` "
         f"({time.time() - t0:.0f} s)",
         "",

@@ -1,12 +1,12 @@
 """The training recipe with a checkpoint manager that SIGKILLs its own process at one point of one save.
 
-    python -m scripts.fault_train --kill-at write:8 experiment=quick run_dir=/tmp/run   # then Hydra overrides
+    python -m tests.fault.fault_train --kill-at write:8 experiment=quick run_dir=/tmp/run   # then Hydra overrides
 
 ``--kill-at PHASE:STEP`` picks the point: PHASE is one of ``recipes.checkpoint.SAVE_PHASES`` (``export``: after
 the optimizer export; ``write``: after DCP wrote, or started writing with async saves; ``marker``: before the
 completion marker), STEP the step whose save it is. Without ``--kill-at`` it trains like ``recipes/train.py``.
 If the run finishes without reaching the point (no save at that step), it exits 3, so that a fault-injection
-trial never passes without its fault. Used by ``scripts/fault_injection.py``; one process (no torchrun).
+trial never passes without its fault. Used by ``tests/fault/fault_injection.py``; one process (no torchrun).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_with_main(argv: list[str]) -> None:
-    """:func:`main` as a forked process's whole life (``scripts/fault_injection.py`` launches its trainers so,
+    """:func:`main` as a forked process's whole life (``tests/fault/fault_injection.py`` launches its trainers so,
     through ``tests/forked.py``): the process exits with ``main``'s code."""
     sys.exit(main(argv))
 
