@@ -18,8 +18,8 @@ class ConfigError(ValueError, RuntimeError):
       value otherwise than its repr, ``text`` words the whole line for a direct caller (``torch.optim.Adam``'s
       ``Invalid learning rate: ...``, a param group's index). ``key``, ``value`` and ``allowed`` stay apart so that
       :func:`optim_keys` restates the refusal as a config key's (:meth:`under`).
-    * ``ConfigError(line)``: a refusal worded whole (an unknown key, a missing value, a directory another launch
-      holds); ``key``, ``value`` and ``allowed`` are None.
+    * ``ConfigError(line)``: a refusal worded whole (an unknown key, a missing value, a key of another optimizer);
+      ``key``, ``value`` and ``allowed`` are None.
 
     A ``ValueError``, as ``torch.optim.Adam`` raises for a bad hyperparameter, and a ``RuntimeError``, as TE's
     ``FusedAdam`` raises for a bad dtype combination: code written against either keeps catching it.
