@@ -1,12 +1,14 @@
-"""``ConfigError``: the one exception of a refused value (a rule's, or a config's), and ``first_line``: the one place
-an error is shortened to one line."""
+"""``ConfigError``: the one exception of a refused value (a rule's, or a config's); ``optim_keys``: the one place a
+rule's refusal becomes the optimizer config's line; ``first_line``: the one place an error is shortened to one line."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from typing import Any
 
-__all__ = ["ConfigError", "first_line"]
+__all__ = ["ConfigError", "first_line", "optim_keys"]
 
 
 class ConfigError(ValueError, RuntimeError):
@@ -15,9 +17,9 @@ class ConfigError(ValueError, RuntimeError):
     * ``ConfigError(key, value, allowed)``: one value refused, ``<key>=<value!r>: <allowed>``; ``shown`` writes the
       value otherwise than its repr, ``text`` words the whole line for a direct caller (``torch.optim.Adam``'s
       ``Invalid learning rate: ...``, a param group's index). ``key``, ``value`` and ``allowed`` stay apart so that
-      the factory restates the refusal as a config key's (:meth:`under`).
-    * ``ConfigError(line)``: a refusal worded whole (an unknown key, a missing value, a directory another launch
-      holds); ``key``, ``value`` and ``allowed`` are None.
+      :func:`optim_keys` restates the refusal as a config key's (:meth:`under`).
+    * ``ConfigError(line)``: a refusal worded whole (an unknown key, a missing value, a key of another optimizer);
+      ``key``, ``value`` and ``allowed`` are None.
 
     A ``ValueError``, as ``torch.optim.Adam`` raises for a bad hyperparameter, and a ``RuntimeError``, as TE's
     ``FusedAdam`` raises for a bad dtype combination: code written against either keeps catching it.
@@ -47,6 +49,20 @@ class ConfigError(ValueError, RuntimeError):
             return self
         value = self.value.value if isinstance(self.value, Enum) else self.value
         return ConfigError(prefix + self.key, value, self.allowed, shown=self.shown)
+
+
+@contextmanager
+def optim_keys() -> Iterator[None]:
+    """The one place a rule's refusal becomes the optimizer config's line: a :class:`ConfigError` with a key raised
+    inside is raised again as the ``optim`` group's key (``optim.lr=nan: must be >= 0``, :meth:`ConfigError.under`);
+    a refusal worded whole is already a config's line. A context manager and a decorator (``@optim_keys()``): the
+    public functions that read an optimizer config (``validate_optim_config``, ``build_param_groups``,
+    ``choose_backend``) wear it, so a direct caller reads the line a recipe does. They do not call one another, so
+    no refusal passes it twice."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise exc.under("optim.") from None
 
 
 def first_line(error: BaseException | str, empty: str | None = None, *, named: bool = False) -> str:

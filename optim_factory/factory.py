@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import re
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -31,11 +28,12 @@ from optim_factory.config import (
     omegaconf_error_line,
     schema_keys,
 )
-from optim_factory.errors import ConfigError
+from optim_factory.errors import ConfigError, optim_keys
 from optim_factory.optimizers.constructor import export_arguments, export_options
 from optim_factory.optimizers.export import local_tensor
 from optim_factory.param_groups import build_param_groups, named_trainable
-from optim_factory.rules.adam import check_hyperparameters, check_state_dtypes, parse_dtype
+from optim_factory.rules.adam import check_state_dtypes, parse_dtype
+from optim_factory.rules.config import check_optim_config
 from optim_factory.rules.export import check_export_effect
 
 __all__ = [
@@ -72,17 +70,6 @@ class ValidatedOptim:
 
 
 # ----------------------------------------------------------------------------------------------- validation
-@contextmanager
-def _config_keys() -> Iterator[None]:
-    """The one place a rule's refusal becomes the config's: a :class:`ConfigError` with a key raised inside (by
-    the rules of ``optim_factory.rules`` or the checks here) is raised again as the ``optim`` group's key
-    (``optim.lr=nan: must be >= 0``, :meth:`ConfigError.under`); a refusal worded whole is already the config's."""
-    try:
-        yield
-    except ConfigError as exc:
-        raise exc.under("optim.") from None
-
-
 def _to_schema(cfg: Any) -> DictConfig:
     """Any of OmegaConf node / dataclass / mapping → a new read-only node typed by its schema.
 
@@ -159,66 +146,39 @@ def _spell_dtypes(cfg: Mapping) -> dict:
     return out
 
 
-def _check_number(key: str, value: Any, *, positive: bool = False, lo: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(key, value, "expected a finite number")
-    if positive and value <= 0:
-        raise ConfigError(key, value, "must be > 0")
-    if lo is not None and value < lo:
-        raise ConfigError(key, value, f"must be >= {lo}")
-    return float(value)
-
-
-def _check_patterns(key: str, patterns: Iterable[str]) -> None:
-    """Each pattern a valid regular expression; ``key`` holds ``{i}`` where the index goes."""
-    for i, pattern in enumerate(patterns):
-        if not isinstance(pattern, str) or not pattern:
-            raise ConfigError(key.format(i=i), pattern, "expected a non-empty regular expression")
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ConfigError(key.format(i=i), pattern, f"not a valid regular expression ({exc})") from None
-
-
+@optim_keys()
 def validate_optim_config(cfg: Any) -> ValidatedOptim:
     """Check everything that needs no model; return the typed, read-only config and the constructor arguments.
 
     A pure function: ``cfg`` is not changed, and neither is the result afterwards. Call it once and hand the
     result to :func:`build_optimizer`. Raises :class:`ConfigError`. Warns (``UserWarning``) where an option
-    silently has no effect (remainders without an FP32 master).
+    silently has no effect (remainders without an FP32 master). A refusal's line is the ``optim`` group's key's
+    (:func:`~optim_factory.errors.optim_keys`).
     """
-    with _config_keys():
-        c = _to_schema(cfg)
-        if isinstance(c.lr, float) and c.lr <= 0:  # the one rule a config adds: torch accepts lr=0 (trains nothing)
-            raise ConfigError("lr", c.lr, "must be > 0")
-        check_hyperparameters(c.lr, list(c.betas), c.eps, c.weight_decay)  # the constructors' own rules
-        _check_patterns("param_groups.no_decay[{i}]", c.param_groups.no_decay)
-        _check_patterns("param_groups.overrides[{i}].pattern", [o.pattern for o in c.param_groups.overrides])
-        for i, o in enumerate(c.param_groups.overrides):
-            _check_number(f"param_groups.overrides[{i}].lr_mult", o.lr_mult, positive=True)
-            _check_number(f"param_groups.overrides[{i}].weight_decay_mult", o.weight_decay_mult, lo=0.0)
-        if OmegaConf.get_type(c) is AdamWConfig:
-            kwargs = dict(lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay, amsgrad=c.amsgrad)
-            return ValidatedOptim(c, MappingProxyType({**kwargs, "foreach": c.foreach}))
+    c = _to_schema(cfg)
+    check_optim_config(c)  # the config's rules: optim_factory/rules/config.py
+    if OmegaConf.get_type(c) is AdamWConfig:
+        kwargs = dict(lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay, amsgrad=c.amsgrad)
+        return ValidatedOptim(c, MappingProxyType({**kwargs, "foreach": c.foreach}))
 
-        if c.amsgrad:
-            raise ConfigError("amsgrad", c.amsgrad, "FusedAdam does not support AMSGrad; use optim=adamw for it")
-        dtypes = check_state_dtypes(  # the constructors' own dtype / capturable / master-weight rules
-            master_weights=c.master_weights,
-            master_weight_dtype=c.master_weight_dtype,
-            exp_avg_dtype=c.exp_avg_dtype,
-            exp_avg_sq_dtype=c.exp_avg_sq_dtype,
-            capturable=c.capturable,
-            store_param_remainders=c.store_param_remainders,
-        )
-        export = export_options(c)  # the constructors' own export option rules, before anything is built
+    dtypes = check_state_dtypes(  # the constructors' own dtype / capturable / master-weight rules
+        master_weights=c.master_weights,
+        master_weight_dtype=c.master_weight_dtype,
+        exp_avg_dtype=c.exp_avg_dtype,
+        exp_avg_sq_dtype=c.exp_avg_sq_dtype,
+        capturable=c.capturable,
+        store_param_remainders=c.store_param_remainders,
+    )
+    export = export_options(c)  # the constructors' own export option rules, before anything is built
     check_export_effect(export, dtypes.exp_avg_dtype, dtypes.exp_avg_sq_dtype)
     return ValidatedOptim(c, MappingProxyType(_fused_adam_kwargs(c) | export_arguments(c)))
 
 
 # ------------------------------------------------------------------------------------------------- backends
+@optim_keys()
 def choose_backend(requested: str, params: list[torch.Tensor]) -> tuple[str, str]:
-    """``auto|te|portable`` → (``te`` or ``portable``, the reason). ``te`` without TE raises."""
+    """``auto|te|portable`` → (``te`` or ``portable``, the reason). ``te`` without TE, or without CUDA parameters,
+    raises ``optim.backend='te': ...``."""
     from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE, TE_INSTALL_HINT, te_import_error
 
     on_cuda = bool(params) and all(local_tensor(p).device.type == "cuda" for p in params)
@@ -291,15 +251,13 @@ def build_optimizer(cfg: Any, model: Any) -> torch.optim.Optimizer:
     v = cfg if isinstance(cfg, ValidatedOptim) else validate_optim_config(cfg)
     c = v.config
     named = named_trainable(model)
-    with _config_keys():
-        groups, summaries = build_param_groups(c, named, model if isinstance(model, torch.nn.Module) else None)
+    groups, summaries = build_param_groups(c, named, model if isinstance(model, torch.nn.Module) else None)
     params = [p for _, p in named]
     if v.name == "adamw":
         opt = torch.optim.AdamW(groups, **v.kwargs)
         log.info("optimizer: torch.optim.AdamW")
     else:
-        with _config_keys():
-            backend, why = choose_backend(c.backend, params)
+        backend, why = choose_backend(c.backend, params)
         bf16_params = any(p.dtype == torch.bfloat16 for p in params)
         if c.master_weights and not any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
             warnings.warn(

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from optim_factory.config import DEFAULT_NO_DECAY
-from optim_factory.errors import ConfigError
+from optim_factory.errors import ConfigError, optim_keys
+from optim_factory.rules.config import match_overrides
 
 __all__ = ["GroupSummary", "named_trainable", "build_param_groups"]
 
@@ -111,6 +112,7 @@ def _no_decay_reasons(
     return reasons
 
 
+@optim_keys()
 def build_param_groups(
     cfg: Any,
     named: list[tuple[str, torch.nn.Parameter]],
@@ -125,32 +127,20 @@ def build_param_groups(
     ``no_decay`` name patterns add to that. With (name, parameter) pairs only, the 1-D and name rules apply.
 
     Every trainable parameter lands in exactly one group (checked). An override pattern that matches nothing,
-    or two override patterns matching one parameter, raise; a user-given ``no_decay`` pattern matching nothing
-    is logged as a warning. Each group's summary says why it exists (e.g. ``no decay: nn.Embedding (2), 1-D (9)``).
+    or two override patterns matching one parameter, raise (:func:`~optim_factory.rules.config.match_overrides`;
+    ``optim.param_groups.overrides...``); a user-given ``no_decay`` pattern matching nothing is logged as a warning.
+    Each group's summary says why it exists (e.g. ``no decay: nn.Embedding (2), 1-D (9)``).
     """
-    pg = cfg.param_groups
-    overrides = [(re.compile(o.pattern), o) for o in pg.overrides]
-    used_override = [False] * len(overrides)
+    overrides = list(cfg.param_groups.overrides)
     reasons = _no_decay_reasons(cfg, named, module)
+    matched = match_overrides([name for name, _ in named], [o.pattern for o in overrides])
     buckets: dict[tuple[int, bool], list[tuple[str, torch.nn.Parameter]]] = {}
-    for name, param in named:
-        hits = [i for i, (rx, _) in enumerate(overrides) if rx.search(name)]
-        if len(hits) > 1:
-            pats = ", ".join(repr(overrides[i][1].pattern) for i in hits)
-            overlap = f"patterns overlap on parameter {name!r}; make them disjoint"
-            raise ConfigError("param_groups.overrides", pats, overlap)
-        for i in hits:
-            used_override[i] = True
-        buckets.setdefault((hits[0] if hits else -1, name in reasons), []).append((name, param))
-    for i, used in enumerate(used_override):
-        if not used:
-            raise ConfigError(
-                f"param_groups.overrides[{i}].pattern", overrides[i][1].pattern, "matches no trainable parameter"
-            )
+    for (name, param), override in zip(named, matched):
+        buckets.setdefault((override, name in reasons), []).append((name, param))
 
     groups, summaries = [], []
     for (override, decay_off), members in sorted(buckets.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        o = overrides[override][1] if override >= 0 else None
+        o = overrides[override] if override >= 0 else None
         lr = cfg.lr * (o.lr_mult if o else 1.0)
         wd = 0.0 if decay_off else cfg.weight_decay * (o.weight_decay_mult if o else 1.0)
         label = f"override {o.pattern!r}" if o else "default"

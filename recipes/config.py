@@ -65,9 +65,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             if getattr(self, key) < 1:
-                raise ConfigError(f"model.{key}={getattr(self, key)}: must be >= 1")
+                raise ConfigError(f"model.{key}", getattr(self, key), "must be >= 1")
         if self.d_model % self.n_heads:
-            raise ConfigError(f"model.d_model={self.d_model}: must be divisible by model.n_heads={self.n_heads}")
+            raise ConfigError("model.d_model", self.d_model, f"must be divisible by model.n_heads={self.n_heads}")
 
 
 @dataclass
@@ -155,11 +155,10 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         for key, low in (("max_steps", 1), ("log_every", 1), ("warmup_steps", 0), ("threads", 0), ("grad_clip", 0)):
             if not getattr(self, key) >= low:  # also refuses NaN
-                raise ConfigError(f"trainer.{key}={getattr(self, key)}: must be >= {low}")
+                raise ConfigError(f"trainer.{key}", getattr(self, key), f"must be >= {low}")
         if not 0 <= self.stop_at <= self.max_steps:  # beyond max_steps it would stop nothing
-            raise ConfigError(
-                f"trainer.stop_at={self.stop_at}: must be between 0 (off) and trainer.max_steps={self.max_steps}"
-            )
+            between = f"must be between 0 (off) and trainer.max_steps={self.max_steps}"
+            raise ConfigError("trainer.stop_at", self.stop_at, between)
         if self.eval_every < 0:
             raise DataError(f"trainer.eval_every={self.eval_every}: must be >= 0 (0: no evaluation)")
 
@@ -177,7 +176,7 @@ class TrainConfig:
         """The rules across groups (each group's own rules ran when it was built: ``__post_init__``). The preflight
         calls it once the data's file is read (``recipes.preflight``)."""
         if not str(self.run_dir).strip():  # Path('') is the current directory, and ${run_dir}/checkpoints the root's
-            raise ConfigError(f"run_dir={self.run_dir!r}: empty; expected a directory (e.g. run_dir=runs/my_run)")
+            raise ConfigError("run_dir", self.run_dir, "empty; expected a directory (e.g. run_dir=runs/my_run)")
         model, data, trainer = self.model, self.data, self.trainer
         if data.kind == DataKind.addition:
             if model.vocab_size < len(ADDITION_VOCAB):
@@ -193,7 +192,7 @@ class TrainConfig:
                     "model.max_seq_len, lower data.digits, or set trainer.eval_every=0"
                 )
         if data.seq_len > model.max_seq_len:
-            raise ConfigError(f"data.seq_len={data.seq_len}: must be <= model.max_seq_len={model.max_seq_len}")
+            raise ConfigError("data.seq_len", data.seq_len, f"must be <= model.max_seq_len={model.max_seq_len}")
 
 
 GROUP_SCHEMAS: dict[str, type] = {
@@ -255,10 +254,8 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(another_optimizers_line(key, optim_schema) or unknown_key_line(key, known))
     name = cfg.optim.get("name") if optim_schema in OPTIM_SCHEMAS.values() else None
     if name in OPTIM_SCHEMAS and OPTIM_SCHEMAS[name] is not optim_schema:  # optim.name=adamw on fused_adam's keys
-        raise ConfigError(
-            f"optim.name={name}: the optimizer is chosen by its config group (optim={name}); optim.name "
-            "follows the group"
-        )
+        chosen = f"the optimizer is chosen by its config group (optim={name}); optim.name follows the group"
+        raise ConfigError("optim.name", name, chosen, shown=name)
 
 
 def another_optimizers_line(key: str | None, schema: type | None) -> str | None:

@@ -34,10 +34,11 @@ def preflight(cfg: DictConfig):
     check_config(cfg)
     optim = validate_optim_config(cfg.optim)
     if cfg.optim.get("use_decoupled_grad", False):
-        raise ConfigError(
-            "optim.use_decoupled_grad=true: FusedAdam would read param.decoupled_grad, which this recipe's loop "
-            "never sets (it sets .grad): no parameter would be updated"
+        unread = (
+            "FusedAdam would read param.decoupled_grad, which this recipe's loop never sets (it sets .grad): no "
+            "parameter would be updated"
         )
+        raise ConfigError("optim.use_decoupled_grad", True, unread, shown="true")
     typed: TrainConfig = OmegaConf.to_object(cfg)
     env = resolve_dist_env(os.environ)
     device = pick_device(typed.trainer.device, env.local_rank)
@@ -55,9 +56,9 @@ def check_run_dir(run_dir: str) -> None:
     existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
     if not existing.is_dir():
         where = "" if existing == path else f" ({existing} is a file)"
-        raise ConfigError(f"run_dir={run_dir!r}: not a directory{where}")
+        raise ConfigError("run_dir", run_dir, f"not a directory{where}")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"run_dir={run_dir!r}: {existing} is not writable")
+        raise ConfigError("run_dir", run_dir, f"{existing} is not writable")
 
 
 def check_checkpoint_config(cfg: CheckpointConfig, rank: int = 0) -> None:

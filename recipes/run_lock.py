@@ -58,10 +58,8 @@ class RunDirLock:
         except BlockingIOError:
             holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
             os.close(fd)
-            raise ConfigError(
-                f"{self.key}={self.run_dir!r}: another launch is training in it ({holder}); wait for it to end, or "
-                f"use another {self.key}"
-            ) from None
+            held = f"another launch is training in it ({holder}); wait for it to end, or use another {self.key}"
+            raise ConfigError(self.key, self.run_dir, held) from None
         except OSError as exc:
             os.close(fd)
             if exc.errno not in _NO_FLOCK:

@@ -293,6 +293,20 @@ def test_at_least_thirty_malformed_cases():
     assert len(MALFORMED) >= 30
 
 
+def test_the_public_functions_that_read_the_config_refuse_as_its_keys(monkeypatch):
+    """choose_backend and build_param_groups, called directly, refuse in the config's line, as build_optimizer does."""
+    from optim_factory.factory import build_param_groups, choose_backend
+
+    monkeypatch.setattr(te_fused_adam, "TE_AVAILABLE", True)
+    with pytest.raises(ConfigError, match=r"^optim\.backend='te': TE's FusedAdam needs CUDA parameters"):
+        choose_backend("te", [torch.zeros(2)])
+    model = tiny_model()
+    config = validate_optim_config({"param_groups": {"overrides": [{"pattern": "no_such_param"}]}}).config
+    with pytest.raises(ConfigError) as info:
+        build_param_groups(config, list(model.named_parameters()), model)
+    assert str(info.value) == "optim.param_groups.overrides[0].pattern='no_such_param': matches no trainable parameter"
+
+
 @pytest.mark.parametrize(
     "override,fragment",
     [
