@@ -62,6 +62,20 @@ def test_cuda_chunked_export_bitwise_and_bounded(cfg, pinning, record):
         assert all(local(v).is_pinned() for st in sd["state"].values() for v in st.values())
 
 
+def test_bench_pool_buffers_count_exactly_the_pinned_leased_buffers():
+    from scripts.bench_export import PoolBuffers
+
+    params, opt = _build("bf16-fp16", reuse=True)
+    counted = PoolBuffers(opt)
+    sd = opt.state_dict()
+    leased = [local(v) for st in sd["state"].values() for v in st.values()]
+    assert counted.pinned_bytes() == 0  # the first export's buffers: pageable until released
+    opt.release_state_dict(sd)
+    opt.state_exporter.pool.prepare([]).result()  # after the pool's thread has pinned the released buffers
+    assert counted.pinned_bytes() == sum(t.numel() * t.element_size() for t in leased if host_registered(t.data_ptr()))
+    assert counted.pinned_bytes() > 0
+
+
 def test_released_buffers_get_pinned_in_place_and_unpinned_when_freed():
     params, opt = _build("bf16-fp16", reuse=True)
     pool = opt.state_exporter.pool

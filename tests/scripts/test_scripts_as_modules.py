@@ -50,6 +50,28 @@ def test_bench_export_runs_with_fresh_processes_on_cpu(tmp_path, monkeypatch, ca
     assert len(fresh) == 1, text  # the row of the fresh process (started as -m scripts.bench_export)
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+def test_pool_buffers_records_the_buffers_each_export_leased(reuse):
+    import torch
+
+    from optim_factory import PortableFusedAdam
+    from scripts.bench_export import PoolBuffers
+
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 70)]
+    options = dict(state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=64)
+    opt = PortableFusedAdam(params, lr=1e-3, state_dict_offload_reuse_buffers=reuse, **options)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    counted = PoolBuffers(opt)
+    exported = opt.state_dict()
+    leased = [t for st in exported["state"].values() for t in st.values() if opt.is_leased_export_buffer(t)]
+    assert len(leased) == (4 if reuse else 0)  # exp_avg and exp_avg_sq of each parameter, pooled with reuse
+    assert {id(t) for t in counted.buffers.values()} == {id(t) for t in leased}
+    assert counted.pinned_bytes() == 0  # CPU states: the pool pins nothing
+    opt.release_state_dict(exported)
+
+
 def test_bench_save_runs_every_mode_on_cpu(tmp_path, monkeypatch, capsys):
     args = ["--device", "cpu", "--width", "64", "--layers", "2", "--tokens", "16", "--repeats", "1"]
     args += ["--out", str(tmp_path), "--scratch", str(tmp_path / "s"), "--profile", str(tmp_path / "prof")]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from optim_factory import PortableFusedAdam
-from optim_factory.optimizers.export import export_state
+from optim_factory.optimizers.export import ExportOptions, ExportPlan, export_state
 from tests.helpers import (
     LIFECYCLE_CONFIGS,
     LiveSnapshot,
@@ -214,3 +214,13 @@ def test_load_converts_between_int16_remainders_and_fp32_master(saved_remainders
     run_steps(dst, dst_params, 3, 3)
     for a, b in zip(params, dst_params):
         assert_bitwise(a, b, "param after resume with remainders toggled")
+
+
+@pytest.mark.parametrize("option", ["reuse_buffers", "background"])
+def test_a_plan_without_the_optimizer_s_exporter_refuses_pooled_and_background_exports(option):
+    params = make_params(torch.float32)
+    opt = PortableFusedAdam(params, lr=1e-3)
+    run_steps(opt, params, 0, 1)
+    options = ExportOptions(True, 64, **{option: True})
+    with pytest.raises(ValueError, match=r"^reuse_buffers or background: needs the optimizer's own exporter"):
+        ExportPlan(options).export(opt)  # a temporary pool would go with the plan: nothing could be reused

@@ -92,8 +92,8 @@ class ExportPlan:
     background thread with ``background``); otherwise exported whole (:meth:`whole`). Either way a BF16 state
     stays BF16 with ``keep_bf16``. The optimizer makes one per export from the options and the exporter it
     owns; :meth:`start_threads` and :meth:`prepare` get the exporter ready for the exports these options make.
-    Without an exporter (``export_state``, which never reuses buffers nor exports in the background) a chunked
-    export uses a temporary one.
+    Without an exporter (``export_state``) a chunked export uses a temporary one; reused buffers and a background
+    export need the optimizer's own (a ``ValueError``).
     """
 
     def __init__(self, options: ExportOptions, exporter: StateExporter | None = None) -> None:
@@ -104,6 +104,10 @@ class ExportPlan:
         """``{"state": {index: {name: tensor}}, "param_groups": [...]}`` like ``torch.optim.Optimizer``, exported
         (see the module docstring for the contract)."""
         o = self.options
+        if (o.reuse_buffers or o.background) and self.exporter is None:
+            raise ValueError(
+                "reuse_buffers or background: needs the optimizer's own exporter (it owns the buffer pool)"
+            )
         if o.chunk_bytes and self.exporter is None:
             with StateExporter() as temporary:  # its threads end with this export
                 return ExportPlan(o, temporary).export(optimizer)
