@@ -17,8 +17,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Lazy: importing Transformer Engine is slow and optional. (Without TE, the module that defines FusedAdam
-    # imports in about 1 ms; with TE, it imports TE, which takes seconds: so `import optim_factory` does not.)
+    # Lazy: importing Transformer Engine is slow and optional. The module that defines FusedAdam imports TE where
+    # it is installed, so `import optim_factory` leaves that module alone until FusedAdam is asked for.
     if name == "FusedAdam":
         from optim_factory.optimizers.te_fused_adam import FusedAdam
 
