@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from dataclasses import fields
 from enum import Enum
 from typing import Any
 
@@ -62,13 +63,13 @@ def parse_bytes(value: Any, key: str) -> int | None:
 
 
 def check_export_options(options: Any) -> tuple[int, Pinning]:
-    """The rules of ``options`` (an ``ExportOptions``; named as the constructors spell them), in order: each flag
-    a ``bool``; a chunk size ``None``, 0 or an int >= :data:`MIN_CHUNK_BYTES`, and only with the CPU offload;
-    reused buffers and the background export only with a chunked export; a :class:`Pinning` choice, other than
-    ``register`` only with reused buffers. Returns the chunk size in bytes (0: nothing chunked) and the pinning as
-    a :class:`Pinning`."""
+    """The rules of ``options`` (an ``ExportOptions``; named as the constructors spell them, from each field's
+    metadata), in order: the offload a ``bool``; a chunk size ``None``, 0 or an int >= :data:`MIN_CHUNK_BYTES`, and
+    only with the CPU offload; every other flag (a field whose default is a ``bool``) a ``bool``; reused buffers and
+    the background export only with a chunked export; a :class:`Pinning` choice, other than ``register`` only with
+    reused buffers. Returns the chunk size in bytes (0: nothing chunked) and the pinning as a :class:`Pinning`."""
     cpu_offload, chunk_bytes, reuse_buffers = options.cpu_offload, options.chunk_bytes, options.reuse_buffers
-    pinning, keep_bf16, background = options.pinning, options.keep_bf16, options.background
+    pinning, background = options.pinning, options.background
     check_flags(state_dict_cpu_offload=cpu_offload)
     chunk = chunk_bytes
     if chunk is not None:
@@ -82,11 +83,8 @@ def check_export_options(options: Any) -> tuple[int, Pinning]:
             needs = "needs state_dict_cpu_offload=True (chunked streaming is a mode of the CPU-offloaded export)"
             raise ConfigError("state_dict_offload_chunk_bytes", chunk, needs)
     chunk = (DEFAULT_CHUNK_BYTES if cpu_offload else 0) if chunk is None else chunk
-    check_flags(
-        state_dict_offload_reuse_buffers=reuse_buffers,
-        state_dict_keep_bf16=keep_bf16,
-        state_dict_offload_background=background,
-    )
+    flags = [f for f in fields(options) if isinstance(f.default, bool) and f.name != "cpu_offload"]
+    check_flags(**{f.metadata["option"]: getattr(options, f.name) for f in flags})  # a new flag is checked too
     for key, on in (("background", background), ("reuse_buffers", reuse_buffers)):
         if on and not chunk:
             needs = "state_dict_cpu_offload=True" if not cpu_offload else "state_dict_offload_chunk_bytes != 0"

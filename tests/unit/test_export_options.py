@@ -59,6 +59,16 @@ def test_impossible_options_are_one_line(kwargs, needle):
     assert needle in str(info.value) and "\n" not in str(info.value)
 
 
+FLAGS = [k for k, f in CONSTRUCTOR_NAMES.items() if isinstance(ExportOptions.__dataclass_fields__[f].default, bool)]
+
+
+@pytest.mark.parametrize("kwarg", FLAGS)
+def test_every_flag_is_refused_unless_a_bool(kwarg):
+    on = dict(cpu_offload=True, chunk_bytes=64)  # a chunked export: only the flag under test is wrong
+    with pytest.raises(ValueError, match=rf"^{kwarg}='yes': expected True or False$"):
+        ExportOptions(**{**on, CONSTRUCTOR_NAMES[kwarg]: "yes"})
+
+
 def test_options_are_frozen_and_read_only_on_the_optimizer():
     params = make_params(torch.float32)
     opt = PortableFusedAdam(
