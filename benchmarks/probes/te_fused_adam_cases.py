@@ -1,5 +1,5 @@
-"""What TE 2.20.2's FusedAdam and ours do in the cases a bug hunt found (2026-12-01), one section per process
-(a CUDA error in one leaves the context unusable), on a machine with CUDA and TE:
+"""What TE 2.20.2's FusedAdam and ours do where the two classes differ (docs/drop-in.md lists them), one section
+per process (a CUDA error in one leaves the context unusable), on a machine with CUDA and TE:
 
     python -m benchmarks.probes.te_fused_adam_cases a   # then b, c, d
 
