@@ -17,6 +17,7 @@ calls them without asking which optimizer it holds.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -152,14 +153,17 @@ def deferred_export(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         yield
 
 
-def export_failure(optimizer: torch.optim.Optimizer) -> Exception | None:
+def export_failure(optimizer: torch.optim.Optimizer, timeout: float | None = None) -> Exception | None:
     """Wait until a background export has filled its host tensors; return its failure, or ``None``. The failure
     is taken: no later wait raises it, and a dictionary whose export failed holds garbage (save nothing of it).
     Safe on a thread beside the training loop: until the export has finished, a ``step()`` waits for it, and a
-    ``step()`` that waits meanwhile raises the failure too."""
+    ``step()`` that waits meanwhile raises the failure too. ``timeout`` seconds without the export finishing
+    raise ``concurrent.futures.TimeoutError``; the export stays pending and its buffers with it."""
     if isinstance(optimizer, OffloadedStateDict):
         try:
-            optimizer.wait_state_dict()
+            optimizer.wait_state_dict(timeout)
+        except concurrent.futures.TimeoutError:
+            raise
         except Exception as exc:  # noqa: BLE001  (any failure of the export thread is the caller's to report)
             return exc
     return None

@@ -15,7 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from optim_factory.config import OPTIM_SCHEMAS, omegaconf_error_line
 from optim_factory.errors import first_line
-from recipes.checkpoint.tree import leaves
+from optim_factory.tree import leaves
 from recipes.config import another_optimizers_line, known_keys
 
 

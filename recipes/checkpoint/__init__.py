@@ -43,7 +43,7 @@ from recipes.checkpoint.manager import CheckpointManager
 from recipes.checkpoint.report import ExportReport
 from recipes.checkpoint.save import SAVE_PHASES
 from recipes.checkpoint.stager import ExportBufferStager
-from recipes.checkpoint.tree import state_bytes
+from optim_factory.tree import state_bytes
 
 __all__ = [
     "FALLBACK_HINT",

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from optim_factory.errors import first_line
 from recipes.checkpoint.checksums import manifest_problem
-from recipes.checkpoint.tree import leaves
+from optim_factory.tree import leaves
 
 log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the package
 

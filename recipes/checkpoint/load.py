@@ -23,7 +23,7 @@ from optim_factory.checkpoint import ExactLoadPlanner, finish_load, prepare_load
 from optim_factory.errors import first_line
 from recipes.checkpoint import resume
 from recipes.checkpoint.checksums import file_problem
-from recipes.checkpoint.host_copies import HostCopies
+from optim_factory.host_copies import HostCopies
 from recipes.checkpoint.layout import (
     DCP_ERRORS,
     FALLBACK_HINT,

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from recipes.checkpoint.checksums import writer_threads
-from recipes.checkpoint.host_copies import HostCopies
+from optim_factory.host_copies import HostCopies
 from recipes.checkpoint.layout import complete
 from recipes.checkpoint.load import Loader
 from recipes.checkpoint.report import ExportReport

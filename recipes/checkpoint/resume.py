@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from recipes.checkpoint.layout import CheckpointError, read_manifest
-from recipes.checkpoint.tree import leaves
+from optim_factory.tree import leaves
 
 log = logging.getLogger(__name__)
 

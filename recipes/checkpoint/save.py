@@ -35,7 +35,7 @@ from optim_factory.errors import first_line
 from optim_factory.optimizers.export import all_finite
 from recipes.checkpoint.checksums import ALGORITHM, ChecksumFileSystemWriter, seal_manifest
 from recipes.checkpoint.export import defers, export_failure_line, timed_export
-from recipes.checkpoint.host_copies import HostCopies
+from optim_factory.host_copies import HostCopies
 from recipes.checkpoint.layout import (
     DCP_ERRORS,
     MARKER,
@@ -50,7 +50,7 @@ from recipes.checkpoint.layout import (
 )
 from recipes.checkpoint.report import ExportReport
 from recipes.checkpoint.stager import ExportBufferStager
-from recipes.checkpoint.tree import local_tensors, state_bytes
+from optim_factory.tree import local_tensors, state_bytes
 from recipes.distributed import all_ranks, world_size
 
 log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the package

@@ -10,7 +10,7 @@ from typing import Any
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from optim_factory.checkpoint import export_buffer_test, export_failure
-from recipes.checkpoint.host_copies import HostCopies
+from optim_factory.host_copies import HostCopies
 
 # a deferred export's completion: (the staged dict, the wait for its copies) -> the Future DCP's upload waits for
 Finish = Callable[[dict[str, Any], Callable[[], None]], Future]

@@ -167,19 +167,21 @@ class OffloadedStateDict:
         """``with opt.deferred_state_dict(): sd = get_optimizer_state_dict(model, opt)``: a background export
         (``state_dict_offload_background``) started inside returns unfilled, so that the caller's next forward and
         backward overlap it; the caller promises to wait (:meth:`wait_state_dict`, or ``step()``) before reading
-        the tensors. The recipe's checkpoint manager and ``ExportBufferStager`` do. Re-entrant."""
+        the tensors. ``optim_factory.async_save.AsyncSaveStager`` does. Re-entrant."""
         self._deferring += 1
         try:
             yield
         finally:
             self._deferring -= 1
 
-    def wait_state_dict(self) -> None:
+    def wait_state_dict(self, timeout: float | None = None) -> None:
         """Block until a background export (``state_dict_offload_background``) has filled its host tensors; re-raise
         its failure. The failure is raised once, by the first of this, ``step()``, ``load_state_dict()`` or
         ``state_dict()`` to wait (and by every other thread that was waiting for it meanwhile): a dictionary whose
-        export failed holds garbage and must not be saved. Returns at once when nothing is pending."""
-        self._exporter.wait()
+        export failed holds garbage and must not be saved. Returns at once when nothing is pending. After
+        ``timeout`` seconds without the export finishing it raises ``concurrent.futures.TimeoutError`` and the
+        export stays pending."""
+        self._exporter.wait(timeout)
 
     @property
     def state_dict_pending(self) -> bool:

@@ -189,11 +189,12 @@ class StateExporter:
         """Whether a background export has not been waited for (it may have finished)."""
         return self._pending is not None
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         """Block until the pending background export (if any) has finished; re-raise its failure (once: the
         export is no longer pending afterwards). It stays pending until it has finished, so that a ``step()`` on
         another thread that waits meanwhile waits for it too; every waiter that waited for it meanwhile gets its
-        failure, a wait that starts once it has been taken does not."""
+        failure, a wait that starts once it has been taken does not. ``timeout`` seconds without the export
+        finishing raise ``concurrent.futures.TimeoutError`` and leave it pending."""
         pending = self._pending
         if pending is None:
             return
@@ -203,7 +204,7 @@ class StateExporter:
                 "a background export was running when this process was forked: its thread and the rest of "
                 "its dictionary stayed in the parent"
             )
-        pending.exception()  # finished, still pending for any other waiter
+        pending.exception(timeout)  # finished, still pending for any other waiter
         with self._taking:
             if self._pending is pending:
                 self._pending = None

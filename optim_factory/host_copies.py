@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from optim_factory.optimizers.export import local_tensor, wrap_host_local
-from recipes.checkpoint.tree import map_leaves
+from optim_factory.tree import map_leaves
 
 __all__ = ["HostCopies"]
 

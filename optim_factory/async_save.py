@@ -1,0 +1,244 @@
+"""``AsyncSaveStager``: the async save's staging, kept across saves, for any checkpointer that calls
+``dcp.async_save`` (docs/export.md, "Async saves"; docs/design.md, "The async-save stager").
+
+DCP's own stagers (``DefaultStager``, ``BlockingAsyncStager``) copy every tensor of the state dict into host memory
+of their own when a save starts. For our optimizers' exports that is a second copy of what is already on the host,
+in buffers that nothing else writes until they are released: this stager passes those buffers to DCP's writer
+uncopied, copies the rest (the model's tensors) into pinned host buffers it keeps from save to save, completes a
+background export (``state_dict_offload_background``) on a thread of its own while training goes on, and gives the
+export's buffers back to the optimizer once the write is done. With any other optimizer it stages as DCP's stager
+does (a host copy of every tensor, reused from save to save).
+
+A save it stages is refused on every rank, before DCP plans or writes anything, when an optimizer's export failed or
+did not fill within ``export_timeout_s``, or the caller's ``check`` refuses the staged state: the response's
+``upload_completion`` raises :class:`SaveRefused` in one line and the checkpoint directory is not written, so the
+previous checkpoint stays the newest.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from optim_factory.checkpoint import export_buffer_test, export_failure, release_export
+from optim_factory.errors import first_line
+from optim_factory.host_copies import HostCopies
+
+try:  # torch >= 2.9: a stager may return a Future, and async_save then returns both completions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+except ImportError:  # pragma: no cover  (torch < 2.9 is outside the supported range)
+    AsyncSaveResponse = None
+
+__all__ = ["AsyncSaveStager", "SaveRefused", "DEFAULT_EXPORT_TIMEOUT_S"]
+
+DEFAULT_EXPORT_TIMEOUT_S = 600.0
+"""How long a staged save waits for an optimizer's background export to fill (torch's default collective
+timeout): an export that never fills refuses the save instead of holding the writer forever."""
+
+Check = Callable[[dict[str, Any]], "str | None"]
+
+
+class SaveRefused(RuntimeError):
+    """A staged save refused on every rank before anything was written, in one line naming each rank's reason."""
+
+
+@dataclass
+class _Save:
+    """One staged save: the caller's state dict (its pooled export buffers go back once written), the staging's
+    completions and DCP's upload."""
+
+    state_dict: dict[str, Any]
+    filled: Future = field(default_factory=Future)  # the copies are done and the exports filled (or failed)
+    staged: Future = field(default_factory=Future)  # handed to DCP: the staged dict, or SaveRefused on every rank
+    upload: Future | None = None  # DCP's upload, when the save was started by AsyncSaveStager.async_save
+    over: threading.Event = field(default_factory=threading.Event)  # written or failed, and its buffers given back
+    stuck: bool = False  # an export did not fill in time: its buffers stay with it
+
+
+class AsyncSaveStager(AsyncStager):
+    """DCP's ``AsyncStager`` for async saves of our optimizers' exports, kept across saves; ``close()`` frees it.
+
+    ``optimizers``: the optimizer (or optimizers) whose exports the saved state dicts hold; any optimizer works.
+    ``check``: called on the completion thread with the staged state dict once it is filled; a returned line
+    refuses the save (the recipe refuses non-finite values). ``process_group``: the gloo group on which the ranks
+    agree on a refusal, from the completion thread (default: one of its own, created here, so every rank must build
+    its stager in the same order, as for any process group; None on a single process). ``pinned``: the model's host
+    copies in pinned memory (CUDA tensors only; other tensors are copied as they are).
+
+    Start a save with :meth:`async_save` (``dcp.async_save``'s arguments): at most one save is in flight, and its
+    export buffers go back to the optimizer when its write is done. ``dcp.async_save(..., async_stager=stager)``
+    works too; DCP then tells nobody when the write is done, so the buffers go back at the optimizer's next export,
+    which must start after the caller has waited for that save's ``upload_completion`` (DCP's rule for any stager
+    that reuses memory). Before the next ``optimizer.step()``, wait for the response's ``staging_completion`` (or
+    :meth:`wait_staged`): the model's copies and a background export read what ``step()`` changes.
+    """
+
+    _synchronize_after_execute = False  # staging completes through the Future stage() returns
+
+    def __init__(
+        self,
+        optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (),
+        *,
+        check: Check | None = None,
+        process_group: Any = None,
+        pinned: bool = True,
+        export_timeout_s: float = DEFAULT_EXPORT_TIMEOUT_S,
+    ) -> None:
+        self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        self.check = check
+        self.export_timeout_s = export_timeout_s
+        self._copies = HostCopies(pinned=pinned)
+        self._own_group = process_group is None and dist.is_initialized() and dist.get_world_size() > 1
+        self._group = dist.new_group(backend="gloo") if self._own_group else process_group
+        self._save: _Save | None = None
+        self._closed = False
+        # the buffers of a save started by dcp.async_save directly go back when the next export starts
+        self._hooks = [opt.register_state_dict_pre_hook(self._before_export) for opt in self.optimizers]
+
+    # ------------------------------------------------------------------ DCP's protocol
+    def stage(self, state_dict: dict[str, Any]) -> Future:
+        """Host copies of ``state_dict`` for DCP's writer: pooled export buffers passed through, every other tensor
+        copied into the stager's buffers. Returns the Future DCP's upload waits for (see the module docstring)."""
+        if self._closed:
+            raise RuntimeError("AsyncSaveStager: closed; build a new one for further saves")
+        self._end_previous()
+        keeps = [test for test in map(export_buffer_test, self.optimizers) if test is not None]
+        staged, copied = self._copies.copy(state_dict, keep=lambda t: any(test(t) for test in keeps))
+        save = self._save = _Save(state_dict)
+        # the caller's GPU on the thread: a new thread's is 0, and its first CUDA call would create a context there
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        threading.Thread(
+            target=self._complete, args=(save, staged, copied, device), name="optim-factory-staging", daemon=True
+        ).start()
+        return save.staged
+
+    def synchronize_staging(self) -> None:
+        """Wait until the last staged save's copies and exports are filled (:meth:`wait_staged`)."""
+        self.wait_staged()
+
+    def close(self) -> None:
+        """Wait for a save in flight (its failure is its response's), give every buffer back and free the host
+        copies; the stager saves nothing more."""
+        if self._closed:
+            return
+        self._end_previous()
+        self._closed = True
+        for hook in self._hooks:
+            hook.remove()
+        self._copies.close()
+        if self._own_group and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+
+    # ------------------------------------------------------------------ the save's lifecycle
+    def async_save(self, state_dict: dict[str, Any], **dcp_kwargs: Any) -> AsyncSaveResponse:
+        """``dcp.async_save(state_dict, async_stager=self, **dcp_kwargs)`` on a writer thread, once the previous
+        save is over; the export buffers go back when this one's write is done. Returns DCP's
+        ``AsyncSaveResponse``: ``staging_completion`` once the copies and exports are filled (the next ``step()``
+        may run), ``upload_completion`` once written (it raises :class:`SaveRefused` or DCP's write failure)."""
+        self._end_previous()
+        response = dcp.async_save(
+            state_dict, async_stager=self, async_checkpointer_type=AsyncCheckpointerType.THREAD, **dcp_kwargs
+        )
+        save = self._save
+        save.upload = response.upload_completion
+        save.upload.add_done_callback(lambda _: self._give_back(save))
+        return AsyncSaveResponse(staging_completion=save.filled, upload_completion=save.upload)
+
+    def wait_staged(self) -> None:
+        """Block until the last staged save's copies are done and its exports filled; the next ``step()`` may run."""
+        if self._save is not None:
+            self._save.filled.result()
+
+    def wait(self) -> None:
+        """Block until the save in flight (started by :meth:`async_save`) is written and its buffers given back;
+        raise its failure (:class:`SaveRefused`, or DCP's) in one line. Returns at once when none is in flight."""
+        save = self._save
+        if save is None or save.upload is None:
+            return
+        save.over.wait()
+        failure = save.upload.exception()
+        if failure is not None:
+            raise (failure if isinstance(failure, SaveRefused) else SaveRefused(first_line(failure, named=True)))
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host copies kept for the next save (the export buffers are the optimizers')."""
+        return self._copies.nbytes()
+
+    # ------------------------------------------------------------------ inside
+    def _end_previous(self) -> None:
+        """The previous save over: waited for when started by :meth:`async_save`, else (``dcp.async_save``
+        directly: its caller waited for it) its buffers given back."""
+        save = self._save
+        if save is None:
+            return
+        if save.upload is not None:
+            save.over.wait()
+        elif save.staged.done():
+            self._give_back(save)
+
+    def _before_export(self, optimizer: torch.optim.Optimizer) -> None:
+        self._end_previous()
+
+    def _give_back(self, save: _Save) -> None:
+        if not save.over.is_set():
+            if not save.stuck:
+                for opt in self.optimizers:
+                    release_export(opt, save.state_dict)
+            save.over.set()
+
+    def _complete(self, save: _Save, staged: dict, copied: Callable[[], None], device: int | None) -> None:
+        """The staging's completion, on a thread of its own: the copies, every export filled, ``check``, then the
+        ranks' agreement. It never raises: every rank reaches the agreement, so a refusal is every rank's."""
+        failure = None
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            copied()
+            failure = self._export_failure(save)
+        except BaseException as exc:  # noqa: BLE001  (one rank's failure must reach the agreement, not end it)
+            failure = first_line(exc, named=True)
+        finally:
+            save.filled.set_result(None)
+        try:
+            if failure is None and self.check is not None:
+                failure = self.check(staged)
+            refusals = self._agree(failure)
+        except BaseException as exc:  # noqa: BLE001
+            refusals = [f"rank {_rank()}: {first_line(exc, named=True)}"]
+        if refusals:
+            save.staged.set_exception(SaveRefused(f"not saved, nothing was written: {'; '.join(refusals)}"))
+        else:
+            save.staged.set_result(staged)
+
+    def _export_failure(self, save: _Save) -> str | None:
+        for opt in self.optimizers:
+            try:
+                exc = export_failure(opt, timeout=self.export_timeout_s)
+            except concurrent.futures.TimeoutError:
+                save.stuck = True
+                return f"the optimizer's export did not fill within {self.export_timeout_s:g} s"
+            if exc is not None:
+                return f"the optimizer's export failed: {first_line(exc, named=True)}"
+        return None
+
+    def _agree(self, failure: str | None) -> list[str]:
+        """Every rank's refusal (``rank N: line``), gathered on the stager's group; empty when none refused."""
+        if self._group is None and not (dist.is_initialized() and dist.get_world_size() > 1):
+            return [] if failure is None else [f"rank {_rank()}: {failure}"]
+        lines: list[str | None] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(lines, failure, group=self._group)
+        return [f"rank {rank}: {line}" for rank, line in enumerate(lines) if line is not None]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
