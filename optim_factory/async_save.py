@@ -48,7 +48,12 @@ Check = Callable[[dict[str, Any]], "str | None"]
 
 
 class SaveRefused(RuntimeError):
-    """A staged save refused on every rank before anything was written, in one line naming each rank's reason."""
+    """A staged save refused on every rank before anything was written, in one line naming each rank's reason
+    (``reasons``: ``"<reason> (rank N)"`` for every rank that refused)."""
+
+    def __init__(self, reasons: list[str]) -> None:
+        super().__init__(f"not saved, nothing was written: {'; '.join(reasons)}")
+        self.reasons = reasons
 
 
 @dataclass
@@ -75,10 +80,11 @@ class AsyncSaveStager(AsyncStager):
     copies in pinned memory (CUDA tensors only; other tensors are copied as they are).
 
     Start a save with :meth:`async_save` (``dcp.async_save``'s arguments): at most one save is in flight, and its
-    export buffers go back to the optimizer when its write is done. ``dcp.async_save(..., async_stager=stager)``
-    works too; DCP then tells nobody when the write is done, so the buffers go back at the optimizer's next export,
-    which must start after the caller has waited for that save's ``upload_completion`` (DCP's rule for any stager
-    that reuses memory). Before the next ``optimizer.step()``, wait for the response's ``staging_completion`` (or
+    export buffers go back to the optimizer when its write is done, so the next export reuses them.
+    ``dcp.async_save(..., async_stager=stager)`` works too; DCP then tells nobody when the write is done, so the
+    buffers go back when the next save is staged (the caller must have waited for the previous save's
+    ``upload_completion`` by then, DCP's rule for any stager that reuses memory), and the export in between takes
+    a second set. Before the next ``optimizer.step()``, wait for the response's ``staging_completion`` (or
     :meth:`wait_staged`): the model's copies and a background export read what ``step()`` changes.
     """
 
@@ -101,8 +107,6 @@ class AsyncSaveStager(AsyncStager):
         self._group = dist.new_group(backend="gloo") if self._own_group else process_group
         self._save: _Save | None = None
         self._closed = False
-        # the buffers of a save started by dcp.async_save directly go back when the next export starts
-        self._hooks = [opt.register_state_dict_pre_hook(self._before_export) for opt in self.optimizers]
 
     # ------------------------------------------------------------------ DCP's protocol
     def stage(self, state_dict: dict[str, Any]) -> Future:
@@ -132,8 +136,6 @@ class AsyncSaveStager(AsyncStager):
             return
         self._end_previous()
         self._closed = True
-        for hook in self._hooks:
-            hook.remove()
         self._copies.close()
         if self._own_group and dist.is_initialized():
             dist.destroy_process_group(self._group)
@@ -141,10 +143,10 @@ class AsyncSaveStager(AsyncStager):
     # ------------------------------------------------------------------ the save's lifecycle
     def async_save(self, state_dict: dict[str, Any], **dcp_kwargs: Any) -> AsyncSaveResponse:
         """``dcp.async_save(state_dict, async_stager=self, **dcp_kwargs)`` on a writer thread, once the previous
-        save is over; the export buffers go back when this one's write is done. Returns DCP's
-        ``AsyncSaveResponse``: ``staging_completion`` once the copies and exports are filled (the next ``step()``
-        may run), ``upload_completion`` once written (it raises :class:`SaveRefused` or DCP's write failure)."""
-        self._end_previous()
+        save is over (:meth:`stage` waits for it); the export buffers go back when this one's write is done.
+        Returns DCP's ``AsyncSaveResponse``: ``staging_completion`` once the copies and exports are filled (the
+        next ``step()`` may run), ``upload_completion`` once written (it raises :class:`SaveRefused` or DCP's write
+        failure)."""
         response = dcp.async_save(
             state_dict, async_stager=self, async_checkpointer_type=AsyncCheckpointerType.THREAD, **dcp_kwargs
         )
@@ -166,8 +168,10 @@ class AsyncSaveStager(AsyncStager):
             return
         save.over.wait()
         failure = save.upload.exception()
+        if isinstance(failure, SaveRefused):
+            raise failure
         if failure is not None:
-            raise (failure if isinstance(failure, SaveRefused) else SaveRefused(first_line(failure, named=True)))
+            raise RuntimeError(f"the async save failed: {first_line(failure, named=True)}") from failure
 
     @property
     def host_bytes(self) -> int:
@@ -177,7 +181,7 @@ class AsyncSaveStager(AsyncStager):
     # ------------------------------------------------------------------ inside
     def _end_previous(self) -> None:
         """The previous save over: waited for when started by :meth:`async_save`, else (``dcp.async_save``
-        directly: its caller waited for it) its buffers given back."""
+        directly, whose caller waited for it before the next save) its buffers given back."""
         save = self._save
         if save is None:
             return
@@ -185,9 +189,6 @@ class AsyncSaveStager(AsyncStager):
             save.over.wait()
         elif save.staged.done():
             self._give_back(save)
-
-    def _before_export(self, optimizer: torch.optim.Optimizer) -> None:
-        self._end_previous()
 
     def _give_back(self, save: _Save) -> None:
         if not save.over.is_set():
@@ -214,9 +215,9 @@ class AsyncSaveStager(AsyncStager):
                 failure = self.check(staged)
             refusals = self._agree(failure)
         except BaseException as exc:  # noqa: BLE001
-            refusals = [f"rank {_rank()}: {first_line(exc, named=True)}"]
+            refusals = [f"{first_line(exc, named=True)} (rank {_rank()})"]
         if refusals:
-            save.staged.set_exception(SaveRefused(f"not saved, nothing was written: {'; '.join(refusals)}"))
+            save.staged.set_exception(SaveRefused(refusals))
         else:
             save.staged.set_result(staged)
 
@@ -226,18 +227,18 @@ class AsyncSaveStager(AsyncStager):
                 exc = export_failure(opt, timeout=self.export_timeout_s)
             except concurrent.futures.TimeoutError:
                 save.stuck = True
-                return f"the optimizer's export did not fill within {self.export_timeout_s:g} s"
+                return f"the optimizer's background export did not fill within {self.export_timeout_s:g} s"
             if exc is not None:
-                return f"the optimizer's export failed: {first_line(exc, named=True)}"
+                return f"the optimizer's background export failed: {first_line(exc, named=True)}"
         return None
 
     def _agree(self, failure: str | None) -> list[str]:
-        """Every rank's refusal (``rank N: line``), gathered on the stager's group; empty when none refused."""
+        """Every rank's refusal (``line (rank N)``), gathered on the stager's group; empty when none refused."""
         if self._group is None and not (dist.is_initialized() and dist.get_world_size() > 1):
-            return [] if failure is None else [f"rank {_rank()}: {failure}"]
+            return [] if failure is None else [f"{failure} (rank {_rank()})"]
         lines: list[str | None] = [None] * dist.get_world_size(self._group)
         dist.all_gather_object(lines, failure, group=self._group)
-        return [f"rank {rank}: {line}" for rank, line in enumerate(lines) if line is not None]
+        return [f"{line} (rank {rank})" for rank, line in enumerate(lines) if line is not None]
 
 
 def _rank() -> int:

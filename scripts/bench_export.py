@@ -49,8 +49,8 @@ from pathlib import Path
 import torch
 
 from optim_factory.optimizers.export import ExportOptions, Pinning
-from recipes.checkpoint import state_bytes
 from optim_factory.tree import local_tensors
+from recipes.checkpoint import state_bytes
 from scripts import cli_args
 
 ROOT = Path(__file__).resolve().parent.parent  # the fresh processes run ``-m scripts.bench_export`` from here

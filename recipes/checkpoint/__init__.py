@@ -15,17 +15,18 @@ complete checkpoints, and never the newest verified one (the last saved or loade
 
 The modules, one job each (none imports a module that imports it):
 
-- ``tree.py``: the one walker over nested state dicts; ``checksums.py``: the checksumming writer and the file check;
+- ``checksums.py``: the checksumming writer and the file check;
 - ``layout.py``: step directories, the manifest, retention, the set-aside of a damaged checkpoint (no collectives);
 - ``resume.py``: what a resume does with each config key that differs from the checkpoint's (a pure table);
-- ``host_copies.py``: host copies of a nested state dict (the save's staging and the load's template);
-- ``stager.py``: the async save's stager (DCP's ``AsyncStager``); ``report.py``: what a save cost;
+- ``report.py``: what a save cost;
 - ``save.py``: :class:`~recipes.checkpoint.save.Saver`, every save from its export to its sealed manifest and
-  ``keep_last`` (an async save in flight, with a deferred export's completion, is its ``InFlight``);
+  ``keep_last`` (an async save in flight is its ``InFlight``; its staging is the library's
+  :class:`optim_factory.async_save.AsyncSaveStager`);
 - ``load.py``: :class:`~recipes.checkpoint.load.Loader`, the resume (candidates, config check, verification, read);
 - ``manager.py``: :class:`CheckpointManager`, a saver and a loader given their inputs, the run's one interface.
 """
 
+from optim_factory.tree import state_bytes
 from recipes.checkpoint.layout import (
     FALLBACK_HINT,
     MARKER,
@@ -42,8 +43,6 @@ from recipes.checkpoint.layout import (
 from recipes.checkpoint.manager import CheckpointManager
 from recipes.checkpoint.report import ExportReport
 from recipes.checkpoint.save import SAVE_PHASES
-from recipes.checkpoint.stager import ExportBufferStager
-from optim_factory.tree import state_bytes
 
 __all__ = [
     "FALLBACK_HINT",
@@ -54,7 +53,6 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "DamagedCheckpoint",
-    "ExportBufferStager",
     "ExportReport",
     "disk_full",
     "is_complete",

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from optim_factory.errors import first_line
-from recipes.checkpoint.checksums import manifest_problem
 from optim_factory.tree import leaves
+from recipes.checkpoint.checksums import manifest_problem
 
 log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the package
 

@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from optim_factory.checkpoint import ExactLoadPlanner, finish_load, prepare_load
 from optim_factory.errors import first_line
+from optim_factory.host_copies import HostCopies
 from recipes.checkpoint import resume
 from recipes.checkpoint.checksums import file_problem
-from optim_factory.host_copies import HostCopies
 from recipes.checkpoint.layout import (
     DCP_ERRORS,
     FALLBACK_HINT,

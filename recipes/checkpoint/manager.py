@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from recipes.checkpoint.checksums import writer_threads
-from optim_factory.host_copies import HostCopies
 from recipes.checkpoint.layout import complete
 from recipes.checkpoint.load import Loader
 from recipes.checkpoint.report import ExportReport
@@ -36,14 +35,13 @@ class CheckpointManager:
         """``cfg``: the run's ``checkpoint`` config. ``run_config``: the resolved config of the run (a plain
         dict), stored in every checkpoint's manifest. ``waits_before_step``: the caller calls :meth:`wait_export`
         before every ``optimizer.step()`` (the recipe's loop does); only then may an async save return before a
-        background export is filled (``recipes.checkpoint.export.defers``), since the export's failure must reach
+        background export is filled (``Saver.defers``), since the export's failure must reach
         the save, not a ``step()``."""
         self.cfg = cfg
         self.root = Path(cfg.dir)
         self.rank = rank
         options = StateDictOptions(flatten_optimizer_state_dict=cfg.flatten_optimizer_state_dict)
         self.write_threads = writer_threads(cfg.write_threads)  # DCP's writer threads per rank, for every save
-        self.host_copies = HostCopies()  # async saves: the model's host copies, reused from save to save
         # An async save plans and finishes on DCP's background thread with collectives of its own; on the
         # default group they would interleave with training's (gloo: a collective-mismatch abort; NCCL: a
         # hang), so they get a gloo group of their own (created here, on every rank, in the same order).
@@ -57,7 +55,6 @@ class CheckpointManager:
             options=options,
             write_threads=self.write_threads,
             save_group=save_group,
-            host_copies=self.host_copies,
             run_config=run_config,
             waits_before_step=waits_before_step,
             on_phase=self.on_phase,
@@ -138,5 +135,6 @@ class CheckpointManager:
         return complete(self.root)
 
     def close(self) -> None:
-        self.wait()
-        self.host_copies.close()
+        """Wait for an in-flight save (its failure raises) and free the async saves' stager."""
+        self.wait()  # this object's wait, which a subclass may observe
+        self.saver.close()

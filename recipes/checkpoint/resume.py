@@ -26,8 +26,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from recipes.checkpoint.layout import CheckpointError, read_manifest
 from optim_factory.tree import leaves
+from recipes.checkpoint.layout import CheckpointError, read_manifest
 
 log = logging.getLogger(__name__)
 

@@ -1,15 +1,14 @@
 """A save of a checkpoint, owned from its export to its sealed manifest by one :class:`Saver` (docs/design.md,
 "Checkpoints"): the export (timed; on CUDA its GPU peak), the checks agreed by all ranks before anything is written
-(NaN/inf, a failed background export, free space), DCP's write (sync, or async on a gloo group of its own), the
-wait for an async save, the manifest with every file's checksum, ``keep_last``, and the report (docs/recipe.md,
-"Export report"), logged and handed to ``on_report``.
+(NaN/inf, a failed background export, free space), DCP's write (sync, or async through the library's
+:class:`~optim_factory.async_save.AsyncSaveStager` on a gloo group of its own), the wait for an async save, the
+manifest with every file's checksum, ``keep_last``, and the report (docs/recipe.md, "Export report"), logged and
+handed to ``on_report``.
 
 An async save of a background export into pooled buffers is *deferred*: the save returns before the export is
-filled, its :class:`InFlight` completes the export on a thread of its own (the copies, the export's outcome, the
-NaN/inf check), the loop calls :meth:`Saver.wait_export` before the next ``optimizer.step()``, and a failed or
-non-finite export refuses the checkpoint on every rank in :meth:`Saver.wait` (no marker, the directory removed).
-Pooled export buffers go to DCP uncopied (:class:`recipes.checkpoint.stager.ExportBufferStager` copies the rest)
-and back to the optimizer only once the save that reads them has finished.
+filled, the stager completes it on a thread of its own (the copies, the export's outcome, the NaN/inf check agreed by
+every rank), the loop calls :meth:`Saver.wait_export` before the next ``optimizer.step()``, and a failed or
+non-finite export refuses the checkpoint on every rank before DCP writes anything (:meth:`Saver.wait` raises it).
 """
 
 from __future__ import annotations
@@ -17,10 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,14 +25,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from optim_factory.checkpoint import release_export
+from optim_factory.async_save import AsyncSaveStager, SaveRefused
+from optim_factory.checkpoint import deferred_export, defers_export, export_failure, release_export
 from optim_factory.errors import first_line
 from optim_factory.optimizers.export import all_finite
+from optim_factory.tree import local_tensors, state_bytes
 from recipes.checkpoint.checksums import ALGORITHM, ChecksumFileSystemWriter, seal_manifest
-from recipes.checkpoint.export import defers, export_failure_line, timed_export
-from optim_factory.host_copies import HostCopies
 from recipes.checkpoint.layout import (
     DCP_ERRORS,
     MARKER,
@@ -49,8 +46,6 @@ from recipes.checkpoint.layout import (
     step_dirs,
 )
 from recipes.checkpoint.report import ExportReport
-from recipes.checkpoint.stager import ExportBufferStager
-from optim_factory.tree import local_tensors, state_bytes
 from recipes.distributed import all_ranks, world_size
 
 log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the package
@@ -59,57 +54,30 @@ SAVE_PHASES = ("export", "write", "marker")  # the points of a save at which Che
 FINITE, NO_SPACE, NON_FINITE, EXPORT_FAILED = 0, 1, 2, 3  # a save's verdict, agreed by all ranks (the worst wins)
 
 
+NON_FINITE_LINE = "the model or optimizer state holds non-finite values (NaN/inf)"
+
+
 @dataclass
 class InFlight:
-    """An async save between its :meth:`Saver.save` call and its :meth:`Saver.wait`; a deferred export's
-    completion (:meth:`finish`) is its own."""
+    """An async save between its :meth:`Saver.save` call and its :meth:`Saver.wait`."""
 
     step: int
     path: Path
-    optimizer: Any
-    osd: dict
     writer: ChecksumFileSystemWriter
     export_t0: float  # when the save call started (its export first); a deferred export_s ends when filled
-    future: Future | None = None  # DCP's upload
+    deferred: bool
+    staged: Any = None  # the stager's staging completion (the copies done, the export filled)
+    upload: Any = None  # DCP's upload (raises SaveRefused when the stager refused the save on every rank)
     report: ExportReport | None = None
     held_s: float = 0.0  # how long this checkpoint has held the loop so far
-    filled: Future | None = None  # a deferred export, once staged: perf_counter() when it was filled (never raises)
-    verdict: int = FINITE  # a deferred export: FINITE, NON_FINITE or EXPORT_FAILED, set before the staging completes
-    failure: str | None = None  # a deferred export's failure in one line
+    filled_at: float | None = None  # a deferred export: perf_counter() when the staging completed
     export_waited: bool = False  # wait_export() ran (later calls return at once)
 
-    def finish(self, staged: dict[str, Any], copied: Callable[[], None]) -> Future:
-        """The stager's ``finish`` for a deferred export: a Future of ``staged`` that completes on a thread of its
-        own once the copies are complete, the export is filled (the next ``step()`` changes the model and the
-        optimizer: the loop waits for :attr:`filled` before it) and ``staged`` was checked for non-finite values.
-        It never raises (a failure on one rank would leave the others in DCP's collectives): the outcome is
-        :attr:`verdict` and :attr:`failure`, which :meth:`Saver.wait` agrees on across ranks."""
-        self.filled, done = Future(), Future()
-        # the caller's GPU current on the thread: a new thread's is 0, and its first CUDA call (the copies'
-        # event) would create a context on GPU 0 for a rank on another GPU
-        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-        threading.Thread(
-            target=self._complete, args=(staged, copied, done, device), name="checkpoint-stager", daemon=True
-        ).start()
-        return done
 
-    def _complete(self, staged: dict[str, Any], copied: Callable[[], None], done: Future, device: int | None) -> None:
-        try:
-            if device is not None:
-                torch.cuda.set_device(device)
-            copied()  # the model's copies (a side stream): the next step() changes the model too
-            failure = export_failure_line(self.optimizer)  # a step() that waits meanwhile waits for the export too
-            if failure is not None:
-                self.failure, self.verdict = failure, EXPORT_FAILED
-            self.filled.set_result(time.perf_counter())  # the loop's next step() may run from here
-            if self.verdict == FINITE and not all_finite(local_tensors(staged)):
-                self.verdict = NON_FINITE
-        except BaseException as exc:  # noqa: BLE001  (never raise into DCP's upload thread on one rank)
-            self.failure, self.verdict = first_line(exc, named=True), EXPORT_FAILED
-        finally:
-            if not self.filled.done():
-                self.filled.set_result(time.perf_counter())
-            done.set_result(staged)
+def failure_line(optimizer) -> str | None:
+    """Wait for a background export (``state_dict_offload_background``); its failure in one line, or None."""
+    failure = export_failure(optimizer)
+    return None if failure is None else first_line(failure, named=True)
 
 
 class Saver:
@@ -125,24 +93,25 @@ class Saver:
         options: StateDictOptions,
         write_threads: int,
         save_group: Any,
-        host_copies: HostCopies,
         run_config: dict[str, Any] | None,
         waits_before_step: bool,
         on_phase: Callable[[str, int, Path], None],
         on_report: Callable[[ExportReport], None] | None,
     ):
-        """``save_group``: the gloo group of async saves' collectives (None: the default group); ``host_copies``:
-        reused from async save to async save; ``run_config``: stored in every manifest; ``waits_before_step``: see
-        ``export.defers``; ``on_phase``: called at each of ``SAVE_PHASES``."""
+        """``save_group``: the gloo group of async saves' collectives (None: the default group); ``run_config``:
+        stored in every manifest; ``waits_before_step``: see :meth:`defers`; ``on_phase``: called at each of
+        ``SAVE_PHASES``."""
         self.cfg, self.rank, self.device, self.options = cfg, rank, device, options
         self.root = Path(cfg.dir)
-        self.write_threads, self.save_group, self.host_copies = write_threads, save_group, host_copies
+        self.write_threads, self.save_group = write_threads, save_group
         self.run_config, self.waits_before_step = run_config, waits_before_step
         self.on_phase, self.on_report = on_phase, on_report
         self.reports: list[ExportReport] = []
         # the newest checkpoint known good: the last saved, or the one the manager loaded; never deleted
         self.verified: Path | None = None
         self._pending: InFlight | None = None
+        self._stager: AsyncSaveStager | None = None  # async saves' staging, kept from save to save
+        self._pending_write: InFlight | None = None  # the async save the stager stages now (its check reads it)
         self._in_the_way: set[str] | None = None  # step directories of earlier launches, rank 0's (_clear_in_the_way)
 
     def _clear_in_the_way(self, step: int, path: Path) -> None:
@@ -165,35 +134,62 @@ class Saver:
         if dist.is_initialized():
             dist.barrier(group=self.save_group)
 
+    def defers(self, optimizer) -> bool:
+        """Whether the save of the export just started may return before the export is filled: an async save of a
+        background export into pooled buffers (``defers_export``), for a caller that calls :meth:`wait_export`
+        before ``step()`` (``waits_before_step``). The stager passes those buffers through uncopied, so nothing
+        reads them before the export has filled them; without reuse the export's fresh host tensors would be
+        copied at staging, so the save waits for the export as a synchronous one does. From the options alone,
+        never from this rank's export (a rank with nothing to stream has none pending): every rank takes the same
+        path, whose collectives differ."""
+        return self.waits_before_step and self.cfg.async_save and defers_export(optimizer)
+
+    def _export(self, model, optimizer, deferred: bool) -> tuple[dict, dict, float, float | None, str | None]:
+        """Export model and optimizer: (model sd, optimizer sd, export seconds, GPU peak MiB, the failure of a
+        background export in one line or None). A background export is waited for here, so its time and GPU peak
+        are counted and the state dicts are final, unless ``deferred``: then the seconds and the peak are those of
+        the export call, which returns before the export is filled."""
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            if not deferred:  # the export's own seconds; a deferred save returns at once and never waits here
+                torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+        t0 = time.perf_counter()
+        with deferred_export(optimizer):  # a background export returns unfilled: waited for below unless deferred
+            osd = get_optimizer_state_dict(model, optimizer, options=self.options)
+        export_error = None if deferred else failure_line(optimizer)
+        if on_cuda and not deferred:
+            torch.cuda.synchronize(self.device)
+        export_s = time.perf_counter() - t0
+        peak = (torch.cuda.max_memory_allocated(self.device) - base) / 2**20 if on_cuda else None
+        return get_model_state_dict(model, options=self.options), osd, export_s, peak, export_error
+
     def save(self, step: int, model, optimizer, trainer_state: dict[str, Any]) -> ExportReport:
         """Export and save a checkpoint for ``step`` (async if configured). Returns the export report.
 
-        A deferred export (``export.defers``) returns before the optimizer's export is filled: the model and every
-        tensor that is not a pooled export buffer are copied here, the rest (wait, finite check) runs in the
-        background (:meth:`InFlight.finish`), and :meth:`wait` refuses the save on every rank if the export failed
-        or holds non-finite values. Call :meth:`wait_export` before the next ``optimizer.step()``."""
+        A deferred export (:meth:`defers`) returns before the optimizer's export is filled: the stager copies the
+        model here and completes the rest (the export, the finite check, every rank's agreement) in the
+        background; :meth:`wait` raises its refusal. Call :meth:`wait_export` before the next ``optimizer.step()``."""
         self.wait()  # one save in flight at most; its buffers are never touched by the next export
         held_since = time.perf_counter()  # this checkpoint holds the loop from here (the wait above: the previous)
         path = self.root / f"step_{step:08d}"
-        deferred = defers(optimizer, async_save=self.cfg.async_save, waits_before_step=self.waits_before_step)
-        msd, osd, export_s, peak, export_error = timed_export(model, optimizer, self.device, self.options, deferred)
+        deferred = self.defers(optimizer)
+        msd, osd, export_s, peak, export_error = self._export(model, optimizer, deferred)
         try:
             self.on_phase("export", step, path)
             self._check_before_writing(step, msd, osd, export_error, deferred)  # before anything on disk changes
-        except CheckpointError:
-            release_export(optimizer, osd)
-            raise
         except BaseException:
             if deferred:
-                export_failure_line(optimizer)  # nothing stages it: its failure must not reach the next step()
+                failure_line(optimizer)  # nothing stages it: its failure must not reach the next step()
             release_export(optimizer, osd)
             raise
         self._clear_in_the_way(step, path)
         nbytes = state_bytes(osd)
         t0 = time.perf_counter()
         writer = ChecksumFileSystemWriter(path, thread_count=self.write_threads)
-        pending = InFlight(step, path, optimizer, osd, writer, held_since) if self.cfg.async_save else None
-        self._write({"model": msd, "optim": osd, "trainer": trainer_state}, path, writer, optimizer, pending, deferred)
+        pending = InFlight(step, path, writer, held_since, deferred) if self.cfg.async_save else None
+        self._write({"model": msd, "optim": osd, "trainer": trainer_state}, path, writer, optimizer, pending)
         save_s = time.perf_counter() - t0
         report = ExportReport(
             step=step,
@@ -216,24 +212,32 @@ class Saver:
             self._finalize(step, path, report, writer, held_since)
         return report
 
-    def _write(self, state: dict, path: Path, writer, optimizer, pending: InFlight | None, deferred: bool) -> None:
-        """``dcp.save`` (``pending`` None), or ``dcp.async_save`` whose upload ``pending`` holds from here on.
-        Unless the save is in flight, the export's buffers are released (written, or failed)."""
-        in_flight = False
+    def _stager_for(self, optimizer) -> AsyncSaveStager:
+        """The async saves' stager, kept from save to save (a new one for another optimizer)."""
+        if self._stager is None or self._stager.optimizers != [optimizer]:
+            if self._stager is not None:
+                self._stager.close()
+            self._stager = AsyncSaveStager(optimizer, check=self._finite, process_group=self.save_group)
+        return self._stager
+
+    def _finite(self, staged: dict[str, Any]) -> str | None:
+        """The stager's check of a deferred save (a save that is not deferred was checked before writing)."""
+        pending = self._pending_write
+        if pending is None or not pending.deferred or all_finite(local_tensors(staged)):
+            return None
+        return NON_FINITE_LINE
+
+    def _write(self, state: dict, path: Path, writer, optimizer, pending: InFlight | None) -> None:
+        """``dcp.save`` (``pending`` None), or the stager's ``dcp.async_save``, whose upload ``pending`` holds from
+        here on and which gives the export's buffers back once written. A sync save's buffers go back here."""
         try:
             if pending is not None:
-                finish = pending.finish if deferred else None  # the export's completion is the save's
-                stager = ExportBufferStager(optimizer, host_copies=self.host_copies, finish=finish)
-                future = dcp.async_save(
-                    state,
-                    checkpoint_id=str(path),
-                    storage_writer=writer,
-                    async_stager=stager,
-                    process_group=self.save_group,
+                self._pending_write = pending
+                response = self._stager_for(optimizer).async_save(
+                    state, checkpoint_id=str(path), storage_writer=writer, process_group=self.save_group
                 )
-                # a stager that returns a Future makes async_save return an AsyncSaveResponse (torch >= 2.9)
-                pending.future = future if isinstance(future, Future) else future.upload_completion
-                in_flight = True
+                pending.staged, pending.upload = response.staging_completion, response.upload_completion
+                pending.staged.add_done_callback(lambda _: setattr(pending, "filled_at", time.perf_counter()))
             else:
                 dcp.save(state, checkpoint_id=str(path), storage_writer=writer)
         except DCP_ERRORS as exc:  # the previous checkpoint is complete and untouched; this one gets no marker
@@ -241,9 +245,9 @@ class Saver:
                 raise KeyboardInterrupt from exc
             raise CheckpointError(self._write_failure(f"saving {path} failed", path, exc)) from exc
         finally:
-            if not in_flight:  # written (sync) or failed: nothing reads the export buffers any more
-                if deferred and pending.filled is None:
-                    export_failure_line(optimizer)  # never staged: its failure must not reach the next step()
+            if pending is None or pending.upload is None:  # written (sync) or never started
+                if pending is not None and pending.deferred:
+                    failure_line(optimizer)  # never staged: its failure must not reach the next step()
                 release_export(optimizer, state["optim"])
 
     @property
@@ -251,19 +255,19 @@ class Saver:
         """None when no async save with a deferred export is in flight; else whether its export is still being
         filled (the loop runs meanwhile; :meth:`wait_export` waits for it)."""
         pending = self._pending
-        if pending is None or pending.filled is None:
+        if pending is None or not pending.deferred:
             return None
-        return not pending.filled.done()
+        return not pending.staged.done()
 
     def wait_export(self) -> None:
         """Call before ``optimizer.step()``: wait until the in-flight save's deferred export is filled (``step()``
         would wait for it anyway). The wait is counted in that checkpoint's ``blocking_s``. Returns at once when
         no deferred export is pending. A failure is not raised here: :meth:`wait` refuses the save on every rank."""
         pending = self._pending
-        if pending is None or pending.filled is None or pending.export_waited:
+        if pending is None or not pending.deferred or pending.export_waited:
             return
         t0 = time.perf_counter()
-        pending.filled.result()
+        pending.staged.result()
         pending.held_s += time.perf_counter() - t0
         pending.export_waited = True
 
@@ -313,23 +317,16 @@ class Saver:
         line = first_line(exc, named=True)
         return f"disk full: {what}, its partial files removed ({free} bytes free in {self.root}): {line}"
 
-    def _agree(
-        self, step: int, verdict: int, export_error: str | None, path: Path | None = None, space: str | None = None
-    ) -> None:
+    def _agree(self, step: int, verdict: int, export_error: str | None, space: str | None = None) -> None:
         """All ranks agree on the worst ``verdict`` (one collective); unless all are FINITE every rank raises the
-        same one-line CheckpointError, after rank 0 removed ``path`` (a deferred save's written directory)."""
+        same one-line CheckpointError."""
         worst = max(all_ranks(verdict))
         if worst == FINITE:
             return
-        if path is not None:
-            if self.rank == 0:
-                shutil.rmtree(path, ignore_errors=True)
-            if dist.is_initialized():
-                dist.barrier()  # every rank raises once the directory is gone
         why = {
             NO_SPACE: f"no room for it ({space or 'on another rank'}); nothing was deleted,",
             EXPORT_FAILED: f"the optimizer's background export failed ({export_error or 'on another rank'});",
-            NON_FINITE: "the model or optimizer state holds non-finite values (NaN/inf);",
+            NON_FINITE: f"{NON_FINITE_LINE};",
         }[worst]
         raise CheckpointError(f"not saving step {step}: {why} the newest good checkpoint is {self.verified or 'none'}")
 
@@ -371,26 +368,33 @@ class Saver:
 
     def wait(self) -> None:
         """Wait for an in-flight async save; mark it complete. A failed save raises here, never silently; so does,
-        on every rank, a deferred export that failed or holds non-finite values on any rank (no marker, the
-        directory removed)."""
+        on every rank, a deferred export that failed or holds non-finite values on any rank (the stager refused
+        it before DCP wrote anything)."""
         if self._pending is None:
             return
         waited_since = time.perf_counter()
         p = self._pending
         self._pending = None
         try:
-            p.future.result()
+            p.upload.result()
+        except SaveRefused as exc:
+            self.reports.remove(p.report)  # never complete: not this launch's checkpoint
+            raise CheckpointError(
+                f"not saving step {p.step}: {'; '.join(exc.reasons)}; the newest good checkpoint is "
+                f"{self.verified or 'none'}"
+            ) from exc
         except DCP_ERRORS as exc:
             raise CheckpointError(self._write_failure(f"async save of {p.path} failed", p.path, exc)) from exc
-        finally:
-            release_export(p.optimizer, p.osd)  # the save is over: the next export may reuse them
-        if p.filled is not None:
-            filled_at = p.filled.result()
-            p.report.export_s = filled_at - p.export_t0  # from the export call until its tensors were filled
+        if p.deferred:
+            p.report.export_s = p.filled_at - p.export_t0  # from the export call until its tensors were filled
             p.report.export_gbps = p.report.export_bytes / p.report.export_s / 1e9 if p.report.export_s > 0 else 0.0
-            try:
-                self._agree(p.step, p.verdict, p.failure, path=p.path)
-            except CheckpointError:
-                self.reports.remove(p.report)  # never complete: not this launch's checkpoint
-                raise
         self._finalize(p.step, p.path, p.report, p.writer, waited_since, p.held_s)
+
+    def close(self) -> None:
+        """Wait for an in-flight save (its failure raises) and free the stager's host copies."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None

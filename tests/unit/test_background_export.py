@@ -14,8 +14,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from optim_factory import PortableFusedAdam
+from optim_factory.async_save import AsyncSaveStager
 from optim_factory.optimizers.export import StateExporter, export_state
-from recipes.checkpoint import CheckpointError, CheckpointManager, ExportBufferStager, read_checkpoint
+from recipes.checkpoint import CheckpointError, CheckpointManager, read_checkpoint
 from recipes.config import CheckpointConfig
 from tests.helpers import (
     LIFECYCLE_CONFIGS,
@@ -133,7 +134,9 @@ def test_dcp_async_save_through_the_stager_gets_finished_tensors(tmp_path):
     params, opt = _slow_optimizer(state_dict_offload_reuse_buffers=True)
     reference = export_state(opt, cpu_offload=True)
     sd = _deferred(opt)  # still being filled when DCP's async save stages it
-    dcp.async_save({"optim": sd}, checkpoint_id=str(tmp_path / "ck"), async_stager=ExportBufferStager(opt)).result()
+    dcp.async_save(
+        {"optim": sd}, checkpoint_id=str(tmp_path / "ck"), async_stager=AsyncSaveStager(opt)
+    ).upload_completion.result()
     opt.release_state_dict(sd)
     written = read_checkpoint(tmp_path / "ck", tmp_path)
     for k, st in reference["state"].items():

@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from optim_factory import PortableFusedAdam
+from optim_factory.async_save import AsyncSaveStager
 from optim_factory.optimizers.export import (
     DEFAULT_CHUNK_BYTES,
     ExportPlan,
@@ -20,7 +21,7 @@ from optim_factory.optimizers.export import (
     host_memory,
     plan_chunks,
 )
-from recipes.checkpoint import CheckpointManager, ExportBufferStager, read_checkpoint
+from recipes.checkpoint import CheckpointManager, read_checkpoint
 from recipes.config import CheckpointConfig
 from tests.helpers import (
     LIFECYCLE_CONFIGS,
@@ -215,9 +216,7 @@ def test_buffers_read_by_an_in_flight_async_save_are_never_overwritten(tmp_path)
     gate = threading.Event()
     path = str(tmp_path / "in-flight")
     # the export buffers go to the writer un-copied (the CheckpointManager's stager), so DCP reads them late
-    future = dcp.async_save(
-        {"optim": sd}, storage_writer=_GatedWriter(path, gate), async_stager=ExportBufferStager(opt)
-    )
+    future = dcp.async_save({"optim": sd}, storage_writer=_GatedWriter(path, gate), async_stager=AsyncSaveStager(opt))
     try:
         for step in range(3):  # training and exporting go on while the save waits at the gate
             run_steps(opt, params, 2 + step, 1)
@@ -226,7 +225,7 @@ def test_buffers_read_by_an_in_flight_async_save_are_never_overwritten(tmp_path)
             opt.release_state_dict(other)
     finally:
         gate.set()
-    future.result()
+    future.upload_completion.result()
     written = read_checkpoint(tmp_path / "in-flight", tmp_path)
     for k, st in expected["state"].items():
         for state_name, v in st.items():

@@ -1,0 +1,300 @@
+"""optim_factory.async_save.AsyncSaveStager through plain DCP: the export's buffers go to the writer uncopied and
+back once written, a background export completes beside training, any other optimizer is staged as DCP stages
+it, and every failure (the export's, the write's, an export that never fills, one rank's) is one line on every
+rank with nothing written and the previous checkpoint intact (2 forked gloo ranks for the last)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from optim_factory import PortableFusedAdam
+from optim_factory.async_save import AsyncSaveStager, SaveRefused
+from optim_factory.checkpoint import deferred_export
+from recipes.checkpoint import read_checkpoint
+from tests.distributed.launch import spawn
+from tests.helpers import assert_bitwise
+
+OURS = dict(
+    exp_avg_dtype=torch.bfloat16,
+    state_dict_cpu_offload=True,
+    state_dict_offload_chunk_bytes=4096,
+    state_dict_offload_reuse_buffers=True,
+    state_dict_offload_background=True,
+)
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
+
+
+def _train(model, opt, steps: int) -> None:
+    for _ in range(steps):
+        model(torch.randn(4, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _export(model, opt) -> dict:
+    """What a checkpointer saves: model and optimizer, the export deferred (a background export returns unfilled)."""
+    with deferred_export(opt):
+        msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def _expected(model, opt) -> dict[str, torch.Tensor]:
+    """The flat tensors a checkpoint of this moment holds (a synchronous export, its own buffers)."""
+    msd, osd = get_state_dict(model, opt)
+    flat = {f"model.{k}": v.clone() for k, v in msd.items()}
+    for idx, states in osd["state"].items():
+        flat.update({f"optim.state.{idx}.{name}": v.clone() for name, v in states.items()})
+    opt.release_state_dict(osd)
+    return flat
+
+
+def _assert_checkpoint(path: Path, expected: dict[str, torch.Tensor], tmp: Path) -> None:
+    written = read_checkpoint(path, tmp)
+    for key, value in expected.items():
+        assert_bitwise(written[key], value, f"{path.name} {key}")
+
+
+def _leased(opt, state: dict) -> list[torch.Tensor]:
+    return [t for st in state["optim"]["state"].values() for t in st.values() if opt.is_leased_export_buffer(t)]
+
+
+class _GatedWriter(FileSystemWriter):
+    """DCP's file writer whose ``write_data`` waits until the test opens the gate (a write still in flight), or
+    fails when ``fail`` is set (a write that fails)."""
+
+    def __init__(self, path: str, gate: threading.Event | None = None, fail: bool = False):
+        super().__init__(path)
+        self.gate, self.fail, self.written = gate, fail, False
+
+    def write_data(self, plan, planner):
+        if self.gate is not None:
+            assert self.gate.wait(60), "the test never opened the gate"
+        if self.fail:
+            raise OSError("No space left on device (injected)")
+        written = super().write_data(plan, planner)
+        self.written = True
+        return written
+
+
+def test_a_plain_dcp_async_loop_saves_bitwise_with_the_export_uncopied_and_its_buffers_reused(tmp_path):
+    model = _model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    staged: list[dict] = []  # what DCP's writer reads, seen by the stager's check
+    stager = AsyncSaveStager(opt, check=staged.append)
+    seen: list[set[int]] = []
+    for save in range(3):
+        _train(model, opt, 2)
+        expected = _expected(model, opt)
+        state = _export(model, opt)
+        buffers = _leased(opt, state)
+        assert buffers, "the export holds no pooled buffer"
+        response = stager.async_save(state, checkpoint_id=str(tmp_path / f"s{save}"))
+        response.staging_completion.result()
+        _train(model, opt, 1)  # the next step may run once staged: the checkpoint holds the values before it
+        response.upload_completion.result()
+        stager.wait()
+        written = [t for st in staged[-1]["optim"]["state"].values() for t in st.values()]
+        assert {t.data_ptr() for t in written} == {t.data_ptr() for t in buffers}, "the export was copied"
+        assert staged[-1]["model"]["0.weight"].data_ptr() != model[0].weight.data_ptr(), "the model was not"
+        assert not _leased(opt, state), "the export's buffers were not given back once written"
+        seen.append({t.data_ptr() for t in buffers})
+        _assert_checkpoint(tmp_path / f"s{save}", expected, tmp_path)
+    assert seen[0] == seen[1] == seen[2], "the next export did not reuse the buffers the last save gave back"
+    stager.close()
+
+
+def test_any_other_optimizer_is_staged_as_dcp_stages_it(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stager = AsyncSaveStager(opt)
+    _train(model, opt, 2)
+    msd, osd = get_state_dict(model, opt)
+    expected = {f"model.{k}": v.clone() for k, v in msd.items()}
+    expected.update(
+        {f"optim.state.{k}.{n}": v.clone() for k, st in osd["state"].items() for n, v in st.items() if n != "step"}
+    )
+    gate = threading.Event()  # the write waits until the live tensors have changed
+    response = stager.async_save(
+        {"model": msd, "optim": osd}, storage_writer=_GatedWriter(str(tmp_path / "adamw"), gate)
+    )
+    response.staging_completion.result()
+    _train(model, opt, 1)  # changes the live tensors in place: the checkpoint holds the staged copies
+    gate.set()
+    stager.wait()
+    _assert_checkpoint(tmp_path / "adamw", expected, tmp_path)
+    stager.close()
+
+
+def _break_a_state(opt) -> tuple[torch.Tensor, int]:
+    """Shrink one state's storage to nothing: the background export fails reading it (a real failure, no mock)."""
+    state = next(iter(opt.state.values()))["exp_avg"]
+    nbytes = state.untyped_storage().nbytes()
+    state.untyped_storage().resize_(0)
+    return state, nbytes
+
+
+def test_a_failing_export_refuses_the_save_in_one_line_and_writes_nothing(tmp_path):
+    model = _model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    stager = AsyncSaveStager(opt)
+    _train(model, opt, 1)
+    expected = _expected(model, opt)
+    stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "good"))
+    stager.wait()
+    state, nbytes = _break_a_state(opt)
+    broken = _export(model, opt)
+    response = stager.async_save(broken, checkpoint_id=str(tmp_path / "bad"))
+    response.staging_completion.result()  # the loop goes on: the refusal is the save's
+    with pytest.raises(SaveRefused) as info:
+        stager.wait()
+    line = str(info.value)
+    assert line.startswith("not saved, nothing was written: the optimizer's background export failed"), line
+    assert "(rank 0)" in line and "\n" not in line
+    assert not (tmp_path / "bad").exists()
+    _assert_checkpoint(tmp_path / "good", expected, tmp_path)
+    state.untyped_storage().resize_(nbytes)
+    _train(model, opt, 1)  # the optimizer goes on once the cause is gone, and so do the saves
+    stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "next"))
+    stager.wait()
+    assert (tmp_path / "next" / ".metadata").is_file()
+    stager.close()
+
+
+def test_a_failing_write_gives_the_buffers_back_and_leaves_the_previous_checkpoint(tmp_path):
+    model = _model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    stager = AsyncSaveStager(opt)
+    _train(model, opt, 1)
+    expected = _expected(model, opt)
+    stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "good"))
+    stager.wait()
+    _train(model, opt, 1)
+    state = _export(model, opt)
+    stager.async_save(state, storage_writer=_GatedWriter(str(tmp_path / "bad"), fail=True))
+    with pytest.raises(RuntimeError, match="^the async save failed: .*No space left on device") as info:
+        stager.wait()
+    assert "\n" not in str(info.value)
+    assert not _leased(opt, state), "a failed write kept the export's buffers"
+    assert not (tmp_path / "bad" / ".metadata").exists()
+    _assert_checkpoint(tmp_path / "good", expected, tmp_path)
+    stager.close()
+
+
+def test_a_save_started_while_the_previous_one_writes_waits_for_it(tmp_path):
+    model = _model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    gate = threading.Event()
+    first_writer = _GatedWriter(str(tmp_path / "first"), gate)
+    first_done: list[bool] = []  # at each staging: whether the first save's files were written
+    stager = AsyncSaveStager(opt, check=lambda staged: first_done.append(first_writer.written))
+    _train(model, opt, 1)
+    expected = _expected(model, opt)
+    first = stager.async_save(_export(model, opt), storage_writer=first_writer)
+    first.staging_completion.result()
+    _train(model, opt, 1)
+    second_state = _export(model, opt)  # the first save still holds its buffers: this export takes others
+    second = threading.Thread(
+        target=lambda: stager.async_save(second_state, checkpoint_id=str(tmp_path / "second")), daemon=True
+    )
+    second.start()
+    gate.set()  # the second save can only stage once the first is written
+    second.join(60)
+    stager.wait()
+    assert first_done == [False, True], "the second save staged while the first one still wrote"
+    _assert_checkpoint(tmp_path / "first", expected, tmp_path)
+    assert (tmp_path / "second" / ".metadata").is_file()
+    stager.close()
+
+
+def test_close_with_a_save_in_flight_finishes_it_and_releases_everything(tmp_path):
+    model = _model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    stager = AsyncSaveStager(opt)
+    _train(model, opt, 1)
+    expected = _expected(model, opt)
+    state = _export(model, opt)
+    gate = threading.Event()
+    stager.async_save(state, storage_writer=_GatedWriter(str(tmp_path / "ck"), gate))
+    threading.Timer(0.05, gate.set).start()  # the write ends while close() waits for it
+    stager.close()
+    assert not _leased(opt, state) and stager.host_bytes == 0
+    _assert_checkpoint(tmp_path / "ck", expected, tmp_path)
+    with pytest.raises(RuntimeError, match="^AsyncSaveStager: closed; build a new one for further saves$"):
+        stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "after"))
+    opt.wait_state_dict()
+
+
+def test_an_export_that_never_fills_refuses_the_save_after_the_timeout(tmp_path, monkeypatch):
+    from optim_factory.optimizers.export import mixin
+
+    gate = threading.Event()
+
+    class Stuck(mixin.StateExporter):  # the export's thread waits at the gate: an export that does not fill
+        def _stream_after(self, *args):
+            gate.wait(60)
+            return super()._stream_after(*args)
+
+    monkeypatch.setattr(mixin, "StateExporter", Stuck)
+    model = _model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    stager = AsyncSaveStager(opt, export_timeout_s=0.2)
+    _train(model, opt, 1)
+    gate.set()
+    expected = _expected(model, opt)
+    stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "good"))
+    stager.wait()
+    gate.clear()
+    _train(model, opt, 1)
+    stuck = _export(model, opt)
+    stager.async_save(stuck, checkpoint_id=str(tmp_path / "stuck"))
+    with pytest.raises(SaveRefused, match="background export did not fill within 0.2 s") as info:
+        stager.wait()
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "stuck").exists()
+    assert _leased(opt, stuck), "buffers the stuck export still writes were given back"
+    _assert_checkpoint(tmp_path / "good", expected, tmp_path)
+    gate.set()
+    opt.wait_state_dict()  # the export finishes once unblocked; the optimizer goes on
+    _train(model, opt, 1)
+    stager.close()
+
+
+def one_rank_refuses(rank: int, world: int, tmp: str) -> None:
+    """Rank 1's export fails, rank 0's does not: both refuse the save in the same line, nothing is written."""
+    model = _model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    stager = AsyncSaveStager(opt)  # its own gloo group for the agreement
+    _train(model, opt, 1)
+    stager.async_save(_export(model, opt), checkpoint_id=f"{tmp}/good")
+    stager.wait()
+    if rank == 1:
+        state, nbytes = _break_a_state(opt)
+    response = stager.async_save(_export(model, opt), checkpoint_id=f"{tmp}/bad")
+    response.staging_completion.result()
+    if rank == 1:
+        state.untyped_storage().resize_(nbytes)
+    try:
+        stager.wait()
+    except SaveRefused as exc:
+        assert "background export failed" in str(exc) and "(rank 1)" in str(exc) and "(rank 0)" not in str(exc)
+    else:
+        raise AssertionError(f"rank {rank}: saved although rank 1's export failed")
+    dist.barrier()
+    assert not Path(tmp, "bad").exists() and Path(tmp, "good", ".metadata").is_file()
+    stager.close()
+
+
+@pytest.mark.slow
+def test_one_rank_s_failed_export_refuses_the_save_on_every_rank(tmp_path):
+    spawn(one_rank_refuses, 2, str(tmp_path))
