@@ -19,7 +19,7 @@ Modes (each steps an optimizer of its own, over the one model, built with its ex
   (torchtitan's process executor is what shared memory is for); on CPU no pinning and blocking copies.
 * ``b-te-cpu-offload``: (a) with ``StateDictOptions(cpu_offload=True)``.
 * ``c-ours``: the recipe's path: chunked + reused buffers + ``state_dict_offload_background``, saved by
-  ``recipes.checkpoint.CheckpointManager`` (async, its ``ExportBufferStager``; finite check and checksums
+  ``recipes.checkpoint.CheckpointManager`` (async, the library's ``AsyncSaveStager``; finite check and checksums
   included). The save call returns before the export is filled; the next forward and backward overlap it and
   ``CheckpointManager.wait_export()`` (what the recipe's loop calls) waits for the rest before ``step()``.
 * ``c-ours-no-background``: ``c-ours`` without the background option (the save call waits for the export).

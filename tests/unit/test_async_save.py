@@ -5,6 +5,7 @@ rank with nothing written and the previous checkpoint intact (2 forked gloo rank
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -298,3 +299,13 @@ def one_rank_refuses(rank: int, world: int, tmp: str) -> None:
 @pytest.mark.slow
 def test_one_rank_s_failed_export_refuses_the_save_on_every_rank(tmp_path):
     spawn(one_rank_refuses, 2, str(tmp_path))
+
+
+def test_the_docs_async_loop_runs_as_written(tmp_path, monkeypatch):
+    """docs/export.md's plain DCP loop, on one process: both of its checkpoints are written."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
+    block = re.search(r"<!-- async-save-loop -->\n```python\n(.*?)```", text, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "docs/export.md async-save-loop", "exec"), {"__name__": "__main__"})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000003", "step_00000006"]
+    assert all((p / ".metadata").is_file() for p in (tmp_path / "checkpoints").iterdir())
