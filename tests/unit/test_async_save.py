@@ -145,14 +145,20 @@ def _break_a_state(opt) -> tuple[torch.Tensor, int]:
     return state, nbytes
 
 
-def test_a_failing_export_refuses_the_save_in_one_line_and_writes_nothing(tmp_path):
+def _after_a_good_save(tmp_path: Path, **stager_options):
+    """(model, optimizer, stager, the good checkpoint's expected tensors): one save written into ``good``."""
     model = _model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
-    stager = AsyncSaveStager(opt)
+    stager = AsyncSaveStager(opt, **stager_options)
     _train(model, opt, 1)
     expected = _expected(model, opt)
     stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "good"))
     stager.wait()
+    return model, opt, stager, expected
+
+
+def test_a_failing_export_refuses_the_save_in_one_line_and_writes_nothing(tmp_path):
+    model, opt, stager, expected = _after_a_good_save(tmp_path)
     state, nbytes = _break_a_state(opt)
     broken = _export(model, opt)
     response = stager.async_save(broken, checkpoint_id=str(tmp_path / "bad"))
@@ -173,13 +179,7 @@ def test_a_failing_export_refuses_the_save_in_one_line_and_writes_nothing(tmp_pa
 
 
 def test_a_failing_write_gives_the_buffers_back_and_leaves_the_previous_checkpoint(tmp_path):
-    model = _model()
-    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
-    stager = AsyncSaveStager(opt)
-    _train(model, opt, 1)
-    expected = _expected(model, opt)
-    stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "good"))
-    stager.wait()
+    model, opt, stager, expected = _after_a_good_save(tmp_path)
     _train(model, opt, 1)
     state = _export(model, opt)
     stager.async_save(state, storage_writer=_GatedWriter(str(tmp_path / "bad"), fail=True))
@@ -247,14 +247,8 @@ def test_an_export_that_never_fills_refuses_the_save_after_the_timeout(tmp_path,
             return super()._stream_after(*args)
 
     monkeypatch.setattr(mixin, "StateExporter", Stuck)
-    model = _model()
-    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
-    stager = AsyncSaveStager(opt, export_timeout_s=0.2)
-    _train(model, opt, 1)
     gate.set()
-    expected = _expected(model, opt)
-    stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "good"))
-    stager.wait()
+    model, opt, stager, expected = _after_a_good_save(tmp_path, export_timeout_s=0.2)
     gate.clear()
     _train(model, opt, 1)
     stuck = _export(model, opt)
