@@ -57,7 +57,7 @@ class TrainStep:
     max_steps: int
     grad_clip: float
     prepare_at: int | None = None
-    # called right before optimizer.step(): the recipe passes CheckpointManager.wait_export, which waits (timed,
+    # called right before optimizer.step(): the recipe passes Saver.wait_export, which waits (timed,
     # counted in that checkpoint's blocking_s) for an async save's export still being filled in the background
     before_step: Callable[[], None] | None = None
 

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from optim_factory.factory import ConfigError, ValidatedOptim, build_optimizer
-from recipes.checkpoint import CheckpointError, CheckpointManager
+from recipes.checkpoint import CheckpointError, CheckpointManager, Saver
 from recipes.checkpoint.resume import log_changes, nothing_to_do
 from recipes.command_line import command_line_error, config_error_line, keys_set, shared_run_dir_error
 from recipes.config import register_configs
@@ -69,11 +69,11 @@ def _finish_saves(ckpt: CheckpointManager) -> None:
         log.warning("the checkpoint in flight when training failed was not completed: %s", exc)
 
 
-def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointManager) -> dict[str, Any]:
+def train(cfg: DictConfig, *, saver_cls: type[Saver] = Saver) -> dict[str, Any]:
     """Run the training job that ``cfg`` describes; returns a summary (first/last loss, steps, checkpoints).
 
-    ``manager_cls``: the checkpoint manager to use, a subclass of :class:`CheckpointManager` (e.g. one that
-    overrides its :meth:`~CheckpointManager.on_phase`, as ``tests/fault/fault_train.py`` does).
+    ``saver_cls``: the checkpoint manager's saver, a subclass of :class:`Saver` (e.g. one that overrides its
+    :meth:`~Saver.on_phase`, as ``tests/fault/fault_train.py`` does).
     """
     env, device, data, optim = preflight(cfg)
     locks = [RunDirLock(cfg.run_dir)]  # one launch per run_dir and per checkpoint.dir at once (rank 0 holds them)
@@ -94,7 +94,7 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
                 if lock.unavailable:
                     log.warning("%s=%s: %s", lock.key, lock.run_dir, lock.unavailable)
             try:
-                return _train(cfg, env, device, data, mesh, optim, manager_cls, record)
+                return _train(cfg, env, device, data, mesh, optim, saver_cls, record)
             except USER_ERRORS as exc:  # after logging started: train.log ends with why (stderr: once, from main)
                 log.error("%s", exc, extra={FILE_ONLY: True})
                 raise
@@ -107,8 +107,7 @@ def train(cfg: DictConfig, *, manager_cls: type[CheckpointManager] = CheckpointM
 
 @contextlib.contextmanager
 def _unrecorded_if_refused(record: Path | None):
-    """A refusal inside removes this launch's ``launches/`` record: launches/ holds accepted launches only (a
-    refused one left there made a later ``checkpoint.enabled=false`` in the run_dir refused as a second launch)."""
+    """A refusal inside removes this launch's ``launches/`` record: launches/ holds accepted launches only."""
     try:
         yield
     except USER_ERRORS:
@@ -129,9 +128,9 @@ def _resume(cfg, ckpt, model, optimizer, end: int, limit: str, record: Path | No
             return 0, None
         path, state = resumed
         start = int(state["step"])
-        if start >= end and ckpt.resume_changes:  # keys that would change nothing: refused, nothing recorded
-            raise ConfigError(nothing_to_do(start, end, str(path), ckpt.resume_changes, limit))
-        space = ckpt.resume_space_problem() if start < end and cfg.checkpoint.enabled else None
+        if start >= end and ckpt.loader.resume_changes:  # keys that would change nothing: refused, nothing recorded
+            raise ConfigError(nothing_to_do(start, end, str(path), ckpt.loader.resume_changes, limit))
+        space = ckpt.saver.resume_space_problem() if start < end and cfg.checkpoint.enabled else None
         if space is not None:
             raise CheckpointError(
                 f"not resuming from {path}: no room for the run's next checkpoint ({space}); free space there, or "
@@ -140,25 +139,26 @@ def _resume(cfg, ckpt, model, optimizer, end: int, limit: str, record: Path | No
     torch.set_rng_state(state["rng_state"])
     if rank == 0:  # with this launch's overrides, where Hydra's command line gave them
         typed = keys_set(list(HydraConfig.get().overrides.task), CONFIG_DIR) if HydraConfig.initialized() else None
-        log_changes(ckpt.resume_changes, typed)
+        log_changes(ckpt.loader.resume_changes, typed)
     log.info("resuming from checkpoint %s at step %d (saved by %d rank(s))", path, start, state["world_size"])
-    for change in ckpt.resume_changes:
+    for change in ckpt.loader.resume_changes:
         metrics.write(change.record())
     return start, str(path)
 
 
-def _setup(cfg: DictConfig, env, device, mesh, optim: ValidatedOptim, manager_cls, record: Path | None, metrics):
+def _setup(cfg: DictConfig, env, device, mesh, optim: ValidatedOptim, saver_cls, record: Path | None, metrics):
     """(model, optimizer, checkpoint manager) of the run, with the launch's first log lines."""
     model = shard_model(build_model(cfg.model, seed=cfg.trainer.seed, device=device), mesh)
     with _unrecorded_if_refused(record):  # the checks that need the model (backend, override patterns)
         optimizer = build_optimizer(optim, model)
-    ckpt = manager_cls(
+    ckpt = CheckpointManager(
         cfg.checkpoint,
         rank=env.rank,
         device=device,
         on_report=metrics.checkpoint,
         run_config=OmegaConf.to_container(cfg, resolve=True),  # stored in every checkpoint's manifest
-        waits_before_step=True,  # TrainStep calls ckpt.wait_export before optimizer.step()
+        waits_before_step=True,  # TrainStep calls ckpt.saver.wait_export before optimizer.step()
+        saver_class=saver_cls,
     )
     world, where = env.world_size, Path(cfg.run_dir).resolve()
     log.info("launcher=%s world_size=%d device=%s run_dir=%s", env.launcher, world, device, where)
@@ -173,10 +173,10 @@ def _setup(cfg: DictConfig, env, device, mesh, optim: ValidatedOptim, manager_cl
     return model, optimizer, ckpt
 
 
-def _train(cfg: DictConfig, env, device, data, mesh, optim: ValidatedOptim, manager_cls, record) -> dict[str, Any]:
+def _train(cfg: DictConfig, env, device, data, mesh, optim: ValidatedOptim, saver_cls, record) -> dict[str, Any]:
     """The job after its checks: setup, resume, loop, summary (``record``: this launch's ``launches/`` file)."""
     metrics = MetricsWriter(cfg.run_dir, env.rank)
-    model, optimizer, ckpt = _setup(cfg, env, device, mesh, optim, manager_cls, record, metrics)
+    model, optimizer, ckpt = _setup(cfg, env, device, mesh, optim, saver_cls, record, metrics)
     base_lrs = [float(g["lr"]) for g in optimizer.param_groups]  # the config's, before a resume
     torch.manual_seed(cfg.trainer.seed + 1000 * env.rank)  # the process RNG (dropout-free model: recorded, restored)
     max_steps = cfg.trainer.max_steps
@@ -206,7 +206,7 @@ def _loop(cfg: DictConfig, env, model, optimizer, data, device, base_lrs, ckpt, 
         max_steps=max_steps,
         grad_clip=cfg.trainer.grad_clip,
         prepare_at=start if cfg.checkpoint.enabled else None,
-        before_step=ckpt.wait_export,
+        before_step=ckpt.saver.wait_export,
     )
     step_log = StepLog(
         metrics, bar, world=world, start=start, end=end, max_steps=max_steps, every=cfg.trainer.log_every
@@ -232,12 +232,12 @@ def _loop(cfg: DictConfig, env, model, optimizer, data, device, base_lrs, ckpt, 
                 ckpt.close()  # an async save of an earlier (finite) step finishes and is marked complete
                 raise TrainingDiverged(
                     f"step {done - stop.flag_lag}: non-finite loss or gradient norm (NaN/inf); stopped before saving, "
-                    f"the newest good checkpoint is {ckpt.verified or 'none'} (lower optim.lr, set "
+                    f"the newest good checkpoint is {ckpt.saver.verified or 'none'} (lower optim.lr, set "
                     "trainer.grad_clip, or check the data)"
                 )
             if ckpt.due(done, end) or (stopping and cfg.checkpoint.enabled):
                 state = {"step": done, "data_position": done, "world_size": world, "rng_state": torch.get_rng_state()}
-                ckpt.save(done, model, optimizer, state)
+                ckpt.saver.save(done, model, optimizer, state)
             if stopping and done < end:  # a stop at the last step is the end of the run
                 stopped_at = done
                 log.warning(
@@ -267,11 +267,10 @@ def _summary(cfg, rank: int, ckpt, metrics, start, end, resumed_from, limit, ste
         "first_loss": step_log.first_loss,
         "last_loss": step_log.last_loss,
         "eval": last_eval,
-        "saved_checkpoints": [r.path for r in ckpt.reports],  # by this launch, in order (keep_last may delete)
+        "saved_checkpoints": [r.path for r in ckpt.saver.reports],  # by this launch, in order (keep_last may delete)
         # per checkpoint of this launch: how long it held the loop and the bytes written (rank 0), as logged
-        "checkpoints": [r.summary() for r in ckpt.reports],
-        # complete checkpoints in checkpoint.dir at the end, after keep_last, oldest first: what a resume can use
-        # (rank 0 only: it writes the completion markers and applies keep_last, other ranks would race it)
+        "checkpoints": [r.summary() for r in ckpt.saver.reports],
+        # complete checkpoints in checkpoint.dir at the end, after keep_last, oldest first (rank 0 applies it)
         "kept_checkpoints": [str(p) for _, p in ckpt.complete()] if rank == 0 else None,
         "stopped_at": stopped_at,
         "stopped_by": (signal or "a signal on another rank") if stopped_at is not None else None,

@@ -21,7 +21,7 @@ Modes (each steps an optimizer of its own, over the one model, built with its ex
 * ``c-ours``: the recipe's path: chunked + reused buffers + ``state_dict_offload_background``, saved by
   ``recipes.checkpoint.CheckpointManager`` (async, the library's ``AsyncSaveStager``; finite check and checksums
   included). The save call returns before the export is filled; the next forward and backward overlap it and
-  ``CheckpointManager.wait_export()`` (what the recipe's loop calls) waits for the rest before ``step()``.
+  ``Saver.wait_export()`` (what the recipe's loop calls) waits for the rest before ``step()``.
 * ``c-ours-no-background``: ``c-ours`` without the background option (the save call waits for the export).
 * ``d-ours-keep-bf16``: ``c-ours`` with ``state_dict_keep_bf16``.
 * ``e-te-sync`` / ``e-ours-sync``: synchronous ``dcp.save`` of (a)'s export, and the recipe's synchronous save
@@ -252,7 +252,7 @@ class Mode:
     def save(self, step: int, path: Path) -> dict:
         model, opt, group = self.ctx["model"], self.ctx["opt"], self.ctx["group"]
         if self.manager is not None:
-            report = self.manager.save(step, model, opt, {"step": step})
+            report = self.manager.saver.save(step, model, opt, {"step": step})
             self.pending = ("manager", None)
             return {"optim_bytes": report.export_bytes}
         osd = get_optimizer_state_dict(model, opt, options=self.options)
@@ -270,7 +270,7 @@ class Mode:
     def hook(self) -> None:
         """Before the next ``step()``: what the loop must wait for there."""
         if self.manager is not None:
-            self.manager.wait_export()  # the recipe's loop: the export still being filled (background option)
+            self.manager.saver.wait_export()  # the recipe's loop: the export still being filled (background option)
         elif self.pending is not None and self.pending[0] == "dcp":
             self.pending[1].staging_completion.result()  # torchtitan's maybe_wait_for_staging()
 
@@ -280,7 +280,7 @@ class Mode:
         kind, what = self.pending
         self.pending = None
         if kind == "manager":
-            self.manager.wait()
+            self.manager.saver.wait()
         else:
             what.upload_completion.result()
             if self.fresh_stagers:  # the next save's stager, built here (outside the timed save call)

@@ -42,13 +42,14 @@ from recipes.checkpoint.layout import (
 )
 from recipes.checkpoint.manager import CheckpointManager
 from recipes.checkpoint.report import ExportReport
-from recipes.checkpoint.save import SAVE_PHASES
+from recipes.checkpoint.save import SAVE_PHASES, Saver
 
 __all__ = [
     "FALLBACK_HINT",
     "MARKER",
     "METADATA",
     "SAVE_PHASES",
+    "Saver",
     "STEP_DIR",
     "CheckpointError",
     "CheckpointManager",

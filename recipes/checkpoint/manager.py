@@ -1,7 +1,9 @@
 """CheckpointManager: one run's checkpoints in ``checkpoint.dir`` (recipes/checkpoint/layout.py), composed of a
-:class:`~recipes.checkpoint.save.Saver` (every save, from its export to its sealed manifest and ``keep_last``) and a
-:class:`~recipes.checkpoint.load.Loader` (the resume), each given its inputs; the checkpoint a load verified is
-handed to the saver (:meth:`CheckpointManager.load`), which never deletes it and names it in its refusals."""
+:class:`~recipes.checkpoint.save.Saver` (``manager.saver``: every save, from its export to its sealed manifest and
+``keep_last``) and a :class:`~recipes.checkpoint.load.Loader` (``manager.loader``: the resume), each given its
+inputs; the checkpoint a load verified is handed to the saver (:meth:`CheckpointManager.resume`,
+:meth:`CheckpointManager.load`), which never deletes it and names it in its refusals. The run calls the saver and
+the loader directly; the manager only builds them, hands the loaded checkpoint over and closes."""
 
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from recipes.checkpoint.checksums import writer_threads
 from recipes.checkpoint.layout import complete
 from recipes.checkpoint.load import Loader
-from recipes.checkpoint.report import ExportReport
 from recipes.checkpoint.save import Saver
 
 
@@ -31,12 +32,14 @@ class CheckpointManager:
         on_report=None,
         run_config: dict[str, Any] | None = None,
         waits_before_step: bool = False,
+        saver_class: type[Saver] = Saver,
     ):
         """``cfg``: the run's ``checkpoint`` config. ``run_config``: the resolved config of the run (a plain
-        dict), stored in every checkpoint's manifest. ``waits_before_step``: the caller calls :meth:`wait_export`
+        dict), stored in every checkpoint's manifest. ``waits_before_step``: the caller calls ``saver.wait_export()``
         before every ``optimizer.step()`` (the recipe's loop does); only then may an async save return before a
         background export is filled (``Saver.defers``), since the export's failure must reach
-        the save, not a ``step()``."""
+        the save, not a ``step()``. ``saver_class``: a subclass of :class:`Saver` that
+        observes saves (``Saver.on_phase``)."""
         self.cfg = cfg
         self.root = Path(cfg.dir)
         self.rank = rank
@@ -48,7 +51,7 @@ class CheckpointManager:
         save_group = (
             dist.new_group(backend="gloo") if cfg.enabled and cfg.async_save and dist.is_initialized() else None
         )
-        self.saver = Saver(
+        self.saver = saver_class(
             cfg,
             rank=rank,
             device=device,
@@ -57,59 +60,12 @@ class CheckpointManager:
             save_group=save_group,
             run_config=run_config,
             waits_before_step=waits_before_step,
-            on_phase=self.on_phase,
             on_report=on_report,
         )
         self.loader = Loader(cfg, rank=rank, options=options, run_config=run_config)
 
-    def on_phase(self, phase: str, step: int, path: Path) -> None:
-        """Called at each point of ``SAVE_PHASES`` of the save of ``step`` into ``path``; does nothing here.
-
-        For subclasses that observe saves (``tests/fault/fault_train.py`` kills the process there):
-        ``"export"``: the optimizer is exported (deferred: its export started), nothing of ``path`` is written;
-        ``"write"``: ``dcp.save`` returned (sync) or ``dcp.async_save`` started writing (the save is in flight:
-        :attr:`export_filling`), no completion marker yet; ``"marker"``: the save
-        finished (async: inside :meth:`wait`) and the completion marker is about to be written.
-        """
-
     def due(self, step: int, max_steps: int) -> bool:
         return self.cfg.enabled and (step % self.cfg.every_steps == 0 or step == max_steps)
-
-    def save(self, step: int, model, optimizer, trainer_state: dict[str, Any]) -> ExportReport:
-        """Export and save a checkpoint for ``step`` (``Saver.save``), once the previous save is finished
-        (:meth:`wait`). With a deferred export, call :meth:`wait_export` before the next ``optimizer.step()``."""
-        self.wait()  # this object's wait, which a subclass may observe (Saver.save finds nothing in flight then)
-        return self.saver.save(step, model, optimizer, trainer_state)
-
-    def wait(self) -> None:
-        """Wait for an in-flight async save and mark it complete; a failed save raises (``Saver.wait``)."""
-        self.saver.wait()
-
-    def wait_export(self) -> None:
-        """Call before ``optimizer.step()``: wait until the in-flight save's deferred export is filled, counted in
-        that checkpoint's ``blocking_s`` (``Saver.wait_export``)."""
-        self.saver.wait_export()
-
-    @property
-    def export_filling(self) -> bool | None:
-        """None when no async save with a deferred export is in flight; else whether its export is still being
-        filled (the loop runs meanwhile; :meth:`wait_export` waits for it)."""
-        return self.saver.export_filling
-
-    @property
-    def reports(self) -> list[ExportReport]:
-        """This launch's saves, in order (a refused deferred save is removed)."""
-        return self.saver.reports
-
-    @property
-    def verified(self) -> Path | None:
-        """The newest checkpoint known good: the last saved or loaded; never deleted."""
-        return self.saver.verified
-
-    def resume_space_problem(self) -> str | None:
-        """Every rank, before the first step of a resumed run: rank 0's line when the run's next save cannot fit,
-        else None (``Saver.resume_space_problem``)."""
-        return self.saver.resume_space_problem()
 
     def resume(self, model, optimizer, trainer_state: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
         """Load the newest loadable checkpoint (``Loader.resume``): (path, trainer state), or None."""
@@ -125,16 +81,10 @@ class CheckpointManager:
         self.saver.verified = Path(path)
         return state
 
-    @property
-    def resume_changes(self) -> list:
-        """resume.Change: how the run's config differs from the loaded checkpoint's."""
-        return self.loader.resume_changes
-
     def complete(self) -> list[tuple[int, Path]]:
         """(step, path) of the complete checkpoints in ``checkpoint.dir``, by step."""
         return complete(self.root)
 
     def close(self) -> None:
         """Wait for an in-flight save (its failure raises) and free the async saves' stager."""
-        self.wait()  # this object's wait, which a subclass may observe
         self.saver.close()

@@ -50,7 +50,7 @@ from recipes.distributed import all_ranks, world_size
 
 log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the package
 
-SAVE_PHASES = ("export", "write", "marker")  # the points of a save at which CheckpointManager.on_phase runs
+SAVE_PHASES = ("export", "write", "marker")  # the points of a save at which Saver.on_phase runs
 FINITE, NO_SPACE, NON_FINITE, EXPORT_FAILED = 0, 1, 2, 3  # a save's verdict, agreed by all ranks (the worst wins)
 
 
@@ -95,17 +95,15 @@ class Saver:
         save_group: Any,
         run_config: dict[str, Any] | None,
         waits_before_step: bool,
-        on_phase: Callable[[str, int, Path], None],
         on_report: Callable[[ExportReport], None] | None,
     ):
         """``save_group``: the gloo group of async saves' collectives (None: the default group); ``run_config``:
-        stored in every manifest; ``waits_before_step``: see :meth:`defers`; ``on_phase``: called at each of
-        ``SAVE_PHASES``."""
+        stored in every manifest; ``waits_before_step``: see :meth:`defers`."""
         self.cfg, self.rank, self.device, self.options = cfg, rank, device, options
         self.root = Path(cfg.dir)
         self.write_threads, self.save_group = write_threads, save_group
         self.run_config, self.waits_before_step = run_config, waits_before_step
-        self.on_phase, self.on_report = on_phase, on_report
+        self.on_report = on_report
         self.reports: list[ExportReport] = []
         # the newest checkpoint known good: the last saved, or the one the manager loaded; never deleted
         self.verified: Path | None = None
@@ -113,6 +111,14 @@ class Saver:
         self._stager: AsyncSaveStager | None = None  # async saves' staging, kept from save to save
         self._pending_write: InFlight | None = None  # the async save the stager stages now (its check reads it)
         self._in_the_way: set[str] | None = None  # step directories of earlier launches, rank 0's (_clear_in_the_way)
+
+    def on_phase(self, phase: str, step: int, path: Path) -> None:
+        """Called at each point of ``SAVE_PHASES`` of the save of ``step`` into ``path``; does nothing here.
+
+        For subclasses that observe saves (``tests/fault/fault_train.py`` kills the process there): ``"export"``:
+        the optimizer is exported (deferred: its export started), nothing of ``path`` is written; ``"write"``:
+        ``dcp.save`` returned or the async save is in flight, no marker yet; ``"marker"``: the save finished
+        (async: inside :meth:`wait`) and the completion marker is about to be written."""
 
     def _clear_in_the_way(self, step: int, path: Path) -> None:
         """Rank 0 removes a directory of this step from an earlier launch (incomplete, or complete from before a
@@ -135,20 +141,15 @@ class Saver:
             dist.barrier(group=self.save_group)
 
     def defers(self, optimizer) -> bool:
-        """Whether the save of the export just started may return before the export is filled: an async save of a
-        background export into pooled buffers (``defers_export``), for a caller that calls :meth:`wait_export`
-        before ``step()`` (``waits_before_step``). The stager passes those buffers through uncopied, so nothing
-        reads them before the export has filled them; without reuse the export's fresh host tensors would be
-        copied at staging, so the save waits for the export as a synchronous one does. From the options alone,
-        never from this rank's export (a rank with nothing to stream has none pending): every rank takes the same
-        path, whose collectives differ."""
+        """Whether an async save may return before the export is filled: a background export into pooled buffers
+        (``defers_export``: the stager passes them through uncopied; fresh ones it would copy unfilled), for a
+        caller that calls :meth:`wait_export` before ``step()``. From the options alone, so that every rank takes
+        the same path (a rank with nothing to stream has no export pending)."""
         return self.waits_before_step and self.cfg.async_save and defers_export(optimizer)
 
     def _export(self, model, optimizer, deferred: bool) -> tuple[dict, dict, float, float | None, str | None]:
-        """Export model and optimizer: (model sd, optimizer sd, export seconds, GPU peak MiB, the failure of a
-        background export in one line or None). A background export is waited for here, so its time and GPU peak
-        are counted and the state dicts are final, unless ``deferred``: then the seconds and the peak are those of
-        the export call, which returns before the export is filled."""
+        """(model sd, optimizer sd, export seconds, GPU peak MiB, a background export's failure in one line or None);
+        ``deferred``: the seconds and the peak of the export call, which returns before the export is filled."""
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             if not deferred:  # the export's own seconds; a deferred save returns at once and never waits here
@@ -223,9 +224,8 @@ class Saver:
     def _finite(self, staged: dict[str, Any]) -> str | None:
         """The stager's check of a deferred save (a save that is not deferred was checked before writing)."""
         pending = self._pending_write
-        if pending is None or not pending.deferred or all_finite(local_tensors(staged)):
-            return None
-        return NON_FINITE_LINE
+        skip = pending is None or not pending.deferred or all_finite(local_tensors(staged))
+        return None if skip else NON_FINITE_LINE
 
     def _write(self, state: dict, path: Path, writer, optimizer, pending: InFlight | None) -> None:
         """``dcp.save`` (``pending`` None), or the stager's ``dcp.async_save``, whose upload ``pending`` holds from

@@ -322,7 +322,7 @@ def async_save_while_training(rank: int, world: int, tmp: str) -> None:
     )
     for step in (1, 2, 3):
         run_steps(opt, params, step, 1)
-        ckpt.save(step, model, opt, {"step": step})
+        ckpt.saver.save(step, model, opt, {"step": step})
         for _ in range(300):  # the training's collectives, while the save is in flight (same count on every rank)
             dist.all_reduce(torch.ones(1024, device=mesh_device()))
     ckpt.close()
@@ -355,21 +355,21 @@ def background_export_failure(rank: int, world: int, tmp: str) -> None:
         waits_before_step=True,  # as the recipe: wait_export() before step()
     )
     run_steps(opt, params, 1, 1)
-    ckpt.save(1, model, opt, {"step": 1})
-    ckpt.wait()
+    ckpt.saver.save(1, model, opt, {"step": 1})
+    ckpt.saver.wait()
     broken = None
     if rank == 0:  # a state whose storage is gone: the background thread fails reading it (no mock)
         broken = next(st["exp_avg"] for st in opt.state.values() if local(st["exp_avg"]).numel() > 0)
         nbytes, values = local(broken).untyped_storage().nbytes(), local(broken).clone()
         local(broken).untyped_storage().resize_(0)
-    ckpt.save(2, model, opt, {"step": 2})  # deferred (async, background, reused buffers): returns at once
-    ckpt.wait_export()  # what the loop does before step(): never raises, the failure is the save's
+    ckpt.saver.save(2, model, opt, {"step": 2})  # deferred (async, background, reused buffers): returns at once
+    ckpt.saver.wait_export()  # what the loop does before step(): never raises, the failure is the save's
     if broken is not None:  # the state as it was (resize_ gives uninitialised memory), before the next step
         local(broken).untyped_storage().resize_(nbytes)
         local(broken).copy_(values)
     run_steps(opt, params, 2, 1)  # the optimizer goes on: the save took the export's failure
     try:
-        ckpt.wait()
+        ckpt.saver.wait()
     except CheckpointError as exc:
         # every rank names rank 0's failure
         assert "not saving step 2: the optimizer's background export failed" in str(exc), exc
@@ -379,7 +379,7 @@ def background_export_failure(rank: int, world: int, tmp: str) -> None:
         raise AssertionError(f"rank {rank}: a failed background export was saved")
     dist.barrier()
     assert not (Path(tmp) / "ck" / "step_00000002").exists()
-    ckpt.save(3, model, opt, {"step": 3})
+    ckpt.saver.save(3, model, opt, {"step": 3})
     ckpt.close()
     dist.barrier()
     assert [s for s, _ in ckpt.complete()] == [1, 3]

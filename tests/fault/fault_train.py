@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from recipes.checkpoint import SAVE_PHASES, CheckpointManager
+from recipes.checkpoint import SAVE_PHASES, Saver
 from recipes.train import USER_ERRORS, compose_config, train
 
 
@@ -31,15 +31,15 @@ def kill_point(text: str) -> tuple[str, int]:
     return phase, int(step)
 
 
-def killing_manager(phase: str, step: int) -> type[CheckpointManager]:
-    """A CheckpointManager whose ``on_phase`` SIGKILLs the process at ``phase`` of the save of ``step``."""
+def killing_saver(phase: str, step: int) -> type[Saver]:
+    """A Saver whose ``on_phase`` SIGKILLs the process at ``phase`` of the save of ``step``."""
 
-    class KillingCheckpointManager(CheckpointManager):
+    class KillingSaver(Saver):
         def on_phase(self, at_phase: str, at_step: int, path: Path) -> None:
             if (at_phase, at_step) == (phase, step):
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    return KillingCheckpointManager
+    return KillingSaver
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.kill_at is None:
             train(cfg)
             return 0
-        train(cfg, manager_cls=killing_manager(*args.kill_at))
+        train(cfg, saver_cls=killing_saver(*args.kill_at))
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ import torch
 
 from optim_factory import PortableFusedAdam
 from optim_factory.optimizers.export import export_state
-from recipes.checkpoint import CheckpointError, CheckpointManager, read_checkpoint
+from recipes.checkpoint import CheckpointError, CheckpointManager, Saver, read_checkpoint
 from recipes.config import CheckpointConfig
 from recipes.train import compose_config, train
 from tests.distributed.launch import recipe_ranks
@@ -21,7 +21,7 @@ from tests.helpers import assert_bitwise, run_steps
 from tests.recipe.runs import BACKGROUND, QUICK, complete_steps, stopped
 
 
-class HeldRecorder(CheckpointManager):
+class HeldRecorder(Saver):
     """Measures, around the manager's public calls, how long each checkpoint held the loop: its save call (less
     the wait for the previous save inside it), the waits before step() and the wait that finishes it."""
 
@@ -62,7 +62,7 @@ class HeldRecorder(CheckpointManager):
 def test_the_loop_resumes_before_the_export_is_filled_and_blocking_counts_the_wait(tmp_path):
     HeldRecorder.held, HeldRecorder.export_waits, HeldRecorder.filling_after_save = {}, [], []
     cfg = compose_config([*QUICK, f"run_dir={tmp_path}", "trainer.max_steps=30", *BACKGROUND])
-    summary = train(cfg, manager_cls=HeldRecorder)
+    summary = train(cfg, saver_cls=HeldRecorder)
     # every save call returned to the loop while its export was still being filled
     assert HeldRecorder.filling_after_save == [True, True, True]
     assert complete_steps(tmp_path) == [10, 20, 30]
@@ -130,8 +130,8 @@ def test_a_step_without_wait_export_never_changes_a_state_being_exported(tmp_pat
     for step in (1, 2, 3):
         run_steps(opt, params, step, 1)
         expected[step] = export_state(opt, cpu_offload=True)
-        manager.save(step, model, opt, {"step": step})
-        assert (manager.export_filling is not None) == waits_before_step  # deferred (filled or not) or not
+        manager.saver.save(step, model, opt, {"step": step})
+        assert (manager.saver.export_filling is not None) == waits_before_step  # deferred (filled or not) or not
     manager.close()
     names = {id(p): n for n, p in model.named_parameters()}
     for step, sd in expected.items():

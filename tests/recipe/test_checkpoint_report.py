@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from recipes.checkpoint import MARKER, CheckpointManager, read_manifest
+from recipes.checkpoint import MARKER, Saver, read_manifest
 from recipes.train import compose_config, train
 from tests.recipe.runs import BACKGROUND, QUICK, metrics
 
 MARKER_DELAY_S = 0.3  # slept at the "marker" phase: inside the part of a save that holds the loop after the call
 
 
-class TimedManager(CheckpointManager):
+class TimedSaver(Saver):
     """Times every save() and wait() call from outside the manager, and sleeps at the "marker" phase (async: in the
     wait() of the next save or of close(), after the save call returned)."""
 
@@ -27,21 +27,21 @@ class TimedManager(CheckpointManager):
         try:
             return super().save(step, model, optimizer, trainer_state)
         finally:
-            TimedManager.calls.append(("save", t0, time.perf_counter()))
+            TimedSaver.calls.append(("save", t0, time.perf_counter()))
 
     def wait(self) -> None:
         t0 = time.perf_counter()
         try:
             super().wait()
         finally:
-            TimedManager.calls.append(("wait", t0, time.perf_counter()))
+            TimedSaver.calls.append(("wait", t0, time.perf_counter()))
 
     def wait_export(self) -> None:
         t0 = time.perf_counter()
         try:
             super().wait_export()
         finally:
-            TimedManager.calls.append(("wait_export", t0, time.perf_counter()))
+            TimedSaver.calls.append(("wait_export", t0, time.perf_counter()))
 
     def on_phase(self, phase: str, step: int, path: Path) -> None:
         if phase == "marker":
@@ -71,14 +71,14 @@ def held_bounds(calls: list[tuple[str, float, float]], async_save: bool) -> list
     "async_save,background", [(False, False), (True, False), (True, True)], ids=["sync", "async", "background"]
 )
 def test_report_has_blocking_time_and_written_bytes(tmp_path, async_save, background):
-    TimedManager.calls = []
+    TimedSaver.calls = []
     extra = BACKGROUND if background else [f"checkpoint.async_save={async_save}"]
     cfg = compose_config([*QUICK, f"run_dir={tmp_path}", *extra])
-    summary = train(cfg, manager_cls=TimedManager)
+    summary = train(cfg, saver_cls=TimedSaver)
     reports = [r for r in metrics(tmp_path) if r["kind"] == "checkpoint"]
     assert [r["step"] for r in reports] == [10, 20]
     log_text = (tmp_path / "train.log").read_text()
-    for r, bound in zip(reports, held_bounds(TimedManager.calls, async_save)):
+    for r, bound in zip(reports, held_bounds(TimedSaver.calls, async_save)):
         step_dir = Path(r["path"])
         on_disk = sum(p.stat().st_size for p in step_dir.iterdir() if p.name != MARKER)
         assert r["written_bytes"] == on_disk > 0, (r, on_disk)

@@ -165,7 +165,7 @@ def test_parameters_without_state_and_stateless_groups_save_and_load(optim, flat
         model(torch.ones(2, 4)).backward()
         opt.step()
         manager = CheckpointManager(cfg.checkpoint, rank=0, device=torch.device("cpu"))
-        manager.save(1, model, opt, {"step": 1})
+        manager.saver.save(1, model, opt, {"step": 1})
         manager.close()
         model2, opt2 = build()
         try:

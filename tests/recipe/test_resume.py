@@ -157,7 +157,7 @@ def _close(loaded: torch.Tensor, expected: torch.Tensor, name: str) -> bool:
 def test_layout_converts(save, saved_cfg, resumed_cfg, keys, moments, master, tmp_path, resume_live):
     saved = save(tmp_path, *saved_cfg)
     cfg, model, opt, ckpt = resume_live(tmp_path, *resumed_cfg)
-    assert {c.key: c.action for c in ckpt.resume_changes} == {f"optim.{k}": CONVERTED for k in keys}
+    assert {c.key: c.action for c in ckpt.loader.resume_changes} == {f"optim.{k}": CONVERTED for k in keys}
     for fqn, p in _params(model).items():
         live = local_tensor(p).detach()
         expected_param = saved[f"model.{fqn}"]
@@ -200,7 +200,7 @@ def test_lowmem_after_the_default_run_starts_masters_from_the_parameters(save, t
     """Observation 3's second half: the README's order (default job, then the low-memory preset) loads."""
     saved = save(tmp_path, *BF16)
     _, model, opt, ckpt = resume_live(tmp_path, *BF16, "optim=fused_adam_lowmem")
-    assert "optim.master_weights" in {c.key for c in ckpt.resume_changes}
+    assert "optim.master_weights" in {c.key for c in ckpt.loader.resume_changes}
     for fqn, p in _params(model).items():
         rem = local_tensor(opt.state[p]["master_param"])
         assert _same(join_bf16_remainder(local_tensor(p).detach(), rem), saved[f"model.{fqn}"].float())
@@ -247,7 +247,7 @@ def test_a_refusal_reads_nothing_into_the_model_and_never_falls_back(tmp_path):
         with pytest.raises(ResumeRefused, match="step_00000020 cannot be resumed"):
             ckpt.resume(model, opt, {"step": 0})
         assert all(torch.equal(before[n], p.full_tensor()) for n, p in model.named_parameters())
-        assert not opt.state and ckpt.verified is None
+        assert not opt.state and ckpt.saver.verified is None
     finally:
         shutdown()
 
@@ -259,7 +259,7 @@ def test_adamw_group_keys_follow_the_config_or_are_refused(save, tmp_path, resum
     save(tmp_path, "optim=adamw", "optim.foreach=false")
     _, _, opt, ckpt = resume_live(tmp_path, "optim=adamw", "optim.foreach=true")
     assert [g["foreach"] for g in opt.param_groups] == [True] * len(opt.param_groups)
-    changed = {c.key: (c.checkpoint, c.config, c.action) for c in ckpt.resume_changes}
+    changed = {c.key: (c.checkpoint, c.config, c.action) for c in ckpt.loader.resume_changes}
     assert changed["optim.foreach"] == (False, True, "config")
     shutdown()
     amsgrad = tmp_path / "amsgrad"
@@ -300,7 +300,7 @@ def test_hyperparameters_follow_the_config(save, tmp_path, resume_live):
         assert g["step"] == 10, name  # the step count is the checkpoint's
         for s in ("exp_avg", "exp_avg_sq"):
             assert _same(opt.get_unscaled_state(_params(model)[name], s), saved[f"optim.state.{name}.{s}"]), name
-    changed = {c.key: (c.checkpoint, c.config, c.action) for c in ckpt.resume_changes}
+    changed = {c.key: (c.checkpoint, c.config, c.action) for c in ckpt.loader.resume_changes}
     assert changed["optim.weight_decay"] == (0.1, 0.05, "config")
     assert changed["optim.betas"] == ([0.9, 0.95], [0.5, 0.6], "config")
     assert changed["optim.eps"] == (1e-8, 1e-3, "config")
@@ -430,6 +430,6 @@ def test_checkpoint_without_a_config_resumes_with_a_warning(save, tmp_path, resu
     marker.write_text(json.dumps(manifest))
     with caplog.at_level(logging.WARNING, logger="recipes.checkpoint.resume"):
         _, _, _, ckpt = resume_live(tmp_path, "optim.eps=1e-3")
-    assert ckpt.resume_changes == []
+    assert ckpt.loader.resume_changes == []
     assert any("has no config in its manifest" in r.getMessage() for r in caplog.records)
     assert issubclass(ResumeRefused, CheckpointError)

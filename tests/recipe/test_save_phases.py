@@ -1,4 +1,4 @@
-"""CheckpointManager.on_phase (the save points that tests/fault/fault_train.py kills at) and the run summary."""
+"""Saver.on_phase (the save points that tests/fault/fault_train.py kills at) and the run summary."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.checkpoint import MARKER, METADATA, SAVE_PHASES, CheckpointManager, is_complete
+from recipes.checkpoint import MARKER, METADATA, SAVE_PHASES, Saver, is_complete
 from recipes.train import compose_config, train
 from tests import forked
 from tests.fault import fault_injection
@@ -15,7 +15,7 @@ from tests.fault.fault_train import main as fault_train_main
 from tests.recipe.runs import QUICK
 
 
-class PhaseRecorder(CheckpointManager):
+class PhaseRecorder(Saver):
     """Records, at every on_phase call, what of the checkpoint directory exists on disk."""
 
     seen: list[tuple[str, int, bool, bool]] = []
@@ -28,7 +28,7 @@ class PhaseRecorder(CheckpointManager):
 def test_on_phase_runs_at_each_save_point_in_order(tmp_path, async_save):
     PhaseRecorder.seen = []
     cfg = compose_config([*QUICK, f"run_dir={tmp_path}", f"checkpoint.async_save={async_save}"])
-    train(cfg, manager_cls=PhaseRecorder)
+    train(cfg, saver_cls=PhaseRecorder)
     assert [(p, s) for p, s, _, _ in PhaseRecorder.seen] == [(p, s) for s in (10, 20) for p in SAVE_PHASES]
     for phase, step, metadata, marker in PhaseRecorder.seen:
         assert not marker, f"{phase} of step {step}: the completion marker is already written"

@@ -122,10 +122,10 @@ def test_a_failed_background_export_is_not_saved(tmp_path):
     run_steps(opt, list(model.parameters()), 0, 1)
     cfg = CheckpointConfig(dir=str(tmp_path / "ck"), every_steps=1, async_save=True)
     manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
-    manager.save(1, model, opt, {"step": 1})
+    manager.saver.save(1, model, opt, {"step": 1})
     _break_a_state(opt)
     with pytest.raises(CheckpointError, match="not saving step 2: the optimizer's background export failed"):
-        manager.save(2, model, opt, {"step": 2})
+        manager.saver.save(2, model, opt, {"step": 2})
     manager.close()
     assert [p.name for p in (tmp_path / "ck").iterdir()] == ["step_00000001"]
 
@@ -158,7 +158,7 @@ def test_recipe_saves_with_background_export_round_trip_flattened(tmp_path, asyn
     for step in (1, 2):
         run_steps(opt, params, step, 1)
         expected[step] = export_state(opt, cpu_offload=True)
-        manager.save(step, model, opt, {"step": step})
+        manager.saver.save(step, model, opt, {"step": step})
     manager.close()
     names = {id(p): n for n, p in model.named_parameters()}
     for step, sd in expected.items():

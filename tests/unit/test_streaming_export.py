@@ -244,12 +244,12 @@ def test_checkpoint_manager_releases_export_buffers_only_after_the_save(tmp_path
     for step in (1, 2, 3):
         run_steps(opt, list(model.parameters()), step, 1)
         expected[step] = export_state(opt, cpu_offload=True)
-        manager.save(step, model, opt, {"step": step})
+        manager.saver.save(step, model, opt, {"step": step})
         assert allocated and all(opt.is_leased_export_buffer(t) for t in allocated), (
             "export buffers released while their async save may still read them"
         )
         if step == 1:
-            manager.wait()
+            manager.saver.wait()
             assert not all(opt.is_leased_export_buffer(t) for t in allocated)  # the save is over: back in the pool
     manager.close()
     for step, sd in expected.items():
