@@ -8,7 +8,8 @@ calls them without asking which optimizer it holds.
 * :class:`ExactLoadPlanner`: ``dcp.load(..., planner=ExactLoadPlanner())`` reads every optimizer state in the dtype it
   was saved in, so that the optimizer's ``load_state_dict`` converts a changed format exactly (DCP's default
   planner copies a saved tensor into the template's dtype: int16 remainders into an FP32 master become masters of
-  about 3e4, an FP32 master into int16 remainders loses its low bits, both silently, with TE's class as well).
+  about 3e4, an FP32 master into int16 remainders loses its low bits; TE's class trains on both, ours refuses
+  them in one line: ``formats.check_not_cast``).
 * :func:`prepare_load`: the states before the template a checkpoint is read into, without a step;
   :func:`finish_load`: the masters from the loaded parameters, for a caller that reads ``optimizer.state`` at once.
 * :func:`deferred_export`, :func:`defers_export`, :func:`export_failure`, :func:`export_buffer_test`,

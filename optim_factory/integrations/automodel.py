@@ -3,7 +3,8 @@
 
 Automodel's ``Checkpointer.load_optimizer`` reads ``<weights_path>/optim`` with DCP's default planner, which copies
 each saved tensor into the template's dtype: a checkpoint saved with int16 remainders and resumed with an FP32
-master (or the reverse) loads cast bytes, silently. This ``Checkpointer`` is Automodel's with that read made exact::
+master (or the reverse) hands the optimizer cast bytes, which its load refuses. This ``Checkpointer`` is
+Automodel's with that read made exact::
 
     from optim_factory.integrations.automodel import Checkpointer
 

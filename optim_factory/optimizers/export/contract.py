@@ -18,6 +18,7 @@ import torch
 from optim_factory.optimizers.export.formats import (
     MASTER,
     MasterConversion,
+    check_not_cast,
     fp32_own,
     live_format,
     load_master,
@@ -69,7 +70,9 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
     parameter's local shape; dense tensors with data (not sparse, not on the meta device); dtypes that convert
     (FP32, BF16, FP16; int16 remainders only for the master of a BF16 parameter); last, finite values (NaN or
     inf in a state is a diverged run's: loading it would train on NaN; one min/max pass per state, one sync
-    per device) and a non-negative ``exp_avg_sq``.
+    per device), a non-negative ``exp_avg_sq``, and masters that DCP's default planner did not cast from another
+    format (``formats.check_not_cast``: int16 remainders read as an FP32 master, an FP32 master truncated into
+    int16 remainders).
     """
     required = [k for k in GROUP_KEYS if k not in ("param_names", "step")]
 
@@ -87,7 +90,7 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
         raise ValueError(
             f"load_state_dict: 'state' is a {type(state).__name__}, expected a dict (parameter index -> its states)"
         )
-    checked: list[tuple[str, torch.Tensor]] = []  # (where, local tensor) of every state, for the finite check
+    checked: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (where, parameter, local tensor) of every state
     for g, (saved, live) in enumerate(zip(saved_groups, live_groups)):
         missing = [k for k in required if k not in saved]
         if missing:
@@ -119,7 +122,7 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
             for name, value in values.items():
                 _check_state(optimizer, f"{_where(g, i, saved)}: {name}", name, value, param)
                 if value is not None:
-                    checked.append((f"{_where(g, i, saved)}: {name}", local_tensor(value)))
+                    checked.append((f"{_where(g, i, saved)}: {name}", param, local_tensor(value)))
             moments = [n for n in ("exp_avg", "exp_avg_sq") if values.get(n) is not None]
             if len(moments) == 1:
                 raise ValueError(f"load_state_dict: {_where(g, i, saved)}: has {moments[0]} but not the other moment")
@@ -130,12 +133,14 @@ def check_loadable(optimizer: Any, state_dict: Any) -> None:
             f"load_state_dict: the state dict has states for {', '.join(map(repr, stray[:3]))}"
             f"{' ...' if len(stray) > 3 else ''}, which no parameter group lists (they would be dropped)"
         )
-    _check_values(checked)
+    _check_values(optimizer, checked)
 
 
-def _check_values(checked: list[tuple[str, torch.Tensor]]) -> None:
-    """The last checks of :func:`check_loadable`, on every state's (where, local tensor): finite values, and a
-    non-negative ``exp_avg_sq``."""
+def _check_values(optimizer: Any, checked: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+    """The last checks of :func:`check_loadable`, on every state's (where, parameter, local tensor): finite values,
+    a non-negative ``exp_avg_sq``, and masters that DCP's default planner did not cast into another format
+    (:func:`~optim_factory.optimizers.export.formats.check_not_cast`)."""
+    checked, masters = [(w, t) for w, _, t in checked], [c for c in checked if c[0].endswith(": " + MASTER)]
     if not all_finite(t for _, t in checked):
         where = next(where for where, t in checked if not all_finite([t]))
         raise ValueError(f"load_state_dict: {where} holds NaN or inf values (a diverged run's state): not loaded")
@@ -143,6 +148,7 @@ def _check_values(checked: list[tuple[str, torch.Tensor]]) -> None:
     if not all_non_negative(t for _, t in second):  # loaded, they would make NaN weights after one step
         where = next(where for where, t in second if not all_non_negative([t]))
         raise ValueError(f"load_state_dict: {where} holds negative values (a second moment is >= 0): not loaded")
+    check_not_cast(optimizer, masters)
 
 
 # the parts of a parameter name that wrappers add (DDP, torch.compile, FSDP1, activation checkpointing)

@@ -21,6 +21,15 @@ the parameter a load sees may not be loaded yet. :func:`load_master` therefore a
 parameter it sees and returns it; our optimizers apply it again, with the loaded parameter, before the next
 ``step()`` or ``state_dict()`` (:meth:`MasterConversion.apply`), whatever order a framework loads in.
 
+DCP's default planner reads each saved tensor into the template's dtype, so without
+:class:`~optim_factory.checkpoint.ExactLoadPlanner` a changed master format arrives cast: int16 remainders in an
+FP32 master's template as whole numbers within int16's range, an FP32 master in int16 remainders' template
+truncated to whole numbers (0 for every weight below 1). The checkpoint's own dtype is not in what the optimizer
+receives, and a key of our own in the template would make DCP refuse every checkpoint without it (TE's class's,
+and ours before it), so :func:`check_not_cast` tells these from the values, over every master of the dictionary
+at once, and refuses them before anything is loaded. Moments need no such check: their templates are FP32 or BF16
+(the stored dtype with ``state_dict_keep_bf16``), and DCP's cast into BF16 rounds as ``set_scaled_state`` does.
+
 A master of an FP32 parameter is never used by an update (the parameter is its own master) but is kept, loaded
 and exported, as TE's class keeps it: a checkpoint's keys are the same before and after any number of resumes.
 """
@@ -32,9 +41,35 @@ from typing import Any
 
 import torch
 
-from optim_factory.optimizers.export.tensors import aliases, join_bf16_remainder, local_tensor, split_bf16_remainder
+from optim_factory.optimizers.export.tensors import (
+    aliases,
+    all_per_device,
+    join_bf16_remainder,
+    local_tensor,
+    split_bf16_remainder,
+)
 
-__all__ = ["MASTER", "MasterConversion", "fp32_own", "load_master", "saved_format", "live_format", "wants_remainders"]
+__all__ = [
+    "MASTER",
+    "LOAD_FIX",
+    "MasterConversion",
+    "check_not_cast",
+    "fp32_own",
+    "load_master",
+    "saved_format",
+    "live_format",
+    "wants_remainders",
+]
+
+LOAD_FIX = (
+    "read it with dcp.load(..., planner=ExactLoadPlanner()) (optim_factory.checkpoint), or through "
+    "optim_factory.integrations' torchtitan CheckpointManager or Automodel Checkpointer"
+)
+"""What a load of a changed master format through DCP's default planner needs instead (docs/export.md)."""
+
+# every remainder a cast FP32 master leaves is within this bound (the whole part of a weight below 256); real
+# remainders of a trained run span int16's range: all of them within it, in more than a few elements, do not occur
+_TRUNCATED = 256
 
 MASTER = "master_param"
 
@@ -116,3 +151,40 @@ def load_master(optimizer: Any, param: torch.Tensor, saved: torch.Tensor | None)
         return None
     conversion.apply(optimizer)
     return conversion
+
+
+def check_not_cast(optimizer: Any, masters: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+    """Refuse, in one ``ValueError`` line, a dictionary whose masters DCP's default planner has cast into another
+    format; ``masters``: (where, parameter, local tensor) of every ``master_param`` a load is given.
+
+    Over all the masters of BF16 parameters at once (one sync per device), with master weights on:
+
+    * stored as a full master, every received FP32 master holds only whole numbers within int16's range: int16
+      remainders read into an FP32 template (a trained master has fractions);
+    * stored as int16 remainders, every received remainder is within +-255: an FP32 master truncated into an int16
+      template (a trained run's remainders span int16's range; a run whose masters never left their BF16
+      parameters, all remainders 0, is refused too: the two cannot be told apart).
+
+    A dictionary read in the saved dtypes (``ExactLoadPlanner``, ``torch.load``) holds int16 remainders as int16 and
+    a full master as FP32 with fractions, and passes. A rank decides from its own shards."""
+    if not optimizer.master_weights:
+        return
+    bf16 = [(where, p, t) for where, p, t in masters if p.dtype == torch.bfloat16 and t.numel()]
+    full = [(w, p, t) for w, p, t in bf16 if not wants_remainders(optimizer, p) and t.dtype == torch.float32]
+    if full and all_per_device(
+        (t for *_, t in full), lambda t: [(t == t.trunc()).all() & (t.abs().amax() <= 32768)], lambda v: v
+    ):
+        raise ValueError(
+            f"load_state_dict: {full[0][0]}: every master holds only whole numbers within int16's range, as int16 "
+            f"remainders read into an FP32 master by DCP's default planner do; saved: int16 remainders, stored "
+            f"here: {live_format(optimizer, full[0][1])}; not loaded: {LOAD_FIX}"
+        )
+    kept = [(w, t) for w, p, t in bf16 if wants_remainders(optimizer, p) and t.dtype == torch.int16]
+    if kept and all_per_device(
+        (t for _, t in kept), lambda t: list(torch.aminmax(t)), lambda v: (v > -_TRUNCATED) & (v < _TRUNCATED)
+    ):
+        raise ValueError(
+            f"load_state_dict: {kept[0][0]}: every int16 remainder is within +-{_TRUNCATED - 1}, as an FP32 master "
+            f"truncated into int16 remainders by DCP's default planner is; saved: an FP32 master, stored here: "
+            f"int16 remainders; not loaded: {LOAD_FIX}"
+        )

@@ -22,6 +22,7 @@ __all__ = [
     "split_bf16_remainder",
     "all_finite",
     "all_non_negative",
+    "all_per_device",
 ]
 
 
@@ -101,16 +102,17 @@ def all_finite(tensors) -> bool:
     propagates into both, +-inf shows in one; no temporaries), one sync per device. FP8 bytes (one-byte
     storage) are not read. The one finite check of the project: the recipe's save and the load check use it."""
     floats = (t for t in tensors if t.is_floating_point() and t.element_size() > 1)
-    return _all_per_device(floats, lambda t: torch.aminmax(t.detach()), torch.isfinite)
+    return all_per_device(floats, lambda t: torch.aminmax(t.detach()), torch.isfinite)
 
 
 def all_non_negative(tensors) -> bool:
     """Whether no value in ``tensors`` (local tensors) is negative: per tensor its min, one sync per device."""
-    return _all_per_device(tensors, lambda t: [t.detach().min()], lambda mins: mins >= 0)
+    return all_per_device(tensors, lambda t: [t.detach().min()], lambda mins: mins >= 0)
 
 
-def _all_per_device(tensors, reduce, test) -> bool:
-    """``test`` holds for the stacked ``reduce`` results of every non-empty tensor: one sync per device."""
+def all_per_device(tensors, reduce, test) -> bool:
+    """``test`` holds for the stacked ``reduce`` results (a list of 0-d tensors per tensor) of every non-empty
+    tensor: one sync per device."""
     per_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
