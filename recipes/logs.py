@@ -38,6 +38,29 @@ class MetricsWriter:
     def checkpoint(self, report: ExportReport) -> None:
         self.write({"kind": "checkpoint", **asdict(report)})
 
+    def summary(self, summary: dict[str, Any], *, trained: bool) -> dict[str, Any]:
+        """Append ``summary`` as the run's last record and return it. A launch that trained no step (a relaunch
+        of a finished run) keeps the last summary record where it ends at this launch's step (its losses and
+        evaluation: this launch has none) and returns that one, without ``kind``."""
+        last = self.last_summary() if self.enabled and not trained else None
+        if last is not None and last.get("end_step") == summary["end_step"]:
+            return last
+        self.write({"kind": "summary", **summary})
+        return summary
+
+    def last_summary(self) -> dict[str, Any] | None:
+        """The last ``summary`` record of ``metrics.jsonl`` (without ``kind``), or None."""
+        if not self.path.is_file():
+            return None
+        for line in reversed(self.path.read_text().splitlines()):
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut short by a killed launch
+                continue
+            if isinstance(record, dict) and record.get("kind") == "summary":
+                return {k: v for k, v in record.items() if k != "kind"}
+        return None
+
 
 _HANDLERS: set[logging.Handler] = set()  # the handlers this module added to the root logger
 
