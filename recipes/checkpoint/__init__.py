@@ -43,7 +43,7 @@ from recipes.checkpoint.manager import CheckpointManager
 from recipes.checkpoint.report import ExportReport
 from recipes.checkpoint.save import SAVE_PHASES
 from recipes.checkpoint.stager import ExportBufferStager
-from recipes.checkpoint.tree import state_bytes
+from recipes.checkpoint.tree import first_save_bytes, state_bytes
 
 __all__ = [
     "FALLBACK_HINT",
@@ -57,6 +57,7 @@ __all__ = [
     "ExportBufferStager",
     "ExportReport",
     "disk_full",
+    "first_save_bytes",
     "is_complete",
     "read_checkpoint",
     "read_manifest",

@@ -109,10 +109,10 @@ class CheckpointManager:
         """The newest checkpoint known good: the last saved or loaded; never deleted."""
         return self.saver.verified
 
-    def resume_space_problem(self) -> str | None:
-        """Every rank, before the first step of a resumed run: rank 0's line when the run's next save cannot fit,
-        else None (``Saver.resume_space_problem``)."""
-        return self.saver.resume_space_problem()
+    def first_save_space_problem(self, estimate: int) -> str | None:
+        """Every rank, before the first step: rank 0's line when the run's next save cannot fit (``estimate``: this
+        rank's share of a fresh run's first checkpoint), else None (``Saver.first_save_space_problem``)."""
+        return self.saver.first_save_space_problem(estimate)
 
     def resume(self, model, optimizer, trainer_state: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
         """Load the newest loadable checkpoint (``Loader.resume``): (path, trainer state), or None."""

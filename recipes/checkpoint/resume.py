@@ -255,6 +255,20 @@ def nothing_to_do(
     )
 
 
+def no_room(space: str, path: Path | None) -> str:
+    """The refusal of a launch whose next save cannot fit (``space``: the save's line), before its first step:
+    resuming from ``path``, or a fresh run's first save (None)."""
+    if path is None:
+        return (
+            f"not training: no room for the run's first checkpoint ({space}); free space there, or give another "
+            "checkpoint.dir"
+        )
+    return (
+        f"not resuming from {path}: no room for the run's next checkpoint ({space}); free space there, or give "
+        "another checkpoint.dir with checkpoint.resume=<this checkpoint>"
+    )
+
+
 def markdown_table() -> str:
     """:data:`RESUME_RULES` as the Markdown table docs/reliability.md shows (a test keeps them equal)."""
     what = {CONFIG: "the config wins", CONVERTED: "converted", REFUSED: "refused", IGNORED: "ignored (operational)"}

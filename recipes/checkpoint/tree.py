@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["leaves", "local_tensors", "map_leaves", "state_bytes"]
+__all__ = ["first_save_bytes", "leaves", "local_tensors", "map_leaves", "state_bytes"]
 
 
 def leaves(tree: Any, path: tuple = (), *, dicts_only: bool = False) -> Iterator[tuple[tuple, Any]]:
@@ -43,3 +43,9 @@ def local_tensors(tree: Any) -> Iterator[torch.Tensor]:
 def state_bytes(tree: Any) -> int:
     """Bytes of the (local shards of the) tensors in a nested state dict."""
     return sum(t.numel() * t.element_size() for t in local_tensors(tree))
+
+
+def first_save_bytes(model: torch.nn.Module) -> int:
+    """This rank's share of a first checkpoint, estimated before the optimizer has states: the model's state bytes
+    plus two FP32 moments (an Adam's exp_avg and exp_avg_sq, 8 bytes) per element of its (local) parameters."""
+    return state_bytes(model.state_dict()) + 8 * sum(t.numel() for t in local_tensors(list(model.parameters())))
