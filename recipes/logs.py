@@ -38,15 +38,13 @@ class MetricsWriter:
     def checkpoint(self, report: ExportReport) -> None:
         self.write({"kind": "checkpoint", **asdict(report)})
 
-    def summary(self, summary: dict[str, Any], *, trained: bool) -> dict[str, Any]:
-        """Append ``summary`` as the run's last record and return it. A launch that trained no step (a relaunch
-        of a finished run) keeps the last summary record where it ends at this launch's step (its losses and
-        evaluation: this launch has none) and returns that one, without ``kind``."""
+    def summary(self, summary: dict[str, Any], *, trained: bool) -> None:
+        """Append ``summary`` as the run's last record. A launch that trained no step (a relaunch of a finished
+        run) keeps the last summary record instead where it ends at this launch's step: the run's losses and
+        evaluation, which this launch has none of."""
         last = self.last_summary() if self.enabled and not trained else None
-        if last is not None and last.get("end_step") == summary["end_step"]:
-            return last
-        self.write({"kind": "summary", **summary})
-        return summary
+        if last is None or last.get("end_step") != summary["end_step"]:
+            self.write({"kind": "summary", **summary})
 
     def last_summary(self) -> dict[str, Any] | None:
         """The last ``summary`` record of ``metrics.jsonl`` (without ``kind``), or None."""

@@ -273,7 +273,7 @@ def _summary(cfg, rank: int, ckpt, metrics, start, end, resumed_from, limit, ste
         "stopped_at": stopped_at,
         "stopped_by": (signal or "a signal on another rank") if stopped_at is not None else None,
     }
-    summary = metrics.summary(summary, trained=end > start)  # a no-op relaunch keeps the last one
+    metrics.summary(summary, trained=end > start)  # a no-op relaunch keeps the last one in metrics.jsonl
     if rank == 0:
         log.info(done_text(summary, metrics.path, cfg.checkpoint.dir if cfg.checkpoint.enabled else None, limit))
     return summary
