@@ -38,6 +38,27 @@ class MetricsWriter:
     def checkpoint(self, report: ExportReport) -> None:
         self.write({"kind": "checkpoint", **asdict(report)})
 
+    def summary(self, summary: dict[str, Any], *, trained: bool) -> None:
+        """Append ``summary`` as the run's last record. A launch that trained no step (a relaunch of a finished
+        run) keeps the last summary record instead where it ends at this launch's step: the run's losses and
+        evaluation, which this launch has none of."""
+        last = self.last_summary() if self.enabled and not trained else None
+        if last is None or last.get("end_step") != summary["end_step"]:
+            self.write({"kind": "summary", **summary})
+
+    def last_summary(self) -> dict[str, Any] | None:
+        """The last ``summary`` record of ``metrics.jsonl`` (without ``kind``), or None."""
+        if not self.path.is_file():
+            return None
+        for line in reversed(self.path.read_text().splitlines()):
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut short by a killed launch
+                continue
+            if isinstance(record, dict) and record.get("kind") == "summary":
+                return {k: v for k, v in record.items() if k != "kind"}
+        return None
+
 
 _HANDLERS: set[logging.Handler] = set()  # the handlers this module added to the root logger
 

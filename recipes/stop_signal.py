@@ -12,6 +12,7 @@ checkpoint is of the step just done, and a non-finite step is never saved.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger(__name__)
+
 # What each rank contributes to the all-reduce (MAX): a stop signal arrived; the step just done was non-finite (read
 # at once); the step before it was (its flag kept by the previous check)
 _STOP, _BAD_NOW, _BAD_BEFORE = range(3)
@@ -27,7 +30,10 @@ _STOP, _BAD_NOW, _BAD_BEFORE = range(3)
 
 class StopSignal:
     """SIGTERM / SIGUSR1 (Slurm preemption, time limit, torchrun shutting down) and a first SIGINT (Ctrl-C) ask the
-    loop to stop cleanly; a second SIGINT stops at once (``KeyboardInterrupt``, no checkpoint).
+    loop to stop cleanly; a second SIGINT stops at once (``KeyboardInterrupt``, no checkpoint). A SIGINT the
+    process was started with ignored (a background job of a script, ``nohup ... &``: the shell keeps the
+    terminal's Ctrl-C from it) stays ignored (:attr:`sigint_ignored`); SIGTERM still stops it cleanly.
+    :meth:`restore` puts back every handler it replaced.
 
     The loop checks after every step (:meth:`should_stop`); all ranks agree (a max all-reduce), save a checkpoint at
     that step, wait for in-flight saves and return. A requeued job then resumes from it. ``overlap=False`` makes
@@ -47,9 +53,17 @@ class StopSignal:
         self._host_flag: torch.Tensor | None = None  # pinned, reused: read before it is filled again
         self._reduce: Any = None  # (work, flags) of the all-reduce posted by the previous check, not read yet
         self._previous = {}
+        self.sigint_ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # left so (the class docstring)
+        if self.sigint_ignored:
+            log.info(
+                "SIGINT is ignored in this process (as its launch set it: a background job of a script, nohup): "
+                "Ctrl-C does not stop it; SIGTERM (kill %d) stops it after the step%s",
+                os.getpid(),
+                " with a checkpoint" if saves else " (checkpointing is off: nothing is saved)",
+            )
         for name in self.SIGNALS:
             sig = getattr(signal, name, None)
-            if sig is not None:
+            if sig is not None and not (name == "SIGINT" and self.sigint_ignored):
                 try:
                     self._previous[sig] = signal.signal(sig, self._handle)
                 except ValueError:  # not the main thread (e.g. some launchers): no handler, no stop
@@ -145,5 +159,7 @@ class StopSignal:
         return self._deferred is not None or self._reduce is not None
 
     def restore(self) -> None:
+        """Every handler this object replaced, as it found it (SIG_IGN, SIG_DFL, Python's or another's)."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+        self._previous = {}

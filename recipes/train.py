@@ -30,8 +30,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from optim_factory.factory import ConfigError, ValidatedOptim, build_optimizer
-from recipes.checkpoint import CheckpointError, CheckpointManager, Saver
-from recipes.checkpoint.resume import log_changes, nothing_to_do
+from recipes.checkpoint import CheckpointError, CheckpointManager, Saver, first_save_bytes
+from recipes.checkpoint.resume import log_changes, no_room, nothing_to_do
 from recipes.command_line import command_line_error, config_error_line, keys_set, shared_run_dir_error
 from recipes.config import register_configs
 from recipes.data import DataError
@@ -120,22 +120,19 @@ def _resume(cfg, ckpt, model, optimizer, end: int, limit: str, record: Path | No
     """(the step training starts at, the checkpoint it resumed from or None): the newest good checkpoint loaded
     into ``model`` and ``optimizer`` with the process RNG, its config changes logged and recorded; refused (and
     this launch's record removed) where a changed key would take effect in no step, or where the run's next save
-    cannot fit, before the first step."""
+    cannot fit (a fresh run's: estimated from the model, ``first_save_bytes``), before the first step."""
     template = {"step": 0, "data_position": 0, "world_size": 0, "rng_state": torch.get_rng_state()}
     with _unrecorded_if_refused(record):
-        resumed = ckpt.resume(model, optimizer, template)
-        if resumed is None:
-            return 0, None
-        path, state = resumed
+        path, state = ckpt.resume(model, optimizer, template) or (None, template)
         start = int(state["step"])
         if start >= end and ckpt.loader.resume_changes:  # keys that would change nothing: refused, nothing recorded
             raise ConfigError(nothing_to_do(start, end, str(path), ckpt.loader.resume_changes, limit))
-        space = ckpt.saver.resume_space_problem() if start < end and cfg.checkpoint.enabled else None
+        check = start < end and cfg.checkpoint.enabled
+        space = ckpt.saver.first_save_space_problem(first_save_bytes(model)) if check else None
         if space is not None:
-            raise CheckpointError(
-                f"not resuming from {path}: no room for the run's next checkpoint ({space}); free space there, or "
-                "give another checkpoint.dir with checkpoint.resume=<this checkpoint>"
-            )
+            raise CheckpointError(no_room(space, path))
+    if path is None:
+        return 0, None
     torch.set_rng_state(state["rng_state"])
     if rank == 0:  # with this launch's overrides, where Hydra's command line gave them
         typed = keys_set(list(HydraConfig.get().overrides.task), CONFIG_DIR) if HydraConfig.initialized() else None
@@ -275,7 +272,7 @@ def _summary(cfg, rank: int, ckpt, metrics, start, end, resumed_from, limit, ste
         "stopped_at": stopped_at,
         "stopped_by": (signal or "a signal on another rank") if stopped_at is not None else None,
     }
-    metrics.write({"kind": "summary", **summary})
+    metrics.summary(summary, trained=end > start)  # a no-op relaunch keeps the last one in metrics.jsonl
     if rank == 0:
         log.info(done_text(summary, metrics.path, cfg.checkpoint.dir if cfg.checkpoint.enabled else None, limit))
     return summary

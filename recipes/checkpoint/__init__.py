@@ -10,8 +10,8 @@ Layout of ``checkpoint.dir``::
     step_00000150.damaged/    a checkpoint that failed verification, set aside (counted by neither resume nor keep_last)
 
 A checkpoint is *complete* when it has both ``.metadata`` and ``COMPLETE.json``. Resume (``auto``) picks the
-newest complete one; incomplete directories are reported and never loaded. ``keep_last`` deletes only older
-complete checkpoints, and never the newest verified one (the last saved or loaded).
+newest complete one; incomplete directories are never loaded (rank 0 removes them, one line each). ``keep_last``
+deletes only older complete checkpoints, and never the newest verified one (the last saved or loaded).
 
 The modules, one job each (none imports a module that imports it):
 
@@ -35,6 +35,7 @@ from recipes.checkpoint.layout import (
     CheckpointError,
     DamagedCheckpoint,
     disk_full,
+    first_save_bytes,
     is_complete,
     read_checkpoint,
     read_manifest,
@@ -56,6 +57,7 @@ __all__ = [
     "DamagedCheckpoint",
     "ExportReport",
     "disk_full",
+    "first_save_bytes",
     "is_complete",
     "read_checkpoint",
     "read_manifest",

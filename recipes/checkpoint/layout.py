@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from optim_factory.errors import first_line
-from optim_factory.tree import leaves
+from optim_factory.tree import leaves, local_tensors, state_bytes
 from recipes.checkpoint.checksums import manifest_problem
 
 log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the package
@@ -167,3 +167,9 @@ def set_aside(path: Path) -> None:
     for old in aside_all[:-DAMAGED_KEPT]:
         log.info("deleting the set-aside checkpoint %s (the newest %d stay)", old, DAMAGED_KEPT)
         shutil.rmtree(old, ignore_errors=True)
+
+
+def first_save_bytes(model: torch.nn.Module) -> int:
+    """This rank's share of a first checkpoint, estimated before the optimizer has states: the model's state bytes
+    plus two FP32 moments (an Adam's exp_avg and exp_avg_sq, 8 bytes) per element of its (local) parameters."""
+    return state_bytes(model.state_dict()) + 8 * sum(t.numel() for t in local_tensors(list(model.parameters())))

@@ -12,6 +12,7 @@ manager (recipes/checkpoint/manager.py), which hands the loaded checkpoint to th
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from recipes.checkpoint.layout import (
     DCP_ERRORS,
     FALLBACK_HINT,
     MARKER,
+    METADATA,
     STEP_DIR,
     CheckpointError,
     DamagedCheckpoint,
@@ -52,7 +54,9 @@ class Loader:
         self.resume_changes: list = []  # resume.Change: how the run's config differs from the last loaded one's
 
     def candidates(self) -> list[Path]:
-        """Checkpoints to try, newest first, per ``checkpoint.resume`` (empty: start fresh)."""
+        """Checkpoints to try, newest first, per ``checkpoint.resume`` (empty: start fresh). With ``auto``, rank 0
+        removes every incomplete step directory (a save cut short: a crash, a second Ctrl-C), in one line each:
+        nothing can load it, and left there it would be reported again by every later launch."""
         if not self.cfg.enabled or self.cfg.resume == "never":
             return []
         if self.cfg.resume != "auto":
@@ -61,8 +65,16 @@ class Loader:
         for step, path in step_dirs(self.root):
             if is_complete(path):
                 done.append(path)
-            else:
-                log.warning("ignoring incomplete checkpoint %s (step %d): its save did not finish", path, step)
+            elif self.rank == 0:
+                missing = " or ".join(n for n in (METADATA, MARKER) if not (path / n).is_file())
+                log.warning(
+                    "removing the incomplete checkpoint %s (step %d): its save did not finish (no %s), nothing can "
+                    "resume from it",
+                    path,
+                    step,
+                    missing,
+                )
+                shutil.rmtree(path, ignore_errors=True)
         return done[::-1]
 
     def resume(self, model, optimizer, trainer_state: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:

@@ -120,8 +120,11 @@ class Change:
     checkpoint: Any
     config: Any
     action: str
+    no_effect: str | None = None  # why the new value changes nothing in this run (:func:`moot`), else None
 
     def line(self) -> str:
+        if self.no_effect is not None:
+            return f"resume: {self.key} {_show(self.checkpoint)} -> {_show(self.config)}: no effect ({self.no_effect})"
         how = "(converted)" if self.action == CONVERTED else "(from the config)"
         return f"resume: {self.key} {_show(self.checkpoint)} -> {_show(self.config)} {how}"
 
@@ -152,8 +155,23 @@ def _flatten(tree: Any) -> dict[str, Any]:
     return {".".join(keys): v.value if isinstance(v, Enum) else v for keys, v in leaves(tree, dicts_only=True)}
 
 
+def moot(key: str, run: dict[str, Any]) -> str | None:
+    """Why ``key``'s value changes nothing in a run of (flattened) config ``run``, or None: the master's format
+    without a master, remainders without an FP32 master of BF16 parameters (TE's rule)."""
+    if key not in ("optim.store_param_remainders", "optim.master_weight_dtype"):
+        return None
+    if run.get("optim.master_weights") is False:
+        return "optim.master_weights=false: no master is kept"
+    if key == "optim.store_param_remainders" and run.get("optim.master_weight_dtype") not in (None, "fp32"):
+        return f"optim.master_weight_dtype={run['optim.master_weight_dtype']}: remainders need an FP32 master"
+    if key == "optim.store_param_remainders" and run.get("model.dtype") not in (None, "bf16"):
+        return f"model.dtype={run['model.dtype']}: remainders apply to BF16 parameters only"
+    return None
+
+
 def compare(saved: dict[str, Any], run: dict[str, Any]) -> list[Change]:
-    """Every non-ignored key whose value differs between the checkpoint's config and the run's, in key order."""
+    """Every non-ignored key whose value differs between the checkpoint's config and the run's, in key order
+    (with why it changes nothing in this run, where it does not: :func:`moot`)."""
     a, b = _flatten(saved), _flatten(run)
     changes = []
     for key in sorted(set(a) | set(b)):
@@ -163,7 +181,7 @@ def compare(saved: dict[str, Any], run: dict[str, Any]) -> list[Change]:
         rule = rule_for(key)
         action = rule.action if rule else FOLLOWS
         if action != IGNORED:
-            changes.append(Change(key, old, new, action))
+            changes.append(Change(key, old, new, action, moot(key, b)))
     return changes
 
 
@@ -197,10 +215,11 @@ def log_changes(changes: list[Change], typed: list[str] | None = None) -> None:
     """Each change in one line: INFO, or WARNING where the config's value is used or converted to for a key this
     launch's command line does not set (``typed``: the keys it sets, each with the keys under it; None where
     unknown: every line INFO): an override of an earlier launch that this one left off, which reverts without a
-    word of the user's (a dropped ``experiment=lowmem`` converts the optimizer's states back to FP32)."""
+    word of the user's (a dropped ``experiment=lowmem`` converts the optimizer's states back to FP32). A change
+    that has no effect in this run says why, at INFO, with no advice to keep the checkpoint's value."""
     for c in changes:
         said = typed is None or any(c.key == k or c.key.startswith(k + ".") for k in typed)
-        if c.action in (CONFIG, CONVERTED) and c.checkpoint is not _ABSENT and not said:
+        if c.action in (CONFIG, CONVERTED) and c.checkpoint is not _ABSENT and not said and c.no_effect is None:
             log.warning(
                 "%s: this launch does not set %s (add %s=%s to keep the checkpoint's)",
                 c.line(),
@@ -233,6 +252,20 @@ def nothing_to_do(
     return (
         f"run finished at step {step}: the config differs from checkpoint {Path(path).name}'s ({diff}) but no step "
         f"is left to train ({limit}={end}); raise {limit} above {step} or use a new run_dir"
+    )
+
+
+def no_room(space: str, path: Path | None) -> str:
+    """The refusal of a launch whose next save cannot fit (``space``: the save's line), before its first step:
+    resuming from ``path``, or a fresh run's first save (None)."""
+    if path is None:
+        return (
+            f"not training: no room for the run's first checkpoint ({space}); free space there, or give another "
+            "checkpoint.dir"
+        )
+    return (
+        f"not resuming from {path}: no room for the run's next checkpoint ({space}); free space there, or give "
+        "another checkpoint.dir with checkpoint.resume=<this checkpoint>"
     )
 
 

@@ -287,24 +287,25 @@ class Saver:
             verdict = NO_SPACE if space else FINITE
         self._agree(step, verdict, export_error, space=space)
 
-    def _space_problem(self, msd: dict, osd: dict) -> str | None:
+    def _space_problem(self, msd: dict, osd: dict, estimate: int = 0) -> str | None:
         """Rank 0: ``"<dir>: N bytes free, the save needs about M"`` when this save cannot fit: M is the previous
         save's bytes (this launch's, else the files of the checkpoint it resumed from), else every rank's share
-        estimated as this rank's state bytes."""
+        estimated as this rank's (``estimate``, else its state bytes)."""
         previous = next((r.written_bytes for r in reversed(self.reports) if r.written_bytes), None)
         if previous is None and self.verified is not None and self.verified.is_dir():
             previous = sum(p.stat().st_size for p in self.verified.iterdir() if p.is_file())
-        needed = previous or world_size() * state_bytes({"model": msd, "optim": osd})
+        needed = previous or world_size() * (estimate or state_bytes({"model": msd, "optim": osd}))
         free = free_bytes(self.root)
         if needed <= free:
             return None
         return f"{self.root}: {free} bytes free, the save needs about {needed}"
 
-    def resume_space_problem(self) -> str | None:
-        """Every rank, before the first step of a resumed run: rank 0's line when the run's next save cannot fit
-        (the bytes of the checkpoint it resumed from against the free space of ``checkpoint.dir``), else None; a
-        launch refused here trains no interval for a save already known not to fit (one ``all_ranks``)."""
-        return all_ranks(self._space_problem({}, {}) if self.rank == 0 else None)[0]
+    def first_save_space_problem(self, estimate: int) -> str | None:
+        """Every rank, before the first step: rank 0's line when the run's next save cannot fit in the free space
+        of ``checkpoint.dir`` (the bytes of the checkpoint it resumed from, else ``estimate``: this rank's share of
+        a fresh run's first checkpoint), else None; a launch refused here trains no interval for a save already
+        known not to fit (one ``all_ranks``)."""
+        return all_ranks(self._space_problem({}, {}, estimate) if self.rank == 0 else None)[0]
 
     def _write_failure(self, what: str, path: Path, exc: BaseException) -> str:
         """The line of a failed write; out of space, rank 0 first removes this save's partial files (they hold

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -104,8 +105,12 @@ def spawn_checks(world: int, checks: list[tuple[str, object, tuple]], done: Path
 
 
 def _entry_point(argv: list[str]) -> None:
-    """``recipes/train.py ARGV`` in this process: its exit code is the entry point's."""
+    """``recipes/train.py ARGV`` in this process: its exit code is the entry point's. SIGINT as a process started
+    from a terminal or by torchrun finds it (Python's handler): the forkserver passes on the disposition the test
+    process inherited, which ignores SIGINT where pytest runs as a script's background job or under nohup."""
     from recipes.train import main
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     try:
         code = main(argv)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.integrations import INSTALL
 
@@ -253,3 +254,18 @@ def test_torchtitans_own_names_still_resolve():
         model_parts=[Net(0)]
     )
     assert type(optimizers.optimizers[0]) is torch.optim.AdamW
+
+
+def test_the_docs_script_for_the_checkpoint_manager_outside_the_trainer_runs_on_cpu(tmp_path, monkeypatch):
+    """docs/drop-in.md's complete script for torchtitan's CheckpointManager with our optimizer, as written, in this
+    process (one gloo rank of its own) in an empty folder: 3 steps, an async save, a resume into fresh objects with
+    every optimizer entry equal (its own asserts), and the checkpoint where its comment says."""
+    monkeypatch.chdir(tmp_path)
+    assert not dist.is_initialized()
+    script = drop_in_block("torchtitan-checkpoint-script")
+    try:
+        exec(compile(script, "docs/drop-in.md torchtitan-checkpoint-script", "exec"), {"__name__": "__main__"})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert (tmp_path / "outputs" / "checkpoint" / "step-3" / ".metadata").is_file()

@@ -71,6 +71,25 @@ def test_a_save_that_cannot_fit_is_refused_before_it_writes(async_save, small_fs
     assert [r for r in metrics(tmp_path / "run") if r["kind"] == "train"] == trained  # refused before its first step
 
 
+def test_a_fresh_run_whose_first_save_cannot_fit_is_refused_before_its_first_step(small_fs, tmp_path):
+    """1 MiB, under the first save's estimate (1.28 MB: the model's bytes and two FP32 moments per parameter
+    element): refused in one line before the first step, nothing trained, nothing recorded. Broken on purpose (the
+    check on resume only): the run trains 10 steps and then its save is refused."""
+    ck = small_fs(1 << 20) / "checkpoints"
+    run = tmp_path / "run"
+    line = stopped(cli(*QUICK, f"run_dir={run}", f"checkpoint.dir={ck}"))
+    numbers = re.fullmatch(
+        rf"not training: no room for the run's first checkpoint \({ck}: (\d+) bytes free, the save needs about "
+        r"(\d+)\); free space there, or give another checkpoint.dir",
+        line,
+    )
+    assert numbers, line
+    free, needed = map(int, numbers.groups())
+    assert free < needed and needed > 1_000_000, line
+    assert not (run / "metrics.jsonl").exists() and not list((run / "launches").iterdir())  # nothing trained
+    assert [p.name for p in ck.iterdir()] == [".lock"]
+
+
 def test_a_write_that_runs_out_of_space_says_disk_full(small_fs, tmp_path):
     """1.5 MiB: the first save's estimate (1.28 MB) fits, its files (1.71 MB) do not: the write fails with ENOSPC
     and the line says "disk full" with the path and the bytes free."""

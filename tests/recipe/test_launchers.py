@@ -86,6 +86,30 @@ def test_sigterm_or_ctrl_c_finishes_the_step_saves_and_the_next_launch_resumes(s
 
 
 @pytest.mark.slow
+def test_a_run_started_as_a_background_job_ignores_ctrl_c_and_stops_cleanly_on_sigterm(tmp_path):
+    """Started with SIGINT ignored, as a script's background job or ``nohup ... &`` starts: a SIGINT changes
+    nothing, a SIGTERM sent just after it stops the run after the step with a checkpoint, exit 0. Broken on purpose
+    (a handler installed over SIG_IGN): the SIGINT, handled first, stops it with exit 130."""
+    args = [*QUICK, f"run_dir={tmp_path}", "trainer.max_steps=100000", "trainer.log_every=1"]
+    cmd = ["sh", "-c", 'trap "" INT; exec "$0" "$@"', sys.executable, "recipes/train.py", *args]
+    cmd.append("checkpoint.every_steps=50000")  # the only checkpoint: the stop's
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "step 3/" in line:
+            os.kill(proc.pid, signal.SIGINT)
+            os.kill(proc.pid, signal.SIGTERM)
+            break
+    log = "".join(lines) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, log[-3000:]
+    assert "SIGINT is ignored in this process" in log, log[-3000:]
+    stopped = [ln for ln in log.splitlines() if "stopping at step" in ln and "SIGTERM (checkpoint saved)" in ln]
+    assert stopped, log[-3000:]
+    assert complete_steps(tmp_path) == [int(stopped[0].split("stopping at step ")[1].split()[0])]
+
+
+@pytest.mark.slow
 def test_ctrl_c_under_torchrun_saves_and_only_torchrun_prints_a_traceback(tmp_path):
     """Ctrl-C as a terminal sends it (SIGINT to the launch's process group): torchrun's agent passes it to its
     worker, which stops after the step with a checkpoint and exits 0; torchrun itself then ends with its own

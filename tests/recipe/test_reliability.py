@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -89,9 +90,32 @@ def test_deleted_metadata_makes_a_checkpoint_incomplete_and_it_is_skipped(tmp_pa
     with caplog.at_level(logging.WARNING, logger="recipes.checkpoint"):
         summary = train(compose_config([*QUICK, f"run_dir={tmp_path}", "trainer.max_steps=25"]))
     assert summary["start_step"] == 10
-    assert any(
-        "ignoring incomplete checkpoint" in r.getMessage() and "step_00000020" in r.getMessage() for r in caplog.records
-    )
+    said = [r.getMessage() for r in caplog.records if "incomplete" in r.getMessage()]
+    assert len(said) == 1 and "step_00000020 (step 20): its save did not finish (no .metadata)" in said[0], said
+
+
+def test_an_interrupted_save_s_directory_is_removed_by_the_next_launch_once(run_at_step_10, tmp_path, caplog):
+    """A second Ctrl-C or a kill during a save leaves ``step_N/`` with some of DCP's files, without ``.metadata``
+    or ``COMPLETE.json``: the next launch removes it in one line, and the launch after says nothing of it. Broken
+    on purpose (incomplete directories only reported): it stays, and every launch reports it again."""
+    run = tmp_path / "run"
+    shutil.copytree(run_at_step_10, run)
+    cut = run / "checkpoints" / "step_00000020"
+    cut.mkdir()
+    (cut / "__0_0.distcp").write_bytes(b"partial")
+    over = [*QUICK, f"run_dir={run}", "trainer.max_steps=10"]  # nothing to train: the launch's checks only
+    with caplog.at_level(logging.INFO, logger="recipes.checkpoint"):
+        train(compose_config(over))
+    said = [r.getMessage() for r in caplog.records if "incomplete" in r.getMessage()]
+    assert said == [
+        f"removing the incomplete checkpoint {cut} (step 20): its save did not finish (no .metadata or "
+        "COMPLETE.json), nothing can resume from it"
+    ], said
+    assert not cut.exists() and complete_steps(run) == [10]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="recipes.checkpoint"):
+        train(compose_config(over))
+    assert not [r for r in caplog.records if "incomplete" in r.getMessage()]
 
 
 def test_checkpoint_of_another_model_shape_is_one_clear_error(tmp_path):

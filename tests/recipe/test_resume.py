@@ -28,7 +28,10 @@ from recipes.checkpoint.resume import (
     RESUME_RULES,
     T_HYPER_LOG,
     ResumeRefused,
+    compare,
+    log_changes,
     markdown_table,
+    moot,
     rule_for,
 )
 from recipes.command_line import keys_set
@@ -343,6 +346,45 @@ def test_an_override_the_resuming_command_leaves_off_is_a_warning_naming_both_va
     ], proc.stderr[-3000:]
 
 
+def test_a_change_that_has_no_effect_in_the_run_says_why_and_advises_nothing(caplog):
+    """A lowmem checkpoint (BF16 parameters, an FP32 master as int16 remainders) resumed with master_weights=false
+    and the preset left off: the remainders' change applies to no master, so its line says so at INFO, not a
+    WARNING advising store_param_remainders=true; with a master kept, the same change is the usual WARNING.
+    Broken on purpose (the no-effect reason ignored): the WARNING and its advice."""
+    optim = {"master_weights": True, "master_weight_dtype": "fp32", "store_param_remainders": True}
+    saved = {"model": {"dtype": "bf16"}, "optim": optim}
+    run = {"model": {"dtype": "bf16"}, "optim": {**optim, "master_weights": False, "store_param_remainders": False}}
+    with caplog.at_level(logging.INFO, logger="recipes.checkpoint.resume"):
+        log_changes(compare(saved, run), typed=["optim.master_weights"])
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", "resume: optim.master_weights True -> False (converted)"),
+        (
+            "INFO",
+            "resume: optim.store_param_remainders True -> False: no effect (optim.master_weights=false: no master is "
+            "kept)",
+        ),
+    ]
+    caplog.clear()
+    kept = {"model": {"dtype": "bf16"}, "optim": {**optim, "store_param_remainders": False}}
+    with caplog.at_level(logging.INFO, logger="recipes.checkpoint.resume"):
+        log_changes(compare(saved, kept), typed=[])
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        (
+            "WARNING",
+            "resume: optim.store_param_remainders True -> False (converted): this launch does not set "
+            "optim.store_param_remainders (add optim.store_param_remainders=true to keep the checkpoint's)",
+        )
+    ]
+    fp32 = {"model": {"dtype": "fp32"}, "optim": optim}
+    assert moot("optim.store_param_remainders", {"model.dtype": "fp32", "optim.master_weights": True}) == (
+        "model.dtype=fp32: remainders apply to BF16 parameters only"
+    )
+    assert [c.no_effect for c in compare(saved, {**fp32, "optim": {**optim, "store_param_remainders": False}})] == [
+        None,  # model.dtype: refused before anything is logged
+        "model.dtype=fp32: remainders apply to BF16 parameters only",
+    ]
+
+
 def test_the_keys_a_command_line_sets_include_a_global_preset_s_own():
     """A group's option sets the keys under the group; an ``experiment`` preset (``@package _global_``) the keys
     of its file and the groups its defaults list overrides (lowmem: ``override /optim``), no others."""
@@ -396,6 +438,20 @@ def test_a_finished_run_started_with_another_optimizer_config_is_refused(tmp_pat
     assert "nothing to do: checkpoint step 20 >= 20 (to train on, raise trainer.max_steps)" in [
         r.getMessage() for r in caplog.records
     ]
+
+
+def test_a_relaunch_of_a_finished_run_keeps_its_summary(run_at_step_10, tmp_path):
+    """The same command again after a run finished trains nothing: metrics.jsonl keeps the last summary (its
+    losses and evaluation), not a new one of nulls; the launch's own summary says it trained nothing. Broken on
+    purpose (a summary written for every launch): a last record whose first_loss, last_loss and eval are null."""
+    run = tmp_path / "run"
+    shutil.copytree(run_at_step_10, run)
+    before = (run / "metrics.jsonl").read_text()
+    last = json.loads(before.splitlines()[-1])
+    assert last["kind"] == "summary" and last["last_loss"] is not None and last["end_step"] == 10
+    summary = train(compose_config([*QUICK, f"run_dir={run}", "trainer.max_steps=10"]))
+    assert (run / "metrics.jsonl").read_text() == before
+    assert (summary["start_step"], summary["end_step"], summary["last_loss"]) == (10, 10, None)
 
 
 def test_a_finished_run_names_stop_at_when_stop_at_ended_it(tmp_path):

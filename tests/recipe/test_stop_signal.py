@@ -4,6 +4,8 @@ check, the same on every rank; steps that save and a stop read everything at onc
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 
 import pytest
@@ -13,9 +15,26 @@ import torch.distributed as dist
 from recipes.stop_signal import StopSignal
 from recipes.train import INTERRUPTED_LINE
 from tests.distributed.launch import spawn
-from tests.recipe.runs import QUICK, cli
+from tests.recipe.runs import QUICK, cli, complete_steps
 
 GOOD, BAD = torch.tensor(False), torch.tensor(True)
+
+
+@pytest.fixture
+def terminal_sigint():
+    """SIGINT as a process started from a terminal finds it (Python's ``default_int_handler``), whatever this
+    process inherited: a background job of a script or ``nohup ... &`` starts with SIGINT ignored."""
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, found)
+
+
+@pytest.fixture
+def ignored_sigint():
+    """SIGINT as a background job of a script or ``nohup ... &`` finds it: ignored."""
+    found = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    yield
+    signal.signal(signal.SIGINT, found)
 
 
 def test_one_rank_reads_a_flag_at_the_next_check_and_a_stop_at_once_with_its_own_flag():
@@ -83,7 +102,7 @@ def test_two_ranks_agree_a_check_or_two_later_between_checkpoints_and_at_once_wh
     spawn(_two_ranks, 2)
 
 
-def test_a_second_ctrl_c_stops_at_once():
+def test_a_second_ctrl_c_stops_at_once(terminal_sigint):
     """The first SIGINT asks for a clean stop (as SIGTERM); the second raises KeyboardInterrupt where the loop is."""
     stop = StopSignal()
     try:
@@ -103,7 +122,50 @@ def test_a_second_ctrl_c_stops_at_once():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
-def test_the_first_ctrl_c_says_what_the_stop_does(capfd):
+def test_a_sigint_found_ignored_stays_ignored_and_every_handler_is_put_back(ignored_sigint, caplog):
+    """A background job of a script or ``nohup ... &`` starts with SIGINT ignored: the stop signal leaves it so
+    (the terminal's Ctrl-C is not this process's), says so in one line, and catches SIGTERM; ``restore`` puts
+    back what it found. Broken on purpose (a handler installed over SIG_IGN): the SIGINT is received."""
+    found = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    with caplog.at_level(logging.INFO, logger="recipes.stop_signal"):
+        stop = StopSignal()
+    try:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.received is None and stop.sigint_ignored
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.received == "SIGTERM"
+    finally:
+        stop.restore()
+    assert {s: signal.getsignal(s) for s in found} == found
+    said = [r.getMessage() for r in caplog.records if r.name == "recipes.stop_signal"]
+    assert len(said) == 1 and said[0].startswith("SIGINT is ignored in this process"), said
+    assert f"SIGTERM (kill {os.getpid()}) stops it after the step with a checkpoint" in said[0], said
+
+
+def test_a_run_started_with_sigint_ignored_stops_cleanly_on_sigterm(tmp_path, monkeypatch, ignored_sigint):
+    """The recipe in a process that inherited SIGINT ignored: a Ctrl-C's SIGINT changes nothing, SIGTERM stops it
+    after the step with a checkpoint, and SIGINT is ignored again afterwards. Broken on purpose (a handler installed
+    over SIG_IGN): the run stops on SIGINT."""
+    import recipes.train
+    from recipes.train import compose_config, train
+
+    real = recipes.train.evaluate
+
+    def evaluate_then_signals(*args):
+        out = real(*args)
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(recipes.train, "evaluate", evaluate_then_signals)
+    over = [*QUICK, "trainer.max_steps=8", "trainer.eval_every=4", "checkpoint.every_steps=100"]
+    summary = train(compose_config([*over, f"run_dir={tmp_path}"]))
+    assert (summary["stopped_at"], summary["stopped_by"]) == (4, "SIGTERM")
+    assert complete_steps(tmp_path) == [4]
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+def test_the_first_ctrl_c_says_what_the_stop_does(capfd, terminal_sigint):
     """The first Ctrl-C's line says "with a checkpoint" only where checkpointing is on."""
     for saves, words in [(True, "stopping after this step with a checkpoint"), (False, "checkpointing is off")]:
         stop = StopSignal(saves=saves)
@@ -114,7 +176,7 @@ def test_the_first_ctrl_c_says_what_the_stop_does(capfd):
         assert words in capfd.readouterr().err
 
 
-def test_a_ctrl_c_during_the_last_step_is_the_end_of_the_run(tmp_path, monkeypatch):
+def test_a_ctrl_c_during_the_last_step_is_the_end_of_the_run(tmp_path, monkeypatch, terminal_sigint):
     """Every step is done: the run ends as finished, not reported as a stop ("a new launch resumes here", exit
     130)."""
     import recipes.train
@@ -133,7 +195,7 @@ def test_a_ctrl_c_during_the_last_step_is_the_end_of_the_run(tmp_path, monkeypat
     assert summary["end_step"] == 4 and summary["stopped_at"] is None and summary["stopped_by"] is None
 
 
-def test_a_ctrl_c_outside_the_loop_s_stop_is_one_line_and_exit_130(tmp_path, monkeypatch):
+def test_a_ctrl_c_outside_the_loop_s_stop_is_one_line_and_exit_130(tmp_path, monkeypatch, terminal_sigint):
     """A Ctrl-C that raises KeyboardInterrupt (before the loop's handler is installed, as here, or a second one
     inside it): the entry point's one line and 130, no traceback."""
     import recipes.train

@@ -143,3 +143,15 @@ def test_every_drop_in_block_runs_in_a_test_and_framework_commands_are_marked_gp
     for command in ("`automodel recipe.yaml`", "`torchrun ... -m torchtitan.train`"):
         paragraph = next(p for p in doc.split("\n\n") if command in p)
         assert "**GPU command**" in paragraph, command
+
+
+def test_results_keep_at_most_12_runs_each_on_the_summary_page_and_the_readme_at_most_125_lines():
+    """benchmarks/results/ keeps the newest and most cited runs, at most 12 (older ones live in git history, as the
+    summary page says); the summary page links every run kept; the README stays a page (125 lines at most)."""
+    results = ROOT / "benchmarks" / "results"
+    runs = sorted(p.name for p in results.iterdir() if p.is_dir())
+    assert len(runs) <= 12, runs
+    summary = (results / "README.md").read_text()
+    assert [r for r in runs if f"]({r}/)" not in summary] == []
+    assert "git show <commit>^:benchmarks/results/<folder>/README.md" in summary
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 125
