@@ -301,10 +301,9 @@ class Saver:
         return f"{self.root}: {free} bytes free, the save needs about {needed}"
 
     def first_save_space_problem(self, estimate: int) -> str | None:
-        """Every rank, before the first step: rank 0's line when the run's next save cannot fit in the free space
-        of ``checkpoint.dir`` (the bytes of the checkpoint it resumed from, else ``estimate``: this rank's share of
-        a fresh run's first checkpoint), else None; a launch refused here trains no interval for a save already
-        known not to fit (one ``all_ranks``)."""
+        """Every rank, before the first step: rank 0's line when the run's next save cannot fit in ``checkpoint.dir``
+        (the checkpoint resumed from, else ``estimate``, this rank's share of a fresh run's), else None; a launch
+        refused here trains no interval for a save known not to fit (one ``all_ranks``)."""
         return all_ranks(self._space_problem({}, {}, estimate) if self.rank == 0 else None)[0]
 
     def _write_failure(self, what: str, path: Path, exc: BaseException) -> str:
