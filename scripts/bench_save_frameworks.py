@@ -104,33 +104,33 @@ class TitanMode(FrameworkMode):
             states={},
             sd_adapter=None,
         )
-        self.stager = self.keep_stager(ctx["stager_reusable"])
+        self.how = self.keep_stager(ctx["stager_reusable"])
 
     def keep_stager(self, reusable: bool) -> str:
         """Where torchtitan builds its own ``DefaultStager`` at the first save (its slot still empty) and that
         stager could not serve here (a torch whose stager serves one save, or no accelerator for its options),
-        fill the slot with one that can, before the first save; returns what the slot holds or will hold."""
-        slot = self.checkpointer.stager
-        if slot is not None:  # the integration's own, built with the manager
-            return type(slot).__name__
+        fill the slot with one that can, before the first save; returns how the slot's stager was built."""
         accelerator = torch.accelerator.is_available()
+        if self.checkpointer.stager is not None:  # the integration's own, built with the manager
+            return ""
         if accelerator and reusable:
-            return "DefaultStager (torchtitan's)"
+            return " (torchtitan's)"
         options = StagingOptions(
             use_pinned_memory=accelerator,
             use_shared_memory=True,
             use_async_staging=True,
             use_non_blocking_copy=accelerator,
         )
-        self.checkpointer.stager = (DefaultStager if reusable else KeptStager)(options)
-        cpu = "" if accelerator else ", CPU options: no pinning, blocking copies"
-        return f"DefaultStager (torchtitan's{cpu})" if reusable else f"KeptStager ({EMULATION}{cpu})"
+        stager = self.checkpointer.stager = (DefaultStager if reusable else KeptStager)(options)
+        how = EMULATION if isinstance(stager, KeptStager) else "torchtitan's"
+        return f" ({how}{'' if accelerator else ', CPU options: no pinning, blocking copies'})"
 
     def checkpoint_path(self, root: Path, step: int) -> Path:
         return root / f"step-{step}"  # torchtitan's name for it
 
     def save(self, step: int, path: Path) -> dict:
         self.checkpointer.save(curr_step=step)
+        self.stager = type(self.checkpointer.stager).__name__ + self.how  # the stager that staged this save
         return self.info()
 
     def hook(self) -> None:
