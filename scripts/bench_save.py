@@ -43,8 +43,8 @@ Each mode's loss is set against its floor, measured in the same run: the bytes i
 export and the model's parameters) over the pinned device-to-host link (``scripts.bench_export.d2h_bandwidth``),
 less one forward and backward, which the next step runs beside the copy. Each mode gets one warm-up checkpoint
 (DCP's stager allocates its pinned memory, our pool its buffers), then
-``--repeats`` measured ones (medians in the table). Checkpoints go to ``--scratch`` and are deleted after each
-mode.
+``--repeats`` measured ones (medians in the table). Checkpoints go to ``--scratch``; each is deleted once it is
+complete and measured (one on the disk at a time: 20 GB at ``--layers 88``).
 """
 
 from __future__ import annotations
@@ -396,6 +396,9 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
                 **info,
             )
         )
+        if rank == 0:  # complete and measured: one checkpoint on the disk at a time (20 GB each at 4 x the state)
+            shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
     mode.close()
     if profiles:
         write_profile(profiles, Path(ctx["profile"]) / f"{name}_rank{rank}.txt")
