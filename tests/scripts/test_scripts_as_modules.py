@@ -329,7 +329,8 @@ def test_bench_resume_loads_every_state_bitwise_on_cpu(tmp_path, monkeypatch, ca
 @pytest.mark.slow
 def test_every_script_imports_as_a_module_from_the_root_without_pythonpath():
     code = "import scripts.bench_export, tests.fault.fault_injection, tests.fault.fault_train, scripts.bench_save, "
-    code += "scripts.plot_bench_save, scripts.compare_backends, scripts.bench_write, scripts.bench_resume"
+    code += "scripts.plot_bench_save, scripts.compare_backends, scripts.bench_write, scripts.bench_resume, "
+    code += "scripts.bench_save_frameworks, scripts.dcp_stagers"
     env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
