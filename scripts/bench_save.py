@@ -281,7 +281,11 @@ class Mode:
         else:
             response = dcp.async_save(state, checkpoint_id=str(path), async_stager=self.stager, process_group=group)
             self.pending = ("dcp", response)
-        return {"optim_bytes": nbytes, "stagers_built": self.stagers_built, "stager": type(self.stager).__name__}
+        return {
+            "optim_bytes": nbytes,
+            "stagers_built": self.stagers_built,
+            "stager": self.stager and type(self.stager).__name__,
+        }
 
     def hook(self) -> None:
         """Before the next ``step()``: what the loop must wait for there."""
@@ -325,22 +329,29 @@ def make_mode(name: str, ctx: dict):
     return build_mode(name, ctx, stepper)
 
 
-def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[dict], int]:
-    """The mode's warm-up and measured checkpoints (rows, one per checkpoint and rank); none where it is skipped
-    (the reason goes to ``ctx["skipped"]``)."""
+def start_mode(name: str, ctx: dict):
+    """The mode's folder (``ctx["root"]``) and the mode; None where it is skipped (the reason goes to
+    ``ctx["skipped"]``)."""
     from scripts.bench_save_frameworks import ModeSkipped
 
-    trainer, device, rank = ctx["trainer"], ctx["device"], ctx["rank"]
-    root = ctx["scratch"] / name
-    ctx["root"] = root
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
+    ctx["root"] = ctx["scratch"] / name
+    if ctx["rank"] == 0:
+        ctx["root"].mkdir(parents=True, exist_ok=True)
     dist.barrier()
     try:
-        mode = make_mode(name, ctx)
+        return make_mode(name, ctx)
     except ModeSkipped as exc:
         ctx["skipped"][name] = str(exc)
+        return None
+
+
+def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[dict], int]:
+    """The mode's warm-up and measured checkpoints (rows, one per checkpoint and rank); none where it is
+    skipped."""
+    mode = start_mode(name, ctx)
+    if mode is None:
         return [], step
+    trainer, device, rank, root = ctx["trainer"], ctx["device"], ctx["rank"], ctx["root"]
     profiles: list[cProfile.Profile] = []
     rss0, pinned0 = rss_bytes(), pinned_bytes(mode.pool_buffers, device)
     rows = []
@@ -628,6 +639,38 @@ def read(path: Path) -> tuple[dict, list[dict]]:
     return meta, rows
 
 
+def checked_modes(args: argparse.Namespace) -> list[str]:
+    """``--modes`` as a list, refused in one line before any measurement where a mode is unknown or the framework
+    a framework mode needs does not import."""
+    from scripts.bench_save_frameworks import import_error
+
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or args.repeats < 1:
+        raise SystemExit(
+            f"--modes={args.modes!r} / --repeats={args.repeats}: modes from {','.join(MODES)}, repeats >= 1"
+        )
+    error = import_error(modes)
+    if error:
+        raise SystemExit(
+            f"--modes={args.modes!r}: {error}; pip install --no-deps -r tests/integrations/requirements.txt"
+        )
+    return modes
+
+
+def stagers(choice: str) -> dict:
+    """``--stager``: whether this torch's ``DefaultStager`` serves more than one save, whether (a) and (b) build
+    one per save, and the class of theirs: kept across saves as torch 2.13 keeps it (where this torch's serves
+    one save, 2.13's staging: ``KeptStager``)."""
+    reusable = stager_reusable(DefaultStager)
+    if choice == "reuse" and not reusable:
+        raise SystemExit("--stager=reuse: this torch's DefaultStager serves one save (pytorch/pytorch#183413)")
+    fresh = choice == "fresh"
+    return dict(
+        stager_reusable=reusable, fresh_stagers=fresh, stager_cls=DefaultStager if reusable or fresh else KeptStager
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=cli_args.out_dir, required=True)
@@ -674,19 +717,7 @@ def main(argv: list[str] | None = None) -> None:
         (out / "bench_save.md").write_text(render(summarize(rows), meta))
         print((out / "bench_save.md").read_text(), end="")
         return
-    modes = args.modes.split(",")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or args.repeats < 1:
-        raise SystemExit(
-            f"--modes={args.modes!r} / --repeats={args.repeats}: modes from {','.join(MODES)}, repeats >= 1"
-        )
-    from scripts.bench_save_frameworks import import_error
-
-    error = import_error(modes)
-    if error:
-        raise SystemExit(
-            f"--modes={args.modes!r}: {error}; pip install --no-deps -r tests/integrations/requirements.txt"
-        )
+    modes = checked_modes(args)
     env = resolve_dist_env(os.environ)
     device = pick_device(args.device, env.local_rank)
     mesh = init_distributed(env, device)
@@ -712,13 +743,7 @@ def main(argv: list[str] | None = None) -> None:
         group=dist.new_group(backend="gloo"),
         profile=args.profile,
     )
-    reusable = stager_reusable(DefaultStager)
-    if args.stager == "reuse" and not reusable:
-        raise SystemExit("--stager=reuse: this torch's DefaultStager serves one save (pytorch/pytorch#183413)")
-    ctx["fresh_stagers"] = args.stager == "fresh"
-    ctx["stager_reusable"], ctx["skipped"] = reusable, {}
-    # kept across saves as torch 2.13 keeps it: on a torch whose stager serves one save, 2.13's staging
-    ctx["stager_cls"] = DefaultStager if reusable or ctx["fresh_stagers"] else KeptStager
+    ctx.update(stagers(args.stager), skipped={})
     rows, step = [], 3
     for name in modes:
         mode_rows, step = measure_mode(name, ctx, args.repeats, step)
@@ -746,7 +771,7 @@ def main(argv: list[str] | None = None) -> None:
             model_bytes=sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
             link_gbps=link_gbps,
             forward_backward_s=forward_backward_s,
-            stager_reusable=reusable,
+            stager_reusable=ctx["stager_reusable"],
             fresh_stagers=ctx["fresh_stagers"],
             stager_emulated=ctx["stager_cls"] is KeptStager,
             stagers={r["mode"]: r["stager"] for r in rows if r.get("stager")},
