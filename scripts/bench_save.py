@@ -342,6 +342,8 @@ def start_mode(name: str, ctx: dict):
         return make_mode(name, ctx)
     except ModeSkipped as exc:
         ctx["skipped"][name] = str(exc)
+        if ctx["rank"] == 0:
+            shutil.rmtree(ctx["root"], ignore_errors=True)
         return None
 
 

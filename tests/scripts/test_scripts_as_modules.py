@@ -250,6 +250,7 @@ def test_bench_save_runs_the_framework_modes_on_cpu(tmp_path, monkeypatch, capsy
     assert all(f"| {m} |" in table for m in ran)
     assert "] f-titan-te loses " in table and "what c-ours loses" not in table  # without c-ours: not that goal
     assert all(f"- {m}: skipped: " in table for m in skipped)
+    assert not list((tmp_path / "s" / "bench_save").iterdir())  # every mode's folder deleted, a skipped one's too
 
 
 def test_bench_save_refuses_a_framework_mode_whose_framework_does_not_import(tmp_path, monkeypatch, capsys):
