@@ -13,10 +13,11 @@ Modes (each steps an optimizer of its own, over the one model, built with its ex
 
 * ``a-te-async-pinned``: TE's export (offload off) via ``get_optimizer_state_dict`` + ``dcp.async_save`` with
   DCP's ``DefaultStager(StagingOptions(use_pinned_memory, use_async_staging, use_non_blocking_copy))``, the stager
-  kept across saves (a new one per save with ``--stager fresh``, and where torch's stager serves one save: torch
-  2.11, pytorch/pytorch#183413), and staging awaited before the next ``optimizer.step()``: torchtitan's
-  ``async_with_pinned_mem`` (its ``maybe_wait_for_staging``). Thread executor and no shared memory here
-  (torchtitan's process executor is what shared memory is for); on CPU no pinning and blocking copies.
+  kept across saves as torch >= 2.13 keeps it (where this torch's stager serves one save, torch 2.11,
+  pytorch/pytorch#183413: ``scripts.dcp_stagers.KeptStager``, 2.13's staging; a new one per save with ``--stager
+  fresh``), and staging awaited before the next ``optimizer.step()``: torchtitan's ``async_with_pinned_mem`` (its
+  ``maybe_wait_for_staging``). Thread executor and no shared memory here (torchtitan's process executor is what
+  shared memory is for); on CPU no pinning and blocking copies.
 * ``b-te-cpu-offload``: (a) with ``StateDictOptions(cpu_offload=True)``.
 * ``c-ours``: the recipe's path: chunked + reused buffers + ``state_dict_offload_background``, saved by
   ``recipes.checkpoint.CheckpointManager`` (async, the library's ``AsyncSaveStager``; finite check and checksums
@@ -26,6 +27,10 @@ Modes (each steps an optimizer of its own, over the one model, built with its ex
 * ``d-ours-keep-bf16``: ``c-ours`` with ``state_dict_keep_bf16``.
 * ``e-te-sync`` / ``e-ours-sync``: synchronous ``dcp.save`` of (a)'s export, and the recipe's synchronous save
   (without the background option).
+* ``f-titan-te`` / ``f-titan-ours``: torchtitan 0.3's own ``CheckpointManager`` (``async_with_pinned_mem``)
+  around TE's class, and ``optim_factory.integrations.torchtitan.CheckpointManager`` around ours with (c)'s
+  options; ``g-automodel-te`` / ``g-automodel-ours``: NeMo Automodel 0.7's ``Checkpointer`` (``is_async``) and
+  ``optim_factory.integrations.automodel.Checkpointer`` (``scripts.bench_save_frameworks``).
 
 Per checkpoint: ``block_s`` (from the save call until training may resume: the save call plus any wait for staging
 or for the export before the next ``step()``; for the recipe's modes the part of the recipe's ``blocking_s`` up to
@@ -38,8 +43,8 @@ Each mode's loss is set against its floor, measured in the same run: the bytes i
 export and the model's parameters) over the pinned device-to-host link (``scripts.bench_export.d2h_bandwidth``),
 less one forward and backward, which the next step runs beside the copy. Each mode gets one warm-up checkpoint
 (DCP's stager allocates its pinned memory, our pool its buffers), then
-``--repeats`` measured ones (medians in the table). Checkpoints go to ``--scratch`` and are deleted after each
-mode.
+``--repeats`` measured ones (medians in the table). Checkpoints go to ``--scratch``; each is deleted once it is
+complete and measured (one on the disk at a time: 20 GB at ``--layers 88``).
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ from recipes.config import CheckpointConfig
 from recipes.distributed import init_distributed, pick_device, resolve_dist_env, shutdown
 from scripts import cli_args
 from scripts.bench_export import PoolBuffers, d2h_bandwidth, environment, sync, wait_pinning, write_results
+from scripts.dcp_stagers import EMULATION, KeptStager, stager_reusable
 
 MODES = (
     "a-te-async-pinned",
@@ -81,6 +87,10 @@ MODES = (
     "d-ours-keep-bf16",
     "e-te-sync",
     "e-ours-sync",
+    "f-titan-te",
+    "f-titan-ours",
+    "g-automodel-te",
+    "g-automodel-ours",
 )
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # as the recipe and torchtitan save optimizers
 
@@ -105,28 +115,40 @@ def build(width: int, layers: int, device: torch.device, mesh, remainders: bool 
     else:
         from optim_factory import PortableFusedAdam as cls
 
-    def make_opt(**export):
-        """An optimizer of the model with the export keyword arguments ``export`` (fixed at construction)."""
-        return cls(
-            list(model.parameters()),
-            lr=1e-5,
-            master_weights=True,
-            exp_avg_dtype="bf16",
-            exp_avg_sq_dtype="bf16",
-            store_param_remainders=remainders,
-            **export,
-        )
+    def make_opt(container: bool = False, **export):
+        """An optimizer of the model with the export keyword arguments ``export`` (fixed at construction); with
+        ``container``, torchtitan's ``OptimizersContainer`` of one such optimizer, built from its config."""
+        options = dict(master_weights=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+        options.update(store_param_remainders=remainders, **export)
+        if container:
+            from optim_factory.integrations.torchtitan import fused_adam
+
+            return fused_adam(lr=1e-5, name=cls.__name__, **options).build(model_parts=[model])
+        return cls(list(model.parameters()), lr=1e-5, **options)
 
     return model, make_opt, cls.__name__
 
 
-def switch_optimizer(ctx: dict, **export):
+def switch_optimizer(ctx: dict, container: bool = False, **export):
     """A new optimizer of the model with the export keyword arguments ``export``, its states initialized, in place
-    of the run's (the trainer steps it from now on; its moments start again, which changes no byte a save moves)."""
+    of the run's (the trainer steps it from now on; its moments start again, which changes no byte a save moves).
+    With ``container``: torchtitan's ``OptimizersContainer`` of it (the trainer steps the container), returned."""
     ctx["opt"].state_exporter.close()
-    opt = ctx["opt"] = ctx["trainer"].opt = ctx["make_opt"](**export)
+    stepper = ctx["trainer"].opt = ctx["make_opt"](container, **export)
+    opt = ctx["opt"] = stepper.optimizers[0] if container else stepper
     opt.initialize_states()
-    return opt
+    return stepper
+
+
+def ours_export(ctx: dict, background: bool = True, keep_bf16: bool = False) -> dict:
+    """Our export options of the recipe's path: chunked, reused buffers, [background], [keep BF16]."""
+    return dict(
+        state_dict_cpu_offload=True,
+        state_dict_offload_chunk_bytes=ctx["chunk"],
+        state_dict_offload_reuse_buffers=True,
+        state_dict_keep_bf16=keep_bf16,
+        state_dict_offload_background=background,
+    )
 
 
 class Trainer:
@@ -212,11 +234,10 @@ class Mode:
 
     def __init__(self, name: str, ctx: dict):
         self.name, self.ctx = name, ctx
-        chunk = ctx["chunk"]
         self.manager = None
         self.stager = None
         self.pending = None  # what finish() waits for
-        self.fresh_stagers = False  # a new DefaultStager per save (torch 2.11's stager serves one save)
+        self.fresh_stagers = False  # a new DefaultStager per save (--stager fresh)
         self.stagers_built = 0
         if name.startswith(("a-", "b-", "e-te")):
             switch_optimizer(ctx)  # TE's own state_dict()
@@ -224,16 +245,8 @@ class Mode:
                 self.fresh_stagers = ctx["fresh_stagers"]
                 self.stager = self.new_stager()
         else:
-            keep = name.startswith("d-")
             background = name in ("c-ours", "d-ours-keep-bf16")
-            opt = switch_optimizer(
-                ctx,
-                state_dict_cpu_offload=True,
-                state_dict_offload_chunk_bytes=chunk,
-                state_dict_offload_reuse_buffers=True,
-                state_dict_keep_bf16=keep,
-                state_dict_offload_background=background,
-            )
+            opt = switch_optimizer(ctx, **ours_export(ctx, background, keep_bf16=name.startswith("d-")))
             cfg = CheckpointConfig(dir=str(ctx["root"]), every_steps=1, keep_last=0, async_save=name != "e-ours-sync")
             # hook() calls wait_export() before the next step(), as the recipe's loop does
             self.manager = CheckpointManager(cfg, rank=ctx["rank"], device=ctx["device"], waits_before_step=True)
@@ -247,7 +260,10 @@ class Mode:
             use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
         )
         self.stagers_built += 1
-        return DefaultStager(options)
+        return self.ctx["stager_cls"](options)
+
+    def checkpoint_path(self, root: Path, step: int) -> Path:
+        return root / f"step_{step:08d}"
 
     def save(self, step: int, path: Path) -> dict:
         model, opt, group = self.ctx["model"], self.ctx["opt"], self.ctx["group"]
@@ -265,7 +281,11 @@ class Mode:
         else:
             response = dcp.async_save(state, checkpoint_id=str(path), async_stager=self.stager, process_group=group)
             self.pending = ("dcp", response)
-        return {"optim_bytes": nbytes, "stagers_built": self.stagers_built}
+        return {
+            "optim_bytes": nbytes,
+            "stagers_built": self.stagers_built,
+            "stager": self.stager and type(self.stager).__name__,
+        }
 
     def hook(self) -> None:
         """Before the next ``step()``: what the loop must wait for there."""
@@ -294,14 +314,46 @@ class Mode:
             self.stager = None
 
 
-def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[dict], int]:
-    trainer, device, rank = ctx["trainer"], ctx["device"], ctx["rank"]
-    root = ctx["scratch"] / name
-    ctx["root"] = root
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
+def make_mode(name: str, ctx: dict):
+    """The mode ``name``: :class:`Mode`, or a framework's (``scripts.bench_save_frameworks``, which imports the
+    framework), whose ``-te`` modes step TE's class (its own ``state_dict()``) and ``-ours`` modes ours with
+    (c)'s export options. Raises ``ModeSkipped`` where this machine cannot run it."""
+    if not name.startswith(("f-", "g-")):
+        return Mode(name, ctx)
+    from scripts.bench_save_frameworks import build_mode
+
+    export = ours_export(ctx) if name.endswith("-ours") else {}
+    stepper = switch_optimizer(ctx, container=name.startswith("f-"), **export)
+    if export:
+        ctx["opt"].prepare_state_dict().result()  # the pool's buffers, as (c) prepares them
+    return build_mode(name, ctx, stepper)
+
+
+def start_mode(name: str, ctx: dict):
+    """The mode's folder (``ctx["root"]``) and the mode; None where it is skipped (the reason goes to
+    ``ctx["skipped"]``)."""
+    from scripts.bench_save_frameworks import ModeSkipped
+
+    ctx["root"] = ctx["scratch"] / name
+    if ctx["rank"] == 0:
+        ctx["root"].mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    mode = Mode(name, ctx)
+    try:
+        return make_mode(name, ctx)
+    except ModeSkipped as exc:
+        ctx["skipped"][name] = str(exc)
+        if ctx["rank"] == 0:
+            shutil.rmtree(ctx["root"], ignore_errors=True)
+        return None
+
+
+def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[dict], int]:
+    """The mode's warm-up and measured checkpoints (rows, one per checkpoint and rank); none where it is
+    skipped."""
+    mode = start_mode(name, ctx)
+    if mode is None:
+        return [], step
+    trainer, device, rank, root = ctx["trainer"], ctx["device"], ctx["rank"], ctx["root"]
     profiles: list[cProfile.Profile] = []
     rss0, pinned0 = rss_bytes(), pinned_bytes(mode.pool_buffers, device)
     rows = []
@@ -313,7 +365,7 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
             trainer.step()
             step += 1
             plain_peak = gpu_peak_mib(device, base)
-        path = root / f"step_{step:08d}"
+        path = mode.checkpoint_path(root, step)
         rss_a, pinned_a = rss_bytes(), pinned_bytes(mode.pool_buffers, device)
         base = gpu_base(device)
         if ctx.get("profile") and repeat >= 0:
@@ -357,6 +409,9 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
                 **info,
             )
         )
+        if rank == 0:  # complete and measured: one checkpoint on the disk at a time (20 GB each at 4 x the state)
+            shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
     mode.close()
     if profiles:
         write_profile(profiles, Path(ctx["profile"]) / f"{name}_rank{rank}.txt")
@@ -377,22 +432,6 @@ def write_profile(profiles: list[cProfile.Profile], path: Path) -> None:
     stats.sort_stats("tottime").print_stats(40)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{len(profiles)} save calls\n" + text.getvalue())
-
-
-def stager_reusable() -> bool:
-    """Whether one ``DefaultStager`` serves more than one save: torch 2.11's ``DefaultStager`` closes its
-    deep-copier after every staging, so the second fails with ``KeyError: <class 'type'>`` (pytorch/pytorch#183413).
-    Tried on a small CPU state dict with the public API; where it fails, modes (a) and (b) build a stager per save,
-    as users of that torch must (each save then allocates and pins its staging memory anew)."""
-    stager = DefaultStager(StagingOptions(False, False, False, False))
-    try:
-        for _ in range(2):
-            stager.stage({"step": 1, "t": torch.zeros(4), "opt": {"lr": 0.1, "dtype": torch.float32}})
-        return True
-    except KeyError:
-        return False
-    finally:
-        stager.close()
 
 
 def median(rows: list[dict], key: str):
@@ -455,6 +494,20 @@ COLUMNS = (  # summary key, table label, divisor, digits
 )
 
 
+FW = ("f-", "g-")  # the framework modes' prefixes (scripts.bench_save_frameworks)
+
+
+def stager_note(meta: dict) -> str:
+    """How (a) and (b) kept DCP's stager: one across saves (torch 2.13's, emulated where this torch's serves one
+    save: scripts.dcp_stagers), or one per save (``--stager fresh``)."""
+    if meta.get("fresh_stagers", False):
+        note = "a new one per save, so every save allocates and pins its staging memory"
+        if not meta.get("stager_reusable", True):
+            note += " (this torch's stager serves one save: pytorch/pytorch#183413)"
+        return note
+    return "one kept across saves" + (f" ({EMULATION})" if meta.get("stager_emulated") else "")
+
+
 def render(summary: dict, meta: dict) -> str:
     def fmt(v, scale=1.0, digits=3):
         return "n/a" if v is None else f"{v / scale:.{digits}f}"
@@ -470,17 +523,9 @@ def render(summary: dict, meta: dict) -> str:
         f"{meta['fp32_state_gb']:.2f} GB of "
         f"FP32-equivalent optimizer state per rank; chunk {meta['chunk'] >> 20} MiB; {meta['repeats']} measured "
         "checkpoints per mode after one warm-up (medians; per checkpoint the slowest rank)",
-        "- DCP's `DefaultStager` for (a) and (b): "
-        + (
-            "a new one per save, so every save allocates and pins its staging memory"
-            + (
-                ""
-                if meta.get("stager_reusable", True)
-                else " (this torch's stager serves one save: pytorch/pytorch#183413)"
-            )
-            if meta.get("fresh_stagers", False)
-            else "one kept across saves"
-        ),
+        "- DCP's `DefaultStager` for (a) and (b): " + stager_note(meta),
+        *[f"- {name}: stager: {stager}" for name, stager in meta.get("stagers", {}).items() if name[:2] in FW],
+        *[f"- {name}: skipped: {reason}" for name, reason in meta.get("skipped", {}).items()],
         "",
         "- floor: (optimizer export + model parameters) / the pinned link "
         + (
@@ -522,24 +567,50 @@ def goals(summary: dict, meta: dict) -> list[tuple[bool, str]]:
         if floor:
             ratio = s["lost_s"] / floor
             out.append((ratio <= 1.2, f"{name} loses {ratio:.2f} x its floor {floor:.3f} s (goal <= 1.2)"))
-        peak = s.get("gpu_peak_at_save_mib")
-        if peak is not None:  # what stays allocated into the next step counts too (the overlap's export, say)
-            peak = max(peak, s.get("gpu_peak_step_excess_mib") or 0.0)
-        if peak is not None and a.get("gpu_peak_at_save_mib") is not None:
-            limit = 2 * meta["chunk"] / 2**20 + 1
-            out.append(
-                (
-                    peak <= limit,
-                    f"{name} GPU peak {peak:.0f} MiB <= 2 chunks + 1 MiB ({limit:.0f}); "
-                    f"(a): {a['gpu_peak_at_save_mib']:.0f} MiB",
-                )
-            )
+        out += peak_goal(name, s, "(a)", a, meta)
+    out += framework_goals(summary, meta)
     c, d = summary.get("c-ours"), summary.get("d-ours-keep-bf16")
     if c and d and c.get("disk_bytes"):
         ratio = d["disk_bytes"] / c["disk_bytes"]
         out.append((ratio <= 0.7, f"(d) writes {ratio:.3f} x the bytes of (c) on disk (model included; goal <= 0.7)"))
         opt_ratio = d["optim_bytes"] / c["optim_bytes"]
         out.append((opt_ratio <= 0.7, f"(d) exports {opt_ratio:.3f} x the optimizer bytes of (c) (goal <= 0.7)"))
+    return out
+
+
+def peak_goal(name: str, s: dict, anchor: str, a: dict, meta: dict) -> list[tuple[bool, str]]:
+    """``name``'s GPU peak at save (or what stays allocated into the next step, the overlap's export say, if more)
+    <= 2 chunks + 1 MiB, beside the anchor's peak at save; none on CPU."""
+    peak = s.get("gpu_peak_at_save_mib")
+    if peak is None or a.get("gpu_peak_at_save_mib") is None:
+        return []
+    peak = max(peak, s.get("gpu_peak_step_excess_mib") or 0.0)
+    limit = 2 * meta["chunk"] / 2**20 + 1
+    text = f"{name} GPU peak {peak:.0f} MiB <= 2 chunks + 1 MiB ({limit:.0f}); {anchor}: "
+    text += f"{a['gpu_peak_at_save_mib']:.0f} MiB"
+    return [(peak <= limit, text)]
+
+
+FRAMEWORKS = ("f-titan", "g-automodel")  # each framework's modes: <prefix>-te, <prefix>-ours
+
+
+def framework_goals(summary: dict, meta: dict) -> list[tuple[bool, str]]:
+    """Per framework, ours with the handle: loses <= 1.2 x what the recipe's path (c) loses, >= 10 x less than the
+    same framework's own async mode with TE's class, and its GPU peak at save <= 2 chunks."""
+    out = []
+    c = summary.get("c-ours")
+    for prefix in FRAMEWORKS:
+        ours, te = summary.get(f"{prefix}-ours"), summary.get(f"{prefix}-te")
+        if not ours:
+            continue
+        lost = ours["lost_s"]
+        if c:
+            text = f"{prefix}-ours loses {lost:.3f} s = {lost / c['lost_s']:.2f} x what c-ours loses (goal <= 1.2)"
+            out.append((lost <= 1.2 * c["lost_s"], text))
+        if te:
+            text = f"{prefix}-te loses {te['lost_s']:.3f} s = {te['lost_s'] / lost:.1f} x what {prefix}-ours loses"
+            out.append((te["lost_s"] >= 10 * lost, text + " (goal >= 10)"))
+            out += peak_goal(f"{prefix}-ours", ours, f"{prefix}-te", te, meta)
     return out
 
 
@@ -570,6 +641,38 @@ def read(path: Path) -> tuple[dict, list[dict]]:
     return meta, rows
 
 
+def checked_modes(args: argparse.Namespace) -> list[str]:
+    """``--modes`` as a list, refused in one line before any measurement where a mode is unknown or the framework
+    a framework mode needs does not import."""
+    from scripts.bench_save_frameworks import import_error
+
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or args.repeats < 1:
+        raise SystemExit(
+            f"--modes={args.modes!r} / --repeats={args.repeats}: modes from {','.join(MODES)}, repeats >= 1"
+        )
+    error = import_error(modes)
+    if error:
+        raise SystemExit(
+            f"--modes={args.modes!r}: {error}; pip install --no-deps -r tests/integrations/requirements.txt"
+        )
+    return modes
+
+
+def stagers(choice: str) -> dict:
+    """``--stager``: whether this torch's ``DefaultStager`` serves more than one save, whether (a) and (b) build
+    one per save, and the class of theirs: kept across saves as torch 2.13 keeps it (where this torch's serves
+    one save, 2.13's staging: ``KeptStager``)."""
+    reusable = stager_reusable(DefaultStager)
+    if choice == "reuse" and not reusable:
+        raise SystemExit("--stager=reuse: this torch's DefaultStager serves one save (pytorch/pytorch#183413)")
+    fresh = choice == "fresh"
+    return dict(
+        stager_reusable=reusable, fresh_stagers=fresh, stager_cls=DefaultStager if reusable or fresh else KeptStager
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=cli_args.out_dir, required=True)
@@ -597,8 +700,10 @@ def main(argv: list[str] | None = None) -> None:
         "--stager",
         default="auto",
         choices=["auto", "reuse", "fresh"],
-        help="(a)/(b): one DefaultStager kept across saves, or a new one per save; auto: reuse where this torch's "
-        "stager serves more than one save",
+        help="(a)/(b): one DefaultStager kept across saves, or a new one per save; auto: kept, as torch 2.13 keeps "
+        "it (where this torch's stager serves one save, 2.11, scripts.dcp_stagers.KeptStager: 2.13's staging); "
+        "reuse: this torch's DefaultStager kept (refused where it serves one save). torchtitan's stager (f-) is "
+        "kept as auto keeps it",
     )
     ap.add_argument(
         "--profile",
@@ -614,12 +719,7 @@ def main(argv: list[str] | None = None) -> None:
         (out / "bench_save.md").write_text(render(summarize(rows), meta))
         print((out / "bench_save.md").read_text(), end="")
         return
-    modes = args.modes.split(",")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or args.repeats < 1:
-        raise SystemExit(
-            f"--modes={args.modes!r} / --repeats={args.repeats}: modes from {','.join(MODES)}, repeats >= 1"
-        )
+    modes = checked_modes(args)
     env = resolve_dist_env(os.environ)
     device = pick_device(args.device, env.local_rank)
     mesh = init_distributed(env, device)
@@ -645,15 +745,14 @@ def main(argv: list[str] | None = None) -> None:
         group=dist.new_group(backend="gloo"),
         profile=args.profile,
     )
-    reusable = stager_reusable()
-    if args.stager == "reuse" and not reusable:
-        raise SystemExit("--stager=reuse: this torch's DefaultStager serves one save (pytorch/pytorch#183413)")
-    ctx["fresh_stagers"] = args.stager == "fresh" or (args.stager == "auto" and not reusable)
+    ctx.update(stagers(args.stager), skipped={})
     rows, step = [], 3
     for name in modes:
         mode_rows, step = measure_mode(name, ctx, args.repeats, step)
         rows += mode_rows
-        if rank == 0:
+        if rank == 0 and name in ctx["skipped"]:
+            print(f"{name}: skipped: {ctx['skipped'][name]}", flush=True)
+        elif rank == 0:
             print(name, json.dumps(summarize(mode_rows)[name]), flush=True)
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
@@ -674,8 +773,11 @@ def main(argv: list[str] | None = None) -> None:
             model_bytes=sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
             link_gbps=link_gbps,
             forward_backward_s=forward_backward_s,
-            stager_reusable=reusable,
+            stager_reusable=ctx["stager_reusable"],
             fresh_stagers=ctx["fresh_stagers"],
+            stager_emulated=ctx["stager_cls"] is KeptStager,
+            stagers={r["mode"]: r["stager"] for r in rows if r.get("stager")},
+            skipped=ctx["skipped"],
         )
         write_results(args.out, "bench_save", meta, rows, render(summarize(rows), meta))
     dist.barrier()

@@ -8,6 +8,9 @@
 #   bash scripts/gpu_validate.sh floors   # 1 GPU: a resume's peak (bench_resume), the loss to the loop against its
 #                                         # floor (bench_save: a, c, d)
 #   bash scripts/gpu_validate.sh writes   # durable writes against dd: synthetic 4 GB and the 805M recipe (bench_write)
+#   bash scripts/gpu_validate.sh frameworks  # 1 GPU: bench_save's torchtitan and Automodel modes beside (a) and (c)
+#                                         # (LAYERS=88: 4x the state; MODES=... to split a run; the wheels of
+#                                         # scripts/gpu_wheels.sh installed, their folder on PYTHONPATH)
 #   bash scripts/gpu_validate.sh stream   # streaming export acceptance: 2 GiB of BF16 states and one 1.07e9-element
 #                                         # state, every mode, fresh processes (first export, host memory over 10)
 # Logs and results go to ${OUT:-gpu-out}/ (pytest logs, gpu_results.jsonl, bench.md, bench_peak.png).
@@ -77,6 +80,16 @@ case "${1:-single}" in
     timeout 400 $py -m scripts.bench_write --recipe "$recipe" --threads ${THREADS:-1,2,4,8} --repeats 2 --every 5 \
       --scratch "$scratch" --out "$out/bench_write_recipe" > "$out/bench_write_recipe.log" 2>&1
     echo "bench_write recipe rc=$? in $(( $(date +%s) - start )) s"; tail -n 12 "$out/bench_write_recipe.log"
+    rm -rf "$scratch" ;;
+  frameworks)
+    start=$(date +%s); layers=${LAYERS:-22}
+    mkdir -p "${SCRATCH:-/tmp}"; scratch=$(mktemp -d "${SCRATCH:-/tmp}/frameworks.XXXX")  # deleted at the end, alone
+    timeout ${BENCH_TIMEOUT:-580} $py -m torch.distributed.run --standalone --nproc_per_node=1 -m scripts.bench_save \
+      --out "$out/frameworks_$layers" --scratch "$scratch" --layers "$layers" --repeats ${REPEATS:-3} \
+      --modes ${MODES:-a-te-async-pinned,c-ours,f-titan-te,f-titan-ours,g-automodel-te,g-automodel-ours} \
+      > "$out/frameworks_$layers.log" 2>&1
+    echo "bench_save frameworks rc=$? in $(( $(date +%s) - start )) s"
+    cat "$out/frameworks_$layers/bench_save.md" 2>/dev/null || grep -v ' - INFO - ' "$out/frameworks_$layers.log" | tail -n 40
     rm -rf "$scratch" ;;
   multi)
     mkdir -p /tmp/smoke
