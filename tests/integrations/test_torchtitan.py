@@ -24,11 +24,9 @@ from torchtitan.config import ConfigManager, Configurable, OverrideConfig, apply
 import optim_factory  # noqa: E402
 from optim_factory.async_save import AsyncSaveStager  # noqa: E402
 from optim_factory.integrations import torchtitan as integration  # noqa: E402
-from optim_factory.optimizers.export import local_tensor  # noqa: E402
 from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE  # noqa: E402
-from optim_factory.tree import leaves  # noqa: E402
 from tests.distributed.launch import spawn, spawn_checks  # noqa: E402
-from tests.helpers import assert_flat_bitwise, drop_in_block  # noqa: E402
+from tests.helpers import assert_flat_bitwise, drop_in_block, record_exports, same_export_buffers  # noqa: E402
 
 OPTIONS = {  # BF16 moments, FP32 master weights (of BF16 parameters), CPU-offloaded state_dict()
     "master_weights": True,
@@ -149,22 +147,14 @@ def saves_through_one_stager(rank: int, world: int, folder: str, async_mode: str
     )
     stager = checkpointer.stager
     assert type(stager) is AsyncSaveStager
-    exports = []  # per export: its pooled buffers (held, so their ids stay theirs), and whether it was deferred
-    opt = optimizers.optimizers[0]
-
-    def record(o, sd):
-        tensors = [local_tensor(t) for _, t in leaves(sd) if isinstance(t, torch.Tensor)]
-        exports.append(([t for t in tensors if o.is_leased_export_buffer(t)], o.state_dict_pending))
-
-    opt.register_state_dict_post_hook(record)
+    exports = record_exports(optimizers.optimizers[0])
     for step in range(1, 4):
         train(model, optimizers, schedulers, step, 1)
         checkpointer.save(curr_step=step)
         checkpointer.maybe_wait_for_staging()  # what torchtitan's Trainer calls before the optimizer step
     checkpointer.maybe_wait_for_saving()
     assert checkpointer.stager is stager
-    assert len(exports) == 3 and exports[0][0], exports
-    assert all({id(t) for t in buffers} == {id(t) for t in exports[0][0]} for buffers, _ in exports)
+    assert len(exports) == 3 and same_export_buffers(exports), exports
     deferred = async_mode == "async_with_pinned_mem"
     assert [pending for _, pending in exports] == [deferred] * 3
     checkpointer.close()

@@ -4,7 +4,8 @@ optimizer selected by the docs' override (``--override.imports ...use_fused_adam
 ``CheckpointManager``: a run saved at step 2 (``async_mode="async_with_pinned_mem"``: the Trainer waits for the
 staging before step 3's optimizer step, so the background export is deferred) and stopped after step 3, resumed
 (saved at step 4 with ``async_mode="async"``, stopped after step 5) and resumed to step 6 ends bitwise where the
-run that never stopped (saved synchronously) does (parameters, optimizer state, LR schedule). The data and tokenizer are made here (no download)."""
+run that never stopped (saved synchronously) does (parameters, optimizer state, LR schedule). The data and
+tokenizer are made here (no download)."""
 
 from __future__ import annotations
 
