@@ -348,6 +348,7 @@ def test_async_checkpointer_on_cpu_keeps_its_stagers_across_saves(tmp_path):
         checkpointer.save_model(m1, f"{tmp_path}/step{step}")
         checkpointer.save_optimizer(o1, m1, f"{tmp_path}/step{step}")
         checkpointer.maybe_wait_for_staging()  # what Automodel's recipes call before the optimizer step
+        assert not o1.state_dict_pending  # it waited for the staging's completion, which waited for the export
         stagers.append(dict(checkpointer.stagers))
     checkpointer.async_wait()
     assert stagers[0].keys() == {"model", "optim"} and all(s == stagers[0] for s in stagers), stagers

@@ -152,6 +152,7 @@ def saves_through_one_stager(rank: int, world: int, folder: str, async_mode: str
         train(model, optimizers, schedulers, step, 1)
         checkpointer.save(curr_step=step)
         checkpointer.maybe_wait_for_staging()  # what torchtitan's Trainer calls before the optimizer step
+        assert not optimizers.optimizers[0].state_dict_pending  # the staging's completion waited for the export
     checkpointer.maybe_wait_for_saving()
     assert checkpointer.stager is stager
     assert len(exports) == 3 and same_export_buffers(exports), exports
