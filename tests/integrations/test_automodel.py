@@ -339,7 +339,12 @@ def test_async_checkpointer_on_cpu_keeps_its_stagers_across_saves(tmp_path):
             recipe_path()(recipe_yaml(tmp_path), model(), argv)
     cfg = RecipeConfig(parse_args_and_load_config(str(recipe_yaml(tmp_path)), argv=argv))
     exact_checkpointer = doc_block("automodel-checkpointer")["exact_checkpointer"]
-    m1, checkpointer = model(), exact_checkpointer(cfg)
+
+    def wide(seed: int) -> torch.nn.Module:  # a 1024 x 1024 layer: its export fills for milliseconds after the save
+        m = model(seed=seed)
+        return torch.nn.Sequential(m, torch.nn.Linear(1, 1024), torch.nn.Linear(1024, 1024)).to(torch.bfloat16)
+
+    m1, checkpointer = wide(0), exact_checkpointer(cfg)
     (o1,) = cfg.optimizer.build(m1, device_mesh=None)
     exports = record_exports(o1)
     stagers = []
@@ -355,7 +360,7 @@ def test_async_checkpointer_on_cpu_keeps_its_stagers_across_saves(tmp_path):
     assert len(exports) == 3 and same_export_buffers(exports), exports
     assert [deferred for _, deferred in exports] == [True] * 3
 
-    m2 = model(seed=1)
+    m2 = wide(1)
     (o2,) = cfg.optimizer.build(m2, device_mesh=None)
     checkpointer.load_model(m2, f"{tmp_path}/step2/model")
     checkpointer.load_optimizer(o2, m2, f"{tmp_path}/step2")
