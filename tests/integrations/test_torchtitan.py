@@ -22,7 +22,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 from torchtitan.config import ConfigManager, Configurable, OverrideConfig, apply_overrides  # noqa: E402
 
 import optim_factory  # noqa: E402
-from optim_factory.async_save import AsyncSaveStager  # noqa: E402
+from optim_factory.async_save import AsyncSaveStager, SaveRefused  # noqa: E402
 from optim_factory.integrations import torchtitan as integration  # noqa: E402
 from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE  # noqa: E402
 from tests.distributed.launch import spawn, spawn_checks  # noqa: E402
@@ -139,8 +139,9 @@ def resume_one_rank(rank: int, world: int, folder: str) -> None:
 def saves_through_one_stager(rank: int, world: int, folder: str, async_mode: str) -> None:
     """Our CheckpointManager in an async mode saves 3 times through one AsyncSaveStager: the optimizer's pooled
     export buffers are the same tensors at every save (given back once written), a background export is deferred
-    only in ``async_with_pinned_mem`` (torchtitan waits for its staging before the step), and ``close()`` closes
-    the stager. (Resumes through these modes: tests/integrations/test_exact_resume.py.)"""
+    only in ``async_with_pinned_mem`` (torchtitan waits for its staging before the step), where one that fails on
+    one rank refuses the save on every rank from ``maybe_wait_for_saving``, and ``close()`` closes the stager.
+    (Resumes through these modes: tests/integrations/test_exact_resume.py.)"""
     mesh = init_device_mesh("cpu", (world,))
     model, optimizers, schedulers, checkpointer = build(
         0, mesh, folder, async_mode, manager=integration.CheckpointManager, options=BACKGROUND
@@ -158,6 +159,17 @@ def saves_through_one_stager(rank: int, world: int, folder: str, async_mode: str
     assert len(exports) == 3 and same_export_buffers(exports), exports
     deferred = async_mode == "async_with_pinned_mem"
     assert [pending for _, pending in exports] == [deferred] * 3
+    if deferred:  # a deferred export that fails on rank 1: the save is refused on every rank, nothing written
+        state = next(iter(optimizers.optimizers[0].state.values()))["exp_avg"].to_local()
+        nbytes = state.untyped_storage().nbytes()
+        if rank == 1:
+            state.untyped_storage().resize_(0)  # the background export fails reading it (a real failure)
+        checkpointer.save(curr_step=4)
+        checkpointer.maybe_wait_for_staging()
+        with pytest.raises(SaveRefused, match="^not saved, nothing was written: rank 1: the optimizer's export fail"):
+            checkpointer.maybe_wait_for_saving()
+        state.untyped_storage().resize_(nbytes)
+        assert not Path(folder, "step-4", ".metadata").exists()
     checkpointer.close()
     with pytest.raises(RuntimeError, match="^AsyncSaveStager: closed"):
         stager.stage({})
