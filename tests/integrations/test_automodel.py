@@ -372,3 +372,14 @@ def test_async_checkpointer_on_cpu_keeps_its_stagers_across_saves(tmp_path):
     for stager in stagers[0].values():
         with pytest.raises(RuntimeError, match="^AsyncSaveStager: closed"):
             stager.stage({})
+
+
+@needs_checkpointer
+def test_async_checkpointer_refuses_remote_storage():
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+
+    from optim_factory.integrations.automodel import Checkpointer
+
+    config = CheckpointingConfig(checkpoint_dir="msc://bucket/run", save_consolidated=False, is_async=True)
+    with pytest.raises(ValueError, match=r"^checkpoint.is_async=true with msc://bucket/run: .* local paths only"):
+        Checkpointer(config, dp_rank=0, tp_rank=0, pp_rank=0)
