@@ -233,3 +233,26 @@ def drop_in_block(name: str) -> str:
     match = re.search(rf"<!-- drop-in:{name} -->\n```\w+\n(.*?)```", DROP_IN.read_text(), re.S)
     assert match, f"docs/drop-in.md has no block {name}"
     return match.group(1)
+
+
+def record_exports(optimizer) -> list[tuple[list[torch.Tensor], bool]]:
+    """Per ``state_dict()`` of ``optimizer`` from now on (a post-hook): the pooled export buffers it holds that are
+    not given back yet (local tensors, held here, so that their ids stay theirs), and whether the export was
+    deferred (not waited for when ``state_dict()`` returned)."""
+    from optim_factory.optimizers.export import local_tensor
+    from optim_factory.tree import leaves
+
+    exports = []
+
+    def record(opt, state_dict):
+        tensors = [local_tensor(t) for _, t in leaves(state_dict) if isinstance(t, torch.Tensor)]
+        exports.append(([t for t in tensors if opt.is_leased_export_buffer(t)], opt.state_dict_pending))
+
+    optimizer.register_state_dict_post_hook(record)
+    return exports
+
+
+def same_export_buffers(exports: list[tuple[list[torch.Tensor], bool]]) -> bool:
+    """Whether every export of :func:`record_exports` held the same buffers (some)."""
+    first = {id(t) for t in exports[0][0]}
+    return bool(first) and all({id(t) for t in buffers} == first for buffers, _ in exports)

@@ -1,5 +1,6 @@
 """NeMo Automodel 0.7 integration: its ``Checkpointer``, loading the optimizer through
-:class:`optim_factory.checkpoint.ExactLoadPlanner`.
+:class:`optim_factory.checkpoint.ExactLoadPlanner` and saving asynchronously through
+:class:`optim_factory.async_save.AsyncSaveStager`.
 
 Automodel's ``Checkpointer.load_optimizer`` reads ``<weights_path>/optim`` with DCP's default planner, which copies
 each saved tensor into the template's dtype: a checkpoint saved with int16 remainders and resumed with an FP32
@@ -11,22 +12,38 @@ Automodel's with that read made exact::
     checkpointer = Checkpointer(config, dp_rank, tp_rank, pp_rank)  # Automodel's arguments, unchanged
     checkpointer.load_optimizer(optimizer, model, weights_path)
 
-Everything else (saving, async saves, the model's HF and PEFT formats, MSC paths) is Automodel's. Importing this
-module imports Automodel's checkpoint package (and transformers); the rest of optim_factory never does.
+With ``checkpoint.is_async: true`` it saves the model and the optimizer through two ``AsyncSaveStager`` (one per
+kind, as Automodel keeps a stager and a gloo group per kind; the groups are made in the constructor), kept across
+saves and closed by ``close()``: Automodel 0.7 makes a fresh ``DefaultStager`` for every save, which allocates and
+pins its host memory each time, and copies our optimizer's export a second time. Here the optimizer's pooled export
+buffers (``state_dict_offload_reuse_buffers``) go to DCP's writer uncopied and back to the optimizer once written,
+and a background export (``state_dict_offload_background``) is deferred: it fills beside the next forward and
+backward, as Automodel's recipes call ``maybe_wait_for_staging()`` before the optimizer step, which waits for it.
+A refused save (a failed or stuck export) raises from ``async_wait()`` in one line, nothing written. It needs no
+accelerator (Automodel's stager refuses a machine without one). MSC (``msc://``) paths save as Automodel does.
+
+Everything else (sync saves, the model's HF and PEFT formats) is Automodel's. Importing this module imports
+Automodel's checkpoint package (and transformers); the rest of optim_factory never does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from optim_factory.checkpoint import ExactLoadPlanner
+from optim_factory.async_save import AsyncSaveStager
+from optim_factory.checkpoint import ExactLoadPlanner, deferred_export, defers_export
 from optim_factory.integrations import framework_import_error
 
 try:
     from nemo_automodel.components.checkpoint.checkpointing import Checkpointer as AutomodelCheckpointer
+    from nemo_automodel.components.checkpoint.lifecycle import CheckpointLifecycle
 except ImportError as exc:
     raise framework_import_error("nemo-automodel", exc) from exc
 
@@ -34,11 +51,82 @@ __all__ = ["Checkpointer"]
 
 OPTIM_DIR = "optim"
 """The folder of a checkpoint step that ``Checkpointer.load_optimizer`` reads (Automodel's layout)."""
+MODEL_DIR = "model"
+"""The key of the model's stager (Automodel saves the model into ``<weights_path>/model``)."""
+
+
+def _gloo_group(process_group: Any) -> Any:
+    """A gloo group of the ranks of ``process_group`` (all ranks for ``None``), as Automodel makes its async ones."""
+    if process_group is None:
+        return dist.new_group(backend="gloo")
+    ranks = dist.get_process_group_ranks(process_group)
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
 
 
 class Checkpointer(AutomodelCheckpointer):
     """Automodel's ``Checkpointer``; the optimizer's states are read in their saved dtypes, so that our classes
-    convert a changed master format exactly (any other optimizer loads as with Automodel's)."""
+    convert a changed master format exactly (any other optimizer loads as with Automodel's), and async saves go
+    through ``stagers`` (``{"model": ..., "optim": ...}``, each made at its first save; the module docstring)."""
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        # Automodel's constructor makes its DefaultStagers for is_async: it gets a copy of the config without it
+        sync = copy.copy(config)
+        sync.is_async = False
+        super().__init__(sync, *args, **kwargs)
+        self.config = config
+        self.lifecycle = CheckpointLifecycle(config=config, process_group=self.process_group)  # the one config
+        self.stagers: dict[str, AsyncSaveStager] = {}
+        # the ranks of a save agree on a refusal and DCP plans on a gloo group of the kind's (made by every rank)
+        self._async_groups = (
+            {kind: _gloo_group(self.process_group) for kind in (MODEL_DIR, OPTIM_DIR)}
+            if (config.is_async and dist.is_initialized())
+            else {}
+        )
+
+    def save_optimizer(self, optimizer: Any, model: Any, weights_path: str, *args: Any, **kwargs: Any) -> None:
+        if not self.config.is_async:
+            return super().save_optimizer(optimizer, model, weights_path, *args, **kwargs)
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        self._stager(OPTIM_DIR, optimizers)
+        with contextlib.ExitStack() as deferred:  # waited for by maybe_wait_for_staging() (and by step())
+            for opt in optimizers:
+                if defers_export(opt):
+                    deferred.enter_context(deferred_export(opt))
+            super().save_optimizer(optimizer, model, weights_path, *args, **kwargs)
+
+    def _do_save(self, state_dict: dict[str, Any], path: str, storage_writer=None):
+        # Automodel's one DCP write, of the model and of the optimizer; its async one is replaced on local paths
+        kind = OPTIM_DIR if os.path.basename(os.path.normpath(path)) == OPTIM_DIR else MODEL_DIR
+        peft_model = self.config.is_peft and kind == MODEL_DIR  # rank 0 writes the adapter's safetensors
+        if not self.config.is_async or peft_model or "://" in str(path):
+            return super()._do_save(state_dict, path, storage_writer)
+        return self._stager(kind).async_save(
+            state_dict, checkpoint_id=path, storage_writer=storage_writer, process_group=self._async_groups.get(kind)
+        )
+
+    def maybe_wait_for_staging(self) -> None:
+        super().maybe_wait_for_staging()
+        for stager in self.stagers.values():
+            stager.wait_staged()
+
+    def close(self) -> None:
+        try:
+            super().close()  # waits for the staging and for the saves (raising a save's failure)
+        finally:
+            for stager in self.stagers.values():
+                stager.close()
+            for group in self._async_groups.values():
+                dist.destroy_process_group(group)
+            self._async_groups = {}
+
+    def _stager(self, kind: str, optimizers: list[torch.optim.Optimizer] | None = None) -> AsyncSaveStager:
+        """The kind's stager, made at its first save (or when the optimizers saved are other objects)."""
+        stager = self.stagers.get(kind)
+        if stager is None or (optimizers is not None and stager.optimizers != optimizers):
+            if stager is not None:
+                stager.close()
+            stager = self.stagers[kind] = AsyncSaveStager(optimizers or (), process_group=self._async_groups.get(kind))
+        return stager
 
     def _do_load(self, state_dict: dict[str, Any], path: str, storage_reader=None, is_init_step: bool = False):
         # Automodel's one DCP read, for the model and the optimizer; only a local optimizer folder is changed

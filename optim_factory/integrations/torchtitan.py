@@ -31,14 +31,22 @@ exactly; torchtitan's own reads each state into the template's dtype. Select it 
 
       checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", ...),
 
-torchtitan's async modes save as without it: their stagers copy every tensor when the save starts, so a
-background export (``state_dict_offload_background``) is filled before ``state_dict()`` returns there.
+Its async modes save through :class:`optim_factory.async_save.AsyncSaveStager`, built once (on torchtitan's
+gloo group of async saves) and closed when torchtitan closes the manager: the optimizers' pooled export buffers
+(``state_dict_offload_reuse_buffers``) go to DCP's writer uncopied and back to the optimizer once written, the
+model's tensors into host copies kept from save to save (pinned in ``async_with_pinned_mem``), and a refused
+save (a failed or stuck export) raises from ``maybe_wait_for_saving`` in one line with nothing written.
+``async_with_pinned_mem`` keeps torchtitan's contract, staging beside training until ``maybe_wait_for_staging``
+(torchtitan's Trainer calls it before the optimizer step), so there a background export
+(``state_dict_offload_background``) is deferred: it fills beside the next forward and backward. ``async`` keeps
+torchtitan's too, staged when the save returns, so its export is filled before ``state_dict()`` returns.
 
 Importing this module imports torchtitan; the rest of optim_factory never does.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -47,11 +55,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import optim_factory
-from optim_factory.checkpoint import ExactLoadPlanner
+from optim_factory.async_save import AsyncSaveStager
+from optim_factory.checkpoint import ExactLoadPlanner, deferred_export, defers_export
 from optim_factory.integrations import framework_import_error
 
 try:  # names torchtitan 0.3 and its main branch both provide (0.3's components.checkpoint is main's checkpointer)
-    from torchtitan.components.checkpointer import MODEL
+    from torchtitan.components.checkpointer import MODEL, AsyncMode
     from torchtitan.components.checkpointer import CheckpointManager as TitanCheckpointManager
     from torchtitan.components.optimizer import OptimizersContainer as TitanOptimizersContainer
     from torchtitan.components.optimizer import ParamGroupConfig
@@ -120,11 +129,42 @@ class OptimizersContainer(TitanOptimizersContainer):
 class CheckpointManager(TitanCheckpointManager):
     """torchtitan's ``CheckpointManager`` whose DCP loads read the optimizer's states in their saved dtypes
     (:class:`~optim_factory.checkpoint.ExactLoadPlanner`): our classes convert a changed master format exactly,
-    any other optimizer loads as it does with torchtitan's. Saving, async modes, HF loads, retention: torchtitan's."""
+    any other optimizer loads as it does with torchtitan's. Its async modes save through an
+    :class:`~optim_factory.async_save.AsyncSaveStager` kept in ``stager`` (the module docstring). Sync saves, HF
+    loads and saves, retention: torchtitan's."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(TitanCheckpointManager.Config):
         """torchtitan's checkpoint config, unchanged; declared here so that ``config.build()`` builds this class."""
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        if self.enable and self.async_mode != AsyncMode.DISABLED:
+            # torchtitan's own slot for its stager, which its close() closes; its gloo group of async saves (every
+            # rank made it in the constructor above) carries the ranks' agreement on a refusal
+            pinned = self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
+            self.stager = AsyncSaveStager(kwargs["optimizers"].optimizers, process_group=self.pg, pinned=pinned)
+
+    def dcp_save(
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_id: str,
+        async_mode: AsyncMode,
+        enable_garbage_collection: bool = False,
+        to_hf: bool = False,
+    ) -> Any:
+        if async_mode == AsyncMode.DISABLED or to_hf:  # torchtitan saves HF files synchronously only
+            return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        staged_later = async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM  # the caller waits before the next step
+        with contextlib.ExitStack() as deferred:
+            for opt in self.stager.optimizers:
+                if staged_later and defers_export(opt):
+                    deferred.enter_context(deferred_export(opt))
+            response = self.stager.async_save(state_dict, checkpoint_id=checkpoint_id, process_group=self.pg)
+        if staged_later:
+            return response  # torchtitan keeps both completions: maybe_wait_for_staging, maybe_wait_for_saving
+        response.staging_completion.result()  # "async": staged when the save returns, as with torchtitan's stager
+        return response.upload_completion
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         if from_hf:  # safetensors of the model: no optimizer state

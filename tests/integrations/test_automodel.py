@@ -28,7 +28,7 @@ pytest.importorskip(
 
 from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE  # noqa: E402
 from tests.distributed.launch import spawn_checks  # noqa: E402
-from tests.helpers import drop_in_block  # noqa: E402
+from tests.helpers import drop_in_block, record_exports, same_export_buffers  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:state_dict_cpu_offload=True has no memory effect")
 
@@ -40,11 +40,16 @@ needs_checkpointer = pytest.mark.skipif(
 PORTABLE = "--optimizer._target_=optim_factory.PortableFusedAdam"
 
 
+def doc_block(name: str) -> dict:
+    """The names the fenced block after ``<!-- drop-in:<name> -->`` in docs/drop-in.md defines, run as written."""
+    namespace: dict = {}
+    exec(compile(drop_in_block(name), "docs/drop-in.md", "exec"), namespace)
+    return namespace
+
+
 def recipe_path() -> dict:
     """The doc's ``build_like_the_recipe``."""
-    namespace: dict = {}
-    exec(compile(drop_in_block("automodel-recipe-path"), "docs/drop-in.md", "exec"), namespace)
-    return namespace["build_like_the_recipe"]
+    return doc_block("automodel-recipe-path")["build_like_the_recipe"]
 
 
 def recipe_yaml(tmp: Path) -> Path:
@@ -314,11 +319,67 @@ def test_te_fused_adam_checkpointer_round_trip_on_cuda(tmp_path):
     assert outcome == dict.fromkeys(TE_CASES), outcome
 
 
+ASYNC_EXPORT = ["--optimizer.state_dict_offload_background=true", "--optimizer.state_dict_offload_reuse_buffers=true"]
+
+
 @needs_checkpointer
-def test_async_checkpointer_needs_an_accelerator(tmp_path):
-    """checkpoint.is_async: true makes torch's DefaultStager in the Checkpointer's constructor: pinned memory and
-    non-blocking copies, refused without an accelerator (what Automodel 0.7 does on a CPU-only machine)."""
-    if torch.accelerator.is_available():
-        pytest.skip("an accelerator is available: async checkpointing can work here")
-    with pytest.raises(AssertionError, match="Non-blocking copy requires that the current accelerator"):
-        recipe_path()(recipe_yaml(tmp_path), model(), [PORTABLE, "--checkpoint.is_async=true"])
+def test_async_checkpointer_on_cpu_keeps_its_stagers_across_saves(tmp_path):
+    """checkpoint.is_async: true. Automodel's Checkpointer makes torch's DefaultStager in its constructor (pinned
+    memory and non-blocking copies), refused without an accelerator. Ours (the doc's ``exact_checkpointer``) saves on
+    CPU through one AsyncSaveStager per kind, the same objects at every save: the optimizer's pooled export buffers
+    are the same tensors at every save (given back once written), its background export is deferred (Automodel's
+    recipes wait for the staging before the step), and the model and the optimizer load back bitwise, the next step
+    the same. (On 1 -> 2 -> 1 ranks: tests/integrations/test_exact_resume.py.)"""
+    from nemo_automodel.components.config._arg_parser import parse_args_and_load_config
+    from nemo_automodel.recipes._typed_config import RecipeConfig
+
+    argv = [PORTABLE, "--checkpoint.is_async=true", f"--checkpoint.checkpoint_dir={tmp_path}", *ASYNC_EXPORT]
+    if not torch.accelerator.is_available():
+        with pytest.raises(AssertionError, match="Non-blocking copy requires that the current accelerator"):
+            recipe_path()(recipe_yaml(tmp_path), model(), argv)
+    cfg = RecipeConfig(parse_args_and_load_config(str(recipe_yaml(tmp_path)), argv=argv))
+    exact_checkpointer = doc_block("automodel-checkpointer")["exact_checkpointer"]
+
+    def wide(seed: int) -> torch.nn.Module:  # a 1024 x 1024 layer: its export fills for milliseconds after the save
+        m = model(seed=seed)
+        return torch.nn.Sequential(m, torch.nn.Linear(1, 1024), torch.nn.Linear(1024, 1024)).to(torch.bfloat16)
+
+    m1, checkpointer = wide(0), exact_checkpointer(cfg)
+    (o1,) = cfg.optimizer.build(m1, device_mesh=None)
+    exports = record_exports(o1)
+    stagers = []
+    for step in range(3):
+        train(m1, o1, range(step, step + 1))
+        checkpointer.save_model(m1, f"{tmp_path}/step{step}")
+        checkpointer.save_optimizer(o1, m1, f"{tmp_path}/step{step}")
+        checkpointer.maybe_wait_for_staging()  # what Automodel's recipes call before the optimizer step
+        assert not o1.state_dict_pending  # it waited for the staging's completion, which waited for the export
+        stagers.append(dict(checkpointer.stagers))
+    checkpointer.async_wait()
+    assert stagers[0].keys() == {"model", "optim"} and all(s == stagers[0] for s in stagers), stagers
+    assert len(exports) == 3 and same_export_buffers(exports), exports
+    assert [deferred for _, deferred in exports] == [True] * 3
+
+    m2 = wide(1)
+    (o2,) = cfg.optimizer.build(m2, device_mesh=None)
+    checkpointer.load_model(m2, f"{tmp_path}/step2/model")
+    checkpointer.load_optimizer(o2, m2, f"{tmp_path}/step2")
+    assert_same(m1, o1, m2, o2, "after the loads")
+    train(m1, o1, range(3, 4))
+    train(m2, o2, range(3, 4))
+    assert_same(m1, o1, m2, o2, "the step after")
+    checkpointer.close()
+    for stager in stagers[0].values():
+        with pytest.raises(RuntimeError, match="^AsyncSaveStager: closed"):
+            stager.stage({})
+
+
+@needs_checkpointer
+def test_async_checkpointer_refuses_remote_storage():
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+
+    from optim_factory.integrations.automodel import Checkpointer
+
+    config = CheckpointingConfig(checkpoint_dir="msc://bucket/run", save_consolidated=False, is_async=True)
+    with pytest.raises(ValueError, match=r"^checkpoint.is_async=true with msc://bucket/run: .* local paths only"):
+        Checkpointer(config, dp_rank=0, tp_rank=0, pp_rank=0)

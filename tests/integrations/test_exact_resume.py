@@ -2,6 +2,8 @@
 loop, with ``ExactLoadPlanner``), torchtitan 0.3's ``CheckpointManager`` (``optim_factory.integrations.torchtitan``)
 and Automodel 0.7's ``Checkpointer`` (``optim_factory.integrations.automodel``), on 1 -> 2 -> 1 gloo ranks (forked).
 
+The frameworks' cases save synchronously or asynchronously (torchtitan's ``async`` and ``async_with_pinned_mem``,
+Automodel's ``is_async``: through optim_factory's ``AsyncSaveStager``, a background export passed to DCP uncopied).
 Each case saves after 3 steps in the saved configuration on 1 rank, resumes in the live one on 2 (once, 1 -> 2: 2
 steps and a save), and resumes that checkpoint on 1 (twice, 2 -> 1: 2 steps). After each resume's steps, the
 parameters and the whole exported state are bitwise those of a run that never stopped and changed format in memory
@@ -88,10 +90,21 @@ FRAMEWORK_PAIRS = [
 ]
 # "dcp": the README's loop, whose templates are the live parameters (DCP reads the model in place first);
 # "dcp, copies": the same with the model's template a copy (as a checkpointer that reads into host copies has it, the
-# recipe's), so that set_state_dict loads the optimizer before the model's values reach the parameters
-CASES = [("dcp", *pair) for pair in PAIRS] + [
-    (p, *pair) for p in ("dcp, copies", "torchtitan", "automodel") for pair in FRAMEWORK_PAIRS
+# recipe's), so that set_state_dict loads the optimizer before the model's values reach the parameters; the
+# frameworks' save modes take turns over the pairs (a save mode and a conversion are independent): torchtitan's
+# async_mode "async" (docs/drop-in.md's config), "async_with_pinned_mem" ("pinned") and "disabled" ("sync"),
+# Automodel's sync and is_async saves; their async saves go through optim_factory's AsyncSaveStager
+SAVE_MODES = {"torchtitan": ("", ", pinned", ", sync"), "automodel": ("", ", async")}
+CASES = [("dcp", *pair) for pair in PAIRS] + [("dcp, copies", *pair) for pair in FRAMEWORK_PAIRS]
+CASES += [
+    (f"{name}{modes[i % len(modes)]}", *pair)
+    for name, modes in SAVE_MODES.items()
+    for i, pair in enumerate(FRAMEWORK_PAIRS)
 ]
+ASYNC_PATHS = ("torchtitan", "torchtitan, pinned", "automodel, async")
+# their async saves pass a background export into pooled buffers to DCP uncopied (deferred where the framework waits
+# for the staging before the step)
+ASYNC_EXPORT = {"state_dict_offload_background": True, "state_dict_offload_reuse_buffers": True}
 EXACT = {("fp32 master", "remainders"), ("remainders", "fp32 master")}  # the FP32 master carries on unchanged
 WORLDS = (1, 2, 1)  # world sizes of the first save, the resume (once: 1 -> 2) and the second resume (twice: 2 -> 1)
 SAVED, RESUMED = 3, 5  # the steps of the two checkpoints; each resume trains 2 steps
@@ -134,9 +147,15 @@ class Run:
 
     def __init__(self, path: str, config: str, seed: int, mesh, folder: str | None):
         self.path, self.folder, self.model = path, folder, Net(seed, mesh)
-        options = {**HP, **CONFIGS[config], "state_dict_cpu_offload": True}
+        self.framework, _, mode = path.partition(", ")
+        options = {
+            **HP,
+            **CONFIGS[config],
+            "state_dict_cpu_offload": True,
+            **(ASYNC_EXPORT if path in ASYNC_PATHS else {}),
+        }
         self.schedulers = None
-        if path == "torchtitan":
+        if self.framework == "torchtitan":
             from torchtitan.components.optimizer import LRSchedulersContainer
 
             from optim_factory.integrations import torchtitan as titan
@@ -148,16 +167,19 @@ class Run:
             )
             if folder is not None:  # docs/drop-in.md's config (async), every step, nothing deleted
                 config = replace(doc_block("torchtitan-checkpoint")["checkpoint"], folder=folder, interval=1)
-                self.manager = replace(config, keep_latest_k=0).build(
+                async_mode = {"pinned": "async_with_pinned_mem", "sync": "disabled"}.get(mode, config.async_mode)
+                self.manager = replace(config, keep_latest_k=0, async_mode=async_mode).build(
                     dataloader=None, model_parts=[self.model], optimizers=self.optimizers,
                     lr_schedulers=self.schedulers, states={}, sd_adapter=None,
                 )  # fmt: skip
         else:
             self.optimizer = PortableFusedAdam(self.model.parameters(), **options)
-            if path == "automodel" and folder is not None:
+            if self.framework == "automodel" and folder is not None:
                 from nemo_automodel.components.checkpoint.config import CheckpointingConfig
 
-                config = CheckpointingConfig(enabled=True, checkpoint_dir=folder, save_consolidated=False)
+                config = CheckpointingConfig(
+                    enabled=True, checkpoint_dir=folder, save_consolidated=False, is_async=mode == "async"
+                )
                 build = doc_block("automodel-checkpointer")["exact_checkpointer"]  # docs/drop-in.md's
                 self.manager = build(SimpleNamespace(checkpoint=config), dp_rank=dist.get_rank())
 
@@ -171,9 +193,9 @@ class Run:
 
     def save(self, step: int) -> None:
         where = f"{self.folder}/step-{step}"
-        if self.path == "torchtitan":
+        if self.framework == "torchtitan":
             self.manager.save(curr_step=step)
-        elif self.path == "automodel":  # Automodel saves models as HF safetensors; DCP here, beside its optimizer
+        elif self.framework == "automodel":  # Automodel saves models as HF safetensors; DCP here, beside its optimizer
             self.manager.save_optimizer(self.optimizer, self.model, where)
             dcp.save({"model": get_model_state_dict(self.model)}, checkpoint_id=f"{where}/model_dcp")
         else:  # the README's loop
@@ -183,9 +205,11 @@ class Run:
 
     def load(self, step: int) -> None:
         where = f"{self.folder}/step-{step}"
-        if self.path == "torchtitan":  # DCP reads the model in place, loads the optimizer, then torchtitan the model
+        if (
+            self.framework == "torchtitan"
+        ):  # DCP reads the model in place, loads the optimizer, then torchtitan the model
             assert self.manager.load(step=step)
-        elif self.path == "automodel":  # the model first, as Automodel's recipes load
+        elif self.framework == "automodel":  # the model first, as Automodel's recipes load
             state = {"model": get_model_state_dict(self.model)}
             dcp.load(state, checkpoint_id=f"{where}/model_dcp")
             set_model_state_dict(self.model, state["model"])
@@ -200,7 +224,7 @@ class Run:
             set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=optim, options=FLAT)
 
     def close(self) -> None:
-        if hasattr(self, "manager") and self.path == "torchtitan":
+        if hasattr(self, "manager"):  # waits for an async save (torchtitan's and ours)
             self.manager.close()
 
 

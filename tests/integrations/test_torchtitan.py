@@ -23,10 +23,11 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 from torchtitan.config import ConfigManager, Configurable, OverrideConfig, apply_overrides  # noqa: E402
 
 import optim_factory  # noqa: E402
+from optim_factory.async_save import AsyncSaveStager, SaveRefused  # noqa: E402
 from optim_factory.integrations import torchtitan as integration  # noqa: E402
 from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE  # noqa: E402
 from tests.distributed.launch import spawn, spawn_checks  # noqa: E402
-from tests.helpers import assert_flat_bitwise, drop_in_block  # noqa: E402
+from tests.helpers import assert_flat_bitwise, drop_in_block, record_exports, same_export_buffers  # noqa: E402
 
 OPTIONS = {  # BF16 moments, FP32 master weights (of BF16 parameters), CPU-offloaded state_dict()
     "master_weights": True,
@@ -37,6 +38,8 @@ OPTIONS = {  # BF16 moments, FP32 master weights (of BF16 parameters), CPU-offlo
 }
 SHAPES = {"w0": (6, 4), "w1": (4, 6), "bias": (5,)}  # 5 rows: uneven shards on 2 ranks
 STEPS = 3
+BACKGROUND = {**OPTIONS, "state_dict_offload_background": True, "state_dict_offload_reuse_buffers": True}
+ASYNC_MODES = ("async", "async_with_pinned_mem")
 TE_ON_CUDA = TE_AVAILABLE and torch.cuda.is_available()
 pytestmark = pytest.mark.filterwarnings("ignore:state_dict_cpu_offload=True has no memory effect")  # CPU params
 DOC_OPTIONS = {k: v for k, v in OPTIONS.items() if k != "master_weight_dtype"}  # the docs' (FP32 master: default)
@@ -66,13 +69,15 @@ def train(model: Net, optimizers, schedulers, first: int, steps: int) -> None:
         optimizers.zero_grad()
 
 
-def build(seed: int, mesh, folder: str, async_mode: str = "disabled", name: str = "PortableFusedAdam"):
-    """The model (on CUDA for TE's class), our container and scheduler, and torchtitan's CheckpointManager."""
+def build(seed: int, mesh, folder: str, async_mode: str = "disabled", name: str = "PortableFusedAdam",
+          manager=CheckpointManager, options: dict = OPTIONS):  # fmt: skip
+    """The model (on CUDA for TE's class), our container and scheduler, and torchtitan's CheckpointManager (or
+    ``manager``)."""
     model = Net(seed, mesh, "cuda" if name == "FusedAdam" else "cpu")
-    optimizers = integration.fused_adam(lr=1e-2, name=name, **OPTIONS).build(model_parts=[model])
+    optimizers = integration.fused_adam(lr=1e-2, name=name, **options).build(model_parts=[model])
     assert type(optimizers.optimizers[0]) is getattr(optim_factory, name)
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
-    config = CheckpointManager.Config(enable=True, folder=folder, interval=1, keep_latest_k=0, async_mode=async_mode)
+    config = manager.Config(enable=True, folder=folder, interval=1, keep_latest_k=0, async_mode=async_mode)
     checkpointer = config.build(
         dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers, states={},
         sd_adapter=None,
@@ -132,12 +137,62 @@ def resume_one_rank(rank: int, world: int, folder: str) -> None:
     checkpointer.close()
 
 
+def saves_through_one_stager(rank: int, world: int, folder: str, async_mode: str) -> None:
+    """Our CheckpointManager in an async mode saves 3 times through one AsyncSaveStager: the optimizer's pooled
+    export buffers are the same tensors at every save (given back once written), a background export is deferred
+    only in ``async_with_pinned_mem`` (torchtitan waits for its staging before the step), where one that fails on
+    one rank refuses the save on every rank from ``maybe_wait_for_saving``, and ``close()`` closes the stager.
+    (Resumes through these modes: tests/integrations/test_exact_resume.py.)"""
+    mesh = init_device_mesh("cpu", (world,))
+    model, optimizers, schedulers, checkpointer = build(
+        0, mesh, folder, async_mode, manager=integration.CheckpointManager, options=BACKGROUND
+    )
+    stager = checkpointer.stager
+    assert type(stager) is AsyncSaveStager
+    exports = record_exports(optimizers.optimizers[0])
+    for step in range(1, 4):
+        train(model, optimizers, schedulers, step, 1)
+        checkpointer.save(curr_step=step)
+        checkpointer.maybe_wait_for_staging()  # what torchtitan's Trainer calls before the optimizer step
+        assert not optimizers.optimizers[0].state_dict_pending  # the staging's completion waited for the export
+    checkpointer.maybe_wait_for_saving()
+    assert checkpointer.stager is stager
+    assert len(exports) == 3 and same_export_buffers(exports), exports
+    deferred = async_mode == "async_with_pinned_mem"
+    assert [pending for _, pending in exports] == [deferred] * 3
+    if deferred:  # a deferred export that fails on rank 1: the save is refused on every rank, nothing written
+        state = next(iter(optimizers.optimizers[0].state.values()))["exp_avg"].to_local()
+        nbytes = state.untyped_storage().nbytes()
+        if rank == 1:
+            state.untyped_storage().resize_(0)  # the background export fails reading it (a real failure)
+        checkpointer.save(curr_step=4)
+        checkpointer.maybe_wait_for_staging()
+        with pytest.raises(SaveRefused, match="^not saved, nothing was written: rank 1: the optimizer's export fail"):
+            checkpointer.maybe_wait_for_saving()
+        state.untyped_storage().resize_(nbytes)
+        assert not Path(folder, "step-4", ".metadata").exists()
+    checkpointer.close()
+    with pytest.raises(RuntimeError, match="^AsyncSaveStager: closed"):
+        stager.stage({})
+    assert all(Path(folder, f"step-{s}", ".metadata").is_file() for s in (1, 2, 3))
+
+
 @pytest.fixture(scope="module")
 def two_rank_folders(tmp_path_factory):
-    """One group of 2 ranks runs the sync and the async round trip (tests/distributed/launch.py)."""
+    """One group of 2 ranks runs the sync and the async round trip, and our manager's async modes
+    (tests/distributed/launch.py)."""
     folders = {mode: str(tmp_path_factory.mktemp(f"titan-{mode}")) for mode in ("disabled", "async")}
     checks = [(mode, roundtrip_two_ranks, (folder, mode)) for mode, folder in folders.items()]
+    for mode in ASYNC_MODES:
+        checks.append((f"ours: {mode}", saves_through_one_stager, (str(tmp_path_factory.mktemp(f"ours-{mode}")), mode)))
     return folders, spawn_checks(2, checks, tmp_path_factory.mktemp("titan-done"))
+
+
+@pytest.mark.slow  # forked ranks
+@pytest.mark.parametrize("async_mode", ASYNC_MODES)
+def test_our_async_modes_keep_one_stager_and_reuse_the_export_buffers(two_rank_folders, async_mode):
+    _, outcome = two_rank_folders
+    assert outcome[f"ours: {async_mode}"] is None, outcome[f"ours: {async_mode}"]
 
 
 @pytest.mark.slow  # forked ranks

@@ -1,9 +1,11 @@
 """torchtitan 0.3's train entry point (its ConfigManager parses a command line naming this module's config_registry
 function, the llama3 debug model shrunk; the config builds its Trainer) on 2 gloo ranks (CPU) with FSDP2, our
 optimizer selected by the docs' override (``--override.imports ...use_fused_adam=...``) and our
-``CheckpointManager``: a run saved at step 2 (sync), resumed to step 4 (saved with ``async_mode="async"``) and
-resumed to step 6 ends bitwise where the run that never stopped does (parameters, optimizer state, LR schedule).
-The data and tokenizer are made here (no download)."""
+``CheckpointManager``: a run saved at step 2 (``async_mode="async_with_pinned_mem"``: the Trainer waits for the
+staging before step 3's optimizer step, so the background export is deferred) and stopped after step 3, resumed
+(saved at step 4 with ``async_mode="async"``, stopped after step 5) and resumed to step 6 ends bitwise where the
+run that never stopped (saved synchronously) does (parameters, optimizer state, LR schedule). The data and
+tokenizer are made here (no download)."""
 
 from __future__ import annotations
 
@@ -40,7 +42,10 @@ from tests.helpers import assert_flat_bitwise, drop_in_block  # noqa: E402
 from tests.integrations import titan_cpu  # noqa: E402
 
 STEPS, LAYERS, SEQ_LEN, BATCH = 6, 2, 32, 2
-OPTIONS = '{"name": "PortableFusedAdam", "master_weights": true}'  # FP32 params: an FP32 master of its own
+OPTIONS = (  # FP32 params: an FP32 master of its own; a background export into pooled buffers, for the async saves
+    '{"name": "PortableFusedAdam", "master_weights": true, "state_dict_cpu_offload": true, '
+    '"state_dict_offload_background": true, "state_dict_offload_reuse_buffers": true}'
+)
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
@@ -146,6 +151,7 @@ def run(folder: str, stop: int, async_mode: str = "disabled") -> tuple[dict, int
         assert type(optimizer) is optim_factory.PortableFusedAdam, type(optimizer)  # the override took effect
         assert optimizer.adam_options.master_weights
         assert type(trainer.checkpointer) is integration.CheckpointManager
+        assert optimizer.export_options.background and optimizer.export_options.reuse_buffers
         trainer.should_continue_training = lambda: trainer.step < stop
         ran = []
         train_step = trainer.train_step
@@ -182,8 +188,9 @@ def uninterrupted_vs_resumed(rank: int, world: int, root: str) -> None:
     expected, ran = run(str(Path(root, "straight")), STEPS)
     assert ran == STEPS
     folder = str(Path(root, "resumed"))
-    assert run(folder, 2)[1] == 2  # saves step 2, sync
-    assert run(folder, 4, async_mode="async")[1] == 2  # loads step 2, saves step 4 async
+    # each run trains a step past its last save: the save staged beside the next step's forward and backward
+    assert run(folder, 3, async_mode="async_with_pinned_mem")[1] == 3  # saves step 2, stopped after step 3
+    assert run(folder, 5, async_mode="async")[1] == 3  # loads step 2, saves step 4, stopped after step 5
     actual, ran = run(folder, STEPS)  # loads step 4
     assert ran == 2
     assert all(Path(folder, "checkpoint", f"step-{s}", ".metadata").is_file() for s in (2, 4))
