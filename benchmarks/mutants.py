@@ -66,6 +66,12 @@ MUTANTS = [
         "    if False:",
     ),
     (
+        "int16 remainders loaded into the FP32 master of an FP16 parameter",
+        "optim_factory/optimizers/export/contract.py",
+        "param.dtype != torch.bfloat16 and optimizer.master_weights",
+        "param.dtype == torch.float32 and optimizer.master_weights",
+    ),
+    (
         "verification ignores a checksum mismatch",
         "recipes/checkpoint/checksums.py",
         "    if digest != record.get(ALGORITHM):",

@@ -296,21 +296,23 @@ def test_docs_exact_load_snippet_runs_as_written(tmp_path):
         assert_bitwise(exported[i]["master_param"], want, f"param {i}: the saved FP32 master")
 
 
-def test_remainders_for_a_parameter_no_longer_bf16_are_refused_in_one_line_and_nothing_changes(tmp_path):
-    """int16 remainders make a master only with a BF16 parameter: into an FP32 parameter's master they are refused
-    before anything is loaded, naming the state, the saved format and the live one."""
+@pytest.mark.parametrize("param", ["float32", "float16"])
+def test_remainders_for_a_parameter_no_longer_bf16_are_refused_in_one_line_and_nothing_changes(param, tmp_path):
+    """int16 remainders make a master only with a BF16 parameter: into the FP32 master of an FP32 or FP16 parameter
+    (joined with an FP16 parameter's bits they would make a garbage master) they are refused before anything is
+    loaded, naming the state, the saved format and the live one."""
     model, opt = build(torch.bfloat16, **MASTERS["remainders"])
     run_steps(opt, list(model.parameters()), 0, 2)
     save(model, opt, tmp_path)
     # offloaded: a template that aliases no live state (TE's own export aliases FP32 states, which DCP then writes)
-    live_model, live = build(torch.float32, 1, **MASTERS["fp32 master"], state_dict_cpu_offload=True)
+    live_model, live = build(getattr(torch, param), 1, **MASTERS["fp32 master"], state_dict_cpu_offload=True)
     run_steps(live, list(live_model.parameters()), 0, 1)
     before = LiveSnapshot.take(live)
     with pytest.raises(ValueError) as info:
         load(live_model, live, tmp_path, ExactLoadPlanner())
     assert str(info.value) == (
         "load_state_dict: group 0, parameter 0: master_param is saved as int16 remainders, which only a "
-        "BF16 parameter's master can be; this parameter is float32, its master an FP32 master: not convertible"
+        f"BF16 parameter's master can be; this parameter is {param}, its master an FP32 master: not convertible"
     )
     LiveSnapshot.take(live).assert_same(before)  # (DCP itself reads the model's tensors in place: they are read)
 
