@@ -89,6 +89,12 @@ MUTANTS = [
         "if verified is not None and path.resolve() == verified.resolve():",
         "if False:",
     ),
+    (
+        "a capturable optimizer's step/lr exported as the live tensors with state_dict_offload_chunk_bytes=0",
+        "optim_factory/optimizers/export/plan.py",
+        '        if o.cpu_offload:\n            state_dict["param_groups"] = [',
+        '        if o.chunk_bytes:\n            state_dict["param_groups"] = [',
+    ),
 ]
 
 

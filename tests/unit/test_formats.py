@@ -257,11 +257,13 @@ def test_a_bf16_state_exported_one_at_a_time_is_a_copy():
             assert_bitwise(sd["state"][k][name], value, f"{k}.{name} after a step")
 
 
-def test_capturable_step_and_lr_are_exported_as_copies():
-    """With offload the group's lr and step tensors are exported as copies: a scheduler's in-place write and a step
-    after the export leave the exported values as they were."""
+@pytest.mark.parametrize("chunk_bytes", [None, 0], ids=["chunked", "one state at a time"])
+def test_capturable_step_and_lr_are_exported_as_copies(chunk_bytes):
+    """With offload, chunked or not, the group's lr and step tensors are exported as copies: a scheduler's in-place
+    write and a step after the export leave the exported values as they were."""
     params = make_params(torch.float32)
-    opt = PortableFusedAdam(params, lr=1e-2, capturable=True, state_dict_cpu_offload=True)
+    offload = dict(state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=chunk_bytes)
+    opt = PortableFusedAdam(params, lr=1e-2, capturable=True, **offload)
     run_steps(opt, params, 0, 2)
     sd = opt.state_dict()
     opt.param_groups[0]["lr"].fill_(0.5)  # as LambdaLR writes a capturable lr
