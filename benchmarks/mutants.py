@@ -95,6 +95,12 @@ MUTANTS = [
         '        if o.cpu_offload:\n            state_dict["param_groups"] = [',
         '        if o.chunk_bytes:\n            state_dict["param_groups"] = [',
     ),
+    (
+        "nested deferred_state_dict() blocks are not re-entrant (the inner one's end stops the outer one deferring)",
+        "optim_factory/optimizers/export/mixin.py",
+        "            self._deferring -= 1",
+        "            self._deferring = 0",
+    ),
 ]
 
 

@@ -62,6 +62,22 @@ def _deferred(opt) -> dict:
         return opt.state_dict()
 
 
+def test_nested_deferred_blocks_are_re_entrant():
+    """An inner ``deferred_state_dict()`` block (a stager's inside a caller's) that closes leaves the outer one
+    deferring: an export inside the outer block still returns unfilled, and only outside both does it wait."""
+    params = make_params(torch.float32)
+    opt = PortableFusedAdam(params, **HP, **BACKGROUND)
+    run_steps(opt, params, 0, 1)
+    with opt.deferred_state_dict():
+        with opt.deferred_state_dict():
+            pass
+        opt.state_dict()
+        assert opt.state_dict_pending, "the outer block stopped deferring when the inner one closed"
+        opt.wait_state_dict()
+    opt.state_dict()
+    assert not opt.state_dict_pending, "an export outside every block returned unfilled"
+
+
 def _slow_optimizer(**extra):
     params = make_params(torch.float32, shapes=BIG)
     opt = PortableFusedAdam(params, **HP, exp_avg_dtype=torch.bfloat16, **SLOW, **extra)
