@@ -101,6 +101,12 @@ MUTANTS = [
         "            self._deferring -= 1",
         "            self._deferring = 0",
     ),
+    (
+        "defers_export says yes for a background export into fresh buffers (reuse off)",
+        "optim_factory/checkpoint.py",
+        "        and optimizer.state_dict_offload_background\n        and optimizer.state_dict_offload_reuse_buffers",
+        "        and optimizer.state_dict_offload_background",
+    ),
 ]
 
 

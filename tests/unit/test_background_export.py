@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from optim_factory import PortableFusedAdam
+from optim_factory.checkpoint import deferred_export, defers_export, export_buffer_test, release_export
 from optim_factory.optimizers.export import StateExporter, export_state
 from recipes.checkpoint import CheckpointError, CheckpointManager, ExportBufferStager, read_checkpoint
 from recipes.config import CheckpointConfig
@@ -76,6 +77,25 @@ def test_nested_deferred_blocks_are_re_entrant():
         opt.wait_state_dict()
     opt.state_dict()
     assert not opt.state_dict_pending, "an export outside every block returned unfilled"
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "reuse"])
+def test_defers_export_only_into_buffers_nothing_else_writes(reuse):
+    """``defers_export`` says yes only where every tensor of a deferred export is a pooled buffer that nothing
+    writes until it is released (background into reused buffers: a stager passes those through uncopied once the
+    export is waited for). Into fresh host memory it says no: a stager would copy those tensors at staging, before
+    the export has filled them. Without a background export, or for another optimizer: no."""
+    params = make_params(torch.float32)
+    opt = PortableFusedAdam(params, **HP, **BACKGROUND, state_dict_offload_reuse_buffers=reuse)
+    run_steps(opt, params, 0, 1)
+    with deferred_export(opt):
+        sd = opt.state_dict()
+    leased = [export_buffer_test(opt)(t) for states in sd["state"].values() for t in states.values()]
+    assert defers_export(opt) == reuse and leased == [reuse] * len(leased), (reuse, leased)
+    opt.wait_state_dict()
+    assert release_export(opt, sd) == (len(leased) if reuse else 0)
+    synchronous = PortableFusedAdam(params, **HP, state_dict_cpu_offload=True, state_dict_offload_reuse_buffers=True)
+    assert not defers_export(synchronous) and not defers_export(torch.optim.AdamW(params))
 
 
 def _slow_optimizer(**extra):
