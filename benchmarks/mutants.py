@@ -107,6 +107,12 @@ MUTANTS = [
         "        and optimizer.state_dict_offload_background\n        and optimizer.state_dict_offload_reuse_buffers",
         "        and optimizer.state_dict_offload_background",
     ),
+    (
+        "release_state_dict returns while the background export still writes the buffers it releases",
+        "optim_factory/optimizers/export/mixin.py",
+        "        self._exporter.join()\n        return self._exporter.pool.release(state_dict)",
+        "        return self._exporter.pool.release(state_dict)",
+    ),
 ]
 
 

@@ -129,6 +129,29 @@ def test_load_state_dict_and_the_next_export_wait_too():
     assert_state_dicts_bitwise(second, reference, "second of two exports")
 
 
+def test_release_waits_for_the_export_that_writes_the_buffers():
+    """``release_state_dict`` returns only once the background export that writes the buffers it gives back has
+    finished (the next export may take them at once). The export still running is a Future the test finishes: a
+    real one's end would race the test's check."""
+    params = make_params(torch.float32)
+    opt = PortableFusedAdam(params, **HP, **BACKGROUND, state_dict_offload_reuse_buffers=True)
+    run_steps(opt, params, 0, 1)
+    sd = _deferred(opt)
+    opt.wait_state_dict()
+    running: Future = Future()
+    exporter = opt.state_exporter
+    exporter._pending, exporter._pending_pid = running, os.getpid()  # the export, still writing sd's buffers
+    released: list = []
+    release = threading.Thread(target=lambda: released.append(opt.release_state_dict(sd)))
+    release.start()
+    while release.is_alive() and not running._condition._waiters:  # blocked on the export (CPython's internals)
+        time.sleep(0.001)
+    assert not released, "release_state_dict returned while the export still wrote the buffers it released"
+    running.set_result(None)
+    release.join()
+    assert released == [sum(len(states) for states in sd["state"].values())]
+
+
 def _break_a_state(opt) -> tuple[torch.Tensor, int]:
     """Shrink one state's storage to nothing: the background export fails reading it (a real failure, no mock)."""
     state = next(iter(opt.state.values()))["exp_avg"]
