@@ -113,6 +113,24 @@ MUTANTS = [
         "        self._exporter.join()\n        return self._exporter.pool.release(state_dict)",
         "        return self._exporter.pool.release(state_dict)",
     ),
+    (
+        "torchtitan's use_fused_adam lets the config's group hyperparameters override the options given",
+        "optim_factory/integrations/torchtitan.py",
+        "optimizer_kwargs={**pg.optimizer_kwargs, **group}",
+        "optimizer_kwargs={**group, **pg.optimizer_kwargs}",
+    ),
+    (
+        "torchtitan's use_fused_adam lets the config's constructor options override the options given",
+        "optim_factory/integrations/torchtitan.py",
+        "by_name[name] = {**by_name.get(name, {}), **factory}",
+        "by_name[name] = {**factory, **by_name.get(name, {})}",
+    ),
+    (
+        "torchtitan's use_fused_adam swaps Adam (L2) groups into decoupled weight decay",
+        "optim_factory/integrations/torchtitan.py",
+        '        if pg.optimizer_name == "AdamW"\n        else pg',
+        '        if pg.optimizer_name in ("AdamW", "Adam")\n        else pg',
+    ),
 ]
 
 
