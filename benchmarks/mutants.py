@@ -131,6 +131,18 @@ MUTANTS = [
         '        if pg.optimizer_name == "AdamW"\n        else pg',
         '        if pg.optimizer_name in ("AdamW", "Adam")\n        else pg',
     ),
+    (
+        "Automodel's Checkpointer ignores a caller's storage_reader for the optimizer",
+        "optim_factory/integrations/automodel.py",
+        "            storage_reader=storage_reader,\n            planner=ExactLoadPlanner(),",
+        "            planner=ExactLoadPlanner(),",
+    ),
+    (
+        "Automodel's Checkpointer reads the optimizer given a storage_reader with DCP's default planner",
+        "optim_factory/integrations/automodel.py",
+        "        if not optimizer or (storage_reader is None and not local):",
+        "        if not optimizer or storage_reader is not None or not local:",
+    ),
 ]
 
 
