@@ -143,6 +143,12 @@ MUTANTS = [
         "        if not optimizer or (storage_reader is None and not local):",
         "        if not optimizer or storage_reader is not None or not local:",
     ),
+    (
+        "the rule refusing capturable with store_param_remainders skipped without master weights",
+        "optim_factory/rules/adam.py",
+        "        if store_param_remainders:\n            raise ConfigError(",
+        "        if store_param_remainders and master_weights:\n            raise ConfigError(",
+    ),
 ]
 
 
