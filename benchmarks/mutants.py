@@ -149,6 +149,12 @@ MUTANTS = [
         "        if store_param_remainders:\n            raise ConfigError(",
         "        if store_param_remainders and master_weights:\n            raise ConfigError(",
     ),
+    (
+        "the recipe's save verdict not shared across ranks (a synchronous or async save's check)",
+        "recipes/checkpoint/save.py",
+        "        worst = max(all_ranks(verdict))",
+        "        worst = max(all_ranks(verdict)) if path is not None else verdict",
+    ),
 ]
 
 

@@ -32,6 +32,7 @@ def outcome(tmp_path_factory) -> dict[str, str | None]:
         ("chunked export", workers.chunked_export, (f"{two}/chunked",)),
         ("async saves while training", workers.async_save_while_training, (f"{two}/async",)),
         ("background export failure", workers.background_export_failure, (f"{two}/bg",)),
+        ("non-finite on one rank", workers.non_finite_on_one_rank, (f"{two}/nan",)),
         ("host dtensors keep their mesh", workers.host_wraps_keep_their_mesh, ()),
     ]
     two_rank += [(f"save {cfg} on 2", workers.save_for_reshard, (cfg, two)) for cfg in RESHARD]
@@ -77,6 +78,10 @@ def test_async_saves_while_training_collectives_run_complete_and_load(outcome):
 
 def test_a_background_export_failing_on_one_rank_refuses_the_save_on_every_rank(outcome):
     _passed(outcome, "background export failure")
+
+
+def test_a_nan_on_one_rank_refuses_the_save_on_every_rank(outcome):
+    _passed(outcome, "non-finite on one rank")
 
 
 def test_host_dtensors_keep_their_own_mesh(outcome):
