@@ -155,6 +155,12 @@ MUTANTS = [
         "        worst = max(all_ranks(verdict))",
         "        worst = max(all_ranks(verdict)) if path is not None else verdict",
     ),
+    (
+        "fallback sets aside (.damaged) a checkpoint that failed to load without damage",
+        "recipes/checkpoint/load.py",
+        "                if isinstance(exc, DamagedCheckpoint):\n                    damaged.append(path)",
+        "                if isinstance(exc, CheckpointError):\n                    damaged.append(path)",
+    ),
 ]
 
 
