@@ -161,6 +161,12 @@ MUTANTS = [
         "                if isinstance(exc, DamagedCheckpoint):\n                    damaged.append(path)",
         "                if isinstance(exc, CheckpointError):\n                    damaged.append(path)",
     ),
+    (
+        "optim=adamw optim.amsgrad=true builds AdamW without amsgrad",
+        "optim_factory/factory.py",
+        "weight_decay=c.weight_decay, amsgrad=c.amsgrad)",
+        "weight_decay=c.weight_decay)",
+    ),
 ]
 
 

@@ -113,6 +113,18 @@ def test_remainders_betas_eps_weight_decay_lr_reach_the_optimizer(tmp_path):
     assert {g["weight_decay"] for g in opt.param_groups} == {0.2, 0.0}
 
 
+def test_each_adamw_option_reaches_torch_s_adamw(tmp_path):
+    """optim=adamw builds torch's AdamW with every option its config sets (amsgrad included)."""
+    overrides = ["amsgrad=true", "foreach=false", "betas=[0.8,0.9]", "eps=1e-6", "weight_decay=0.2", "lr=0.01"]
+    cfg = compose_config(["optim=adamw", *(f"optim.{o}" for o in overrides), f"run_dir={tmp_path}"])
+    opt = build_optimizer(cfg.optim, tiny_model())
+    assert type(opt) is torch.optim.AdamW
+    for g in opt.param_groups:
+        assert g["amsgrad"] is True and g["foreach"] is False, g
+        assert g["betas"] == (0.8, 0.9) and g["eps"] == 1e-6 and g["lr"] == 0.01
+    assert {g["weight_decay"] for g in opt.param_groups} == {0.2, 0.0}
+
+
 def test_cfg_as_dataclass_dict_and_named_parameters():
     model = tiny_model()
     a = build_optimizer(FusedAdamConfig(lr=0.02, exp_avg_dtype="bf16"), model)
