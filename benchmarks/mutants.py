@@ -167,6 +167,12 @@ MUTANTS = [
         "weight_decay=c.weight_decay, amsgrad=c.amsgrad)",
         "weight_decay=c.weight_decay)",
     ),
+    (
+        "the lowmem preset without int16 remainders (a full FP32 master kept)",
+        "conf/optim/fused_adam_lowmem.yaml",
+        "store_param_remainders: true\n",
+        "",
+    ),
 ]
 
 

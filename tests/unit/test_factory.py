@@ -125,6 +125,21 @@ def test_each_adamw_option_reaches_torch_s_adamw(tmp_path):
     assert {g["weight_decay"] for g in opt.param_groups} == {0.2, 0.0}
 
 
+def test_the_lowmem_preset_keeps_int16_remainders_and_bf16_moments(tmp_path):
+    """experiment=lowmem, the recommended low-memory setting, as the recipe builds it: BF16 parameters whose FP32
+    master is kept as int16 remainders (no full master) and BF16 moments, 6 bytes of state per parameter."""
+    from recipes.model import build_model
+
+    cfg = compose_config(["experiment=lowmem", f"run_dir={tmp_path}", "model.d_model=16", "model.n_layers=1"])
+    model = build_model(cfg.model, seed=0, device=torch.device("cpu"))
+    opt = build_optimizer(cfg.optim, model)
+    opt.initialize_states()
+    want = {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16, "master_param": torch.int16}
+    for name, p in model.named_parameters():
+        state = {k: v.dtype for k, v in opt.state[p].items()}
+        assert p.dtype == torch.bfloat16 and state == want, (name, p.dtype, state)
+
+
 def test_cfg_as_dataclass_dict_and_named_parameters():
     model = tiny_model()
     a = build_optimizer(FusedAdamConfig(lr=0.02, exp_avg_dtype="bf16"), model)
