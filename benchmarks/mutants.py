@@ -2,6 +2,7 @@
 runs once per mutation (``-x``: the first failing test is enough), in a copy of that revision.
 
     python benchmarks/mutants.py --rev HEAD --out benchmarks/results/<folder>/mutants-HEAD.md [-- pytest args]
+    python benchmarks/mutants.py --only lowmem -- tests/unit/test_factory.py   # the mutations whose name has "lowmem"
 
 A mutation whose text is not found exactly once at that revision is reported as not applicable. The list and the
 results of the last measurement: docs/testing.md ("Mutations").
@@ -181,9 +182,11 @@ def _export(rev: str, dest: Path) -> None:
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
 
 
-def run(rev: str, pytest_args: list[str]) -> list[dict]:
+def run(rev: str, pytest_args: list[str], only: str = "") -> list[dict]:
     rows = []
     for name, file, text, replacement in MUTANTS:
+        if only not in name:
+            continue
         with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
             tree = Path(tmp)
             _export(rev, tree)
@@ -212,15 +215,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rev", default="HEAD", help="the git revision to mutate (default: HEAD)")
     ap.add_argument("--out", type=Path, help="a Markdown table of the results")
+    ap.add_argument("--only", default="", help="only the mutations whose name contains this text")
     ap.add_argument("pytest_args", nargs="*", help="after --: arguments for pytest")
     args = ap.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "--short", args.rev], cwd=ROOT, capture_output=True, text=True)
-    rows = run(args.rev, args.pytest_args)
+    rows = run(args.rev, args.pytest_args, args.only)
     caught = sum(r["result"] == "caught" for r in rows)
     lines = [
         f"# Mutations at {commit.stdout.strip()}: {caught} of {len(rows)} caught",
         "",
-        f"- command: `python benchmarks/mutants.py --rev {args.rev} -- {' '.join(args.pytest_args)}`",
+        f"- command: `python benchmarks/mutants.py --rev {args.rev}{f' --only {args.only!r}' if args.only else ''} "
+        f"-- {' '.join(args.pytest_args)}`",
         f"- date: {time.strftime('%Y-%m-%d')}",
         "",
         "| mutation | file | result | first failing test | seconds |",
