@@ -32,10 +32,11 @@ def outcome(tmp_path_factory) -> dict[str, str | None]:
         ("chunked export", workers.chunked_export, (f"{two}/chunked",)),
         ("async saves while training", workers.async_save_while_training, (f"{two}/async",)),
         ("background export failure", workers.background_export_failure, (f"{two}/bg",)),
-        ("non-finite on one rank", workers.non_finite_on_one_rank, (f"{two}/nan",)),
         ("host dtensors keep their mesh", workers.host_wraps_keep_their_mesh, ()),
     ]
     two_rank += [(f"save {cfg} on 2", workers.save_for_reshard, (cfg, two)) for cfg in RESHARD]
+    # last: a failure here leaves every other check run
+    two_rank.append(("non-finite on one rank", workers.non_finite_on_one_rank, (f"{two}/nan",)))
     results = spawn_checks(2, two_rank, tmp / "done-2")
     one_rank = [(f"load {cfg} 2->1", workers.load_resharded, (cfg, two, 2)) for cfg in RESHARD]
     one_rank.append((f"save {ONE_TO_TWO} on 1", workers.save_for_reshard, (ONE_TO_TWO, one)))
