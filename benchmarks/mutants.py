@@ -2,6 +2,7 @@
 runs once per mutation (``-x``: the first failing test is enough), in a copy of that revision.
 
     python benchmarks/mutants.py --rev HEAD --out benchmarks/results/<folder>/mutants-HEAD.md [-- pytest args]
+    python benchmarks/mutants.py --only lowmem -- tests/unit/test_factory.py   # the mutations whose name has "lowmem"
 
 A mutation whose text is not found exactly once at that revision is reported as not applicable. The list and the
 results of the last measurement: docs/testing.md ("Mutations").
@@ -66,6 +67,12 @@ MUTANTS = [
         "    if False:",
     ),
     (
+        "int16 remainders loaded into the FP32 master of an FP16 parameter",
+        "optim_factory/optimizers/export/contract.py",
+        "param.dtype != torch.bfloat16 and optimizer.master_weights",
+        "param.dtype == torch.float32 and optimizer.master_weights",
+    ),
+    (
         "verification ignores a checksum mismatch",
         "recipes/checkpoint/checksums.py",
         "    if digest != record.get(ALGORITHM):",
@@ -83,6 +90,90 @@ MUTANTS = [
         "if verified is not None and path.resolve() == verified.resolve():",
         "if False:",
     ),
+    (
+        "a capturable optimizer's step/lr exported as the live tensors with state_dict_offload_chunk_bytes=0",
+        "optim_factory/optimizers/export/plan.py",
+        '        if o.cpu_offload:\n            state_dict["param_groups"] = [',
+        '        if o.chunk_bytes:\n            state_dict["param_groups"] = [',
+    ),
+    (
+        "nested deferred_state_dict() blocks are not re-entrant (the inner one's end stops the outer one deferring)",
+        "optim_factory/optimizers/export/mixin.py",
+        "            self._deferring -= 1",
+        "            self._deferring = 0",
+    ),
+    (
+        "defers_export says yes for a background export into fresh buffers (reuse off)",
+        "optim_factory/checkpoint.py",
+        "        and optimizer.state_dict_offload_background\n        and optimizer.state_dict_offload_reuse_buffers",
+        "        and optimizer.state_dict_offload_background",
+    ),
+    (
+        "release_state_dict returns while the background export still writes the buffers it releases",
+        "optim_factory/optimizers/export/mixin.py",
+        "        self._exporter.join()\n        return self._exporter.pool.release(state_dict)",
+        "        return self._exporter.pool.release(state_dict)",
+    ),
+    (
+        "torchtitan's use_fused_adam lets the config's group hyperparameters override the options given",
+        "optim_factory/integrations/torchtitan.py",
+        "optimizer_kwargs={**pg.optimizer_kwargs, **group}",
+        "optimizer_kwargs={**group, **pg.optimizer_kwargs}",
+    ),
+    (
+        "torchtitan's use_fused_adam lets the config's constructor options override the options given",
+        "optim_factory/integrations/torchtitan.py",
+        "by_name[name] = {**by_name.get(name, {}), **factory}",
+        "by_name[name] = {**factory, **by_name.get(name, {})}",
+    ),
+    (
+        "torchtitan's use_fused_adam swaps Adam (L2) groups into decoupled weight decay",
+        "optim_factory/integrations/torchtitan.py",
+        '        if pg.optimizer_name == "AdamW"\n        else pg',
+        '        if pg.optimizer_name in ("AdamW", "Adam")\n        else pg',
+    ),
+    (
+        "Automodel's Checkpointer ignores a caller's storage_reader for the optimizer",
+        "optim_factory/integrations/automodel.py",
+        "            storage_reader=storage_reader,\n            planner=ExactLoadPlanner(),",
+        "            planner=ExactLoadPlanner(),",
+    ),
+    (
+        "Automodel's Checkpointer reads the optimizer given a storage_reader with DCP's default planner",
+        "optim_factory/integrations/automodel.py",
+        "        if not optimizer or (storage_reader is None and not local):",
+        "        if not optimizer or storage_reader is not None or not local:",
+    ),
+    (
+        "the rule refusing capturable with store_param_remainders skipped without master weights",
+        "optim_factory/rules/adam.py",
+        "        if store_param_remainders:\n            raise ConfigError(",
+        "        if store_param_remainders and master_weights:\n            raise ConfigError(",
+    ),
+    (
+        "the recipe's save verdict not shared across ranks (a synchronous or async save's check)",
+        "recipes/checkpoint/save.py",
+        "        worst = max(all_ranks(verdict))",
+        "        worst = max(all_ranks(verdict)) if path is not None else verdict",
+    ),
+    (
+        "fallback sets aside (.damaged) a checkpoint that failed to load without damage",
+        "recipes/checkpoint/load.py",
+        "                if isinstance(exc, DamagedCheckpoint):\n                    damaged.append(path)",
+        "                if isinstance(exc, CheckpointError):\n                    damaged.append(path)",
+    ),
+    (
+        "optim=adamw optim.amsgrad=true builds AdamW without amsgrad",
+        "optim_factory/factory.py",
+        "weight_decay=c.weight_decay, amsgrad=c.amsgrad)",
+        "weight_decay=c.weight_decay)",
+    ),
+    (
+        "the lowmem preset without int16 remainders (a full FP32 master kept)",
+        "conf/optim/fused_adam_lowmem.yaml",
+        "store_param_remainders: true\n",
+        "",
+    ),
 ]
 
 
@@ -91,9 +182,11 @@ def _export(rev: str, dest: Path) -> None:
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
 
 
-def run(rev: str, pytest_args: list[str]) -> list[dict]:
+def run(rev: str, pytest_args: list[str], only: str = "") -> list[dict]:
     rows = []
     for name, file, text, replacement in MUTANTS:
+        if only not in name:
+            continue
         with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
             tree = Path(tmp)
             _export(rev, tree)
@@ -122,15 +215,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rev", default="HEAD", help="the git revision to mutate (default: HEAD)")
     ap.add_argument("--out", type=Path, help="a Markdown table of the results")
+    ap.add_argument("--only", default="", help="only the mutations whose name contains this text")
     ap.add_argument("pytest_args", nargs="*", help="after --: arguments for pytest")
     args = ap.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "--short", args.rev], cwd=ROOT, capture_output=True, text=True)
-    rows = run(args.rev, args.pytest_args)
+    rows = run(args.rev, args.pytest_args, args.only)
     caught = sum(r["result"] == "caught" for r in rows)
     lines = [
         f"# Mutations at {commit.stdout.strip()}: {caught} of {len(rows)} caught",
         "",
-        f"- command: `python benchmarks/mutants.py --rev {args.rev} -- {' '.join(args.pytest_args)}`",
+        f"- command: `python benchmarks/mutants.py --rev {args.rev}{f' --only {args.only!r}' if args.only else ''} "
+        f"-- {' '.join(args.pytest_args)}`",
         f"- date: {time.strftime('%Y-%m-%d')}",
         "",
         "| mutation | file | result | first failing test | seconds |",

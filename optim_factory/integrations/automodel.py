@@ -64,8 +64,9 @@ def _gloo_group(process_group: Any) -> Any:
 
 
 class Checkpointer(AutomodelCheckpointer):
-    """Automodel's ``Checkpointer``; the optimizer's states are read in their saved dtypes, so that our classes
-    convert a changed master format exactly (any other optimizer loads as with Automodel's), and async saves go
+    """Automodel's ``Checkpointer``; the optimizer's states are read in their saved dtypes (through the caller's
+    storage reader where ``_do_load`` is given one), so that our classes convert a changed master format exactly
+    (any other optimizer loads as with Automodel's), and async saves go
     through ``stagers`` (``{"model": ..., "optim": ...}``, each made at its first save; the module docstring)."""
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
@@ -129,14 +130,17 @@ class Checkpointer(AutomodelCheckpointer):
         return stager
 
     def _do_load(self, state_dict: dict[str, Any], path: str, storage_reader=None, is_init_step: bool = False):
-        # Automodel's one DCP read, for the model and the optimizer; only a local optimizer folder is changed
+        # Automodel's one DCP read, for the model and the optimizer; only the optimizer's folder is changed: read
+        # through the caller's storage reader where one is given (any path), else from a local folder
         local = "://" not in str(path)
-        if storage_reader is not None or not local or os.path.basename(os.path.normpath(path)) != OPTIM_DIR:
+        optimizer = os.path.basename(os.path.normpath(path)) == OPTIM_DIR
+        if not optimizer or (storage_reader is None and not local):
             return super()._do_load(state_dict, path, storage_reader, is_init_step)
         group = getattr(self, "process_group", None)
         dcp.load(
             state_dict,
             checkpoint_id=path,
+            storage_reader=storage_reader,
             planner=ExactLoadPlanner(),
             **({"process_group": group} if group is not None else {}),
         )

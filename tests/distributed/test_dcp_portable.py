@@ -35,6 +35,8 @@ def outcome(tmp_path_factory) -> dict[str, str | None]:
         ("host dtensors keep their mesh", workers.host_wraps_keep_their_mesh, ()),
     ]
     two_rank += [(f"save {cfg} on 2", workers.save_for_reshard, (cfg, two)) for cfg in RESHARD]
+    # last: a failure here leaves every other check run
+    two_rank.append(("non-finite on one rank", workers.non_finite_on_one_rank, (f"{two}/nan",)))
     results = spawn_checks(2, two_rank, tmp / "done-2")
     one_rank = [(f"load {cfg} 2->1", workers.load_resharded, (cfg, two, 2)) for cfg in RESHARD]
     one_rank.append((f"save {ONE_TO_TWO} on 1", workers.save_for_reshard, (ONE_TO_TWO, one)))
@@ -77,6 +79,10 @@ def test_async_saves_while_training_collectives_run_complete_and_load(outcome):
 
 def test_a_background_export_failing_on_one_rank_refuses_the_save_on_every_rank(outcome):
     _passed(outcome, "background export failure")
+
+
+def test_a_nan_on_one_rank_refuses_the_save_on_every_rank(outcome):
+    _passed(outcome, "non-finite on one rank")
 
 
 def test_host_dtensors_keep_their_own_mesh(outcome):

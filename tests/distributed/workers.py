@@ -385,6 +385,40 @@ def background_export_failure(rank: int, world: int, tmp: str) -> None:
     assert [s for s, _ in ckpt.complete()] == [1, 3]
 
 
+def non_finite_on_one_rank(rank: int, world: int, tmp: str) -> None:
+    """A NaN in one rank's shard alone refuses the recipe's save on every rank, synchronous and async (the verdict
+    is agreed: one collective), one line each, no step directory; once the cause is gone the next save completes."""
+    mesh = init_device_mesh(mesh_device(), (world,))
+    model, opt = build(mesh, "fp32-params-fp32-states")
+    params = optimized_params(model, opt)
+    run_steps(opt, params, 1, 1)
+    for async_save in (False, True):
+        folder = Path(tmp) / f"ck-async-{async_save}"
+        config = CheckpointConfig(dir=str(folder), every_steps=1, keep_last=0, async_save=async_save)
+        ckpt = CheckpointManager(config, rank=rank, device=torch.device(mesh_device()))
+        ckpt.save(1, model, opt, {"step": 1})
+        ckpt.wait()
+        state = next(local(st["exp_avg"]) for st in opt.state.values() if local(st["exp_avg"]).numel() > 0)
+        kept = state.clone()
+        if rank == 0:  # this rank's shard only: every other rank sees finite values
+            state.view(-1)[0] = float("nan")
+        try:
+            ckpt.save(2, model, opt, {"step": 2})
+            ckpt.wait()
+        except CheckpointError as exc:
+            assert "not saving step 2: the model or optimizer state holds non-finite values" in str(exc), exc
+            assert "\n" not in str(exc)
+        else:
+            raise AssertionError(f"rank {rank}, async_save={async_save}: a state with NaN on rank 0 was saved")
+        state.copy_(kept)
+        dist.barrier()
+        assert not (folder / "step_00000002").exists()
+        ckpt.save(3, model, opt, {"step": 3})
+        ckpt.close()
+        dist.barrier()  # rank 0 writes the completion markers
+        assert [s for s, _ in ckpt.complete()] == [1, 3], (async_save, ckpt.complete())
+
+
 def host_wraps_keep_their_mesh(rank: int, world: int) -> None:
     """``wrap_host_local`` shares one spec per layout, but never across mesh objects: two meshes of the same layout
     are equal (``DeviceMesh.__eq__``) yet each wrap must carry the parameter's own (its rank coordinate places the

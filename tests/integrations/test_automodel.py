@@ -213,6 +213,50 @@ def test_te_target_without_te_says_what_to_install(tmp_path):
         cfg.optimizer.build(model(), device_mesh=None)
 
 
+@needs_checkpointer
+def test_exact_checkpointer_reads_the_optimizer_through_a_caller_s_storage_reader(tmp_path):
+    """A storage reader a caller gives Automodel's ``_do_load`` for the optimizer's folder (here a subclass, as one
+    reading from another store would) is the one that reads it, and the read stays exact: int16 remainders saved,
+    an FP32 master resumed, the master is the saved one (DCP's default planner would cast the remainders)."""
+    import os
+
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from optim_factory import PortableFusedAdam
+    from optim_factory.integrations.automodel import Checkpointer
+    from optim_factory.optimizers.export import join_bf16_remainder
+
+    class RecordingReader(FileSystemReader):  # a real reader that notes what it read
+        read: list = []
+
+        def read_data(self, plan, planner):
+            self.read = [item.storage_index.fqn for item in plan.items]
+            return super().read_data(plan, planner)
+
+    class WithReader(Checkpointer):
+        def _do_load(self, state_dict, path, storage_reader=None, is_init_step=False):
+            if os.path.basename(path) == "optim":
+                self.reader = storage_reader = RecordingReader(path)
+            return super()._do_load(state_dict, path, storage_reader, is_init_step)
+
+    config = CheckpointingConfig(enabled=True, checkpoint_dir=str(tmp_path), save_consolidated=False)
+    checkpointer = WithReader(config=config, dp_rank=0, tp_rank=0, pp_rank=0)
+    saved_model = model()
+    saved = PortableFusedAdam(saved_model.parameters(), lr=1e-2, master_weights=True, store_param_remainders=True)
+    train(saved_model, saved, range(2))
+    checkpointer.save_optimizer(saved, saved_model, str(tmp_path / "step"))
+    resumed_model = model(seed=1)
+    resumed_model.load_state_dict(saved_model.state_dict())
+    resumed = PortableFusedAdam(resumed_model.parameters(), lr=1e-2, master_weights=True)
+    checkpointer.load_optimizer(resumed, resumed_model, str(tmp_path / "step"))
+    assert any(fqn.endswith(".master_param") for fqn in checkpointer.reader.read), "the caller's reader read nothing"
+    for (name, p), q in zip(resumed_model.named_parameters(), saved_model.parameters()):
+        want = join_bf16_remainder(q.detach(), saved.state[q]["master_param"])
+        assert_bitwise(resumed.state[p]["master_param"], want, f"{name}: the saved FP32 master")
+    checkpointer.close()
+
+
 # --- Automodel's Checkpointer round trip on 2 gloo ranks -----------------------------------------------------------
 
 CASES = {  # name -> (parameter dtype, command-line overrides of the doc's block)

@@ -19,7 +19,12 @@ pytest.importorskip("torchtitan", reason=f"torchtitan is not installed: {INSTALL
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: E402
 from torchtitan.components.checkpointer import CheckpointManager  # noqa: E402
-from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, default_adamw  # noqa: E402
+from torchtitan.components.optimizer import (  # noqa: E402
+    LRSchedulersContainer,
+    OptimizersContainer,
+    ParamGroupConfig,
+    default_adamw,
+)
 from torchtitan.config import ConfigManager, Configurable, OverrideConfig, apply_overrides  # noqa: E402
 
 import optim_factory  # noqa: E402
@@ -289,6 +294,29 @@ def test_docs_override_snippet_swaps_adamw_on_torchtitans_command_line(name):
             config.optimizer.build(model_parts=[Net(0)])
     else:
         check_options(config.optimizer.build(model_parts=[Net(0)]).optimizers[0], 3e-4)
+
+
+def test_override_options_win_over_the_config_s_and_adam_groups_keep_l2_decay():
+    """``use_fused_adam``'s options override the config's: the swapped groups' hyperparameters and the constructor
+    options already in ``optimizer_factory_kwargs_by_name``. An ``Adam`` group (L2 weight decay, not decoupled)
+    stays torch's Adam with its own hyperparameters, built by torchtitan's container."""
+    name = "PortableFusedAdam"
+    config = OptimizersContainer.Config(
+        param_groups=[
+            ParamGroupConfig(pattern="bias", optimizer_name="Adam", optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.1}),
+            ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.1}),
+        ],
+        implementation="for-loop",
+        optimizer_factory_kwargs_by_name={name: {"master_weights": False, "exp_avg_dtype": "bf16"}},
+    )
+    swapped = integration.use_fused_adam(config, name=name, lr=5e-4, weight_decay=0.0, master_weights=True)
+    assert [pg.optimizer_name for pg in swapped.param_groups] == ["Adam", name]
+    assert swapped.optimizer_factory_kwargs_by_name[name] == {"master_weights": True, "exp_avg_dtype": "bf16"}
+    adam, ours = swapped.build(model_parts=[Net(0)]).optimizers
+    assert type(adam) is torch.optim.Adam and type(ours) is optim_factory.PortableFusedAdam
+    assert (adam.param_groups[0]["lr"], adam.param_groups[0]["weight_decay"]) == (1e-3, 0.1)
+    assert (ours.param_groups[0]["lr"], ours.param_groups[0]["weight_decay"]) == (5e-4, 0.0)
+    assert ours.adam_options.master_weights and ours.adam_options.exp_avg_dtype == torch.bfloat16
 
 
 def test_override_refuses_a_config_without_adamw_and_an_unknown_name():

@@ -335,6 +335,36 @@ def test_a_damaged_checkpoint_takes_no_keep_last_place(tmp_path, caplog):
     assert _run(tmp_path, "trainer.max_steps=36", *again)["resumed_from"].endswith("step_00000035")
 
 
+def test_fallback_sets_aside_only_a_damaged_checkpoint_not_one_this_run_cannot_load(tmp_path, caplog):
+    """With checkpoint.fallback, a newest checkpoint that verifies but does not load into this run (here: another
+    model's shapes, refused by DCP) is skipped for the older one and left as it is: only damage (a failed
+    verification) renames a checkpoint ``.damaged``; a fitting run may still resume from it."""
+    from optim_factory import PortableFusedAdam
+    from recipes.checkpoint import CheckpointManager
+    from recipes.config import CheckpointConfig
+
+    def build(width):
+        model = torch.nn.Linear(4, width)
+        opt = PortableFusedAdam(model.parameters(), lr=1e-2)
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        return model, opt
+
+    cfg = CheckpointConfig(dir=str(tmp_path / "ck"), every_steps=1, keep_last=0, fallback=True)
+    for step, width in ((1, 3), (2, 5)):
+        manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
+        manager.save(step, *build(width), {"step": step})
+        manager.close()
+    manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="recipes.checkpoint"):
+        path, state = manager.resume(*build(3), {"step": 0})
+    manager.close()
+    assert Path(path).name == "step_00000001" and state["step"] == 1
+    assert any("step_00000002 cannot be loaded into this run" in r.getMessage() for r in caplog.records), caplog.text
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_00000001", "step_00000002"]
+    assert is_complete(tmp_path / "ck" / "step_00000002")
+
+
 @pytest.mark.slow
 def test_non_finite_loss_stops_the_run_before_the_next_save(tmp_path):
     """lr=1e30: the first step moves every weight by ~1e29 (finite, saved at step 1); the second forward

@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from optim_factory import PortableFusedAdam
 from optim_factory.async_save import AsyncSaveStager
+from optim_factory.checkpoint import deferred_export, defers_export, export_buffer_test, release_export
 from optim_factory.optimizers.export import StateExporter, export_state
 from recipes.checkpoint import CheckpointError, CheckpointManager, read_checkpoint
 from recipes.config import CheckpointConfig
@@ -63,6 +64,41 @@ def _deferred(opt) -> dict:
         return opt.state_dict()
 
 
+def test_nested_deferred_blocks_are_re_entrant():
+    """An inner ``deferred_state_dict()`` block (a stager's inside a caller's) that closes leaves the outer one
+    deferring: an export inside the outer block still returns unfilled, and only outside both does it wait."""
+    params = make_params(torch.float32)
+    opt = PortableFusedAdam(params, **HP, **BACKGROUND)
+    run_steps(opt, params, 0, 1)
+    with opt.deferred_state_dict():
+        with opt.deferred_state_dict():
+            pass
+        opt.state_dict()
+        assert opt.state_dict_pending, "the outer block stopped deferring when the inner one closed"
+        opt.wait_state_dict()
+    opt.state_dict()
+    assert not opt.state_dict_pending, "an export outside every block returned unfilled"
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "reuse"])
+def test_defers_export_only_into_buffers_nothing_else_writes(reuse):
+    """``defers_export`` says yes only where every tensor of a deferred export is a pooled buffer that nothing
+    writes until it is released (background into reused buffers: a stager passes those through uncopied once the
+    export is waited for). Into fresh host memory it says no: a stager would copy those tensors at staging, before
+    the export has filled them. Without a background export, or for another optimizer: no."""
+    params = make_params(torch.float32)
+    opt = PortableFusedAdam(params, **HP, **BACKGROUND, state_dict_offload_reuse_buffers=reuse)
+    run_steps(opt, params, 0, 1)
+    with deferred_export(opt):
+        sd = opt.state_dict()
+    leased = [export_buffer_test(opt)(t) for states in sd["state"].values() for t in states.values()]
+    assert defers_export(opt) == reuse and leased == [reuse] * len(leased), (reuse, leased)
+    opt.wait_state_dict()
+    assert release_export(opt, sd) == (len(leased) if reuse else 0)
+    synchronous = PortableFusedAdam(params, **HP, state_dict_cpu_offload=True, state_dict_offload_reuse_buffers=True)
+    assert not defers_export(synchronous) and not defers_export(torch.optim.AdamW(params))
+
+
 def _slow_optimizer(**extra):
     params = make_params(torch.float32, shapes=BIG)
     opt = PortableFusedAdam(params, **HP, exp_avg_dtype=torch.bfloat16, **SLOW, **extra)
@@ -92,6 +128,29 @@ def test_load_state_dict_and_the_next_export_wait_too():
     opt.wait_state_dict()
     assert_state_dicts_bitwise(first, reference, "first of two exports")
     assert_state_dicts_bitwise(second, reference, "second of two exports")
+
+
+def test_release_waits_for_the_export_that_writes_the_buffers():
+    """``release_state_dict`` returns only once the background export that writes the buffers it gives back has
+    finished (the next export may take them at once). The export still running is a Future the test finishes: a
+    real one's end would race the test's check."""
+    params = make_params(torch.float32)
+    opt = PortableFusedAdam(params, **HP, **BACKGROUND, state_dict_offload_reuse_buffers=True)
+    run_steps(opt, params, 0, 1)
+    sd = _deferred(opt)
+    opt.wait_state_dict()
+    running: Future = Future()
+    exporter = opt.state_exporter
+    exporter._pending, exporter._pending_pid = running, os.getpid()  # the export, still writing sd's buffers
+    released: list = []
+    release = threading.Thread(target=lambda: released.append(opt.release_state_dict(sd)))
+    release.start()
+    while release.is_alive() and not running._condition._waiters:  # blocked on the export (CPython's internals)
+        time.sleep(0.001)
+    assert not released, "release_state_dict returned while the export still wrote the buffers it released"
+    running.set_result(None)
+    release.join()
+    assert released == [sum(len(states) for states in sd["state"].values())]
 
 
 def _break_a_state(opt) -> tuple[torch.Tensor, int]:

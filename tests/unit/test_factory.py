@@ -113,6 +113,33 @@ def test_remainders_betas_eps_weight_decay_lr_reach_the_optimizer(tmp_path):
     assert {g["weight_decay"] for g in opt.param_groups} == {0.2, 0.0}
 
 
+def test_each_adamw_option_reaches_torch_s_adamw(tmp_path):
+    """optim=adamw builds torch's AdamW with every option its config sets (amsgrad included)."""
+    overrides = ["amsgrad=true", "foreach=false", "betas=[0.8,0.9]", "eps=1e-6", "weight_decay=0.2", "lr=0.01"]
+    cfg = compose_config(["optim=adamw", *(f"optim.{o}" for o in overrides), f"run_dir={tmp_path}"])
+    opt = build_optimizer(cfg.optim, tiny_model())
+    assert type(opt) is torch.optim.AdamW
+    for g in opt.param_groups:
+        assert g["amsgrad"] is True and g["foreach"] is False, g
+        assert g["betas"] == (0.8, 0.9) and g["eps"] == 1e-6 and g["lr"] == 0.01
+    assert {g["weight_decay"] for g in opt.param_groups} == {0.2, 0.0}
+
+
+def test_the_lowmem_preset_keeps_int16_remainders_and_bf16_moments(tmp_path):
+    """experiment=lowmem, the recommended low-memory setting, as the recipe builds it: BF16 parameters whose FP32
+    master is kept as int16 remainders (no full master) and BF16 moments, 6 bytes of state per parameter."""
+    from recipes.model import build_model
+
+    cfg = compose_config(["experiment=lowmem", f"run_dir={tmp_path}", "model.d_model=16", "model.n_layers=1"])
+    model = build_model(cfg.model, seed=0, device=torch.device("cpu"))
+    opt = build_optimizer(cfg.optim, model)
+    opt.initialize_states()
+    want = {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16, "master_param": torch.int16}
+    for name, p in model.named_parameters():
+        state = {k: v.dtype for k, v in opt.state[p].items()}
+        assert p.dtype == torch.bfloat16 and state == want, (name, p.dtype, state)
+
+
 def test_cfg_as_dataclass_dict_and_named_parameters():
     model = tiny_model()
     a = build_optimizer(FusedAdamConfig(lr=0.02, exp_avg_dtype="bf16"), model)

@@ -257,11 +257,13 @@ def test_a_bf16_state_exported_one_at_a_time_is_a_copy():
             assert_bitwise(sd["state"][k][name], value, f"{k}.{name} after a step")
 
 
-def test_capturable_step_and_lr_are_exported_as_copies():
-    """With offload the group's lr and step tensors are exported as copies: a scheduler's in-place write and a step
-    after the export leave the exported values as they were."""
+@pytest.mark.parametrize("chunk_bytes", [None, 0], ids=["chunked", "one state at a time"])
+def test_capturable_step_and_lr_are_exported_as_copies(chunk_bytes):
+    """With offload, chunked or not, the group's lr and step tensors are exported as copies: a scheduler's in-place
+    write and a step after the export leave the exported values as they were."""
     params = make_params(torch.float32)
-    opt = PortableFusedAdam(params, lr=1e-2, capturable=True, state_dict_cpu_offload=True)
+    offload = dict(state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=chunk_bytes)
+    opt = PortableFusedAdam(params, lr=1e-2, capturable=True, **offload)
     run_steps(opt, params, 0, 2)
     sd = opt.state_dict()
     opt.param_groups[0]["lr"].fill_(0.5)  # as LambdaLR writes a capturable lr
@@ -296,21 +298,23 @@ def test_docs_exact_load_snippet_runs_as_written(tmp_path):
         assert_bitwise(exported[i]["master_param"], want, f"param {i}: the saved FP32 master")
 
 
-def test_remainders_for_a_parameter_no_longer_bf16_are_refused_in_one_line_and_nothing_changes(tmp_path):
-    """int16 remainders make a master only with a BF16 parameter: into an FP32 parameter's master they are refused
-    before anything is loaded, naming the state, the saved format and the live one."""
+@pytest.mark.parametrize("param", ["float32", "float16"])
+def test_remainders_for_a_parameter_no_longer_bf16_are_refused_in_one_line_and_nothing_changes(param, tmp_path):
+    """int16 remainders make a master only with a BF16 parameter: into the FP32 master of an FP32 or FP16 parameter
+    (joined with an FP16 parameter's bits they would make a garbage master) they are refused before anything is
+    loaded, naming the state, the saved format and the live one."""
     model, opt = build(torch.bfloat16, **MASTERS["remainders"])
     run_steps(opt, list(model.parameters()), 0, 2)
     save(model, opt, tmp_path)
     # offloaded: a template that aliases no live state (TE's own export aliases FP32 states, which DCP then writes)
-    live_model, live = build(torch.float32, 1, **MASTERS["fp32 master"], state_dict_cpu_offload=True)
+    live_model, live = build(getattr(torch, param), 1, **MASTERS["fp32 master"], state_dict_cpu_offload=True)
     run_steps(live, list(live_model.parameters()), 0, 1)
     before = LiveSnapshot.take(live)
     with pytest.raises(ValueError) as info:
         load(live_model, live, tmp_path, ExactLoadPlanner())
     assert str(info.value) == (
         "load_state_dict: group 0, parameter 0: master_param is saved as int16 remainders, which only a "
-        "BF16 parameter's master can be; this parameter is float32, its master an FP32 master: not convertible"
+        f"BF16 parameter's master can be; this parameter is {param}, its master an FP32 master: not convertible"
     )
     LiveSnapshot.take(live).assert_same(before)  # (DCP itself reads the model's tensors in place: they are read)
 

@@ -144,6 +144,10 @@ INVALID = [
         dict(capturable=True, master_weights=True, store_param_remainders=True),
         "Capturable mode doesn't support storing param remainders",
     ),
+    (  # refused without master weights too (stricter than TE: the value could never take effect)
+        dict(capturable=True, store_param_remainders=True),
+        "Capturable mode doesn't support storing param remainders",
+    ),
 ]
 
 
