@@ -20,7 +20,8 @@ buffers (``state_dict_offload_reuse_buffers``) go to DCP's writer uncopied and b
 and a background export (``state_dict_offload_background``) is deferred: it fills beside the next forward and
 backward, as Automodel's recipes call ``maybe_wait_for_staging()`` before the optimizer step, which waits for it.
 A refused save (a failed or stuck export) raises from ``async_wait()`` in one line, nothing written. It needs no
-accelerator (Automodel's stager refuses a machine without one). MSC (``msc://``) paths save as Automodel does.
+accelerator (Automodel's stager refuses a machine without one). Its async saves write local paths (DCP's file
+writer, DCP's default save planner); an ``msc://`` checkpoint directory with ``is_async`` is refused in one line.
 
 Everything else (sync saves, the model's HF and PEFT formats) is Automodel's. Importing this module imports
 Automodel's checkpoint package (and transformers); the rest of optim_factory never does.
@@ -63,6 +64,14 @@ def _gloo_group(process_group: Any) -> Any:
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
 
 
+def _refuse_remote(path: Any) -> None:
+    if "://" in str(path):
+        raise ValueError(
+            f"checkpoint.is_async=true with {path}: optim_factory's Checkpointer saves asynchronously to local "
+            "paths only; set checkpoint.is_async=false for remote storage"
+        )
+
+
 class Checkpointer(AutomodelCheckpointer):
     """Automodel's ``Checkpointer``; the optimizer's states are read in their saved dtypes (through the caller's
     storage reader where ``_do_load`` is given one), so that our classes convert a changed master format exactly
@@ -70,6 +79,8 @@ class Checkpointer(AutomodelCheckpointer):
     through ``stagers`` (``{"model": ..., "optim": ...}``, each made at its first save; the module docstring)."""
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        if config.is_async:
+            _refuse_remote(config.checkpoint_dir)
         # Automodel's constructor makes its DefaultStagers for is_async: it gets a copy of the config without it
         sync = copy.copy(config)
         sync.is_async = False
@@ -99,8 +110,9 @@ class Checkpointer(AutomodelCheckpointer):
         # Automodel's one DCP write, of the model and of the optimizer; its async one is replaced on local paths
         kind = OPTIM_DIR if os.path.basename(os.path.normpath(path)) == OPTIM_DIR else MODEL_DIR
         peft_model = self.config.is_peft and kind == MODEL_DIR  # rank 0 writes the adapter's safetensors
-        if not self.config.is_async or peft_model or "://" in str(path):
+        if not self.config.is_async or peft_model:
             return super()._do_save(state_dict, path, storage_writer)
+        _refuse_remote(path)
         return self._stager(kind).async_save(
             state_dict, checkpoint_id=path, storage_writer=storage_writer, process_group=self._async_groups.get(kind)
         )
