@@ -15,7 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from recipes.checkpoint.checksums import CRC32_PER_THREAD, ChecksumFileSystem, ChecksumFileSystemWriter, writer_threads
+from optim_factory.async_save import writer_threads
+from recipes.checkpoint.checksums import CRC32_PER_THREAD, ChecksumFileSystem, ChecksumFileSystemWriter
 
 
 def _save(path, threads: int) -> tuple[dict, ChecksumFileSystemWriter]:
