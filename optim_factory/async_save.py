@@ -27,10 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from optim_factory.checkpoint import cpus_per_rank, export_buffer_test, export_failure, release_export
+from optim_factory.checkpoint import export_buffer_test, export_failure, release_export
 from optim_factory.errors import first_line
 from optim_factory.host_copies import HostCopies
 
@@ -39,20 +38,13 @@ try:  # torch >= 2.9: a stager may return a Future, and async_save then returns 
 except ImportError:  # pragma: no cover  (torch < 2.9 is outside the supported range)
     AsyncSaveResponse = None
 
-__all__ = ["AsyncSaveStager", "SaveRefused", "DEFAULT_EXPORT_TIMEOUT_S", "writer_threads"]
+__all__ = ["AsyncSaveStager", "SaveRefused", "DEFAULT_EXPORT_TIMEOUT_S"]
 
 DEFAULT_EXPORT_TIMEOUT_S = 600.0
 """How long a staged save waits for an optimizer's background export to fill (torch's default collective
 timeout): an export that never fills refuses the save instead of holding the writer forever."""
 
 Check = Callable[[dict[str, Any]], "str | None"]
-
-
-def writer_threads(threads: int = 0) -> int:
-    """DCP writer threads per rank: ``threads``, or for 0 min(4, the CPUs of this rank: its affinity shared among
-    the ranks on its host): one thread leaves a fast disk idle while it serializes, and more threads than CPUs
-    compete with each other (docs/design.md, "Measured figures behind the defaults")."""
-    return threads or min(4, cpus_per_rank())
 
 
 class SaveRefused(RuntimeError):
@@ -151,13 +143,10 @@ class AsyncSaveStager(AsyncStager):
     # ------------------------------------------------------------------ the save's lifecycle
     def async_save(self, state_dict: dict[str, Any], **dcp_kwargs: Any) -> AsyncSaveResponse:
         """``dcp.async_save(state_dict, async_stager=self, **dcp_kwargs)`` on a writer thread, once the previous
-        save is over (:meth:`stage` waits for it); the export buffers go back when this one's write is done. Without
-        a ``storage_writer``, DCP's ``FileSystemWriter`` of ``checkpoint_id`` with :func:`writer_threads` threads.
+        save is over (:meth:`stage` waits for it); the export buffers go back when this one's write is done.
         Returns DCP's ``AsyncSaveResponse``: ``staging_completion`` once the copies and exports are filled (the
         next ``step()`` may run), ``upload_completion`` once written (it raises :class:`SaveRefused` or DCP's write
         failure)."""
-        if dcp_kwargs.get("storage_writer") is None and dcp_kwargs.get("checkpoint_id") is not None:
-            dcp_kwargs["storage_writer"] = FileSystemWriter(dcp_kwargs["checkpoint_id"], thread_count=writer_threads())
         response = dcp.async_save(
             state_dict, async_stager=self, async_checkpointer_type=AsyncCheckpointerType.THREAD, **dcp_kwargs
         )

@@ -117,7 +117,7 @@ class CheckpointConfig:
     flatten_optimizer_state_dict: bool = True  # StateDictOptions(flatten_optimizer_state_dict=...)
     resume: str = "auto"  # auto (newest complete checkpoint) | never | <path of a step_* directory>
     fallback: bool = False  # resume=auto: if the newest complete checkpoint fails to load, try older ones
-    write_threads: int = 0  # DCP writer threads per rank, one file each; 0: optim_factory.async_save.writer_threads
+    write_threads: int = 0  # DCP writer threads per rank, one file each; 0: recipes.checkpoint.checksums.writer_threads
     enabled: bool = True
 
     def __post_init__(self) -> None:

@@ -26,6 +26,8 @@ import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from optim_factory.checkpoint import cpus_per_rank
+
 ALGORITHM = "xxh3_64"  # the manifest's key for each file's hash (hex digest)
 MANIFEST_DIGEST = "manifest_xxh3_64"  # the manifest's hash of its own other keys (sorted JSON)
 READ_CHUNK = 16 * 2**20
@@ -161,6 +163,13 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         """``{file name: {"size": bytes, "xxh3_64": hex}}`` of the files this rank wrote in the last save."""
         with self.fs._lock:
             return {k: dict(v) for k, v in self.fs.records.items()}
+
+
+def writer_threads(write_threads: int) -> int:
+    """The DCP writer threads of ``checkpoint.write_threads``: itself, or for 0 min(4, the CPUs of this rank:
+    its affinity shared among the ranks on its host): one thread leaves a fast disk idle while it serializes, and
+    more threads than CPUs compete with each other (docs/design.md, "Measured figures behind the defaults")."""
+    return write_threads or min(4, cpus_per_rank())
 
 
 def file_hash(path: Path) -> tuple[int, str]:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from optim_factory.async_save import writer_threads
+from recipes.checkpoint.checksums import writer_threads
 from recipes.checkpoint.layout import complete
 from recipes.checkpoint.load import Loader
 from recipes.checkpoint.save import Saver

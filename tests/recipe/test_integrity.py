@@ -16,9 +16,8 @@ import xxhash
 from omegaconf import OmegaConf
 
 from optim_factory import ConfigError
-from optim_factory.async_save import writer_threads
 from recipes.checkpoint import FALLBACK_HINT, MARKER, CheckpointError, is_complete, read_checkpoint, read_manifest
-from recipes.checkpoint.checksums import MANIFEST_DIGEST
+from recipes.checkpoint.checksums import MANIFEST_DIGEST, writer_threads
 from recipes.checkpoint.layout import DAMAGED_KEPT, set_aside
 from recipes.train import compose_config, train
 from tests.recipe.runs import QUICK, cli, complete_steps, run_cli, snapshot, stopped
@@ -354,7 +353,7 @@ def test_fallback_sets_aside_only_a_damaged_checkpoint_not_one_this_run_cannot_l
     cfg = CheckpointConfig(dir=str(tmp_path / "ck"), every_steps=1, keep_last=0, fallback=True)
     for step, width in ((1, 3), (2, 5)):
         manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
-        manager.saver.save(step, *build(width), {"step": step})
+        manager.save(step, *build(width), {"step": step})
         manager.close()
     manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="recipes.checkpoint"):

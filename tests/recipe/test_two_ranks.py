@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from optim_factory.async_save import writer_threads
 from recipes.checkpoint import CheckpointError, read_manifest
+from recipes.checkpoint.checksums import writer_threads
 from recipes.config import CheckpointConfig
 from recipes.train import compose_config, train
 from tests.distributed.launch import recipe_ranks

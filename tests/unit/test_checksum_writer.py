@@ -15,8 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from optim_factory.async_save import writer_threads
-from recipes.checkpoint.checksums import CRC32_PER_THREAD, ChecksumFileSystem, ChecksumFileSystemWriter
+from recipes.checkpoint.checksums import CRC32_PER_THREAD, ChecksumFileSystem, ChecksumFileSystemWriter, writer_threads
 
 
 def _save(path, threads: int) -> tuple[dict, ChecksumFileSystemWriter]:
