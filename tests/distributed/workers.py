@@ -396,15 +396,15 @@ def non_finite_on_one_rank(rank: int, world: int, tmp: str) -> None:
         folder = Path(tmp) / f"ck-async-{async_save}"
         config = CheckpointConfig(dir=str(folder), every_steps=1, keep_last=0, async_save=async_save)
         ckpt = CheckpointManager(config, rank=rank, device=torch.device(mesh_device()))
-        ckpt.save(1, model, opt, {"step": 1})
-        ckpt.wait()
+        ckpt.saver.save(1, model, opt, {"step": 1})
+        ckpt.saver.wait()
         state = next(local(st["exp_avg"]) for st in opt.state.values() if local(st["exp_avg"]).numel() > 0)
         kept = state.clone()
         if rank == 0:  # this rank's shard only: every other rank sees finite values
             state.view(-1)[0] = float("nan")
         try:
-            ckpt.save(2, model, opt, {"step": 2})
-            ckpt.wait()
+            ckpt.saver.save(2, model, opt, {"step": 2})
+            ckpt.saver.wait()
         except CheckpointError as exc:
             assert "not saving step 2: the model or optimizer state holds non-finite values" in str(exc), exc
             assert "\n" not in str(exc)
@@ -413,7 +413,7 @@ def non_finite_on_one_rank(rank: int, world: int, tmp: str) -> None:
         state.copy_(kept)
         dist.barrier()
         assert not (folder / "step_00000002").exists()
-        ckpt.save(3, model, opt, {"step": 3})
+        ckpt.saver.save(3, model, opt, {"step": 3})
         ckpt.close()
         dist.barrier()  # rank 0 writes the completion markers
         assert [s for s, _ in ckpt.complete()] == [1, 3], (async_save, ckpt.complete())

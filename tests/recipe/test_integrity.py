@@ -353,7 +353,7 @@ def test_fallback_sets_aside_only_a_damaged_checkpoint_not_one_this_run_cannot_l
     cfg = CheckpointConfig(dir=str(tmp_path / "ck"), every_steps=1, keep_last=0, fallback=True)
     for step, width in ((1, 3), (2, 5)):
         manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
-        manager.save(step, *build(width), {"step": step})
+        manager.saver.save(step, *build(width), {"step": step})
         manager.close()
     manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="recipes.checkpoint"):
