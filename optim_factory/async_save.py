@@ -7,7 +7,7 @@ in buffers that nothing else writes until they are released: this stager passes 
 uncopied, copies the rest (the model's tensors) into pinned host buffers it keeps from save to save, completes a
 background export (``state_dict_offload_background``) on a thread of its own while training goes on, and gives the
 export's buffers back to the optimizer once the write is done. With any other optimizer it stages as DCP's stager
-does (a host copy of every tensor, reused from save to save).
+does (a host copy of every tensor; of CUDA tensors into pinned memory reused from save to save).
 
 A save it stages is refused on every rank, before DCP plans or writes anything, when an optimizer's export failed or
 did not fill within ``export_timeout_s``, or the caller's ``check`` refuses the staged state: the response's
@@ -29,14 +29,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 
+# torch >= 2.9: a stager may return a Future, and async_save then returns both completions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
 from optim_factory.checkpoint import export_buffer_test, export_failure, release_export
 from optim_factory.errors import first_line
 from optim_factory.host_copies import HostCopies
-
-try:  # torch >= 2.9: a stager may return a Future, and async_save then returns both completions
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
-except ImportError:  # pragma: no cover  (torch < 2.9 is outside the supported range)
-    AsyncSaveResponse = None
 
 __all__ = ["AsyncSaveStager", "SaveRefused", "DEFAULT_EXPORT_TIMEOUT_S"]
 
@@ -115,9 +113,12 @@ class AsyncSaveStager(AsyncStager):
         if self._closed:
             raise RuntimeError("AsyncSaveStager: closed; build a new one for further saves")
         self._end_previous()
-        keeps = [test for test in map(export_buffer_test, self.optimizers) if test is not None]
-        staged, copied = self._copies.copy(state_dict, keep=lambda t: any(test(t) for test in keeps))
         save = self._save = _Save(state_dict)
+        keeps = [test for test in map(export_buffer_test, self.optimizers) if test is not None]
+        try:
+            staged, copied = self._copies.copy(state_dict, keep=lambda t: any(test(t) for test in keeps))
+        except Exception as exc:  # noqa: BLE001  (this rank's refusal must reach every rank's agreement)
+            staged, copied = exc, None
         # the caller's GPU on the thread: a new thread's is 0, and its first CUDA call would create a context there
         device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         threading.Thread(
@@ -130,8 +131,9 @@ class AsyncSaveStager(AsyncStager):
         self.wait_staged()
 
     def close(self) -> None:
-        """Wait for a save in flight (its failure is its response's), give every buffer back and free the host
-        copies; the stager saves nothing more."""
+        """Wait for a save :meth:`async_save` started (its failure is its response's), give every buffer back and
+        free the host copies; the stager saves nothing more. A save started by ``dcp.async_save`` directly must
+        have been waited for by its caller."""
         if self._closed:
             return
         self._end_previous()
@@ -146,10 +148,18 @@ class AsyncSaveStager(AsyncStager):
         save is over (:meth:`stage` waits for it); the export buffers go back when this one's write is done.
         Returns DCP's ``AsyncSaveResponse``: ``staging_completion`` once the copies and exports are filled (the
         next ``step()`` may run), ``upload_completion`` once written (it raises :class:`SaveRefused` or DCP's write
-        failure)."""
-        response = dcp.async_save(
-            state_dict, async_stager=self, async_checkpointer_type=AsyncCheckpointerType.THREAD, **dcp_kwargs
-        )
+        failure). DCP's collectives run on the stager's gloo group unless ``process_group`` is given."""
+        if self._group is not None:  # DCP's collectives off the default group, which training uses meanwhile
+            dcp_kwargs.setdefault("process_group", self._group)
+        before = self._save
+        try:
+            response = dcp.async_save(
+                state_dict, async_stager=self, async_checkpointer_type=AsyncCheckpointerType.THREAD, **dcp_kwargs
+            )
+        except BaseException:
+            if self._save is not before:  # staged, never written: nothing reads its buffers
+                self._give_back(self._save)
+            raise
         save = self._save
         save.upload = response.upload_completion
         save.upload.add_done_callback(lambda _: self._give_back(save))
@@ -202,6 +212,8 @@ class AsyncSaveStager(AsyncStager):
         ranks' agreement. It never raises: every rank reaches the agreement, so a refusal is every rank's."""
         failure = None
         try:
+            if isinstance(staged, Exception):
+                raise staged
             if device is not None:
                 torch.cuda.set_device(device)
             copied()

@@ -1,6 +1,7 @@
 """The one host copy of a nested state dict: what an async checkpoint saves besides the optimizer's export buffers
-(the model state), into pinned buffers kept from one save to the next, and the pageable template a load reads
-into (a fresh instance per load). See docs/design.md, "Checkpoints".
+(the model state: ``AsyncSaveStager``'s, CUDA tensors into pinned buffers kept from one save to the next), and the
+pageable template the recipe's load reads into (a fresh instance per load). See docs/design.md, "The async-save
+stager".
 
 CUDA tensors are copied into pinned buffers on a side stream: the copy runs at the link's bandwidth, neither
 blocks the caller nor queues behind or ahead of the caller's kernels, and a fresh pageable copy (page faults,
@@ -23,11 +24,12 @@ __all__ = ["HostCopies"]
 
 
 class HostCopies:
-    """Reusable host buffers for nested state dicts; one per checkpoint manager's saves.
+    """Reusable host buffers for nested state dicts; one per stager.
 
-    A buffer is keyed by the tensor's place in the dict, shape and dtype. :meth:`copy` overwrites the buffers of
-    the previous copy, so the caller must not copy again before what it staged last is written (the checkpoint
-    manager waits for the previous save first). :meth:`close` drops every buffer.
+    A buffer is keyed by the tensor's place in the dict, shape and dtype; only CUDA tensors with ``pinned`` get one
+    (others are copied fresh each time). :meth:`copy` overwrites the buffers of the previous copy, so the caller
+    must not copy again before what it staged last is written (``AsyncSaveStager`` waits for the previous save
+    first). :meth:`close` drops every buffer.
     """
 
     def __init__(self, pinned: bool = True) -> None:

@@ -129,7 +129,8 @@ class Checkpointer(AutomodelCheckpointer):
             for stager in self.stagers.values():
                 stager.close()
             for group in self._async_groups.values():
-                dist.destroy_process_group(group)
+                if dist.is_initialized():
+                    dist.destroy_process_group(group)
             self._async_groups = {}
 
     def _stager(self, kind: str, optimizers: list[torch.optim.Optimizer] | None = None) -> AsyncSaveStager:

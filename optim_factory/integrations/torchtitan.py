@@ -34,8 +34,9 @@ exactly; torchtitan's own reads each state into the template's dtype. Select it 
 Its async modes save through :class:`optim_factory.async_save.AsyncSaveStager`, built once (on torchtitan's
 gloo group of async saves) and closed when torchtitan closes the manager: the optimizers' pooled export buffers
 (``state_dict_offload_reuse_buffers``) go to DCP's writer uncopied and back to the optimizer once written, the
-model's tensors into host copies kept from save to save (pinned in ``async_with_pinned_mem``), and a refused
-save (a failed or stuck export) raises from ``maybe_wait_for_saving`` in one line with nothing written.
+model's CUDA tensors into pinned host copies kept from save to save in ``async_with_pinned_mem`` (fresh copies in
+``async``), and a refused save (a failed or stuck export) raises from ``maybe_wait_for_saving`` in one line with
+nothing written.
 ``async_with_pinned_mem`` keeps torchtitan's contract, staging beside training until ``maybe_wait_for_staging``
 (torchtitan's Trainer calls it before the optimizer step), so there a background export
 (``state_dict_offload_background``) is deferred: it fills beside the next forward and backward. ``async`` keeps

@@ -74,7 +74,10 @@ class Loader:
                     step,
                     missing,
                 )
-                shutil.rmtree(path, ignore_errors=True)
+                try:
+                    shutil.rmtree(path)
+                except OSError as exc:  # never loaded either way; said again at the next launch
+                    log.warning("could not remove %s: %s", path, exc)
         return done[::-1]
 
     def resume(self, model, optimizer, trainer_state: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:

@@ -26,7 +26,7 @@ DCP's default planner reads each saved tensor into the template's dtype, so with
 FP32 master's template as whole numbers within int16's range, an FP32 master in int16 remainders' template
 truncated to whole numbers (0 for every weight below 1). The checkpoint's own dtype is not in what the optimizer
 receives, and a key of our own in the template would make DCP refuse every checkpoint without it (TE's class's,
-and ours before it), so :func:`check_not_cast` tells these from the values, over every master of the dictionary
+and ours written without it), so :func:`check_not_cast` tells these from the values, over every master of the dictionary
 at once, and refuses them before anything is loaded. Moments need no such check: their templates are FP32 or BF16
 (the stored dtype with ``state_dict_keep_bf16``), and DCP's cast into BF16 rounds as ``set_scaled_state`` does.
 
