@@ -151,13 +151,13 @@ class AsyncSaveStager(AsyncStager):
         failure). DCP's collectives run on the stager's gloo group unless ``process_group`` is given."""
         if self._group is not None:  # DCP's collectives off the default group, which training uses meanwhile
             dcp_kwargs.setdefault("process_group", self._group)
-        before = self._save
+        previous = self._save
         try:
             response = dcp.async_save(
                 state_dict, async_stager=self, async_checkpointer_type=AsyncCheckpointerType.THREAD, **dcp_kwargs
             )
         except BaseException:
-            if self._save is not before:  # staged, never written: nothing reads its buffers
+            if self._save is not previous:  # staged, never written: nothing reads its buffers
                 self._give_back(self._save)
             raise
         save = self._save
