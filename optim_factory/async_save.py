@@ -227,7 +227,7 @@ class AsyncSaveStager(AsyncStager):
                 failure = self.check(staged)
             refusals = self._agree(failure)
         except BaseException as exc:  # noqa: BLE001
-            refusals = [f"{first_line(exc, named=True)} (rank {_rank()})"]
+            refusals = [f"{first_line(exc, named=True)} (rank {self._rank()})"]
         if refusals:
             save.staged.set_exception(SaveRefused(refusals))
         else:
@@ -247,11 +247,12 @@ class AsyncSaveStager(AsyncStager):
     def _agree(self, failure: str | None) -> list[str]:
         """Every rank's refusal (``line (rank N)``), gathered on the stager's group; empty when none refused."""
         if self._group is None and not (dist.is_initialized() and dist.get_world_size() > 1):
-            return [] if failure is None else [f"{failure} (rank {_rank()})"]
+            return [] if failure is None else [f"{failure} (rank {self._rank()})"]
         lines: list[str | None] = [None] * dist.get_world_size(self._group)
         dist.all_gather_object(lines, failure, group=self._group)
         return [f"{line} (rank {rank})" for rank, line in enumerate(lines) if line is not None]
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    def _rank(self) -> int:
+        """This process's rank in the agreement's group (the ranks the refusal names)."""
+        return dist.get_rank(self._group) if dist.is_initialized() else 0
