@@ -36,11 +36,14 @@ from optim_factory.checkpoint import export_buffer_test, export_failure, release
 from optim_factory.errors import first_line
 from optim_factory.host_copies import HostCopies
 
-__all__ = ["AsyncSaveStager", "SaveRefused", "DEFAULT_EXPORT_TIMEOUT_S"]
+__all__ = ["AsyncSaveStager", "SaveRefused", "DEFAULT_EXPORT_TIMEOUT_S", "EXPORT_FAILED_LINE"]
 
 DEFAULT_EXPORT_TIMEOUT_S = 600.0
 """How long a staged save waits for an optimizer's background export to fill (torch's default collective
 timeout): an export that never fills refuses the save instead of holding the writer forever."""
+
+EXPORT_FAILED_LINE = "the optimizer's background export failed"
+"""The start of a refusal whose cause is an export's failure (the recipe words its own refusals so too)."""
 
 Check = Callable[[dict[str, Any]], "str | None"]
 
@@ -241,7 +244,7 @@ class AsyncSaveStager(AsyncStager):
                 save.stuck = True
                 return f"the optimizer's background export did not fill within {self.export_timeout_s:g} s"
             if exc is not None:
-                return f"the optimizer's background export failed: {first_line(exc, named=True)}"
+                return f"{EXPORT_FAILED_LINE}: {first_line(exc, named=True)}"
         return None
 
     def _agree(self, failure: str | None) -> list[str]:
@@ -251,7 +254,6 @@ class AsyncSaveStager(AsyncStager):
         lines: list[str | None] = [None] * dist.get_world_size(self._group)
         dist.all_gather_object(lines, failure, group=self._group)
         return [f"{line} (rank {rank})" for rank, line in enumerate(lines) if line is not None]
-
 
     def _rank(self) -> int:
         """This process's rank in the agreement's group (the ranks the refusal names)."""

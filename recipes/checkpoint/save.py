@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from optim_factory.async_save import AsyncSaveStager, SaveRefused
+from optim_factory.async_save import EXPORT_FAILED_LINE, AsyncSaveStager, SaveRefused
 from optim_factory.checkpoint import deferred_export, defers_export, export_failure, release_export
 from optim_factory.errors import first_line
 from optim_factory.optimizers.export import all_finite
@@ -223,7 +223,7 @@ class Saver:
 
     def _finite(self, staged: dict[str, Any]) -> str | None:
         """The stager's check of a deferred save (a save that is not deferred was checked before writing)."""
-        pending = self._pending_write
+        pending, self._pending_write = self._pending_write, None  # one check per save
         skip = pending is None or not pending.deferred or all_finite(local_tensors(staged))
         return None if skip else NON_FINITE_LINE
 
@@ -325,7 +325,7 @@ class Saver:
             return
         why = {
             NO_SPACE: f"no room for it ({space or 'on another rank'}); nothing was deleted,",
-            EXPORT_FAILED: f"the optimizer's background export failed ({export_error or 'on another rank'});",
+            EXPORT_FAILED: f"{EXPORT_FAILED_LINE} ({export_error or 'on another rank'});",
             NON_FINITE: f"{NON_FINITE_LINE};",
         }[worst]
         raise CheckpointError(f"not saving step {step}: {why} the newest good checkpoint is {self.verified or 'none'}")
