@@ -82,6 +82,14 @@ class FrameworkMode:
     def info(self) -> dict:
         return {"optim_bytes": self.exported.nbytes, "stager": self.stager}
 
+    def hook(self) -> None:
+        """Before the optimizer step: the framework's wait for staging (torchtitan's Trainer and Automodel's recipes
+        call it there)."""
+        self.checkpointer.maybe_wait_for_staging()
+
+    def close(self) -> None:
+        self.checkpointer.close()
+
 
 class TitanMode(FrameworkMode):
     def __init__(self, name: str, ctx: dict, optimizers) -> None:
@@ -133,15 +141,9 @@ class TitanMode(FrameworkMode):
         self.stager = type(self.checkpointer.stager).__name__ + self.how  # the stager that staged this save
         return self.info()
 
-    def hook(self) -> None:
-        self.checkpointer.maybe_wait_for_staging()  # torchtitan's Trainer, before the optimizer step
-
     def finish(self) -> None:
         self.checkpointer.maybe_wait_for_saving()
         wait_pinning(self.ctx["opt"])
-
-    def close(self) -> None:
-        self.checkpointer.close()
 
 
 class AutomodelMode(FrameworkMode):
@@ -171,15 +173,9 @@ class AutomodelMode(FrameworkMode):
         self.checkpointer.save_optimizer(self.ctx["opt"], model, str(path))
         return self.info()
 
-    def hook(self) -> None:
-        self.checkpointer.maybe_wait_for_staging()  # Automodel's recipes, before the optimizer step
-
     def finish(self) -> None:
         self.checkpointer.async_wait()
         wait_pinning(self.ctx["opt"])
-
-    def close(self) -> None:
-        self.checkpointer.close()
 
 
 def build_mode(name: str, ctx: dict, stepper) -> FrameworkMode:
