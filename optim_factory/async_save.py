@@ -100,7 +100,11 @@ class AsyncSaveStager(AsyncStager):
         pinned: bool = True,
         export_timeout_s: float = DEFAULT_EXPORT_TIMEOUT_S,
     ) -> None:
-        self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        given = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
+        self.optimizers = list(given) if isinstance(given, Iterable) else [given]
+        stray = [type(o).__name__ for o in self.optimizers if not isinstance(o, torch.optim.Optimizer)]
+        if stray:
+            raise TypeError(f"AsyncSaveStager(optimizers=...): expected torch optimizers, got {', '.join(stray)}")
         self.check = check
         self.export_timeout_s = export_timeout_s
         self._copies = HostCopies(pinned=pinned)
@@ -154,6 +158,8 @@ class AsyncSaveStager(AsyncStager):
         failure). DCP's collectives run on the stager's gloo group unless ``process_group`` is given."""
         if self._group is not None:  # DCP's collectives off the default group, which training uses meanwhile
             dcp_kwargs.setdefault("process_group", self._group)
+        if dcp_kwargs.get("checkpoint_id") is None and dcp_kwargs.get("storage_writer") is None:
+            raise ValueError("AsyncSaveStager.async_save: give checkpoint_id= (or storage_writer=), where it writes")
         previous = self._save
         try:
             response = dcp.async_save(

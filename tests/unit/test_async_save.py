@@ -322,3 +322,21 @@ def test_the_docs_async_loop_runs_on_two_ranks_under_torchrun(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000003", "step_00000006"]
     assert all((p / ".metadata").is_file() for p in (tmp_path / "checkpoints").iterdir())
+
+
+def test_a_stager_of_no_optimizer_or_a_save_to_nowhere_is_one_line_at_the_call(tmp_path):
+    model = _model()
+    refused = r"^AsyncSaveStager\(optimizers=\.\.\.\): expected torch optimizers, got Linear$"
+    for wrong in (model[0], [model[0]]):  # a module, alone or in a list
+        with pytest.raises(TypeError, match=refused):
+            AsyncSaveStager(wrong)
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    stager = AsyncSaveStager(opt)
+    _train(model, opt, 1)
+    state = _export(model, opt)
+    with pytest.raises(ValueError, match=r"^AsyncSaveStager.async_save: give checkpoint_id= \(or storage_writer=\)"):
+        stager.async_save(state)
+    stager.async_save(state, checkpoint_id=str(tmp_path / "ck"))  # nothing was staged by the refused call
+    stager.wait()
+    assert (tmp_path / "ck" / ".metadata").is_file()
+    stager.close()
