@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 
 # torch >= 2.9: a stager may return a Future, and async_save then returns both completions
@@ -110,6 +112,7 @@ class AsyncSaveStager(AsyncStager):
         self._copies = HostCopies(pinned=pinned)
         self._own_group = process_group is None and dist.is_initialized() and dist.get_world_size() > 1
         self._group = dist.new_group(backend="gloo") if self._own_group else process_group
+        self._plan_key = f"optim-factory-stager-{uuid.uuid4().hex}"  # this stager's saves' entry in DCP's plan cache
         self._save: _Save | None = None
         self._closed = False
 
@@ -155,9 +158,12 @@ class AsyncSaveStager(AsyncStager):
         save is over (:meth:`stage` waits for it); the export buffers go back when this one's write is done.
         Returns DCP's ``AsyncSaveResponse``: ``staging_completion`` once the copies and exports are filled (the
         next ``step()`` may run), ``upload_completion`` once written (it raises :class:`SaveRefused` or DCP's write
-        failure). DCP's collectives run on the stager's gloo group unless ``process_group`` is given."""
+        failure). DCP's collectives run on the stager's gloo group unless ``process_group`` is given, and it plans
+        with :meth:`save_planner` unless ``planner`` is given."""
         if self._group is not None:  # DCP's collectives off the default group, which training uses meanwhile
             dcp_kwargs.setdefault("process_group", self._group)
+        if dcp_kwargs.get("planner") is None:
+            dcp_kwargs["planner"] = self.save_planner()
         if dcp_kwargs.get("checkpoint_id") is None and dcp_kwargs.get("storage_writer") is None:
             raise ValueError("AsyncSaveStager.async_save: give checkpoint_id= (or storage_writer=), where it writes")
         previous = self._save
@@ -173,6 +179,17 @@ class AsyncSaveStager(AsyncStager):
         save.upload = response.upload_completion
         save.upload.add_done_callback(lambda _: self._give_back(save))
         return AsyncSaveResponse(staging_completion=save.filled, upload_completion=save.upload)
+
+    def save_planner(self) -> DefaultSavePlanner:
+        """DCP's ``DefaultSavePlanner`` with its plan caching on, in this stager's own entry of DCP's cache: a save
+        whose state dict has the keys, shapes and dtypes of this stager's previous one reuses that save's plans
+        instead of making them again, and any change is planned anew. Planning is Python that holds the GIL on
+        the writer's thread while the next steps run; Automodel's own checkpointer caches its plans so too."""
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        # DCP's cache is one per process, keyed by this attribute (the class's name by default); an entry per
+        # stager keeps the plans of a stager's saves (the model's, the optimizer's) from replacing each other's
+        planner._cached_plans_key = self._plan_key
+        return planner
 
     def wait_staged(self) -> None:
         """Block until the last staged save's copies are done and its exports filled; the next ``step()`` may run."""

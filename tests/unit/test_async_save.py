@@ -118,6 +118,27 @@ def test_a_plain_dcp_async_loop_saves_bitwise_with_the_export_uncopied_and_its_b
     stager.close()
 
 
+def test_a_changed_state_dict_is_planned_anew_beside_another_stager_s_saves(tmp_path):
+    """The stager plans with DCP's plan cache (its own entry): a save whose state dict gained or lost a key
+    writes exactly its own keys, also with another stager's saves of another state dict in between."""
+    model = _model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    stager, other = AsyncSaveStager(opt), AsyncSaveStager()
+    for save, extra in enumerate([{}, {}, {"extra": torch.arange(5.0)}, {}]):
+        _train(model, opt, 1)
+        expected = {**_expected(model, opt), **extra}
+        stager.async_save({**_export(model, opt), **extra}, checkpoint_id=str(tmp_path / f"s{save}"))
+        stager.wait()
+        other.async_save({"x": torch.full((3,), float(save))}, checkpoint_id=str(tmp_path / f"o{save}"))
+        other.wait()
+        written = read_checkpoint(tmp_path / f"s{save}", tmp_path)
+        assert ("extra" in written) == bool(extra), f"s{save}: keys {sorted(written)}"
+        _assert_checkpoint(tmp_path / f"s{save}", expected, tmp_path)
+        assert_bitwise(read_checkpoint(tmp_path / f"o{save}", tmp_path)["x"], torch.full((3,), float(save)), "o")
+    stager.close()
+    other.close()
+
+
 def test_any_other_optimizer_is_staged_as_dcp_stages_it(tmp_path):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
