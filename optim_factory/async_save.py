@@ -78,8 +78,9 @@ class AsyncSaveStager(AsyncStager):
     ``optimizers``: the optimizer (or optimizers) whose exports the saved state dicts hold; any optimizer works.
     ``check``: called on the completion thread with the staged state dict once it is filled; a returned line
     refuses the save (the recipe refuses non-finite values). ``process_group``: the gloo group on which the ranks
-    agree on a refusal, from the completion thread (default: one of its own, created here, so every rank must build
-    its stager in the same order, as for any process group; None on a single process). ``pinned``: the model's host
+    agree on a refusal, from the completion thread (default: one of its own, created here, or at the first save
+    where the process group does not exist yet, so every rank must build and first use its stager in the same
+    order, as for any process group; none on a single process). ``pinned``: the model's host
     copies in pinned memory (CUDA tensors only; other tensors are copied as they are).
 
     Start a save with :meth:`async_save` (``dcp.async_save``'s arguments): at most one save is in flight, and its
@@ -110,8 +111,9 @@ class AsyncSaveStager(AsyncStager):
         self.check = check
         self.export_timeout_s = export_timeout_s
         self._copies = HostCopies(pinned=pinned)
-        self._own_group = process_group is None and dist.is_initialized() and dist.get_world_size() > 1
-        self._group = dist.new_group(backend="gloo") if self._own_group else process_group
+        self._group = process_group
+        self._own_group = False
+        self._join_ranks()
         self._plan_key = f"optim-factory-stager-{uuid.uuid4().hex}"  # this stager's saves' entry in DCP's plan cache
         self._save: _Save | None = None
         self._closed = False
@@ -122,6 +124,7 @@ class AsyncSaveStager(AsyncStager):
         copied into the stager's buffers. Returns the Future DCP's upload waits for (see the module docstring)."""
         if self._closed:
             raise RuntimeError("AsyncSaveStager: closed; build a new one for further saves")
+        self._join_ranks()
         self._end_previous()
         save = self._save = _Save(state_dict)
         keeps = [test for test in map(export_buffer_test, self.optimizers) if test is not None]
@@ -160,6 +163,7 @@ class AsyncSaveStager(AsyncStager):
         next ``step()`` may run), ``upload_completion`` once written (it raises :class:`SaveRefused` or DCP's write
         failure). DCP's collectives run on the stager's gloo group unless ``process_group`` is given, and it plans
         with :meth:`save_planner` unless ``planner`` is given."""
+        self._join_ranks()
         if self._group is not None:  # DCP's collectives off the default group, which training uses meanwhile
             dcp_kwargs.setdefault("process_group", self._group)
         if dcp_kwargs.get("planner") is None:
@@ -215,6 +219,14 @@ class AsyncSaveStager(AsyncStager):
         return self._copies.nbytes()
 
     # ------------------------------------------------------------------ inside
+    def _join_ranks(self) -> None:
+        """The stager's own gloo group, made once the ranks' process group exists and has more than one rank (at
+        construction, or at the first save of a stager built before ``init_process_group``: every rank saves, so
+        every rank makes it at the same point); never made when ``process_group`` was given."""
+        if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")
+            self._own_group = True
+
     def _end_previous(self) -> None:
         """The previous save over: waited for when started by :meth:`async_save`, else (``dcp.async_save``
         directly, whose caller waited for it before the next save) its buffers given back."""
@@ -272,7 +284,7 @@ class AsyncSaveStager(AsyncStager):
 
     def _agree(self, failure: str | None) -> list[str]:
         """Every rank's refusal (``line (rank N)``), gathered on the stager's group; empty when none refused."""
-        if self._group is None and not (dist.is_initialized() and dist.get_world_size() > 1):
+        if self._group is None:  # one process (_join_ranks made a group wherever there are more)
             return [] if failure is None else [f"{failure} (rank {self._rank()})"]
         lines: list[str | None] = [None] * dist.get_world_size(self._group)
         dist.all_gather_object(lines, failure, group=self._group)

@@ -291,11 +291,17 @@ def test_an_export_that_never_fills_refuses_the_save_after_the_timeout(tmp_path,
     stager.close()
 
 
-def one_rank_refuses(rank: int, world: int, tmp: str) -> None:
-    """Rank 1's export fails, rank 0's does not: both refuse the save in the same line, nothing is written."""
+def one_rank_refuses(rank: int, world: int, tmp: str, built_first: bool) -> None:
+    """Rank 1's export fails, rank 0's does not: both refuse the save in the same line, nothing is written. With
+    ``built_first`` the stager is built before the ranks' process group exists (it makes its own at its first save)."""
     model = _model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
-    stager = AsyncSaveStager(opt)  # its own gloo group for the agreement
+    if built_first:
+        dist.destroy_process_group()
+        stager = AsyncSaveStager(opt)
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    else:
+        stager = AsyncSaveStager(opt)  # its own gloo group for the agreement
     _train(model, opt, 1)
     stager.async_save(_export(model, opt), checkpoint_id=f"{tmp}/good")
     stager.wait()
@@ -317,8 +323,9 @@ def one_rank_refuses(rank: int, world: int, tmp: str) -> None:
 
 
 @pytest.mark.slow
-def test_one_rank_s_failed_export_refuses_the_save_on_every_rank(tmp_path):
-    spawn(one_rank_refuses, 2, str(tmp_path))
+@pytest.mark.parametrize("built_first", [False, True], ids=["built-after-init", "built-before-init"])
+def test_one_rank_s_failed_export_refuses_the_save_on_every_rank(tmp_path, built_first):
+    spawn(one_rank_refuses, 2, str(tmp_path), built_first)
 
 
 def test_the_docs_async_loop_runs_as_written(tmp_path, monkeypatch):
