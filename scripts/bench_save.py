@@ -156,6 +156,7 @@ class Trainer:
 
     def __init__(self, model, opt, tokens: int, width: int, device: torch.device):
         self.model, self.opt, self.device = model, opt, device
+        self.enqueued_s = 0.0  # the last step's time until enqueued (see step())
         self.batch = torch.randn(tokens, width, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
 
     def forward_backward_s(self, repeats: int = 5) -> float:
@@ -172,7 +173,8 @@ class Trainer:
         return statistics.median(times[1:])
 
     def step(self, before_step=None) -> tuple[float, float]:
-        """One step; returns (seconds, seconds spent in ``before_step``)."""
+        """One step; returns (seconds, seconds spent in ``before_step``). ``enqueued_s``: the seconds until the
+        step was enqueued, before the device sync (equal to its total when the step waited on the CPU)."""
         t0 = time.perf_counter()
         loss = self.model(self.batch).float().pow(2).mean()
         loss.backward()
@@ -183,6 +185,7 @@ class Trainer:
             hook_s = time.perf_counter() - h0
         self.opt.step()
         self.opt.zero_grad()
+        self.enqueued_s = time.perf_counter() - t0
         sync(self.device)
         return time.perf_counter() - t0, hook_s
 
