@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -28,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 
 # torch >= 2.9: a stager may return a Future, and async_save then returns both completions
@@ -78,9 +76,9 @@ class AsyncSaveStager(AsyncStager):
     ``optimizers``: the optimizer (or optimizers) whose exports the saved state dicts hold; any optimizer works.
     ``check``: called on the completion thread with the staged state dict once it is filled; a returned line
     refuses the save (the recipe refuses non-finite values). ``process_group``: the gloo group on which the ranks
-    agree on a refusal, from the completion thread (default: one of its own, created here, or at the first save
-    where the process group does not exist yet, so every rank must build and first use its stager in the same
-    order, as for any process group; none on a single process). ``pinned``: the model's host
+    agree on a refusal, from the completion thread (default: one of its own over the default group's ranks, created
+    here, or at the first save where the process group does not exist yet, so every rank must build and first use
+    its stager in the same order, as for any process group; none on a single process). ``pinned``: the model's host
     copies in pinned memory (CUDA tensors only; other tensors are copied as they are).
 
     Start a save with :meth:`async_save` (``dcp.async_save``'s arguments): at most one save is in flight, and its
@@ -113,17 +111,15 @@ class AsyncSaveStager(AsyncStager):
         self._copies = HostCopies(pinned=pinned)
         self._group = process_group
         self._own_group = False
-        self._join_ranks()
-        self._plan_key = f"optim-factory-stager-{uuid.uuid4().hex}"  # this stager's saves' entry in DCP's plan cache
         self._save: _Save | None = None
         self._closed = False
+        self._join_ranks()
 
     # ------------------------------------------------------------------ DCP's protocol
     def stage(self, state_dict: dict[str, Any]) -> Future:
         """Host copies of ``state_dict`` for DCP's writer: pooled export buffers passed through, every other tensor
         copied into the stager's buffers. Returns the Future DCP's upload waits for (see the module docstring)."""
-        if self._closed:
-            raise RuntimeError("AsyncSaveStager: closed; build a new one for further saves")
+        self._check_open()
         self._join_ranks()
         self._end_previous()
         save = self._save = _Save(state_dict)
@@ -161,13 +157,11 @@ class AsyncSaveStager(AsyncStager):
         save is over (:meth:`stage` waits for it); the export buffers go back when this one's write is done.
         Returns DCP's ``AsyncSaveResponse``: ``staging_completion`` once the copies and exports are filled (the
         next ``step()`` may run), ``upload_completion`` once written (it raises :class:`SaveRefused` or DCP's write
-        failure). DCP's collectives run on the stager's gloo group unless ``process_group`` is given, and it plans
-        with :meth:`save_planner` unless ``planner`` is given."""
+        failure). DCP's collectives run on the stager's gloo group unless ``process_group`` is given."""
+        self._check_open()
         self._join_ranks()
-        if self._group is not None:  # DCP's collectives off the default group, which training uses meanwhile
-            dcp_kwargs.setdefault("process_group", self._group)
-        if dcp_kwargs.get("planner") is None:
-            dcp_kwargs["planner"] = self.save_planner()
+        if self._group is not None and dcp_kwargs.get("process_group") is None:
+            dcp_kwargs["process_group"] = self._group  # DCP's collectives off the default group training uses
         if dcp_kwargs.get("checkpoint_id") is None and dcp_kwargs.get("storage_writer") is None:
             raise ValueError("AsyncSaveStager.async_save: give checkpoint_id= (or storage_writer=), where it writes")
         previous = self._save
@@ -183,17 +177,6 @@ class AsyncSaveStager(AsyncStager):
         save.upload = response.upload_completion
         save.upload.add_done_callback(lambda _: self._give_back(save))
         return AsyncSaveResponse(staging_completion=save.filled, upload_completion=save.upload)
-
-    def save_planner(self) -> DefaultSavePlanner:
-        """DCP's ``DefaultSavePlanner`` with its plan caching on, in this stager's own entry of DCP's cache: a save
-        whose state dict has the keys, shapes and dtypes of this stager's previous one reuses that save's plans
-        instead of making them again, and any change is planned anew. Planning is Python that holds the GIL on
-        the writer's thread while the next steps run; Automodel's own checkpointer caches its plans so too."""
-        planner = DefaultSavePlanner(enable_plan_caching=True)
-        # DCP's cache is one per process, keyed by this attribute (the class's name by default); an entry per
-        # stager keeps the plans of a stager's saves (the model's, the optimizer's) from replacing each other's
-        planner._cached_plans_key = self._plan_key
-        return planner
 
     def wait_staged(self) -> None:
         """Block until the last staged save's copies are done and its exports filled; the next ``step()`` may run."""
@@ -219,11 +202,16 @@ class AsyncSaveStager(AsyncStager):
         return self._copies.nbytes()
 
     # ------------------------------------------------------------------ inside
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("AsyncSaveStager: closed; build a new one for further saves")
+
     def _join_ranks(self) -> None:
-        """The stager's own gloo group, made once the ranks' process group exists and has more than one rank (at
-        construction, or at the first save of a stager built before ``init_process_group``: every rank saves, so
-        every rank makes it at the same point); never made when ``process_group`` was given."""
-        if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
+        """The stager's own gloo group over the default group's ranks, made once that group exists and has more
+        than one rank: at construction, or at the first save of a stager built before ``init_process_group``
+        (``dist.new_group`` is collective: every rank of the default group must reach that first save); never
+        made when ``process_group`` was given."""
+        if self._group is None and not self._closed and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo")
             self._own_group = True
 

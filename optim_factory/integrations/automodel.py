@@ -21,8 +21,7 @@ and a background export (``state_dict_offload_background``) is deferred: it fill
 backward, as Automodel's recipes call ``maybe_wait_for_staging()`` before the optimizer step, which waits for it.
 A refused save (a failed or stuck export) raises from ``async_wait()`` in one line, nothing written. It needs no
 accelerator (Automodel's stager refuses a machine without one). Its async saves write local paths (DCP's file
-writer; DCP's planner with its plan cache, one entry per kind, as Automodel plans); an ``msc://`` checkpoint
-directory with ``is_async`` is refused in one line.
+writer, DCP's default save planner); an ``msc://`` checkpoint directory with ``is_async`` is refused in one line.
 
 Everything else (sync saves, the model's HF and PEFT formats) is Automodel's. Importing this module imports
 Automodel's checkpoint package (and transformers); the rest of optim_factory never does.

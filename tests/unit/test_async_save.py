@@ -119,12 +119,14 @@ def test_a_plain_dcp_async_loop_saves_bitwise_with_the_export_uncopied_and_its_b
 
 
 def test_a_changed_state_dict_is_planned_anew_beside_another_stager_s_saves(tmp_path):
-    """The stager plans with DCP's plan cache (its own entry): a save whose state dict gained or lost a key
-    writes exactly its own keys, also with another stager's saves of another state dict in between."""
+    """Every save writes exactly its own state dict (keys and dtypes), when a key comes, changes dtype or goes
+    between saves, and with another stager's saves of another state dict in between (DCP's plan cache, for one,
+    compares no dtypes: a stager that planned with it would write the first dtype's metadata)."""
     model = _model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     stager, other = AsyncSaveStager(opt), AsyncSaveStager()
-    for save, extra in enumerate([{}, {}, {"extra": torch.arange(5.0)}, {}]):
+    extras = [{}, {}, {"extra": torch.arange(5.0)}, {"extra": torch.arange(5.0).bfloat16()}, {}]
+    for save, extra in enumerate(extras):
         _train(model, opt, 1)
         expected = {**_expected(model, opt), **extra}
         stager.async_save({**_export(model, opt), **extra}, checkpoint_id=str(tmp_path / f"s{save}"))
