@@ -78,7 +78,8 @@ class AsyncSaveStager(AsyncStager):
     refuses the save (the recipe refuses non-finite values). ``process_group``: the gloo group on which the ranks
     agree on a refusal, from the completion thread (default: one of its own over the default group's ranks, created
     here, or at the first save where the process group does not exist yet, so every rank must build and first use
-    its stager in the same order, as for any process group; none on a single process). ``pinned``: the model's host
+    its stager in the same order, as for any process group; none on a single process; building it first suits a
+    model that is not sharded: FSDP2 needs the group before the optimizer exists). ``pinned``: the model's host
     copies in pinned memory (CUDA tensors only; other tensors are copied as they are).
 
     Start a save with :meth:`async_save` (``dcp.async_save``'s arguments): at most one save is in flight, and its
@@ -195,6 +196,14 @@ class AsyncSaveStager(AsyncStager):
             raise failure
         if failure is not None:
             raise RuntimeError(f"the async save failed: {first_line(failure, named=True)}") from failure
+
+    @property
+    def process_group(self) -> Any:
+        """The gloo group the ranks agree on, and :meth:`async_save` runs DCP's collectives on (``None`` on one
+        process): pass it as ``process_group=`` to a ``dcp.async_save(..., async_stager=self)`` of your own, whose
+        collectives would otherwise run on the default group beside training's and can hang there."""
+        self._join_ranks()
+        return self._group
 
     @property
     def host_bytes(self) -> int:

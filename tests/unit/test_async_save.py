@@ -307,6 +307,7 @@ def one_rank_refuses(rank: int, world: int, tmp: str, built_first: bool) -> None
     _train(model, opt, 1)
     stager.async_save(_export(model, opt), checkpoint_id=f"{tmp}/good")
     stager.wait()
+    assert stager.process_group is not None and stager.process_group != dist.group.WORLD
     if rank == 1:
         state, nbytes = _break_a_state(opt)
     response = stager.async_save(_export(model, opt), checkpoint_id=f"{tmp}/bad")
