@@ -1,6 +1,7 @@
 """What slows the training steps after a save: ``scripts.bench_save`` run as it is, with every step logged (the CPU
-time until it is enqueued and its total), every garbage collection of generation 1 or 2, and each save call, one
-JSON object per line in ``PROBE_LOG`` (default ``probe_steps.jsonl``). A step whose enqueue time is its total
+time until it is enqueued and its total), every garbage collection of generation 1 or 2, each save call, and when
+each save's DCP local plan and data write start and end (on DCP's upload thread), one JSON object per line in
+``PROBE_LOG`` (default ``probe_steps.jsonl``). A step whose enqueue time is its total
 waited on the CPU (for the GIL); one that only runs longer waited on the device.
 
 Environment variables change one thing each (benchmarks/results/2026-12-04-h200-frameworks/README.md, second
@@ -20,7 +21,11 @@ import gc
 import json
 import os
 import sys
+import threading
 import time
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from optim_factory.async_save import AsyncSaveStager
 from scripts import bench_save
@@ -29,16 +34,19 @@ WRITERS = {"fs1": ("dcp", 1), "fs4": ("dcp", 4), "csum4": ("checksums", 4)}
 
 
 class StepLog:
-    """The JSON lines of one run, timed from its start."""
+    """The JSON lines of one run, timed from its start (written from the training thread and DCP's upload thread)."""
 
     def __init__(self, path: str) -> None:
         self.file = open(path, "a")  # noqa: SIM115  (open for the process's whole run)
         self.t0 = time.perf_counter()
         self._gc_start = 0.0
+        self._lock = threading.Lock()
 
     def write(self, **row) -> None:
-        self.file.write(json.dumps({"t": round(time.perf_counter() - self.t0, 4), **row}) + "\n")
-        self.file.flush()
+        line = json.dumps({"t": round(time.perf_counter() - self.t0, 4), **row}) + "\n"
+        with self._lock:
+            self.file.write(line)
+            self.file.flush()
 
     def on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -59,11 +67,23 @@ def logged_step(log: StepLog):
     return logged
 
 
+def logged_phase(log: StepLog, method, ev: str):
+    """``method`` with ``<ev>_start`` and ``<ev>_end`` lines around each call (on the thread that calls it)."""
+
+    @functools.wraps(method)
+    def logged(self, *args, **kwargs):
+        log.write(ev=f"{ev}_start")
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            log.write(ev=f"{ev}_end")
+
+    return logged
+
+
 def writer_for(name: str, checkpoint_id: str):
     kind, threads = WRITERS[name]
     if kind == "dcp":
-        from torch.distributed.checkpoint import FileSystemWriter
-
         return FileSystemWriter(checkpoint_id, thread_count=threads)
     from recipes.checkpoint.checksums import ChecksumFileSystemWriter
 
@@ -77,6 +97,9 @@ def install(env: dict[str, str]) -> StepLog:
     if env.get("PROBE_GC") == "off":
         gc.disable()
     bench_save.Trainer.step = logged_step(log)
+    # where each save's DCP work falls among the steps: its local plan, and its data files' write
+    DefaultSavePlanner.create_local_plan = logged_phase(log, DefaultSavePlanner.create_local_plan, "plan")
+    FileSystemWriter.write_data = logged_phase(log, FileSystemWriter.write_data, "write")
     writer = env.get("PROBE_WRITER", "")
     if writer:
         if writer not in WRITERS:
