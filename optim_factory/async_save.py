@@ -9,15 +9,23 @@ background export (``state_dict_offload_background``) on a thread of its own whi
 export's buffers back to the optimizer once the write is done. With any other optimizer it stages as DCP's stager
 does (a host copy of every tensor; of CUDA tensors into pinned memory reused from save to save).
 
-A save it stages is refused on every rank, before DCP plans or writes anything, when an optimizer's export failed or
-did not fill within ``export_timeout_s``, or the caller's ``check`` refuses the staged state: the response's
-``upload_completion`` raises :class:`SaveRefused` in one line and the checkpoint directory is not written, so the
-previous checkpoint stays the newest.
+A save it stages is refused on every rank, before DCP writes anything, when an optimizer's export failed or did not
+fill within ``export_timeout_s``, or the caller's ``check`` refuses the staged state: the response's
+``upload_completion`` raises :class:`SaveRefused` in one line and the checkpoint directory is not written (nor left
+behind), so the previous checkpoint stays the newest.
+
+A save started by :meth:`AsyncSaveStager.async_save` is planned by DCP while the export is still being filled: DCP's
+planning (Python, on its upload thread) runs while the training loop waits for the fill instead of beside the steps
+after it, and the storage writer's ``write_data`` first waits for the ranks' verdict on the filled state
+(:class:`_Gate`). A ``dcp.async_save(..., async_stager=stager)`` of the caller's own is planned once the verdict is in.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import inspect
+import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -27,10 +35,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 
 # torch >= 2.9: a stager may return a Future, and async_save then returns both completions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from optim_factory.checkpoint import export_buffer_test, export_failure, release_export
 from optim_factory.errors import first_line
@@ -56,6 +67,9 @@ class SaveRefused(RuntimeError):
         super().__init__(f"not saved, nothing was written: {'; '.join(reasons)}")
         self.reasons = reasons
 
+    def __reduce__(self) -> tuple:  # DCP gathers a write's failures to its coordinator pickled
+        return SaveRefused, (self.reasons,)
+
 
 @dataclass
 class _Save:
@@ -65,6 +79,8 @@ class _Save:
     state_dict: dict[str, Any]
     filled: Future = field(default_factory=Future)  # the copies are done and the exports filled (or failed)
     staged: Future = field(default_factory=Future)  # handed to DCP: the staged dict, or SaveRefused on every rank
+    verdict: Future = field(default_factory=Future)  # this rank's refusal line, or None (what a _Gate waits for)
+    refused: SaveRefused | None = None  # gated: the ranks' refusal, raised by the write
     upload: Future | None = None  # DCP's upload, when the save was started by AsyncSaveStager.async_save
     over: threading.Event = field(default_factory=threading.Event)  # written or failed, and its buffers given back
     stuck: bool = False  # an export did not fill in time: its buffers stay with it
@@ -114,6 +130,7 @@ class AsyncSaveStager(AsyncStager):
         self._own_group = False
         self._save: _Save | None = None
         self._closed = False
+        self._gate_next = False  # async_save's staging: the write waits at a _Gate for the verdict
         self._join_ranks()
 
     # ------------------------------------------------------------------ DCP's protocol
@@ -123,6 +140,7 @@ class AsyncSaveStager(AsyncStager):
         self._check_open()
         self._join_ranks()
         self._end_previous()
+        gated, self._gate_next = self._gate_next, False
         save = self._save = _Save(state_dict)
         keeps = [test for test in map(export_buffer_test, self.optimizers) if test is not None]
         try:
@@ -132,8 +150,10 @@ class AsyncSaveStager(AsyncStager):
         # the caller's GPU on the thread: a new thread's is 0, and its first CUDA call would create a context there
         device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         threading.Thread(
-            target=self._complete, args=(save, staged, copied, device), name="optim-factory-staging", daemon=True
+            target=self._complete, args=(save, staged, copied, device, gated), name="optim-factory-staging", daemon=True
         ).start()
+        if gated:  # DCP plans now, from the tensors' metadata (a failed copy's rank plans its own dict, refused later)
+            save.staged.set_result(state_dict if isinstance(staged, Exception) else staged)
         return save.staged
 
     def synchronize_staging(self) -> None:
@@ -155,7 +175,8 @@ class AsyncSaveStager(AsyncStager):
     # ------------------------------------------------------------------ the save's lifecycle
     def async_save(self, state_dict: dict[str, Any], **dcp_kwargs: Any) -> AsyncSaveResponse:
         """``dcp.async_save(state_dict, async_stager=self, **dcp_kwargs)`` on a writer thread, once the previous
-        save is over (:meth:`stage` waits for it); the export buffers go back when this one's write is done.
+        save is over (:meth:`stage` waits for it); DCP plans it at once and its writer (``storage_writer``, or DCP's
+        ``FileSystemWriter`` for a path) waits for the filled state; the export buffers go back when its write is done.
         Returns DCP's ``AsyncSaveResponse``: ``staging_completion`` once the copies and exports are filled (the
         next ``step()`` may run), ``upload_completion`` once written (it raises :class:`SaveRefused` or DCP's write
         failure). DCP's collectives run on the stager's gloo group unless ``process_group`` is given."""
@@ -165,8 +186,14 @@ class AsyncSaveStager(AsyncStager):
             dcp_kwargs["process_group"] = self._group  # DCP's collectives off the default group training uses
         if dcp_kwargs.get("checkpoint_id") is None and dcp_kwargs.get("storage_writer") is None:
             raise ValueError("AsyncSaveStager.async_save: give checkpoint_id= (or storage_writer=), where it writes")
+        writer = dcp_kwargs.get("storage_writer")
+        if writer is None and FileSystemWriter.validate_checkpoint_id(dcp_kwargs["checkpoint_id"]):
+            writer = FileSystemWriter(dcp_kwargs["checkpoint_id"])  # DCP's writer for a path
         previous = self._save
         try:
+            self._gate_next = writer is not None
+            if writer is not None:
+                dcp_kwargs["storage_writer"] = _Gate(writer, self)
             response = dcp.async_save(
                 state_dict, async_stager=self, async_checkpointer_type=AsyncCheckpointerType.THREAD, **dcp_kwargs
             )
@@ -174,9 +201,11 @@ class AsyncSaveStager(AsyncStager):
             if self._save is not previous:  # staged, never written: nothing reads its buffers
                 self._give_back(self._save)
             raise
+        finally:
+            self._gate_next = False
         save = self._save
-        save.upload = response.upload_completion
-        save.upload.add_done_callback(lambda _: self._give_back(save))
+        save.upload = Future()
+        response.upload_completion.add_done_callback(lambda done: self._uploaded(save, done))
         return AsyncSaveResponse(staging_completion=save.filled, upload_completion=save.upload)
 
     def wait_staged(self) -> None:
@@ -235,6 +264,33 @@ class AsyncSaveStager(AsyncStager):
         elif save.staged.done():
             self._give_back(save)
 
+    def _uploaded(self, save: _Save, done: Future) -> None:
+        """DCP's upload is over: the buffers go back, then the response's ``upload_completion`` completes with it
+        (a gated refusal as :class:`SaveRefused`, not as the ``CheckpointException`` DCP wraps it in)."""
+        self._give_back(save)
+        failure = done.exception()
+        if failure is None:
+            save.upload.set_result(done.result())
+        else:
+            save.upload.set_exception(save.refused or failure)
+
+    def _open_gate(self, made: str | None) -> None:
+        """On DCP's upload thread, at the start of every rank's ``write_data`` of the save in flight: wait for this
+        rank's verdict on the filled state, then agree with every rank; a refusal raises :class:`SaveRefused` on
+        every rank before anything is written, and removes the checkpoint directory DCP's planning ``made`` (when
+        still empty)."""
+        save = self._save
+        try:
+            refusals = self._agree(save.verdict.result())
+        except BaseException as exc:  # noqa: BLE001
+            refusals = [f"{first_line(exc, named=True)} (rank {self._rank()})"]
+        if refusals:
+            save.refused = SaveRefused(refusals)
+            if made is not None:
+                with contextlib.suppress(OSError):  # another rank's, or not empty: then not ours to remove
+                    os.rmdir(made)
+            raise save.refused
+
     def _give_back(self, save: _Save) -> None:
         if not save.over.is_set():
             if not save.stuck:
@@ -242,9 +298,10 @@ class AsyncSaveStager(AsyncStager):
                     release_export(opt, save.state_dict)
             save.over.set()
 
-    def _complete(self, save: _Save, staged: dict, copied: Callable[[], None], device: int | None) -> None:
+    def _complete(self, save: _Save, staged: dict, copied: Callable[[], None], device: int | None, gated: bool) -> None:
         """The staging's completion, on a thread of its own: the copies, every export filled, ``check``, then the
-        ranks' agreement. It never raises: every rank reaches the agreement, so a refusal is every rank's."""
+        ranks' agreement (``gated``: the gate's, on DCP's upload thread). It never raises: every rank reaches the
+        agreement, so a refusal is every rank's."""
         failure = None
         try:
             if isinstance(staged, Exception):
@@ -260,6 +317,12 @@ class AsyncSaveStager(AsyncStager):
         try:
             if failure is None and self.check is not None:
                 failure = self.check(staged)
+        except BaseException as exc:  # noqa: BLE001
+            failure = first_line(exc, named=True)
+        save.verdict.set_result(failure)
+        if gated:
+            return
+        try:
             refusals = self._agree(failure)
         except BaseException as exc:  # noqa: BLE001
             refusals = [f"{first_line(exc, named=True)} (rank {self._rank()})"]
@@ -290,3 +353,45 @@ class AsyncSaveStager(AsyncStager):
     def _rank(self) -> int:
         """This process's rank in the agreement's group (the ranks the refusal names)."""
         return dist.get_rank(self._group) if dist.is_initialized() else 0
+
+
+class _Gate(StorageWriter):
+    """The caller's storage writer for one save that :meth:`AsyncSaveStager.async_save` started, whose
+    ``write_data`` first waits for the ranks' verdict on the filled state (``AsyncSaveStager._open_gate``); every
+    other call is the writer's. DCP's planning, before it, needs only the tensors' metadata."""
+
+    def __init__(self, writer: StorageWriter, stager: AsyncSaveStager) -> None:
+        self.writer, self._stager = writer, stager
+        self._made: str | None = None  # the directory the writer's planning created (removed again if refused)
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.writer.reset(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if "kwargs" in inspect.signature(self.writer.set_up_storage_writer).parameters:
+            self.writer.set_up_storage_writer(is_coordinator, *args, **kwargs)
+        else:  # a writer without them (DCP asks the same of the writer it is given)
+            self.writer.set_up_storage_writer(is_coordinator)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        path = getattr(self.writer, "path", None)
+        self._made = None if path is None or os.path.exists(path) else os.fspath(path)
+        return self.writer.prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return self.writer.prepare_global_plan(plans)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._stager._open_gate(self._made)
+        return self.writer.write_data(plan, planner)
+
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        self.writer.finish(metadata, results)
+
+    def storage_meta(self) -> Any:
+        return self.writer.storage_meta()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        """DCP never picks this writer for a checkpoint id: the stager builds it around the caller's."""
+        return False

@@ -38,7 +38,10 @@ that ``step()``), the GPU peak of the save call above the step boundary, the nex
 step's GPU peak beyond a plain step's (what a save keeps on the GPU into the next step: (a)'s export until its
 staging is done, the overlapping export's chunks), RSS and pinned host bytes (torch's pinned host allocator plus
 our pool's registered buffers), bytes on disk, ``complete_s`` (save call until the save was confirmed complete,
-after the 3 following steps: an upper bound) and the 3 following step times against the median of the 3 before.
+after the following steps: an upper bound) and the ``--steps-after`` following step times against the median of the
+3 before (8 by default: enough steps to hold the start of the save's DCP write, whose planning and small pickled
+items run on DCP's upload thread beside them, on every path; with 3 the recipe's write, which starts after its finite
+check, fell after the counted steps and the frameworks' within them).
 Each mode's loss is set against its floor, measured in the same run: the bytes it moves to the host (its optimizer
 export and the model's parameters) over the pinned device-to-host link (``scripts.bench_export.d2h_bandwidth``),
 less one forward and backward, which the next step runs beside the copy. Each mode gets one warm-up checkpoint
@@ -92,6 +95,7 @@ MODES = (
     "g-automodel-te",
     "g-automodel-ours",
 )
+STEPS_AFTER = 8  # the steps after a save that count (the module docstring)
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # as the recipe and torchtitan save optimizers
 
 
@@ -383,8 +387,8 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
         # the loop resumes: forward and backward of the next step, then the wait (if any) before step()
         first_s, hook_s = trainer.step(before_step=mode.hook)
         peak_step = gpu_peak_mib(device, base)
-        after = [first_s - hook_s] + [trainer.step()[0] for _ in range(2)]
-        step += 3
+        after = [first_s - hook_s] + [trainer.step()[0] for _ in range(ctx["steps_after"] - 1)]
+        step += ctx["steps_after"]
         mode.finish()
         complete_s = time.perf_counter() - t0
         dist.barrier()
@@ -444,7 +448,7 @@ def median(rows: list[dict], key: str):
 
 def lost_s(row: dict) -> float:
     """What a checkpoint costs the training loop: its blocking time plus how much longer than the median step
-    before the save each of the 3 steps after it took (a save that returns at once but slows the next steps,
+    before the save each of the steps after it took (a save that returns at once but slows the next steps,
     e.g. a background staging thread competing with them, loses time there)."""
     return row["block_s"] + sum(max(0.0, s - row["step_before_s"]) for s in row["steps_after_s"])
 
@@ -493,7 +497,7 @@ COLUMNS = (  # summary key, table label, divisor, digits
     ("optim_bytes", "optimizer export per rank (MB)", 1e6, 1),
     ("complete_s", "complete (s)", 1, 2),
     ("step_before_s", "step before (s)", 1, 3),
-    ("interference", "worst of 3 after / before", 1, 2),
+    ("interference", "worst after / before", 1, 2),
 )
 
 
@@ -525,7 +529,8 @@ def render(summary: dict, meta: dict) -> str:
         f"rank(s), {meta['optimizer']}, BF16 params, FP32 master{_MASTER[meta.get('master', 'fp32')]}, BF16 moments; "
         f"{meta['fp32_state_gb']:.2f} GB of "
         f"FP32-equivalent optimizer state per rank; chunk {meta['chunk'] >> 20} MiB; {meta['repeats']} measured "
-        "checkpoints per mode after one warm-up (medians; per checkpoint the slowest rank)",
+        "checkpoints per mode after one warm-up (medians; per checkpoint the slowest rank); "
+        f"the slowdown of {meta.get('steps_after', 3)} steps after each save counted",
         "- DCP's `DefaultStager` for (a) and (b): " + stager_note(meta),
         *[f"- {name}: stager: {stager}" for name, stager in meta.get("stagers", {}).items() if name[:2] in FW],
         *[f"- {name}: skipped: {reason}" for name, reason in meta.get("skipped", {}).items()],
@@ -698,6 +703,12 @@ def main(argv: list[str] | None = None) -> None:
         "(int16, 2 bytes per parameter in memory and in the checkpoint instead of 4)",
     )
     ap.add_argument("--repeats", type=cli_args.positive_int, default=2)
+    ap.add_argument(
+        "--steps-after",
+        type=cli_args.positive_int,
+        default=STEPS_AFTER,
+        help="the steps after each save whose slowdown counts as lost to the loop",
+    )
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument(
         "--stager",
@@ -747,6 +758,7 @@ def main(argv: list[str] | None = None) -> None:
         chunk=args.chunk,
         group=dist.new_group(backend="gloo"),
         profile=args.profile,
+        steps_after=args.steps_after,
     )
     ctx.update(stagers(args.stager), skipped={})
     rows, step = [], 3
@@ -772,6 +784,7 @@ def main(argv: list[str] | None = None) -> None:
             chunk=ctx["chunk"],
             master="remainders" if args.store_param_remainders else "fp32",
             repeats=args.repeats,
+            steps_after=args.steps_after,
             fp32_state_gb=local * 12 / 1e9,
             model_bytes=sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
             link_gbps=link_gbps,

@@ -5,7 +5,7 @@ class in the framework's own async mode (``-te``) and with ours through our inte
   with ``async_mode="async_with_pinned_mem"`` around the bench's FSDP2 model, torchtitan's ``OptimizersContainer``
   of the mode's optimizer and an LR scheduler container; the loop calls what torchtitan's Trainer calls:
   ``save(curr_step)`` after the step, ``maybe_wait_for_staging()`` before the next ``optimizer.step()``, and
-  ``maybe_wait_for_saving()`` (here after the 3 steps that follow the save). torchtitan keeps one DCP
+  ``maybe_wait_for_saving()`` (here after the steps that follow the save). torchtitan keeps one DCP
   ``DefaultStager`` across saves (pinned, shared memory, async staging, non-blocking copies), built at its first
   save. Where torchtitan would build it and this torch's stager serves one save (torch 2.11), the manager's
   ``stager`` slot is filled before the first save with ``scripts.dcp_stagers.KeptStager`` (2.13's staging, the same

@@ -6,6 +6,7 @@ rank with nothing written and the previous checkpoint intact (2 forked gloo rank
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory import PortableFusedAdam
@@ -264,18 +265,25 @@ def test_close_with_a_save_in_flight_finishes_it_and_releases_everything(tmp_pat
     opt.wait_state_dict()
 
 
+class _Stuck:
+    """The optimizer's exporter with its export's thread held at ``gate`` (an export not yet filled)."""
+
+    def __init__(self, monkeypatch) -> None:
+        from optim_factory.optimizers.export import mixin
+
+        self.gate = gate = threading.Event()
+        gate.set()
+
+        class Stuck(mixin.StateExporter):
+            def _stream_after(self, *args):
+                gate.wait(60)
+                return super()._stream_after(*args)
+
+        monkeypatch.setattr(mixin, "StateExporter", Stuck)
+
+
 def test_an_export_that_never_fills_refuses_the_save_after_the_timeout(tmp_path, monkeypatch):
-    from optim_factory.optimizers.export import mixin
-
-    gate = threading.Event()
-
-    class Stuck(mixin.StateExporter):  # the export's thread waits at the gate: an export that does not fill
-        def _stream_after(self, *args):
-            gate.wait(60)
-            return super()._stream_after(*args)
-
-    monkeypatch.setattr(mixin, "StateExporter", Stuck)
-    gate.set()
+    gate = _Stuck(monkeypatch).gate
     model, opt, stager, expected = _after_a_good_save(tmp_path, export_timeout_s=0.2)
     gate.clear()
     _train(model, opt, 1)
@@ -290,6 +298,57 @@ def test_an_export_that_never_fills_refuses_the_save_after_the_timeout(tmp_path,
     gate.set()
     opt.wait_state_dict()  # the export finishes once unblocked; the optimizer goes on
     _train(model, opt, 1)
+    stager.close()
+
+
+class _Planner(DefaultSavePlanner):
+    """DCP's save planner, which says when its local plan is made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.planned = threading.Event()
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        self.planned.set()
+        return plan
+
+
+def test_dcp_plans_while_the_export_fills_and_writes_once_it_is_filled(tmp_path, monkeypatch):
+    """The save's DCP planning runs while the loop waits for the export (not beside the steps after it); its
+    writer waits for the filled state, so the checkpoint holds the values of the save's moment."""
+    stuck = _Stuck(monkeypatch)
+    model, opt, stager, _ = _after_a_good_save(tmp_path)
+    _train(model, opt, 1)
+    expected = _expected(model, opt)
+    stuck.gate.clear()
+    planner = _Planner()
+    try:  # the gate opens whatever happens: a held export would hold DCP's upload thread at exit
+        response = stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "ck"), planner=planner)
+        assert planner.planned.wait(30), "DCP did not plan before the export was filled"
+        assert not response.staging_completion.done() and not response.upload_completion.done()
+        assert list((tmp_path / "ck").glob("*")) == [], "written before the export was filled"
+    finally:
+        stuck.gate.set()
+    response.staging_completion.result()
+    _train(model, opt, 1)
+    stager.wait()
+    _assert_checkpoint(tmp_path / "ck", expected, tmp_path)
+    stager.close()
+
+
+def test_a_refusal_leaves_a_directory_that_was_there_and_names_every_reason_pickled(tmp_path):
+    """The directory a refused save was to write into is left as it was (one DCP's planning made is removed
+    again: the tests above); DCP gathers a write's failure pickled, and the refusal keeps its reasons so."""
+    model, opt, stager, _ = _after_a_good_save(tmp_path)
+    (tmp_path / "there").mkdir()
+    state, nbytes = _break_a_state(opt)
+    stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "there"))
+    with pytest.raises(SaveRefused) as info:
+        stager.wait()
+    assert list((tmp_path / "there").iterdir()) == []
+    assert pickle.loads(pickle.dumps(info.value)).reasons == info.value.reasons
+    state.untyped_storage().resize_(nbytes)
     stager.close()
 
 
