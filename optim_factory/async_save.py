@@ -391,6 +391,10 @@ class _Gate(StorageWriter):
     def storage_meta(self) -> Any:
         return self.writer.storage_meta()
 
+    @property
+    def checkpoint_id(self) -> Any:  # what DCP's logging names the save by
+        return getattr(self.writer, "checkpoint_id", None)
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         """DCP never picks this writer for a checkpoint id: the stager builds it around the caller's."""

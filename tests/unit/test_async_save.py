@@ -407,7 +407,8 @@ def test_the_docs_async_loop_runs_on_two_ranks_under_torchrun(tmp_path):
     text = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
     (tmp_path / "loop.py").write_text(re.search(r"<!-- async-save-loop -->\n```python\n(.*?)```", text, re.S).group(1))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "loop.py"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    # the loop as written runs on the CPU (gloo): on a GPU machine fully_shard would take a GPU per rank
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000003", "step_00000006"]
