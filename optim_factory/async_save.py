@@ -14,10 +14,9 @@ fill within ``export_timeout_s``, or the caller's ``check`` refuses the staged s
 ``upload_completion`` raises :class:`SaveRefused` in one line and the checkpoint directory is not written (nor left
 behind), so the previous checkpoint stays the newest.
 
-A save started by :meth:`AsyncSaveStager.async_save` is planned by DCP while the export is still being filled: DCP's
-planning (Python, on its upload thread) runs while the training loop waits for the fill instead of beside the steps
-after it, and the storage writer's ``write_data`` first waits for the ranks' verdict on the filled state
-(:class:`_Gate`). A ``dcp.async_save(..., async_stager=stager)`` of the caller's own is planned once the verdict is in.
+DCP plans a save :meth:`AsyncSaveStager.async_save` starts while the export fills (the loop waits for the fill, not
+the steps after it); its writer waits for the ranks' verdict (:class:`_Gate`). A caller's own ``dcp.async_save``
+is planned once the verdict is in.
 """
 
 from __future__ import annotations
@@ -275,10 +274,9 @@ class AsyncSaveStager(AsyncStager):
             save.upload.set_exception(save.refused or failure)
 
     def _open_gate(self, made: str | None) -> None:
-        """On DCP's upload thread, at the start of every rank's ``write_data`` of the save in flight: wait for this
-        rank's verdict on the filled state, then agree with every rank; a refusal raises :class:`SaveRefused` on
-        every rank before anything is written, and removes the checkpoint directory DCP's planning ``made`` (when
-        still empty)."""
+        """At every rank's ``write_data`` of the save in flight (DCP's upload thread): this rank's verdict, then every
+        rank's; a refusal raises :class:`SaveRefused` on every rank before anything is written and removes the
+        directory DCP's planning ``made`` (when still empty)."""
         save = self._save
         try:
             refusals = self._agree(save.verdict.result())
