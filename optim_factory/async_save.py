@@ -11,20 +11,17 @@ does (a host copy of every tensor; of CUDA tensors into pinned memory reused fro
 
 A save it stages is refused on every rank, before DCP writes anything, when an optimizer's export failed or did not
 fill within ``export_timeout_s``, or the caller's ``check`` refuses the staged state: the response's
-``upload_completion`` raises :class:`SaveRefused` in one line and the checkpoint directory is not written (nor left
-behind), so the previous checkpoint stays the newest.
+``upload_completion`` raises :class:`SaveRefused` in one line and the checkpoint directory is not written (nor, a
+local one, left behind), so the previous checkpoint stays the newest.
 
 DCP plans a save :meth:`AsyncSaveStager.async_save` starts while the export fills (the loop waits for the fill, not
-the steps after it); its writer waits for the ranks' verdict (:class:`_Gate`). A caller's own ``dcp.async_save``
-is planned once the verdict is in.
+the steps after it); its writer waits for the ranks' verdict (``optim_factory.gated_writer``; docs/design.md says
+which saves). A caller's own ``dcp.async_save`` is planned once the verdict is in.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import inspect
-import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -35,15 +32,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 
 # torch >= 2.9: a stager may return a Future, and async_save then returns both completions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
-from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from optim_factory.checkpoint import export_buffer_test, export_failure, release_export
 from optim_factory.errors import first_line
+from optim_factory.gated_writer import GatedWriter
 from optim_factory.host_copies import HostCopies
 
 __all__ = ["AsyncSaveStager", "SaveRefused", "DEFAULT_EXPORT_TIMEOUT_S", "EXPORT_FAILED_LINE"]
@@ -78,7 +74,7 @@ class _Save:
     state_dict: dict[str, Any]
     filled: Future = field(default_factory=Future)  # the copies are done and the exports filled (or failed)
     staged: Future = field(default_factory=Future)  # handed to DCP: the staged dict, or SaveRefused on every rank
-    verdict: Future = field(default_factory=Future)  # this rank's refusal line, or None (what a _Gate waits for)
+    verdict: Future = field(default_factory=Future)  # this rank's refusal line, or None (GatedWriter's gate waits)
     refused: SaveRefused | None = None  # gated: the ranks' refusal, raised by the write
     upload: Future | None = None  # DCP's upload, when the save was started by AsyncSaveStager.async_save
     over: threading.Event = field(default_factory=threading.Event)  # written or failed, and its buffers given back
@@ -129,7 +125,7 @@ class AsyncSaveStager(AsyncStager):
         self._own_group = False
         self._save: _Save | None = None
         self._closed = False
-        self._gate_next = False  # async_save's staging: the write waits at a _Gate for the verdict
+        self._gate_next = False  # async_save's staging: the write waits at a GatedWriter for the verdict
         self._join_ranks()
 
     # ------------------------------------------------------------------ DCP's protocol
@@ -175,7 +171,8 @@ class AsyncSaveStager(AsyncStager):
     def async_save(self, state_dict: dict[str, Any], **dcp_kwargs: Any) -> AsyncSaveResponse:
         """``dcp.async_save(state_dict, async_stager=self, **dcp_kwargs)`` on a writer thread, once the previous
         save is over (:meth:`stage` waits for it); DCP plans it at once and its writer (``storage_writer``, or DCP's
-        ``FileSystemWriter`` for a path) waits for the filled state; the export buffers go back when its write is done.
+        ``FileSystemWriter`` for a ``checkpoint_id`` without ``://``) waits for the filled state (docs/design.md);
+        the export buffers go back when its write is done.
         Returns DCP's ``AsyncSaveResponse``: ``staging_completion`` once the copies and exports are filled (the
         next ``step()`` may run), ``upload_completion`` once written (it raises :class:`SaveRefused` or DCP's write
         failure). DCP's collectives run on the stager's gloo group unless ``process_group`` is given."""
@@ -185,14 +182,15 @@ class AsyncSaveStager(AsyncStager):
             dcp_kwargs["process_group"] = self._group  # DCP's collectives off the default group training uses
         if dcp_kwargs.get("checkpoint_id") is None and dcp_kwargs.get("storage_writer") is None:
             raise ValueError("AsyncSaveStager.async_save: give checkpoint_id= (or storage_writer=), where it writes")
-        writer = dcp_kwargs.get("storage_writer")
-        if writer is None and FileSystemWriter.validate_checkpoint_id(dcp_kwargs["checkpoint_id"]):
-            writer = FileSystemWriter(dcp_kwargs["checkpoint_id"])  # DCP's writer for a path
+        # gated or not from the arguments alone, the same on every rank (DCP's writer for a path built here)
+        writer, ckpt = dcp_kwargs.get("storage_writer"), str(dcp_kwargs.get("checkpoint_id"))
+        writer = FileSystemWriter(ckpt) if writer is None and "://" not in ckpt else writer
         previous = self._save
-        try:
-            self._gate_next = writer is not None
-            if writer is not None:
-                dcp_kwargs["storage_writer"] = _Gate(writer, self)
+        try:  # gated: each rank's planning alone (use_collectives=False) could leave the others at the gate
+            self._gate_next = writer is not None and dcp_kwargs.get("use_collectives", True) is not False
+            self._gate_next = self._gate_next and not dcp_kwargs.get("no_dist", False)
+            if self._gate_next:
+                dcp_kwargs["storage_writer"] = GatedWriter(writer, self._open_gate)
             response = dcp.async_save(
                 state_dict, async_stager=self, async_checkpointer_type=AsyncCheckpointerType.THREAD, **dcp_kwargs
             )
@@ -264,8 +262,12 @@ class AsyncSaveStager(AsyncStager):
             self._give_back(save)
 
     def _uploaded(self, save: _Save, done: Future) -> None:
-        """DCP's upload is over: the buffers go back, then the response's ``upload_completion`` completes with it
-        (a gated refusal as :class:`SaveRefused`, not as the ``CheckpointException`` DCP wraps it in)."""
+        """DCP's upload is over (a gated one may fail in planning, before the fill): once this rank's verdict is in,
+        the buffers go back (not those of an export that never filled), then ``upload_completion`` completes with
+        DCP's outcome (a gated refusal as :class:`SaveRefused`, not the ``CheckpointException`` DCP wraps it in)."""
+        save.verdict.add_done_callback(lambda _: self._upload_over(save, done))
+
+    def _upload_over(self, save: _Save, done: Future) -> None:
         self._give_back(save)
         failure = done.exception()
         if failure is None:
@@ -273,10 +275,9 @@ class AsyncSaveStager(AsyncStager):
         else:
             save.upload.set_exception(save.refused or failure)
 
-    def _open_gate(self, made: str | None) -> None:
-        """At every rank's ``write_data`` of the save in flight (DCP's upload thread): this rank's verdict, then every
-        rank's; a refusal raises :class:`SaveRefused` on every rank before anything is written and removes the
-        directory DCP's planning ``made`` (when still empty)."""
+    def _open_gate(self) -> None:
+        """At every rank's ``write_data`` of the save in flight (DCP's upload thread, :class:`GatedWriter`): this
+        rank's verdict, then every rank's; a refusal raises :class:`SaveRefused` on every rank."""
         save = self._save
         try:
             refusals = self._agree(save.verdict.result())
@@ -284,9 +285,6 @@ class AsyncSaveStager(AsyncStager):
             refusals = [f"{first_line(exc, named=True)} (rank {self._rank()})"]
         if refusals:
             save.refused = SaveRefused(refusals)
-            if made is not None:
-                with contextlib.suppress(OSError):  # another rank's, or not empty: then not ours to remove
-                    os.rmdir(made)
             raise save.refused
 
     def _give_back(self, save: _Save) -> None:
@@ -351,49 +349,3 @@ class AsyncSaveStager(AsyncStager):
     def _rank(self) -> int:
         """This process's rank in the agreement's group (the ranks the refusal names)."""
         return dist.get_rank(self._group) if dist.is_initialized() else 0
-
-
-class _Gate(StorageWriter):
-    """The caller's storage writer for one save that :meth:`AsyncSaveStager.async_save` started, whose
-    ``write_data`` first waits for the ranks' verdict on the filled state (``AsyncSaveStager._open_gate``); every
-    other call is the writer's. DCP's planning, before it, needs only the tensors' metadata."""
-
-    def __init__(self, writer: StorageWriter, stager: AsyncSaveStager) -> None:
-        self.writer, self._stager = writer, stager
-        self._made: str | None = None  # the directory the writer's planning created (removed again if refused)
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        self.writer.reset(checkpoint_id)
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if "kwargs" in inspect.signature(self.writer.set_up_storage_writer).parameters:
-            self.writer.set_up_storage_writer(is_coordinator, *args, **kwargs)
-        else:  # a writer without them (DCP asks the same of the writer it is given)
-            self.writer.set_up_storage_writer(is_coordinator)
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        path = getattr(self.writer, "path", None)
-        self._made = None if path is None or os.path.exists(path) else os.fspath(path)
-        return self.writer.prepare_local_plan(plan)
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return self.writer.prepare_global_plan(plans)
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        self._stager._open_gate(self._made)
-        return self.writer.write_data(plan, planner)
-
-    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
-        self.writer.finish(metadata, results)
-
-    def storage_meta(self) -> Any:
-        return self.writer.storage_meta()
-
-    @property
-    def checkpoint_id(self) -> Any:  # what DCP's logging names the save by
-        return getattr(self.writer, "checkpoint_id", None)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        """DCP never picks this writer for a checkpoint id: the stager builds it around the caller's."""
-        return False

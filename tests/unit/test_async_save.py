@@ -322,18 +322,46 @@ def test_dcp_plans_while_the_export_fills_and_writes_once_it_is_filled(tmp_path,
     _train(model, opt, 1)
     expected = _expected(model, opt)
     stuck.gate.clear()
-    planner = _Planner()
+    planner, writer = _Planner(), _GatedWriter(str(tmp_path / "ck"))
     try:  # the gate opens whatever happens: a held export would hold DCP's upload thread at exit
-        response = stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "ck"), planner=planner)
+        response = stager.async_save(_export(model, opt), storage_writer=writer, planner=planner)
         assert planner.planned.wait(30), "DCP did not plan before the export was filled"
         assert not response.staging_completion.done() and not response.upload_completion.done()
-        assert list((tmp_path / "ck").glob("*")) == [], "written before the export was filled"
+        assert not writer.written, "written before the export was filled"
     finally:
         stuck.gate.set()
     response.staging_completion.result()
     _train(model, opt, 1)
     stager.wait()
     _assert_checkpoint(tmp_path / "ck", expected, tmp_path)
+    stager.close()
+
+
+class _NoPlan(FileSystemWriter):
+    """DCP's file writer whose planning fails (before the export is filled, now that DCP plans at once)."""
+
+    def prepare_local_plan(self, plan):
+        raise OSError("Permission denied (injected)")
+
+
+def test_a_save_that_fails_in_planning_keeps_an_unfilled_export_s_buffers_and_ends(tmp_path, monkeypatch):
+    """DCP's planning fails while the export is not filled: the save ends with DCP's failure once the export's
+    timeout refuses it, and the buffers the export still writes stay with it (a give-back would wait for it)."""
+    stuck = _Stuck(monkeypatch)
+    model, opt, stager, _ = _after_a_good_save(tmp_path, export_timeout_s=0.2)
+    _train(model, opt, 1)
+    stuck.gate.clear()
+    try:
+        state = _export(model, opt)
+        stager.async_save(state, storage_writer=_NoPlan(str(tmp_path / "bad")))
+        waiter = threading.Thread(target=lambda: pytest.raises(RuntimeError, stager.wait), daemon=True)
+        waiter.start()
+        waiter.join(30)
+        assert not waiter.is_alive(), "the failed save never ended"
+        assert _leased(opt, state), "buffers the unfilled export still writes were given back"
+    finally:
+        stuck.gate.set()
+    opt.wait_state_dict()
     stager.close()
 
 
