@@ -313,6 +313,8 @@ class AsyncSaveStager(AsyncStager):
         try:
             if failure is None and self.check is not None:
                 failure = self.check(staged)
+            if failure is not None and not isinstance(failure, str):
+                failure = f"AsyncSaveStager's check returned {failure!r}: a refusal line (str) or None saves"
         except BaseException as exc:  # noqa: BLE001
             failure = first_line(exc, named=True)
         save.verdict.set_result(failure)

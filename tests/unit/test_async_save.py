@@ -365,6 +365,33 @@ def test_a_save_that_fails_in_planning_keeps_an_unfilled_export_s_buffers_and_en
     stager.close()
 
 
+def test_a_check_that_returns_no_line_is_named_and_a_save_without_collectives_plans_after_the_fill(
+    tmp_path, monkeypatch
+):
+    """A ``check`` returning ``True`` refuses in a line naming what it returned; with ``no_dist`` (DCP plans each
+    rank alone, so no rank may wait at a gate for the others) DCP plans only once the export is filled."""
+    stuck = _Stuck(monkeypatch)
+    model = _model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    stager = AsyncSaveStager(opt, check=lambda staged: True)
+    _train(model, opt, 1)
+    stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "true"))
+    with pytest.raises(SaveRefused, match=r"check returned True: a refusal line \(str\) or None saves \(rank 0\)$"):
+        stager.wait()
+    stager.check = None
+    _train(model, opt, 1)
+    stuck.gate.clear()
+    planner = _Planner()
+    try:
+        stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "ck"), planner=planner, no_dist=True)
+        assert not planner.planned.wait(0.5), "planned before the export was filled, without DCP's collectives"
+    finally:
+        stuck.gate.set()
+    stager.wait()
+    assert planner.planned.is_set() and (tmp_path / "ck" / ".metadata").is_file()
+    stager.close()
+
+
 def test_a_refusal_leaves_a_directory_that_was_there_and_names_every_reason_pickled(tmp_path):
     """The directory a refused save was to write into is left as it was (one DCP's planning made is removed
     again: the tests above); DCP gathers a write's failure pickled, and the refusal keeps its reasons so."""
