@@ -39,10 +39,11 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 
 from optim_factory.checkpoint import export_buffer_test, export_failure, release_export
 from optim_factory.errors import first_line
+from optim_factory.finite_check import NON_FINITE_LINE, FiniteCheck
 from optim_factory.gated_writer import GatedWriter
 from optim_factory.host_copies import HostCopies
 
-__all__ = ["AsyncSaveStager", "SaveRefused", "DEFAULT_EXPORT_TIMEOUT_S", "EXPORT_FAILED_LINE"]
+__all__ = ["AsyncSaveStager", "SaveRefused", "DEFAULT_EXPORT_TIMEOUT_S", "EXPORT_FAILED_LINE", "NON_FINITE_LINE"]
 
 DEFAULT_EXPORT_TIMEOUT_S = 600.0
 """How long a staged save waits for an optimizer's background export to fill (torch's default collective
@@ -85,8 +86,10 @@ class AsyncSaveStager(AsyncStager):
     """DCP's ``AsyncStager`` for async saves of our optimizers' exports, kept across saves; ``close()`` frees it.
 
     ``optimizers``: the optimizer (or optimizers) whose exports the saved state dicts hold; any optimizer works.
-    ``check``: called on the completion thread with the staged state dict once it is filled; a returned line
-    refuses the save (the recipe refuses non-finite values). ``process_group``: the gloo group on which the ranks
+    ``refuse_non_finite``: refuse a save whose state holds NaN or inf (:data:`NON_FINITE_LINE`), each value read
+    where it lives: CUDA tensors on the GPU beside training (``optim_factory.finite_check``). ``check``: called on
+    the completion thread with the staged state dict once it is filled; a returned line refuses the save.
+    ``process_group``: the gloo group on which the ranks
     agree on a refusal, from the completion thread (default: one of its own over the default group's ranks, created
     here, or at the first save where the process group does not exist yet, so every rank must build and first use
     its stager in the same order, as for any process group; none on a single process; building it first suits a
@@ -108,6 +111,7 @@ class AsyncSaveStager(AsyncStager):
         self,
         optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (),
         *,
+        refuse_non_finite: bool = False,
         check: Check | None = None,
         process_group: Any = None,
         pinned: bool = True,
@@ -118,7 +122,7 @@ class AsyncSaveStager(AsyncStager):
         stray = [type(o).__name__ for o in self.optimizers if not isinstance(o, torch.optim.Optimizer)]
         if stray:
             raise TypeError(f"AsyncSaveStager(optimizers=...): expected torch optimizers, got {', '.join(stray)}")
-        self.check = check
+        self.check, self.refuse_non_finite = check, refuse_non_finite
         self.export_timeout_s = export_timeout_s
         self._copies = HostCopies(pinned=pinned)
         self._group = process_group
@@ -137,15 +141,24 @@ class AsyncSaveStager(AsyncStager):
         self._end_previous()
         gated, self._gate_next = self._gate_next, False
         save = self._save = _Save(state_dict)
-        keeps = [test for test in map(export_buffer_test, self.optimizers) if test is not None]
+        tests = [(opt, test) for opt, test in zip(self.optimizers, map(export_buffer_test, self.optimizers)) if test]
+
+        def exported_by(t: torch.Tensor) -> torch.optim.Optimizer | None:
+            return next((opt for opt, test in tests if test(t)), None)
+
+        finite = None
         try:
-            staged, copied = self._copies.copy(state_dict, keep=lambda t: any(test(t) for test in keeps))
+            staged, copied = self._copies.copy(state_dict, keep=lambda t: exported_by(t) is not None)
+            finite = FiniteCheck(state_dict, staged, exported_by) if self.refuse_non_finite else None
         except Exception as exc:  # noqa: BLE001  (this rank's refusal must reach every rank's agreement)
             staged, copied = exc, None
         # the caller's GPU on the thread: a new thread's is 0, and its first CUDA call would create a context there
         device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         threading.Thread(
-            target=self._complete, args=(save, staged, copied, device, gated), name="optim-factory-staging", daemon=True
+            target=self._complete,
+            args=(save, staged, copied, finite, device, gated),
+            name="optim-factory-staging",
+            daemon=True,
         ).start()
         if gated:  # DCP plans now, from the tensors' metadata (a failed copy's rank plans its own dict, refused later)
             save.staged.set_result(state_dict if isinstance(staged, Exception) else staged)
@@ -294,29 +307,43 @@ class AsyncSaveStager(AsyncStager):
                     release_export(opt, save.state_dict)
             save.over.set()
 
-    def _complete(self, save: _Save, staged: dict, copied: Callable[[], None], device: int | None, gated: bool) -> None:
-        """The staging's completion, on a thread of its own: the copies, every export filled, ``check``, then the
-        ranks' agreement (``gated``: the gate's, on DCP's upload thread). It never raises: every rank reaches the
-        agreement, so a refusal is every rank's."""
+    def _complete(
+        self,
+        save: _Save,
+        staged: dict,
+        copied: Callable[[], None],
+        finite: FiniteCheck | None,
+        device: int | None,
+        gated: bool,
+    ) -> None:
+        """The staging's completion, on a thread of its own: the GPU's finite check, the copies, every export
+        filled, the host's finite check, ``check``, then the ranks' agreement (``gated``: the gate's, on DCP's upload
+        thread). It never raises: every rank reaches the agreement, so a refusal is every rank's."""
         failure = None
         try:
             if isinstance(staged, Exception):
                 raise staged
             if device is not None:
                 torch.cuda.set_device(device)
+            failure = None if finite is None or finite.on_device() else NON_FINITE_LINE  # before step() changes it
             copied()
-            failure = self._export_failure(save)
+            failure = self._export_failure(save) or failure
         except BaseException as exc:  # noqa: BLE001  (one rank's failure must reach the agreement, not end it)
             failure = first_line(exc, named=True)
         finally:
             save.filled.set_result(None)
         try:
+            if failure is None and finite is not None and not finite.on_host():
+                failure = NON_FINITE_LINE
             if failure is None and self.check is not None:
                 failure = self.check(staged)
             if failure is not None and not isinstance(failure, str):
                 failure = f"AsyncSaveStager's check returned {failure!r}: a refusal line (str) or None saves"
         except BaseException as exc:  # noqa: BLE001
             failure = first_line(exc, named=True)
+        finally:
+            if finite is not None:
+                finite.release()
         save.verdict.set_result(failure)
         if gated:
             return

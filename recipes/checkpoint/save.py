@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from optim_factory.async_save import EXPORT_FAILED_LINE, AsyncSaveStager, SaveRefused
+from optim_factory.async_save import EXPORT_FAILED_LINE, NON_FINITE_LINE, AsyncSaveStager, SaveRefused
 from optim_factory.checkpoint import deferred_export, defers_export, export_failure, release_export
 from optim_factory.errors import first_line
 from optim_factory.optimizers.export import all_finite
@@ -52,9 +52,6 @@ log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the p
 
 SAVE_PHASES = ("export", "write", "marker")  # the points of a save at which Saver.on_phase runs
 FINITE, NO_SPACE, NON_FINITE, EXPORT_FAILED = 0, 1, 2, 3  # a save's verdict, agreed by all ranks (the worst wins)
-
-
-NON_FINITE_LINE = "the model or optimizer state holds non-finite values (NaN/inf)"
 
 
 @dataclass
@@ -109,7 +106,6 @@ class Saver:
         self.verified: Path | None = None
         self._pending: InFlight | None = None
         self._stager: AsyncSaveStager | None = None  # async saves' staging, kept from save to save
-        self._pending_write: InFlight | None = None  # the async save the stager stages now (its check reads it)
         self._in_the_way: set[str] | None = None  # step directories of earlier launches, rank 0's (_clear_in_the_way)
 
     def on_phase(self, phase: str, step: int, path: Path) -> None:
@@ -218,21 +214,14 @@ class Saver:
         if self._stager is None or self._stager.optimizers != [optimizer]:
             if self._stager is not None:
                 self._stager.close()
-            self._stager = AsyncSaveStager(optimizer, check=self._finite, process_group=self.save_group)
+            self._stager = AsyncSaveStager(optimizer, refuse_non_finite=True, process_group=self.save_group)
         return self._stager
-
-    def _finite(self, staged: dict[str, Any]) -> str | None:
-        """The stager's check of a deferred save (a save that is not deferred was checked before writing)."""
-        pending, self._pending_write = self._pending_write, None  # one check per save
-        skip = pending is None or not pending.deferred or all_finite(local_tensors(staged))
-        return None if skip else NON_FINITE_LINE
 
     def _write(self, state: dict, path: Path, writer, optimizer, pending: InFlight | None) -> None:
         """``dcp.save`` (``pending`` None), or the stager's ``dcp.async_save``, whose upload ``pending`` holds from
         here on and which gives the export's buffers back once written. A sync save's buffers go back here."""
         try:
             if pending is not None:
-                self._pending_write = pending
                 response = self._stager_for(optimizer).async_save(
                     state, checkpoint_id=str(path), storage_writer=writer, process_group=self.save_group
                 )

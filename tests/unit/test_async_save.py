@@ -21,53 +21,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory import PortableFusedAdam
 from optim_factory.async_save import AsyncSaveStager, SaveRefused
-from optim_factory.checkpoint import deferred_export
 from recipes.checkpoint import read_checkpoint
 from tests.distributed.launch import spawn
 from tests.helpers import assert_bitwise
-
-OURS = dict(
-    exp_avg_dtype=torch.bfloat16,
-    state_dict_cpu_offload=True,
-    state_dict_offload_chunk_bytes=4096,
-    state_dict_offload_reuse_buffers=True,
-    state_dict_offload_background=True,
-)
-
-
-def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
-
-
-def _train(model, opt, steps: int) -> None:
-    for _ in range(steps):
-        model(torch.randn(4, 256)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def _export(model, opt) -> dict:
-    """What a checkpointer saves: model and optimizer, the export deferred (a background export returns unfilled)."""
-    with deferred_export(opt):
-        msd, osd = get_state_dict(model, opt)
-    return {"model": msd, "optim": osd}
-
-
-def _expected(model, opt) -> dict[str, torch.Tensor]:
-    """The flat tensors a checkpoint of this moment holds (a synchronous export, its own buffers)."""
-    msd, osd = get_state_dict(model, opt)
-    flat = {f"model.{k}": v.clone() for k, v in msd.items()}
-    for idx, states in osd["state"].items():
-        flat.update({f"optim.state.{idx}.{name}": v.clone() for name, v in states.items()})
-    opt.release_state_dict(osd)
-    return flat
-
-
-def _assert_checkpoint(path: Path, expected: dict[str, torch.Tensor], tmp: Path) -> None:
-    written = read_checkpoint(path, tmp)
-    for key, value in expected.items():
-        assert_bitwise(written[key], value, f"{path.name} {key}")
+from tests.unit.saves import OURS, assert_checkpoint, expected_tensors, export_deferred, make_model, train
 
 
 def _leased(opt, state: dict) -> list[torch.Tensor]:
@@ -93,20 +50,20 @@ class _GatedWriter(FileSystemWriter):
 
 
 def test_a_plain_dcp_async_loop_saves_bitwise_with_the_export_uncopied_and_its_buffers_reused(tmp_path):
-    model = _model()
+    model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     staged: list[dict] = []  # what DCP's writer reads, seen by the stager's check
     stager = AsyncSaveStager(opt, check=staged.append)
     seen: list[set[int]] = []
     for save in range(3):
-        _train(model, opt, 2)
-        expected = _expected(model, opt)
-        state = _export(model, opt)
+        train(model, opt, 2)
+        expected = expected_tensors(model, opt)
+        state = export_deferred(model, opt)
         buffers = _leased(opt, state)
         assert buffers, "the export holds no pooled buffer"
         response = stager.async_save(state, checkpoint_id=str(tmp_path / f"s{save}"))
         response.staging_completion.result()
-        _train(model, opt, 1)  # the next step may run once staged: the checkpoint holds the values before it
+        train(model, opt, 1)  # the next step may run once staged: the checkpoint holds the values before it
         response.upload_completion.result()
         stager.wait()
         written = [t for st in staged[-1]["optim"]["state"].values() for t in st.values()]
@@ -114,7 +71,7 @@ def test_a_plain_dcp_async_loop_saves_bitwise_with_the_export_uncopied_and_its_b
         assert staged[-1]["model"]["0.weight"].data_ptr() != model[0].weight.data_ptr(), "the model was not"
         assert not _leased(opt, state), "the export's buffers were not given back once written"
         seen.append({t.data_ptr() for t in buffers})
-        _assert_checkpoint(tmp_path / f"s{save}", expected, tmp_path)
+        assert_checkpoint(tmp_path / f"s{save}", expected, tmp_path)
     assert seen[0] == seen[1] == seen[2], "the next export did not reuse the buffers the last save gave back"
     stager.close()
 
@@ -123,30 +80,30 @@ def test_a_changed_state_dict_is_planned_anew_beside_another_stager_s_saves(tmp_
     """Every save writes exactly its own state dict (keys and dtypes), when a key comes, changes dtype or goes
     between saves, and with another stager's saves of another state dict in between (DCP's plan cache, for one,
     compares no dtypes: a stager that planned with it would write the first dtype's metadata)."""
-    model = _model()
+    model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     stager, other = AsyncSaveStager(opt), AsyncSaveStager()
     extras = [{}, {}, {"extra": torch.arange(5.0)}, {"extra": torch.arange(5.0).bfloat16()}, {}]
     for save, extra in enumerate(extras):
-        _train(model, opt, 1)
-        expected = {**_expected(model, opt), **extra}
-        stager.async_save({**_export(model, opt), **extra}, checkpoint_id=str(tmp_path / f"s{save}"))
+        train(model, opt, 1)
+        expected = {**expected_tensors(model, opt), **extra}
+        stager.async_save({**export_deferred(model, opt), **extra}, checkpoint_id=str(tmp_path / f"s{save}"))
         stager.wait()
         other.async_save({"x": torch.full((3,), float(save))}, checkpoint_id=str(tmp_path / f"o{save}"))
         other.wait()
         written = read_checkpoint(tmp_path / f"s{save}", tmp_path)
         assert ("extra" in written) == bool(extra), f"s{save}: keys {sorted(written)}"
-        _assert_checkpoint(tmp_path / f"s{save}", expected, tmp_path)
+        assert_checkpoint(tmp_path / f"s{save}", expected, tmp_path)
         assert_bitwise(read_checkpoint(tmp_path / f"o{save}", tmp_path)["x"], torch.full((3,), float(save)), "o")
     stager.close()
     other.close()
 
 
 def test_any_other_optimizer_is_staged_as_dcp_stages_it(tmp_path):
-    model = _model()
+    model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     stager = AsyncSaveStager(opt)
-    _train(model, opt, 2)
+    train(model, opt, 2)
     msd, osd = get_state_dict(model, opt)
     expected = {f"model.{k}": v.clone() for k, v in msd.items()}
     expected.update(
@@ -157,10 +114,10 @@ def test_any_other_optimizer_is_staged_as_dcp_stages_it(tmp_path):
         {"model": msd, "optim": osd}, storage_writer=_GatedWriter(str(tmp_path / "adamw"), gate)
     )
     response.staging_completion.result()
-    _train(model, opt, 1)  # changes the live tensors in place: the checkpoint holds the staged copies
+    train(model, opt, 1)  # changes the live tensors in place: the checkpoint holds the staged copies
     gate.set()
     stager.wait()
-    _assert_checkpoint(tmp_path / "adamw", expected, tmp_path)
+    assert_checkpoint(tmp_path / "adamw", expected, tmp_path)
     stager.close()
 
 
@@ -174,12 +131,12 @@ def _break_a_state(opt) -> tuple[torch.Tensor, int]:
 
 def _after_a_good_save(tmp_path: Path, **stager_options):
     """(model, optimizer, stager, the good checkpoint's expected tensors): one save written into ``good``."""
-    model = _model()
+    model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     stager = AsyncSaveStager(opt, **stager_options)
-    _train(model, opt, 1)
-    expected = _expected(model, opt)
-    stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "good"))
+    train(model, opt, 1)
+    expected = expected_tensors(model, opt)
+    stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "good"))
     stager.wait()
     return model, opt, stager, expected
 
@@ -187,7 +144,7 @@ def _after_a_good_save(tmp_path: Path, **stager_options):
 def test_a_failing_export_refuses_the_save_in_one_line_and_writes_nothing(tmp_path):
     model, opt, stager, expected = _after_a_good_save(tmp_path)
     state, nbytes = _break_a_state(opt)
-    broken = _export(model, opt)
+    broken = export_deferred(model, opt)
     response = stager.async_save(broken, checkpoint_id=str(tmp_path / "bad"))
     response.staging_completion.result()  # the loop goes on: the refusal is the save's
     with pytest.raises(SaveRefused) as info:
@@ -196,10 +153,10 @@ def test_a_failing_export_refuses_the_save_in_one_line_and_writes_nothing(tmp_pa
     assert line.startswith("not saved, nothing was written: the optimizer's background export failed"), line
     assert "(rank 0)" in line and "\n" not in line
     assert not (tmp_path / "bad").exists()
-    _assert_checkpoint(tmp_path / "good", expected, tmp_path)
+    assert_checkpoint(tmp_path / "good", expected, tmp_path)
     state.untyped_storage().resize_(nbytes)
-    _train(model, opt, 1)  # the optimizer goes on once the cause is gone, and so do the saves
-    stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "next"))
+    train(model, opt, 1)  # the optimizer goes on once the cause is gone, and so do the saves
+    stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "next"))
     stager.wait()
     assert (tmp_path / "next" / ".metadata").is_file()
     stager.close()
@@ -207,31 +164,31 @@ def test_a_failing_export_refuses_the_save_in_one_line_and_writes_nothing(tmp_pa
 
 def test_a_failing_write_gives_the_buffers_back_and_leaves_the_previous_checkpoint(tmp_path):
     model, opt, stager, expected = _after_a_good_save(tmp_path)
-    _train(model, opt, 1)
-    state = _export(model, opt)
+    train(model, opt, 1)
+    state = export_deferred(model, opt)
     stager.async_save(state, storage_writer=_GatedWriter(str(tmp_path / "bad"), fail=True))
     with pytest.raises(RuntimeError, match="^the async save failed: .*No space left on device") as info:
         stager.wait()
     assert "\n" not in str(info.value)
     assert not _leased(opt, state), "a failed write kept the export's buffers"
     assert not (tmp_path / "bad" / ".metadata").exists()
-    _assert_checkpoint(tmp_path / "good", expected, tmp_path)
+    assert_checkpoint(tmp_path / "good", expected, tmp_path)
     stager.close()
 
 
 def test_a_save_started_while_the_previous_one_writes_waits_for_it(tmp_path):
-    model = _model()
+    model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     gate = threading.Event()
     first_writer = _GatedWriter(str(tmp_path / "first"), gate)
     first_done: list[bool] = []  # at each staging: whether the first save's files were written
     stager = AsyncSaveStager(opt, check=lambda staged: first_done.append(first_writer.written))
-    _train(model, opt, 1)
-    expected = _expected(model, opt)
-    first = stager.async_save(_export(model, opt), storage_writer=first_writer)
+    train(model, opt, 1)
+    expected = expected_tensors(model, opt)
+    first = stager.async_save(export_deferred(model, opt), storage_writer=first_writer)
     first.staging_completion.result()
-    _train(model, opt, 1)
-    second_state = _export(model, opt)  # the first save still holds its buffers: this export takes others
+    train(model, opt, 1)
+    second_state = export_deferred(model, opt)  # the first save still holds its buffers: this export takes others
     second = threading.Thread(
         target=lambda: stager.async_save(second_state, checkpoint_id=str(tmp_path / "second")), daemon=True
     )
@@ -241,27 +198,27 @@ def test_a_save_started_while_the_previous_one_writes_waits_for_it(tmp_path):
     assert not second.is_alive(), "the second save never started"
     stager.wait()
     assert first_done == [False, True], "the second save staged while the first one still wrote"
-    _assert_checkpoint(tmp_path / "first", expected, tmp_path)
+    assert_checkpoint(tmp_path / "first", expected, tmp_path)
     assert (tmp_path / "second" / ".metadata").is_file()
     stager.close()
 
 
 def test_close_with_a_save_in_flight_finishes_it_and_releases_everything(tmp_path):
-    model = _model()
+    model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     stager = AsyncSaveStager(opt)
-    _train(model, opt, 1)
-    expected = _expected(model, opt)
-    state = _export(model, opt)
+    train(model, opt, 1)
+    expected = expected_tensors(model, opt)
+    state = export_deferred(model, opt)
     gate = threading.Event()
     response = stager.async_save(state, storage_writer=_GatedWriter(str(tmp_path / "ck"), gate))
     assert not response.upload_completion.done()  # the gate holds the write
     threading.Timer(0.05, gate.set).start()  # the write ends while close() waits for it
     stager.close()
     assert not _leased(opt, state) and stager.host_bytes == 0
-    _assert_checkpoint(tmp_path / "ck", expected, tmp_path)
+    assert_checkpoint(tmp_path / "ck", expected, tmp_path)
     with pytest.raises(RuntimeError, match="^AsyncSaveStager: closed; build a new one for further saves$"):
-        stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "after"))
+        stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "after"))
     opt.wait_state_dict()
 
 
@@ -286,18 +243,18 @@ def test_an_export_that_never_fills_refuses_the_save_after_the_timeout(tmp_path,
     gate = _Stuck(monkeypatch).gate
     model, opt, stager, expected = _after_a_good_save(tmp_path, export_timeout_s=0.2)
     gate.clear()
-    _train(model, opt, 1)
-    stuck = _export(model, opt)
+    train(model, opt, 1)
+    stuck = export_deferred(model, opt)
     stager.async_save(stuck, checkpoint_id=str(tmp_path / "stuck"))
     with pytest.raises(SaveRefused, match="background export did not fill within 0.2 s") as info:
         stager.wait()
     assert "\n" not in str(info.value)
     assert not (tmp_path / "stuck").exists()
     assert _leased(opt, stuck), "buffers the stuck export still writes were given back"
-    _assert_checkpoint(tmp_path / "good", expected, tmp_path)
+    assert_checkpoint(tmp_path / "good", expected, tmp_path)
     gate.set()
     opt.wait_state_dict()  # the export finishes once unblocked; the optimizer goes on
-    _train(model, opt, 1)
+    train(model, opt, 1)
     stager.close()
 
 
@@ -319,21 +276,21 @@ def test_dcp_plans_while_the_export_fills_and_writes_once_it_is_filled(tmp_path,
     writer waits for the filled state, so the checkpoint holds the values of the save's moment."""
     stuck = _Stuck(monkeypatch)
     model, opt, stager, _ = _after_a_good_save(tmp_path)
-    _train(model, opt, 1)
-    expected = _expected(model, opt)
+    train(model, opt, 1)
+    expected = expected_tensors(model, opt)
     stuck.gate.clear()
     planner, writer = _Planner(), _GatedWriter(str(tmp_path / "ck"))
     try:  # the gate opens whatever happens: a held export would hold DCP's upload thread at exit
-        response = stager.async_save(_export(model, opt), storage_writer=writer, planner=planner)
+        response = stager.async_save(export_deferred(model, opt), storage_writer=writer, planner=planner)
         assert planner.planned.wait(30), "DCP did not plan before the export was filled"
         assert not response.staging_completion.done() and not response.upload_completion.done()
         assert not writer.written, "written before the export was filled"
     finally:
         stuck.gate.set()
     response.staging_completion.result()
-    _train(model, opt, 1)
+    train(model, opt, 1)
     stager.wait()
-    _assert_checkpoint(tmp_path / "ck", expected, tmp_path)
+    assert_checkpoint(tmp_path / "ck", expected, tmp_path)
     stager.close()
 
 
@@ -349,10 +306,10 @@ def test_a_save_that_fails_in_planning_keeps_an_unfilled_export_s_buffers_and_en
     timeout refuses it, and the buffers the export still writes stay with it (a give-back would wait for it)."""
     stuck = _Stuck(monkeypatch)
     model, opt, stager, _ = _after_a_good_save(tmp_path, export_timeout_s=0.2)
-    _train(model, opt, 1)
+    train(model, opt, 1)
     stuck.gate.clear()
     try:
-        state = _export(model, opt)
+        state = export_deferred(model, opt)
         stager.async_save(state, storage_writer=_NoPlan(str(tmp_path / "bad")))
         waiter = threading.Thread(target=lambda: pytest.raises(RuntimeError, stager.wait), daemon=True)
         waiter.start()
@@ -371,19 +328,21 @@ def test_a_check_that_returns_no_line_is_named_and_a_save_without_collectives_pl
     """A ``check`` returning ``True`` refuses in a line naming what it returned; with ``no_dist`` (DCP plans each
     rank alone, so no rank may wait at a gate for the others) DCP plans only once the export is filled."""
     stuck = _Stuck(monkeypatch)
-    model = _model()
+    model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     stager = AsyncSaveStager(opt, check=lambda staged: True)
-    _train(model, opt, 1)
-    stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "true"))
+    train(model, opt, 1)
+    stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "true"))
     with pytest.raises(SaveRefused, match=r"check returned True: a refusal line \(str\) or None saves \(rank 0\)$"):
         stager.wait()
     stager.check = None
-    _train(model, opt, 1)
+    train(model, opt, 1)
     stuck.gate.clear()
     planner = _Planner()
     try:
-        stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "ck"), planner=planner, no_dist=True)
+        stager.async_save(
+            export_deferred(model, opt), checkpoint_id=str(tmp_path / "ck"), planner=planner, no_dist=True
+        )
         assert not planner.planned.wait(0.5), "planned before the export was filled, without DCP's collectives"
     finally:
         stuck.gate.set()
@@ -398,7 +357,7 @@ def test_a_refusal_leaves_a_directory_that_was_there_and_names_every_reason_pick
     model, opt, stager, _ = _after_a_good_save(tmp_path)
     (tmp_path / "there").mkdir()
     state, nbytes = _break_a_state(opt)
-    stager.async_save(_export(model, opt), checkpoint_id=str(tmp_path / "there"))
+    stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "there"))
     with pytest.raises(SaveRefused) as info:
         stager.wait()
     assert list((tmp_path / "there").iterdir()) == []
@@ -410,7 +369,7 @@ def test_a_refusal_leaves_a_directory_that_was_there_and_names_every_reason_pick
 def one_rank_refuses(rank: int, world: int, tmp: str, built_first: bool) -> None:
     """Rank 1's export fails, rank 0's does not: both refuse the save in the same line, nothing is written. With
     ``built_first`` the stager is built before the ranks' process group exists (it makes its own at its first save)."""
-    model = _model()
+    model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     if built_first:
         dist.destroy_process_group()
@@ -418,13 +377,13 @@ def one_rank_refuses(rank: int, world: int, tmp: str, built_first: bool) -> None
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
     else:
         stager = AsyncSaveStager(opt)  # its own gloo group for the agreement
-    _train(model, opt, 1)
-    stager.async_save(_export(model, opt), checkpoint_id=f"{tmp}/good")
+    train(model, opt, 1)
+    stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/good")
     stager.wait()
     assert stager.process_group is not None and stager.process_group != dist.group.WORLD
     if rank == 1:
         state, nbytes = _break_a_state(opt)
-    response = stager.async_save(_export(model, opt), checkpoint_id=f"{tmp}/bad")
+    response = stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/bad")
     response.staging_completion.result()
     if rank == 1:
         state.untyped_storage().resize_(nbytes)
@@ -471,15 +430,15 @@ def test_the_docs_async_loop_runs_on_two_ranks_under_torchrun(tmp_path):
 
 
 def test_a_stager_of_no_optimizer_or_a_save_to_nowhere_is_one_line_at_the_call(tmp_path):
-    model = _model()
+    model = make_model()
     refused = r"^AsyncSaveStager\(optimizers=\.\.\.\): expected torch optimizers, got Linear$"
     for wrong in (model[0], [model[0]]):  # a module, alone or in a list
         with pytest.raises(TypeError, match=refused):
             AsyncSaveStager(wrong)
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     stager = AsyncSaveStager(opt)
-    _train(model, opt, 1)
-    state = _export(model, opt)
+    train(model, opt, 1)
+    state = export_deferred(model, opt)
     with pytest.raises(ValueError, match=r"^AsyncSaveStager.async_save: give checkpoint_id= \(or storage_writer=\)"):
         stager.async_save(state)
     stager.async_save(state, checkpoint_id=str(tmp_path / "ck"))  # nothing was staged by the refused call

@@ -1,0 +1,79 @@
+"""AsyncSaveStager(refuse_non_finite=True) on CUDA: the model's tensors and the optimizer's states are read on the
+GPU, not on the host (the export's host buffers are checked through the states they are filled from), except FP8
+states, which are checked widened in the export; a NaN in a CUDA state refuses the save with nothing written."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from optim_factory import PortableFusedAdam
+from optim_factory.async_save import NON_FINITE_LINE, AsyncSaveStager, SaveRefused
+from optim_factory.finite_check import FiniteCheck
+from optim_factory.host_copies import HostCopies
+from tests.helpers import FP8
+from tests.unit.saves import OURS, export_deferred
+
+pytestmark = pytest.mark.cuda_only
+
+
+def _cuda_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 8)).cuda()
+
+
+def _train(model, opt) -> None:
+    model(torch.randn(4, 256, device="cuda")).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _planned(model, opt) -> FiniteCheck:
+    state = export_deferred(model, opt)
+    staged, copied = HostCopies().copy(state, keep=opt.is_leased_export_buffer)
+    check = FiniteCheck(state, staged, lambda t: opt if opt.is_leased_export_buffer(t) else None)
+    copied()
+    opt.wait_state_dict()
+    return check
+
+
+@pytest.mark.parametrize("exp_avg", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_cuda_states_are_read_on_the_gpu_and_fp8_ones_widened_on_the_host(exp_avg):
+    model = _cuda_model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **{**OURS, "exp_avg_dtype": exp_avg})
+    _train(model, opt)
+    check = _planned(model, opt)
+    states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    assert all(t.is_cuda for t in check.device)
+    if exp_avg == FP8:
+        assert len(check.device) == len(list(model.parameters())) and check.host
+        assert all(not t.is_cuda for t in check.host)
+    else:
+        assert check.host == [] and len(check.device) == len(list(model.parameters())) + len(states)
+    assert check.on_device() and check.on_host()
+    next(iter(opt.state.values()))["exp_avg_sq"].view(-1)[7] = math.nan
+    poisoned = _planned(model, opt)
+    assert (poisoned.on_device(), poisoned.on_host()) == ((True, False) if exp_avg == FP8 else (False, True))
+
+
+def test_a_nan_in_a_cuda_state_refuses_the_save_and_the_next_one_saves(tmp_path):
+    model = _cuda_model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    stager = AsyncSaveStager(opt, refuse_non_finite=True)
+    _train(model, opt)
+    state = next(iter(opt.state.values()))["exp_avg_sq"]
+    kept = state.view(-1)[7].item()
+    state.view(-1)[7] = math.nan
+    stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "bad")).staging_completion.result()
+    with pytest.raises(SaveRefused) as info:
+        stager.wait()
+    assert str(info.value) == f"not saved, nothing was written: {NON_FINITE_LINE} (rank 0)"
+    assert not (tmp_path / "bad").exists()
+    state.view(-1)[7] = kept
+    _train(model, opt)
+    stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "good"))
+    stager.wait()
+    assert (tmp_path / "good" / ".metadata").is_file()
+    stager.close()

@@ -1,0 +1,56 @@
+"""What the async-save tests share: a small model, a few training steps, a deferred export as a checkpointer saves
+it, the tensors a checkpoint of a moment holds, and a bitwise check of a written checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from optim_factory.checkpoint import deferred_export
+from recipes.checkpoint import read_checkpoint
+from tests.helpers import assert_bitwise
+
+OURS = dict(
+    exp_avg_dtype=torch.bfloat16,
+    state_dict_cpu_offload=True,
+    state_dict_offload_chunk_bytes=4096,
+    state_dict_offload_reuse_buffers=True,
+    state_dict_offload_background=True,
+)
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
+
+
+def train(model, opt, steps: int) -> None:
+    for _ in range(steps):
+        model(torch.randn(4, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def export_deferred(model, opt) -> dict:
+    """What a checkpointer saves: model and optimizer, the export deferred (a background export returns unfilled)."""
+    with deferred_export(opt):
+        msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def expected_tensors(model, opt) -> dict[str, torch.Tensor]:
+    """The flat tensors a checkpoint of this moment holds (a synchronous export, its own buffers)."""
+    msd, osd = get_state_dict(model, opt)
+    flat = {f"model.{k}": v.clone() for k, v in msd.items()}
+    for idx, states in osd["state"].items():
+        flat.update({f"optim.state.{idx}.{name}": v.clone() for name, v in states.items()})
+    opt.release_state_dict(osd)
+    return flat
+
+
+def assert_checkpoint(path: Path, expected: dict[str, torch.Tensor], tmp: Path) -> None:
+    written = read_checkpoint(path, tmp)
+    for key, value in expected.items():
+        assert_bitwise(written[key], value, f"{path.name} {key}")

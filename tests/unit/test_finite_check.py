@@ -1,0 +1,72 @@
+"""AsyncSaveStager(refuse_non_finite=True) through plain DCP on CPU: a NaN or inf in the model, in an optimizer's
+pooled export (a background export) or in any other optimizer's states refuses the save in one line with nothing
+written and the previous checkpoint intact; off (the default), the state is saved as it is. Which tensors are read
+where (GPU or host) is tested in tests/gpu/test_finite_check_cuda.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from optim_factory import PortableFusedAdam
+from optim_factory.async_save import NON_FINITE_LINE, AsyncSaveStager, SaveRefused
+from tests.unit.saves import OURS, assert_checkpoint, expected_tensors, export_deferred, make_model, train
+
+
+def _poison_model(model, opt, value: float) -> None:
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[3] = value
+
+
+def _poison_optimizer(model, opt, value: float) -> None:
+    next(iter(opt.state.values()))["exp_avg_sq"].view(-1)[5] = value
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _ours(model):
+    return PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize(
+    "build, poison",
+    [(_ours, _poison_model), (_ours, _poison_optimizer), (_adamw, _poison_optimizer)],
+    ids=["ours-model", "ours-export", "adamw-states"],
+)
+def test_a_non_finite_value_refuses_the_save_in_one_line_and_writes_nothing(tmp_path, build, poison, value):
+    model = make_model()
+    opt = build(model)
+    stager = AsyncSaveStager(opt, refuse_non_finite=True)
+    train(model, opt, 1)
+    expected = expected_tensors(model, opt) if isinstance(opt, PortableFusedAdam) else None
+    stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "good"))
+    stager.wait()
+    poison(model, opt, value)
+    response = stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "bad"))
+    response.staging_completion.result()
+    with pytest.raises(SaveRefused) as info:
+        stager.wait()
+    assert str(info.value) == f"not saved, nothing was written: {NON_FINITE_LINE} (rank 0)"
+    assert not (tmp_path / "bad").exists()
+    if expected is not None:
+        assert_checkpoint(tmp_path / "good", expected, tmp_path)
+    stager.close()
+
+
+def test_off_by_default_a_non_finite_state_is_saved_as_it_is(tmp_path):
+    model = make_model()
+    opt = _ours(model)
+    stager = AsyncSaveStager(opt)
+    train(model, opt, 1)
+    _poison_optimizer(model, opt, math.nan)
+    expected = expected_tensors(model, opt)
+    assert any(v.isnan().any() for v in expected.values())
+    stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "nan"))
+    stager.wait()
+    assert_checkpoint(tmp_path / "nan", expected, tmp_path)
+    stager.close()
