@@ -1,11 +1,14 @@
 """What the async-save tests share: a small model, a few training steps, a deferred export as a checkpointer saves
-it, the tensors a checkpoint of a moment holds, and a bitwise check of a written checkpoint."""
+it, the tensors a checkpoint of a moment holds, a bitwise check of a written checkpoint, an export held unfilled,
+and a planner that says when DCP planned."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory.checkpoint import deferred_export
@@ -54,3 +57,33 @@ def assert_checkpoint(path: Path, expected: dict[str, torch.Tensor], tmp: Path) 
     written = read_checkpoint(path, tmp)
     for key, value in expected.items():
         assert_bitwise(written[key], value, f"{path.name} {key}")
+
+
+class StuckExport:
+    """The optimizer's exporter with its export's thread held at ``gate`` (an export not yet filled)."""
+
+    def __init__(self, monkeypatch) -> None:
+        from optim_factory.optimizers.export import mixin
+
+        self.gate = gate = threading.Event()
+        gate.set()
+
+        class Stuck(mixin.StateExporter):
+            def _stream_after(self, *args):
+                gate.wait(60)
+                return super()._stream_after(*args)
+
+        monkeypatch.setattr(mixin, "StateExporter", Stuck)
+
+
+class PlanWatcher(DefaultSavePlanner):
+    """DCP's save planner, which says when its local plan is made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.planned = threading.Event()
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        self.planned.set()
+        return plan

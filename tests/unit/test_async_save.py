@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory import PortableFusedAdam
@@ -24,7 +24,16 @@ from optim_factory.async_save import AsyncSaveStager, SaveRefused
 from recipes.checkpoint import read_checkpoint
 from tests.distributed.launch import spawn
 from tests.helpers import assert_bitwise
-from tests.unit.saves import OURS, assert_checkpoint, expected_tensors, export_deferred, make_model, train
+from tests.unit.saves import (
+    OURS,
+    PlanWatcher,
+    StuckExport,
+    assert_checkpoint,
+    expected_tensors,
+    export_deferred,
+    make_model,
+    train,
+)
 
 
 def _leased(opt, state: dict) -> list[torch.Tensor]:
@@ -222,25 +231,8 @@ def test_close_with_a_save_in_flight_finishes_it_and_releases_everything(tmp_pat
     opt.wait_state_dict()
 
 
-class _Stuck:
-    """The optimizer's exporter with its export's thread held at ``gate`` (an export not yet filled)."""
-
-    def __init__(self, monkeypatch) -> None:
-        from optim_factory.optimizers.export import mixin
-
-        self.gate = gate = threading.Event()
-        gate.set()
-
-        class Stuck(mixin.StateExporter):
-            def _stream_after(self, *args):
-                gate.wait(60)
-                return super()._stream_after(*args)
-
-        monkeypatch.setattr(mixin, "StateExporter", Stuck)
-
-
 def test_an_export_that_never_fills_refuses_the_save_after_the_timeout(tmp_path, monkeypatch):
-    gate = _Stuck(monkeypatch).gate
+    gate = StuckExport(monkeypatch).gate
     model, opt, stager, expected = _after_a_good_save(tmp_path, export_timeout_s=0.2)
     gate.clear()
     train(model, opt, 1)
@@ -258,28 +250,15 @@ def test_an_export_that_never_fills_refuses_the_save_after_the_timeout(tmp_path,
     stager.close()
 
 
-class _Planner(DefaultSavePlanner):
-    """DCP's save planner, which says when its local plan is made."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.planned = threading.Event()
-
-    def create_local_plan(self):
-        plan = super().create_local_plan()
-        self.planned.set()
-        return plan
-
-
 def test_dcp_plans_while_the_export_fills_and_writes_once_it_is_filled(tmp_path, monkeypatch):
     """The save's DCP planning runs while the loop waits for the export (not beside the steps after it); its
     writer waits for the filled state, so the checkpoint holds the values of the save's moment."""
-    stuck = _Stuck(monkeypatch)
+    stuck = StuckExport(monkeypatch)
     model, opt, stager, _ = _after_a_good_save(tmp_path)
     train(model, opt, 1)
     expected = expected_tensors(model, opt)
     stuck.gate.clear()
-    planner, writer = _Planner(), _GatedWriter(str(tmp_path / "ck"))
+    planner, writer = PlanWatcher(), _GatedWriter(str(tmp_path / "ck"))
     try:  # the gate opens whatever happens: a held export would hold DCP's upload thread at exit
         response = stager.async_save(export_deferred(model, opt), storage_writer=writer, planner=planner)
         assert planner.planned.wait(30), "DCP did not plan before the export was filled"
@@ -304,7 +283,7 @@ class _NoPlan(FileSystemWriter):
 def test_a_save_that_fails_in_planning_keeps_an_unfilled_export_s_buffers_and_ends(tmp_path, monkeypatch):
     """DCP's planning fails while the export is not filled: the save ends with DCP's failure once the export's
     timeout refuses it, and the buffers the export still writes stay with it (a give-back would wait for it)."""
-    stuck = _Stuck(monkeypatch)
+    stuck = StuckExport(monkeypatch)
     model, opt, stager, _ = _after_a_good_save(tmp_path, export_timeout_s=0.2)
     train(model, opt, 1)
     stuck.gate.clear()
@@ -327,7 +306,7 @@ def test_a_check_that_returns_no_line_is_named_and_a_save_without_collectives_pl
 ):
     """A ``check`` returning ``True`` refuses in a line naming what it returned; with ``no_dist`` (DCP plans each
     rank alone, so no rank may wait at a gate for the others) DCP plans only once the export is filled."""
-    stuck = _Stuck(monkeypatch)
+    stuck = StuckExport(monkeypatch)
     model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     stager = AsyncSaveStager(opt, check=lambda staged: True)
@@ -338,7 +317,7 @@ def test_a_check_that_returns_no_line_is_named_and_a_save_without_collectives_pl
     stager.check = None
     train(model, opt, 1)
     stuck.gate.clear()
-    planner = _Planner()
+    planner = PlanWatcher()
     try:
         stager.async_save(
             export_deferred(model, opt), checkpoint_id=str(tmp_path / "ck"), planner=planner, no_dist=True
