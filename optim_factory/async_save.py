@@ -122,6 +122,9 @@ class AsyncSaveStager(AsyncStager):
         stray = [type(o).__name__ for o in self.optimizers if not isinstance(o, torch.optim.Optimizer)]
         if stray:
             raise TypeError(f"AsyncSaveStager(optimizers=...): expected torch optimizers, got {', '.join(stray)}")
+        for name, flag in (("refuse_non_finite", refuse_non_finite), ("pinned", pinned)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"AsyncSaveStager({name}=...): expected True or False, got {flag!r}")
         self.check, self.refuse_non_finite = check, refuse_non_finite
         self.export_timeout_s = export_timeout_s
         self._copies = HostCopies(pinned=pinned)

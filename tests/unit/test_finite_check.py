@@ -70,3 +70,9 @@ def test_off_by_default_a_non_finite_state_is_saved_as_it_is(tmp_path):
     stager.wait()
     assert_checkpoint(tmp_path / "nan", expected, tmp_path)
     stager.close()
+
+
+@pytest.mark.parametrize("name", ["refuse_non_finite", "pinned"])
+def test_a_flag_that_is_not_a_bool_is_one_line_at_construction(name):
+    with pytest.raises(TypeError, match=rf"^AsyncSaveStager\({name}=\.\.\.\): expected True or False, got 'yes'$"):
+        AsyncSaveStager(torch.optim.SGD(make_model().parameters(), lr=0.1), **{name: "yes"})
