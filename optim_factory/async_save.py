@@ -10,9 +10,9 @@ export's buffers back to the optimizer once the write is done. With any other op
 does (a host copy of every tensor; of CUDA tensors into pinned memory reused from save to save).
 
 A save it stages is refused on every rank, before DCP writes anything, when an optimizer's export failed or did not
-fill within ``export_timeout_s``, or the caller's ``check`` refuses the staged state: the response's
-``upload_completion`` raises :class:`SaveRefused` in one line and the checkpoint directory is not written (nor, a
-local one, left behind), so the previous checkpoint stays the newest.
+fill within ``export_timeout_s``, its state holds NaN or inf (``refuse_non_finite``), or the caller's ``check``
+refuses the staged state: the response's ``upload_completion`` raises :class:`SaveRefused` in one line and the
+checkpoint directory is not written (nor, a local one, left behind), so the previous checkpoint stays the newest.
 
 DCP plans a save :meth:`AsyncSaveStager.async_save` starts while the export fills (the loop waits for the fill, not
 the steps after it); its writer waits for the ranks' verdict (``optim_factory.gated_writer``; docs/design.md says
@@ -53,6 +53,7 @@ EXPORT_FAILED_LINE = "the optimizer's background export failed"
 """The start of a refusal whose cause is an export's failure (the recipe words its own refusals so too)."""
 
 Check = Callable[[dict[str, Any]], "str | None"]
+_OWN_OPTIONS = {"refuse_non_finite", "check", "pinned", "export_timeout_s"}  # the constructor's, never DCP's
 
 
 class SaveRefused(RuntimeError):
@@ -125,6 +126,8 @@ class AsyncSaveStager(AsyncStager):
         for name, flag in (("refuse_non_finite", refuse_non_finite), ("pinned", pinned)):
             if not isinstance(flag, bool):
                 raise TypeError(f"AsyncSaveStager({name}=...): expected True or False, got {flag!r}")
+        if check is not None and not callable(check):
+            raise TypeError(f"AsyncSaveStager(check=...): expected a function of the staged dict, got {check!r}")
         self.check, self.refuse_non_finite = check, refuse_non_finite
         self.export_timeout_s = export_timeout_s
         self._copies = HostCopies(pinned=pinned)
@@ -193,6 +196,11 @@ class AsyncSaveStager(AsyncStager):
         next ``step()`` may run), ``upload_completion`` once written (it raises :class:`SaveRefused` or DCP's write
         failure). DCP's collectives run on the stager's gloo group unless ``process_group`` is given."""
         self._check_open()
+        mine = sorted(set(dcp_kwargs) & _OWN_OPTIONS)
+        if mine:
+            raise TypeError(
+                f"AsyncSaveStager.async_save({mine[0]}=...): an option of AsyncSaveStager(...), not the save's"
+            )
         self._join_ranks()
         if self._group is not None and dcp_kwargs.get("process_group") is None:
             dcp_kwargs["process_group"] = self._group  # DCP's collectives off the default group training uses
@@ -328,7 +336,7 @@ class AsyncSaveStager(AsyncStager):
                 raise staged
             if device is not None:
                 torch.cuda.set_device(device)
-            failure = None if finite is None or finite.on_device() else NON_FINITE_LINE  # before step() changes it
+            failure = None if finite is None else finite.device_refusal()  # before step() changes what it reads
             copied()
             failure = self._export_failure(save) or failure
         except BaseException as exc:  # noqa: BLE001  (one rank's failure must reach the agreement, not end it)

@@ -1,14 +1,15 @@
-"""The NaN/inf check of an async save (``AsyncSaveStager(refuse_non_finite=True)``): every floating-point value the
-save writes is read where it lives, so that a GPU state costs the host nothing. See docs/design.md, "The
-async-save stager".
+"""The NaN/inf check of an async save (``AsyncSaveStager(refuse_non_finite=True)``): each floating-point tensor the
+save writes is read where it lives, so that a GPU state is read on the GPU, not on the host. See docs/design.md,
+"The async-save stager".
 
-A CUDA tensor is reduced on the GPU (``all_finite``: its min and max, one sync per device) on a side stream that
-waits for the caller's work queued before the save, before the staging completes: the next ``step()`` changes it.
-The pooled export buffers of an optimizer whose states are all on CUDA and at least two bytes per value are checked
-through those states (the export copies them, widens BF16/FP16 ones and scales FP16 ones as ``step()`` reads them: a
-NaN or inf in one is one in the other); any other host tensor is checked on the host once staged (the copy, or the
-filled export: FP8 states, whose bytes ``all_finite`` does not read, are checked widened there). On one H200 the
-host's read of a 5 GB export slowed 3 training steps by about 10 ms each, and the write waited for it.
+A plain CUDA tensor (not a subclass such as TE's ``Float8Tensor``, whose reduction would dequantize it into a
+temporary) is reduced on the GPU (``all_finite``: its min and max, one sync per device) on a high-priority side
+stream that waits for the caller's work queued before the save, before the staging completes: the next ``step()``
+changes it. The pooled export buffers of an optimizer whose states are all plain CUDA tensors of at least two bytes
+per value are checked through those states (the export copies them, widens BF16/FP16 ones and scales FP16 ones as
+``step()`` reads them: a NaN or inf in one is one in the other, except an FP16 value scaled past FP32's largest,
+which no Adam step stores). Any other tensor is checked on the host once staged (the copy, or the filled export,
+where FP8 states are widened). ``all_finite`` does not read one-byte tensors: an FP8 model tensor is not checked.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from optim_factory.errors import first_line
 from optim_factory.optimizers.export import all_finite
 from optim_factory.tree import local_tensors
 
@@ -47,27 +49,38 @@ class FiniteCheck:
             owner = exported_by(source)
             if owner is not None:
                 exports.setdefault(id(owner), (owner, []))[1].append(copy)
-            elif source.is_cuda:
+            elif _on_gpu(source):
                 self.device.append(source)
             else:
                 self.host.append(copy)
         for optimizer, buffers in exports.values():
             states = _states(optimizer)
-            if states and all(t.is_cuda and t.element_size() > 1 for t in states):
+            if states and all(_on_gpu(t) and t.element_size() > 1 for t in states):
                 self.device += states
             else:
                 self.host += buffers
-        self._ready = {t.device: torch.cuda.current_stream(t.device).record_event() for t in self.device}
+        self._ready = {d: torch.cuda.current_stream(d).record_event() for d in {t.device for t in self.device}}
 
     def on_device(self) -> bool:
-        """Whether every CUDA tensor of the save is finite (blocks until the GPU has read them)."""
-        for device, ready in self._ready.items():
-            side = torch.cuda.Stream(device)
-            side.wait_event(ready)
-            with torch.cuda.stream(side):
-                if not all_finite(t for t in self.device if t.device == device):
-                    return False
-        return True
+        """Whether every CUDA tensor of the save is finite (blocks until the GPU has read them; then drops them)."""
+        try:
+            for device, ready in self._ready.items():
+                side = torch.cuda.Stream(device, priority=-1)  # ahead of the training kernels queued meanwhile
+                side.wait_event(ready)
+                with torch.cuda.stream(side):
+                    if not all_finite(t for t in self.device if t.device == device):
+                        return False
+            return True
+        finally:
+            self.device, self._ready = [], {}
+
+    def device_refusal(self) -> str | None:
+        """:meth:`on_device` as the save's verdict: :data:`NON_FINITE_LINE`, a line saying the check failed (the
+        caller still waits for the copies and exports), or None."""
+        try:
+            return None if self.on_device() else NON_FINITE_LINE
+        except Exception as exc:  # noqa: BLE001
+            return f"the finite check failed: {first_line(exc, named=True)}"
 
     def on_host(self) -> bool:
         """Whether every host tensor of the save is finite (the staged copies and filled exports)."""
@@ -76,6 +89,11 @@ class FiniteCheck:
     def release(self) -> None:
         """Drop the references (the CUDA tensors stay alive until :meth:`on_device` has read them)."""
         self.device, self.host, self._ready = [], [], {}
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    """A plain CUDA tensor (or parameter), which ``all_finite`` reduces without a temporary of its size."""
+    return t.is_cuda and type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
 def _states(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

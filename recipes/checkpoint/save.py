@@ -214,7 +214,9 @@ class Saver:
         if self._stager is None or self._stager.optimizers != [optimizer]:
             if self._stager is not None:
                 self._stager.close()
-            self._stager = AsyncSaveStager(optimizer, refuse_non_finite=True, process_group=self.save_group)
+            # a save that is not deferred was checked before writing (_check_before_writing): not read twice
+            finite = self.defers(optimizer)
+            self._stager = AsyncSaveStager(optimizer, refuse_non_finite=finite, process_group=self.save_group)
         return self._stager
 
     def _write(self, state: dict, path: Path, writer, optimizer, pending: InFlight | None) -> None:
@@ -263,8 +265,9 @@ class Saver:
     def _check_before_writing(self, step: int, msd: dict, osd: dict, export_error: str | None, deferred: bool) -> None:
         """Refuse to save a state holding NaN or inf, or whose background export failed, or that cannot fit in
         the free space of ``checkpoint.dir`` (rank 0 judges the space; all ranks agree: one ``all_ranks`` collective). A
-        deferred save has no collective in the save call: its export is checked once filled (:meth:`wait`), and
-        a write that runs out of space says so."""
+        deferred save has no collective in the save call: the stager checks it (``refuse_non_finite``: its CUDA
+        states before the fill, host tensors once filled; :meth:`wait` raises a refusal), and a write that runs out
+        of space says so."""
         if deferred:
             return
         space = self._space_problem(msd, osd) if self.rank == 0 else None

@@ -58,6 +58,35 @@ def test_cuda_states_are_read_on_the_gpu_and_fp8_ones_widened_on_the_host(exp_av
     assert (poisoned.on_device(), poisoned.on_host()) == ((True, False) if exp_avg == FP8 else (False, True))
 
 
+def test_te_s_fp8_states_are_checked_widened_on_the_host_not_dequantized_on_the_gpu():
+    """TE's class keeps FP8 moments as ``Float8Tensor`` (four bytes per value by its dtype): not reduced on the GPU,
+    where a reduction would dequantize each into an FP32 temporary; its export buffers are checked on the host."""
+    from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE
+    from tests.gpu.test_te_fused_adam import te_cls
+
+    if not TE_AVAILABLE:
+        pytest.skip("Transformer Engine is not importable")
+    model = _cuda_model()
+    opt = te_cls()(model.parameters(), lr=1e-3, **{**OURS, "exp_avg_dtype": FP8, "exp_avg_sq_dtype": FP8})
+    _train(model, opt)
+    check = _planned(model, opt)
+    assert len(check.device) == len(list(model.parameters())) and check.host
+    assert check.on_device() and check.on_host()
+
+
+def test_a_nan_the_next_step_writes_after_the_staging_completed_is_not_checked(tmp_path):
+    model = _cuda_model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    stager = AsyncSaveStager(opt, refuse_non_finite=True)
+    _train(model, opt)
+    response = stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "ck"))
+    response.staging_completion.result()
+    next(iter(opt.state.values()))["exp_avg_sq"].view(-1)[7] = math.nan  # the GPU read it before the fill
+    stager.wait()
+    assert (tmp_path / "ck" / ".metadata").is_file()
+    stager.close()
+
+
 def test_a_nan_in_a_cuda_state_refuses_the_save_and_the_next_one_saves(tmp_path):
     model = _cuda_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)

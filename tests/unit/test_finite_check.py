@@ -12,6 +12,7 @@ import torch
 
 from optim_factory import PortableFusedAdam
 from optim_factory.async_save import NON_FINITE_LINE, AsyncSaveStager, SaveRefused
+from optim_factory.finite_check import FiniteCheck
 from tests.unit.saves import OURS, assert_checkpoint, expected_tensors, export_deferred, make_model, train
 
 
@@ -58,6 +59,44 @@ def test_a_non_finite_value_refuses_the_save_in_one_line_and_writes_nothing(tmp_
     stager.close()
 
 
+def test_what_the_next_step_writes_after_the_staging_completed_is_not_checked(tmp_path):
+    """The check reads the state of the save's moment: a NaN the loop writes into the model and the optimizer once
+    ``staging_completion`` is done is neither saved nor refused."""
+    model = make_model()
+    opt = _ours(model)
+    stager = AsyncSaveStager(opt, refuse_non_finite=True)
+    train(model, opt, 1)
+    expected = expected_tensors(model, opt)
+    response = stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "ck"))
+    response.staging_completion.result()
+    _poison_model(model, opt, math.nan)
+    _poison_optimizer(model, opt, math.nan)
+    stager.wait()
+    assert_checkpoint(tmp_path / "ck", expected, tmp_path)
+    stager.close()
+
+
+def test_a_check_that_fails_refuses_the_save_once_the_export_is_filled(tmp_path, monkeypatch):
+    """The GPU's part of the check raising (a CUDA error) refuses the save in one line; the export is still waited
+    for, so its buffers go back and the next save reuses them."""
+
+    def broken(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+    model = make_model()
+    opt = _ours(model)
+    stager = AsyncSaveStager(opt, refuse_non_finite=True)
+    train(model, opt, 1)
+    monkeypatch.setattr(FiniteCheck, "on_device", broken)
+    state = export_deferred(model, opt)
+    stager.async_save(state, checkpoint_id=str(tmp_path / "bad"))
+    with pytest.raises(SaveRefused, match=r"nothing was written: the finite check failed: RuntimeError: CUDA error"):
+        stager.wait()
+    assert not (tmp_path / "bad").exists()
+    assert not [t for t in state["optim"]["state"].values() for v in t.values() if opt.is_leased_export_buffer(v)]
+    stager.close()
+
+
 def test_off_by_default_a_non_finite_state_is_saved_as_it_is(tmp_path):
     model = make_model()
     opt = _ours(model)
@@ -76,3 +115,16 @@ def test_off_by_default_a_non_finite_state_is_saved_as_it_is(tmp_path):
 def test_a_flag_that_is_not_a_bool_is_one_line_at_construction(name):
     with pytest.raises(TypeError, match=rf"^AsyncSaveStager\({name}=\.\.\.\): expected True or False, got 'yes'$"):
         AsyncSaveStager(torch.optim.SGD(make_model().parameters(), lr=0.1), **{name: "yes"})
+
+
+def test_a_check_that_is_not_a_function_or_the_option_given_to_the_save_is_one_line(tmp_path):
+    opt = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    with pytest.raises(
+        TypeError, match=r"^AsyncSaveStager\(check=\.\.\.\): expected a function of the staged dict, got True$"
+    ):
+        AsyncSaveStager(opt, check=True)
+    stager = AsyncSaveStager(opt)
+    with pytest.raises(TypeError, match=r"^AsyncSaveStager.async_save\(refuse_non_finite=\.\.\.\): an option of Async"):
+        stager.async_save({"w": torch.zeros(2)}, checkpoint_id=str(tmp_path / "ck"), refuse_non_finite=True)
+    assert not (tmp_path / "ck").exists()
+    stager.close()
