@@ -330,22 +330,22 @@ class AsyncSaveStager(AsyncStager):
         """The staging's completion, on a thread of its own: the GPU's finite check, the copies, every export
         filled, the host's finite check, ``check``, then the ranks' agreement (``gated``: the gate's, on DCP's upload
         thread). It never raises: every rank reaches the agreement, so a refusal is every rank's."""
-        failure = None
+        failure = on_device = None
         try:
             if isinstance(staged, Exception):
                 raise staged
             if device is not None:
                 torch.cuda.set_device(device)
-            failure = None if finite is None else finite.device_refusal()  # before step() changes what it reads
+            on_device = None if finite is None else finite.device_refusal()  # before step() changes what it reads
             copied()
-            failure = self._export_failure(save) or failure
+            failure = self._export_failure(save)
         except BaseException as exc:  # noqa: BLE001  (one rank's failure must reach the agreement, not end it)
             failure = first_line(exc, named=True)
         finally:
             save.filled.set_result(None)
         try:
-            if failure is None and finite is not None and not finite.on_host():
-                failure = NON_FINITE_LINE
+            if failure is None and finite is not None:
+                failure = finite.refusal(on_device)
             if failure is None and self.check is not None:
                 failure = self.check(staged)
             if failure is not None and not isinstance(failure, str):

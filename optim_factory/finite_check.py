@@ -14,14 +14,14 @@ where FP8 states are widened). ``all_finite`` does not read one-byte tensors: an
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from optim_factory.errors import first_line
-from optim_factory.optimizers.export import all_finite
-from optim_factory.tree import local_tensors
+from optim_factory.optimizers.export import all_finite, local_tensor
+from optim_factory.tree import leaves, local_tensors
 
 __all__ = ["NON_FINITE_LINE", "FiniteCheck"]
 
@@ -31,8 +31,8 @@ NON_FINITE_LINE = "the model or optimizer state holds non-finite values (NaN/inf
 
 class FiniteCheck:
     """One save's check, planned on the caller's thread when the save is staged (the tensors to read, the point
-    of each CUDA stream they are final at), run on the stager's completion thread: :meth:`on_device` before the
-    staging completes, :meth:`on_host` after."""
+    of each CUDA stream they are final at), run on the stager's completion thread: :meth:`device_refusal` before the
+    staging completes, :meth:`refusal` after."""
 
     def __init__(
         self,
@@ -44,6 +44,7 @@ class FiniteCheck:
         buffers passed through); ``exported_by``: the optimizer a tensor is a pooled export buffer of, else None."""
         self.device: list[torch.Tensor] = []
         self.host: list[torch.Tensor] = []
+        self._staged = staged  # what is written, searched for the tensor a refusal names
         exports: dict[int, tuple[torch.optim.Optimizer, list[torch.Tensor]]] = {}
         for source, copy in zip(local_tensors(sources), local_tensors(staged), strict=True):
             owner = exported_by(source)
@@ -75,8 +76,8 @@ class FiniteCheck:
             self.device, self._ready = [], {}
 
     def device_refusal(self) -> str | None:
-        """:meth:`on_device` as the save's verdict: :data:`NON_FINITE_LINE`, a line saying the check failed (the
-        caller still waits for the copies and exports), or None."""
+        """:meth:`on_device` as a verdict, before the staging completes: :data:`NON_FINITE_LINE`, a line saying the
+        check failed (the caller still waits for the copies and exports), or None."""
         try:
             return None if self.on_device() else NON_FINITE_LINE
         except Exception as exc:  # noqa: BLE001
@@ -86,14 +87,31 @@ class FiniteCheck:
         """Whether every host tensor of the save is finite (the staged copies and filled exports)."""
         return all_finite(self.host)
 
+    def refusal(self, on_device: str | None) -> str | None:
+        """The save's verdict once staged, from :meth:`device_refusal`'s and the host's check: None when every value
+        is finite; a NaN/inf refusal names the first staged tensor that holds one (its keys joined by dots)."""
+        if on_device is None and self.on_host():
+            return None
+        if on_device not in (None, NON_FINITE_LINE):
+            return on_device
+        where = next((".".join(map(str, path)) for path, t in _tensors(self._staged) if not all_finite([t])), None)
+        return NON_FINITE_LINE if where is None else f"{NON_FINITE_LINE}: {where}"
+
     def release(self) -> None:
         """Drop the references (the CUDA tensors stay alive until :meth:`on_device` has read them)."""
-        self.device, self.host, self._ready = [], [], {}
+        self.device, self.host, self._ready, self._staged = [], [], {}, None
 
 
 def _on_gpu(t: torch.Tensor) -> bool:
     """A plain CUDA tensor (or parameter), which ``all_finite`` reduces without a temporary of its size."""
     return t.is_cuda and type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _tensors(tree: Any) -> Iterator[tuple[tuple, torch.Tensor]]:
+    """(path, local tensor) of every tensor of ``tree``."""
+    for path, v in leaves(tree):
+        if isinstance(v, torch.Tensor):
+            yield path, local_tensor(v)
 
 
 def _states(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

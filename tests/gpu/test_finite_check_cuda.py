@@ -98,7 +98,10 @@ def test_a_nan_in_a_cuda_state_refuses_the_save_and_the_next_one_saves(tmp_path)
     stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "bad")).staging_completion.result()
     with pytest.raises(SaveRefused) as info:
         stager.wait()
-    assert str(info.value) == f"not saved, nothing was written: {NON_FINITE_LINE} (rank 0)"
+    assert (
+        str(info.value)
+        == f"not saved, nothing was written: {NON_FINITE_LINE}: optim.state.0.weight.exp_avg_sq (rank 0)"
+    )
     assert not (tmp_path / "bad").exists()
     state.view(-1)[7] = kept
     _train(model, opt)

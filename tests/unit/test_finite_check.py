@@ -35,11 +35,17 @@ def _ours(model):
 
 @pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
 @pytest.mark.parametrize(
-    "build, poison",
-    [(_ours, _poison_model), (_ours, _poison_optimizer), (_adamw, _poison_optimizer)],
+    "build, poison, where",
+    [
+        (_ours, _poison_model, "model.0.weight"),
+        (_ours, _poison_optimizer, "optim.state.0.weight.exp_avg_sq"),
+        (_adamw, _poison_optimizer, "optim.state.0.weight.exp_avg_sq"),
+    ],
     ids=["ours-model", "ours-export", "adamw-states"],
 )
-def test_a_non_finite_value_refuses_the_save_in_one_line_and_writes_nothing(tmp_path, build, poison, value):
+def test_a_non_finite_value_refuses_the_save_in_one_line_naming_it_and_writes_nothing(
+    tmp_path, build, poison, where, value
+):
     model = make_model()
     opt = build(model)
     stager = AsyncSaveStager(opt, refuse_non_finite=True)
@@ -52,7 +58,7 @@ def test_a_non_finite_value_refuses_the_save_in_one_line_and_writes_nothing(tmp_
     response.staging_completion.result()
     with pytest.raises(SaveRefused) as info:
         stager.wait()
-    assert str(info.value) == f"not saved, nothing was written: {NON_FINITE_LINE} (rank 0)"
+    assert str(info.value) == f"not saved, nothing was written: {NON_FINITE_LINE}: {where} (rank 0)"
     assert not (tmp_path / "bad").exists()
     if expected is not None:
         assert_checkpoint(tmp_path / "good", expected, tmp_path)
