@@ -131,6 +131,7 @@ class AsyncSaveStager(AsyncStager):
         self.check, self.refuse_non_finite = check, refuse_non_finite
         self.export_timeout_s = export_timeout_s
         self._copies = HostCopies(pinned=pinned)
+        self._check_streams: dict[torch.device, Any] = {}  # the finite check's side stream per device
         self._group = process_group
         self._own_group = False
         self._save: _Save | None = None
@@ -155,7 +156,9 @@ class AsyncSaveStager(AsyncStager):
         finite = None
         try:
             staged, copied = self._copies.copy(state_dict, keep=lambda t: exported_by(t) is not None)
-            finite = FiniteCheck(state_dict, staged, exported_by) if self.refuse_non_finite else None
+            finite = (
+                FiniteCheck(state_dict, staged, exported_by, self._check_streams) if self.refuse_non_finite else None
+            )
         except Exception as exc:  # noqa: BLE001  (this rank's refusal must reach every rank's agreement)
             staged, copied = exc, None
         # the caller's GPU on the thread: a new thread's is 0, and its first CUDA call would create a context there

@@ -39,9 +39,14 @@ class FiniteCheck:
         sources: Any,
         staged: Any,
         exported_by: Callable[[torch.Tensor], torch.optim.Optimizer | None],
+        streams: dict[torch.device, Any] | None = None,
     ) -> None:
         """``sources``: the state dict the caller saves; ``staged``: its host copy (the same structure, export
-        buffers passed through); ``exported_by``: the optimizer a tensor is a pooled export buffer of, else None."""
+        buffers passed through); ``exported_by``: the optimizer a tensor is a pooled export buffer of, else None;
+        ``streams``: the caller's side stream per device, kept from save to save (made here when missing: torch
+        hands streams out of a small shared pool, round-robin, so a stream drawn per save would cycle through the
+        streams other work, e.g. FSDP2's, drew from it)."""
+        self._streams = {} if streams is None else streams
         self.device: list[torch.Tensor] = []
         self.host: list[torch.Tensor] = []
         self._staged = staged  # what is written, searched for the tensor a refusal names
@@ -66,7 +71,9 @@ class FiniteCheck:
         """Whether every CUDA tensor of the save is finite (blocks until the GPU has read them; then drops them)."""
         try:
             for device, ready in self._ready.items():
-                side = torch.cuda.Stream(device, priority=-1)  # ahead of the training kernels queued meanwhile
+                side = self._streams.get(device)
+                if side is None:  # high priority: its blocks before those of the training kernels queued meanwhile
+                    side = self._streams[device] = torch.cuda.Stream(device, priority=-1)
                 side.wait_event(ready)
                 with torch.cuda.stream(side):
                     if not all_finite(t for t in self.device if t.device == device):

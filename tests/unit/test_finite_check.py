@@ -5,6 +5,7 @@ where (GPU or host) is tested in tests/gpu/test_finite_check_cuda.py."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from optim_factory import PortableFusedAdam
 from optim_factory.async_save import NON_FINITE_LINE, AsyncSaveStager, SaveRefused
 from optim_factory.finite_check import FiniteCheck
-from tests.unit.saves import OURS, assert_checkpoint, expected_tensors, export_deferred, make_model, train
+from tests.unit.saves import OURS, StuckExport, assert_checkpoint, expected_tensors, export_deferred, make_model, train
 
 
 def _poison_model(model, opt, value: float) -> None:
@@ -83,24 +84,42 @@ def test_what_the_next_step_writes_after_the_staging_completed_is_not_checked(tm
 
 
 def test_a_check_that_fails_refuses_the_save_once_the_export_is_filled(tmp_path, monkeypatch):
-    """The GPU's part of the check raising (a CUDA error) refuses the save in one line; the export is still waited
-    for, so its buffers go back and the next save reuses them."""
+    """The GPU's part of the check raising (a CUDA error) refuses the save in one line, and the staging still waits
+    for the export (held unfilled here), so its buffers go back only once it is filled."""
 
     def broken(self):
         raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
 
+    stuck = StuckExport(monkeypatch)
     model = make_model()
     opt = _ours(model)
     stager = AsyncSaveStager(opt, refuse_non_finite=True)
     train(model, opt, 1)
     monkeypatch.setattr(FiniteCheck, "on_device", broken)
-    state = export_deferred(model, opt)
-    stager.async_save(state, checkpoint_id=str(tmp_path / "bad"))
+    stuck.gate.clear()
+    try:
+        state = export_deferred(model, opt)
+        response = stager.async_save(state, checkpoint_id=str(tmp_path / "bad"))
+        concurrent.futures.wait([response.staging_completion], timeout=0.5)
+        assert not response.staging_completion.done(), "the staging completed before the export was filled"
+    finally:
+        stuck.gate.set()
     with pytest.raises(SaveRefused, match=r"nothing was written: the finite check failed: RuntimeError: CUDA error"):
         stager.wait()
     assert not (tmp_path / "bad").exists()
     assert not [t for t in state["optim"]["state"].values() for v in t.values() if opt.is_leased_export_buffer(v)]
     stager.close()
+
+
+def test_a_refusal_names_the_first_staged_tensor_holding_a_nan_and_a_failed_check_its_own_line():
+    sources = {"model": {"w": torch.ones(3)}, "optim": {"state": {"0.weight": {"exp_avg_sq": torch.ones(4)}}}}
+    staged = {"model": {"w": torch.ones(3)}, "optim": {"state": {"0.weight": {"exp_avg_sq": torch.ones(4)}}}}
+    check = FiniteCheck(sources, staged, lambda t: None)
+    assert check.refusal(None) is None
+    assert check.refusal(NON_FINITE_LINE) == NON_FINITE_LINE  # the GPU saw one the staged copies do not hold
+    staged["optim"]["state"]["0.weight"]["exp_avg_sq"][2] = math.inf
+    assert check.refusal(NON_FINITE_LINE) == f"{NON_FINITE_LINE}: optim.state.0.weight.exp_avg_sq"
+    assert check.refusal("the finite check failed: X") == "the finite check failed: X"
 
 
 def test_off_by_default_a_non_finite_state_is_saved_as_it_is(tmp_path):
