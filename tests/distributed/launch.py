@@ -129,8 +129,9 @@ def _entry_point(argv: list[str]) -> None:
 
 def recipe_ranks(argv: list[str], world: int, out: Path, timeout: float = 300) -> list[subprocess.CompletedProcess]:
     """The recipe's entry point on ``world`` gloo ranks (processes of their own with the variables torchrun gives
-    its workers, without torchrun's agent): per rank, its exit code (None: killed after ``timeout`` s), stdout
-    and stderr (kept under ``out``)."""
+    its workers, without torchrun's agent), on the CPU as in CI, CUDA hidden (on a machine with fewer GPUs than
+    ranks, ``trainer.device=auto`` would give two ranks one GPU, which NCCL refuses): per rank, its exit code
+    (None: killed after ``timeout`` s), stdout and stderr (kept under ``out``)."""
     port = free_port()
     out.mkdir(parents=True, exist_ok=True)
     stems = [out / f"rank{rank}" for rank in range(world)]
@@ -140,7 +141,10 @@ def recipe_ranks(argv: list[str], world: int, out: Path, timeout: float = 300) -
             (argv,),
             stems[r],
             PRELOAD,
-            dict(zip(TORCHRUN_VARIABLES, (str(r), str(world), str(r), str(world), "127.0.0.1", str(port)))),
+            {
+                **dict(zip(TORCHRUN_VARIABLES, (str(r), str(world), str(r), str(world), "127.0.0.1", str(port)))),
+                "CUDA_VISIBLE_DEVICES": "",
+            },
         )
         for r in range(world)
     ]
