@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 # torch >= 2.9: a stager may return a Future, and async_save then returns both completions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
+from optim_factory.budget import refuse_budgeted
 from optim_factory.checkpoint import export_buffer_test, export_failure, release_export
 from optim_factory.errors import first_line
 from optim_factory.finite_check import NON_FINITE_LINE, FiniteCheck
@@ -123,6 +124,7 @@ class AsyncSaveStager(AsyncStager):
         stray = [type(o).__name__ for o in self.optimizers if not isinstance(o, torch.optim.Optimizer)]
         if stray:
             raise TypeError(f"AsyncSaveStager(optimizers=...): expected torch optimizers, got {', '.join(stray)}")
+        refuse_budgeted(self.optimizers, "AsyncSaveStager")
         for name, flag in (("refuse_non_finite", refuse_non_finite), ("pinned", pinned)):
             if not isinstance(flag, bool):
                 raise TypeError(f"AsyncSaveStager({name}=...): expected True or False, got {flag!r}")

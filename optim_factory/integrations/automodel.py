@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from optim_factory.async_save import AsyncSaveStager
+from optim_factory.budget import refuse_budgeted
 from optim_factory.checkpoint import ExactLoadPlanner, deferred_export, defers_export
 from optim_factory.integrations import framework_import_error
 
@@ -96,6 +97,7 @@ class Checkpointer(AutomodelCheckpointer):
         )
 
     def save_optimizer(self, optimizer: Any, model: Any, weights_path: str, *args: Any, **kwargs: Any) -> None:
+        refuse_budgeted(optimizer if isinstance(optimizer, (list, tuple)) else [optimizer], "Automodel's Checkpointer")
         if not self.config.is_async:
             return super().save_optimizer(optimizer, model, weights_path, *args, **kwargs)
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]

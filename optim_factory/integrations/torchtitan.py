@@ -57,6 +57,7 @@ import torch.distributed.checkpoint as dcp
 
 import optim_factory
 from optim_factory.async_save import AsyncSaveStager
+from optim_factory.budget import refuse_budgeted
 from optim_factory.checkpoint import ExactLoadPlanner, deferred_export, defers_export
 from optim_factory.integrations import framework_import_error
 
@@ -140,6 +141,8 @@ class CheckpointManager(TitanCheckpointManager):
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
+        if self.enable:
+            refuse_budgeted(kwargs["optimizers"].optimizers, "torchtitan's CheckpointManager")
         if self.enable and self.async_mode != AsyncMode.DISABLED:
             # torchtitan's own slot for its stager, which its close() closes; its gloo group of async saves (every
             # rank made it in the constructor above) carries the ranks' agreement on a refusal

@@ -75,11 +75,10 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
         state_dict_offload_chunk_bytes: the chunks' size in bytes (an int or a size string such as ``"64MiB"``;
             ``None``: 64 MiB; ``0``: one whole state at a time).
         state_dict_offload_reuse_buffers: export into pooled host buffers (see ``release_state_dict``).
-        state_dict_offload_pinning: how pooled buffers of CUDA states are pinned: ``register`` | ``alloc`` |
-            ``none`` (see :class:`~optim_factory.optimizers.export.Pinning`).
-        state_dict_keep_bf16: export BF16 states as BF16 instead of FP32 (half the bytes; TE's own class cannot
-            load such an export, both classes of this package can).
+        state_dict_offload_pinning: how pooled buffers of CUDA states are pinned: ``register`` | ``alloc`` | ``none``.
+        state_dict_keep_bf16: export BF16 states as BF16 instead of FP32 (half the bytes; TE's class cannot load it).
         state_dict_offload_background: with chunks, fill the export on a background thread (``step()`` waits).
+        state_dict_offload_host_budget: the most host bytes a save through ``optim_factory.budget`` holds.
     """
 
     def __init__(
@@ -107,6 +106,7 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
         state_dict_offload_pinning: Pinning | str = Pinning.register,
         state_dict_keep_bf16: bool = False,
         state_dict_offload_background: bool = False,
+        state_dict_offload_host_budget: int | str | None = None,
     ):
         # TE's checks (same messages) and torch.optim.Adam's, from the one rule module; dtype and size strings.
         o, export_options = check_constructor(locals())

@@ -49,7 +49,8 @@ class FusedAdam(OffloadedStateDict, CheckedParamGroups, _TEFusedAdam):  # type: 
     overlaps the device-to-host copies; ``0``: one converted FP32 state at a time);
     ``state_dict_offload_reuse_buffers`` exports into pooled host buffers that ``release_state_dict()`` gives
     back, pinned as ``state_dict_offload_pinning`` says; ``state_dict_offload_background`` fills a chunked export
-    on a background thread, which ``step()`` waits for (see :mod:`optim_factory.optimizers.export`).
+    on a background thread, which ``step()`` waits for (see :mod:`optim_factory.optimizers.export`);
+    ``state_dict_offload_host_budget`` bounds the host bytes of a save through :mod:`optim_factory.budget`.
     Everything else, including the CUDA kernels of ``step()``, is TE's.
 
     The constructor also takes dtypes as strings (``bf16``, ``torch.bfloat16``, ``fp8`` ...) and sizes as
@@ -98,6 +99,7 @@ class FusedAdam(OffloadedStateDict, CheckedParamGroups, _TEFusedAdam):  # type: 
         state_dict_offload_pinning: Pinning | str = Pinning.register,
         state_dict_keep_bf16: bool = False,
         state_dict_offload_background: bool = False,
+        state_dict_offload_host_budget: int | str | None = None,
     ):
         # TE 2.20's signature (the portable twin's too). Checked and converted before TE is needed: a bad
         # value gets its one-line reason on a machine without TE as well; TE then receives torch dtypes.

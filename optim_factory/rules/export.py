@@ -62,12 +62,15 @@ def parse_bytes(value: Any, key: str) -> int | None:
     raise ConfigError(key, value, allowed)
 
 
-def check_export_options(options: Any) -> tuple[int, Pinning]:
+def check_export_options(options: Any) -> tuple[int, Pinning, int | None]:
     """The rules of ``options`` (an ``ExportOptions``; named as the constructors spell them, from each field's
     metadata), in order: the offload a ``bool``; a chunk size ``None``, 0 or an int >= :data:`MIN_CHUNK_BYTES`, and
     only with the CPU offload; every other flag (a field whose default is a ``bool``) a ``bool``; reused buffers and
     the background export only with a chunked export; a :class:`Pinning` choice, other than ``register`` only with
-    reused buffers. Returns the chunk size in bytes (0: nothing chunked) and the pinning as a :class:`Pinning`."""
+    reused buffers; a host budget ``None`` or a size (:func:`parse_bytes`) of at least two chunks, only with a
+    chunked export into fresh memory that is not filled in the background (pooled buffers keep a whole export; a
+    background export fills all of it at once). Returns the chunk size in bytes (0: nothing chunked), the pinning
+    as a :class:`Pinning` and the budget in bytes."""
     cpu_offload, chunk_bytes, reuse_buffers = options.cpu_offload, options.chunk_bytes, options.reuse_buffers
     pinning, background = options.pinning, options.background
     check_flags(state_dict_cpu_offload=cpu_offload)
@@ -97,7 +100,29 @@ def check_export_options(options: Any) -> tuple[int, Pinning]:
     if chosen is not Pinning.register and not reuse_buffers:
         needs = "needs state_dict_offload_reuse_buffers=True (only pooled buffers are pinned)"
         raise ConfigError("state_dict_offload_pinning", chosen, needs, shown=chosen.value)
-    return chunk, chosen
+    return chunk, chosen, _check_budget(options.host_budget, chunk, reuse_buffers, background)
+
+
+def _check_budget(value: Any, chunk: int, reuse_buffers: bool, background: bool) -> int | None:
+    key = "state_dict_offload_host_budget"
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, str))
+        or (isinstance(value, str) and not _SIZE.match(value))
+    ):
+        raise ConfigError(key, value, "expected null (no cap), bytes as an int or a size like 512MiB")
+    budget = parse_bytes(value, key)
+    if not chunk:
+        raise ConfigError(key, value, "needs a chunked export (state_dict_cpu_offload=True, chunk bytes != 0)")
+    if reuse_buffers or background:
+        other = "reuse_buffers" if reuse_buffers else "background"
+        why = "keeps a whole export on the host" if reuse_buffers else "fills the whole export at once"
+        raise ConfigError(key, value, f"cannot be combined with state_dict_offload_{other}=True, which {why}")
+    if budget < 2 * chunk:
+        raise ConfigError(key, value, f"expected at least two chunks ({2 * chunk} bytes)")
+    return budget
 
 
 def short_name(dtype: torch.dtype) -> str:

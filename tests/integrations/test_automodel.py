@@ -427,3 +427,21 @@ def test_async_checkpointer_refuses_remote_storage():
     config = CheckpointingConfig(checkpoint_dir="msc://bucket/run", save_consolidated=False, is_async=True)
     with pytest.raises(ValueError, match=r"^checkpoint.is_async=true with msc://bucket/run: .* local paths only"):
         Checkpointer(config, dp_rank=0, tp_rank=0, pp_rank=0)
+
+
+@needs_checkpointer
+def test_checkpointer_refuses_an_optimizer_with_a_host_budget_in_one_line(tmp_path):
+    """It saves the optimizer's whole export: a budget it cannot hold is refused at the save, before anything."""
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+
+    from optim_factory.integrations.automodel import Checkpointer
+
+    opt = build_optimizer(
+        tmp_path, "--optimizer.state_dict_cpu_offload=true", "--optimizer.state_dict_offload_host_budget=128MiB"
+    )
+    config = CheckpointingConfig(checkpoint_dir=str(tmp_path / "ck"), save_consolidated=False, is_async=False)
+    checkpointer = Checkpointer(config, dp_rank=0, tp_rank=0, pp_rank=0)
+    line = r"^state_dict_offload_host_budget=134217728: Automodel's Checkpointer holds a whole export; "
+    with pytest.raises(ValueError, match=line):
+        checkpointer.save_optimizer(opt, model(), str(tmp_path / "ck" / "step_1"))
+    assert not (tmp_path / "ck" / "step_1").exists()

@@ -353,3 +353,11 @@ def test_the_docs_script_for_the_checkpoint_manager_outside_the_trainer_runs_on_
         if dist.is_initialized():
             dist.destroy_process_group()
     assert (tmp_path / "outputs" / "checkpoint" / "step-3" / ".metadata").is_file()
+
+
+def test_our_checkpoint_manager_refuses_an_optimizer_with_a_host_budget_in_one_line(tmp_path):
+    """It saves the optimizer's whole export: a budget it cannot hold is refused at construction, not ignored."""
+    budgeted = {**OPTIONS, "state_dict_offload_host_budget": "128MiB"}
+    line = r"^state_dict_offload_host_budget=134217728: torchtitan's CheckpointManager holds a whole export; "
+    with pytest.raises(ValueError, match=line):
+        build(1, None, str(tmp_path), manager=integration.CheckpointManager, options=budgeted)

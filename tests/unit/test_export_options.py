@@ -22,6 +22,7 @@ CONSTRUCTOR_NAMES = {
     "state_dict_offload_pinning": "pinning",
     "state_dict_keep_bf16": "keep_bf16",
     "state_dict_offload_background": "background",
+    "state_dict_offload_host_budget": "host_budget",
 }
 
 

@@ -54,6 +54,7 @@ class OffloadedStateDict:
         self._export_options = options
         self._exporter = StateExporter()
         self._deferring = 0
+        self._unfilled: list | None = None  # inside unfilled_state_dict(): the streamed states' items
         self._loaded_masters = []
 
     def __getstate__(self) -> dict[str, Any]:
@@ -66,7 +67,7 @@ class OffloadedStateDict:
             k: v
             for k, v in self.__dict__.items()
             if k != "_exporter" and not (k.startswith("_optimizer_") and k.endswith("_hooks"))
-        } | {"_deferring": 0}
+        } | {"_deferring": 0, "_unfilled": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         torch.optim.Optimizer.__setstate__(self, state)
@@ -131,7 +132,7 @@ class OffloadedStateDict:
             if not (o.cpu_offload or o.keep_bf16):
                 exported = self._on_device_state_dict()
             else:
-                exported = self._plan().export(self)
+                exported = self._plan().export(self, self._unfilled)
         if o.background and not self._deferring:
             self.wait_state_dict()  # nobody asked to wait later: filled before anyone can read it
         for post_hook in self._optimizer_state_dict_post_hooks.values():  # type: ignore[attr-defined]
@@ -173,6 +174,20 @@ class OffloadedStateDict:
             yield
         finally:
             self._deferring -= 1
+
+    @contextlib.contextmanager
+    def unfilled_state_dict(self) -> Iterator[list]:
+        """``with opt.unfilled_state_dict() as items: sd = get_optimizer_state_dict(model, opt)``: a chunked export
+        started inside returns host tensors that are not filled (untouched memory, no host bytes) and appends each
+        streamed state's item to ``items``, for a caller that fills each just before writing it
+        (``optim_factory.budget.BudgetSavePlanner``). Nothing but that caller may read those tensors."""
+        if self._unfilled is not None:
+            raise RuntimeError("unfilled_state_dict: already inside one")
+        self._unfilled = items = []
+        try:
+            yield items
+        finally:
+            self._unfilled = None
 
     def wait_state_dict(self, timeout: float | None = None) -> None:
         """Block until a background export (``state_dict_offload_background``) has filled its host tensors; re-raise

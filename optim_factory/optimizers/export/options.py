@@ -41,6 +41,8 @@ class ExportOptions:
         background: with a chunked export, ``state_dict()`` returns at once with the host tensors allocated and a
             background thread fills them (side streams on CUDA); ``step()``, ``load_state_dict()`` and the next
             ``state_dict()`` wait for it, ``wait_state_dict()`` waits and re-raises its failure.
+        host_budget: with a chunked export into fresh memory, the most bytes of host memory a save through
+            ``optim_factory.budget.BudgetSavePlanner`` holds at once (at least two chunks); ``None``: no cap.
     """
 
     cpu_offload: bool = _option("state_dict_cpu_offload", False)
@@ -49,11 +51,13 @@ class ExportOptions:
     pinning: Pinning = _option("state_dict_offload_pinning", Pinning.register)
     keep_bf16: bool = _option("state_dict_keep_bf16", False)
     background: bool = _option("state_dict_offload_background", False)
+    host_budget: int | None = _option("state_dict_offload_host_budget", None)
 
     def __post_init__(self) -> None:
-        chunk, pinning = check_export_options(self)
+        chunk, pinning, budget = check_export_options(self)
         object.__setattr__(self, "chunk_bytes", chunk)
         object.__setattr__(self, "pinning", pinning)
+        object.__setattr__(self, "host_budget", budget)
 
     def describe(self) -> str:
         """What ``state_dict()`` does, in a few words (the factory logs it)."""
@@ -68,6 +72,7 @@ class ExportOptions:
             )
         how += ["BF16 kept"] if self.keep_bf16 else []
         how += ["in the background"] if self.background else []
+        how += [f"saves within {self.host_budget / (1 << 20):g} MiB of host memory"] if self.host_budget else []
         return ", ".join(how)
 
     @classmethod

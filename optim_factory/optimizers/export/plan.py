@@ -100,9 +100,11 @@ class ExportPlan:
         self.options = options
         self.exporter = exporter
 
-    def export(self, optimizer: Any) -> dict[str, Any]:
+    def export(self, optimizer: Any, unfilled: list[StreamItem] | None = None) -> dict[str, Any]:
         """``{"state": {index: {name: tensor}}, "param_groups": [...]}`` like ``torch.optim.Optimizer``, exported
-        (see the module docstring for the contract)."""
+        (see the module docstring for the contract). ``unfilled``: the streamed states' items are appended to it
+        and not filled (their host tensors untouched, holding no memory): the caller fills each (a save within a
+        host budget, ``optim_factory.budget``)."""
         o = self.options
         if (o.reuse_buffers or o.background) and self.exporter is None:
             raise ValueError(
@@ -127,7 +129,9 @@ class ExportPlan:
                     streamed.append(item)
                 exported[name] = self.whole(optimizer, param, name) if item is None else item.result
             state_dict["state"][key] = exported
-        if streamed and o.background:
+        if unfilled is not None:
+            unfilled.extend(streamed)
+        elif streamed and o.background:
             self.exporter.stream_background(streamed, o.chunk_bytes)
         elif streamed:
             self.exporter.stream(streamed, o.chunk_bytes)

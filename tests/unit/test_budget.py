@@ -1,0 +1,134 @@
+"""optim_factory.budget.BudgetSavePlanner: a plain DCP save of a chunked export within a host budget writes the
+same data files as the save without it and holds at most the budget on the host (measured: the process's peak
+resident memory, reset before each save); bad budgets, and checkpointers that would export whole, are one line."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter, filesystem
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from optim_factory import PortableFusedAdam
+from optim_factory.async_save import AsyncSaveStager
+from optim_factory.budget import BudgetSavePlanner, writer_for
+from optim_factory.errors import ConfigError
+from tests.recipe.runs import QUICK, cli, refused
+
+CHUNK = 1 << 20
+STATE = 4 << 20  # each FP32 state of a Linear(1024, 1024) weight
+OPTIONS = dict(lr=1e-3, state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=CHUNK)
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _peak_added(save) -> int:
+    """Bytes ``save()`` added at its peak to this process's resident memory (Linux's high-water mark, reset)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError as exc:
+        pytest.skip(f"the peak resident memory cannot be reset here: {exc}")
+    base = _status("VmRSS")
+    save()
+    return _status("VmHWM") - base
+
+
+def _trained(budget=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)])
+    opt = PortableFusedAdam(model.parameters(), **OPTIONS, state_dict_offload_host_budget=budget)
+    model(torch.randn(4, 1024)).square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def _data_files(path: Path) -> dict[str, str]:
+    """Each data file's hash (``.metadata`` names the checkpoint and a random save id: it differs between any two
+    saves)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir() if p.name != ".metadata"}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_save_within_the_budget_writes_the_same_files_and_holds_at_most_the_budget(tmp_path, threads):
+    budget = 2 * STATE
+    model, opt = _trained(budget)
+    plain, within = tmp_path / "plain", tmp_path / "within"
+
+    def save_plain():
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, storage_writer=writer_for(plain, thread_count=threads), no_dist=True)
+
+    def save_within():
+        writer = writer_for(within, thread_count=threads)
+        planner = BudgetSavePlanner(writer)
+        with planner.exporting(opt):
+            msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, storage_writer=writer, planner=planner, no_dist=True)
+        planner.release()
+        assert planner.peak_bytes <= budget
+
+    exported = 24 * STATE  # exp_avg and exp_avg_sq of 12 weights (the biases' states are small)
+    assert _peak_added(save_plain) > exported  # the measure sees a whole export
+    # the budget, the staging of the one state being filled, and DCP's and Python's own allocations (50-75 KB
+    # measured beyond the first two, 1 and 2 writer threads)
+    assert _peak_added(save_within) <= budget + STATE + (256 << 10)
+    assert _data_files(within) == _data_files(plain)
+    shutil.rmtree(plain)
+
+
+@pytest.mark.parametrize(
+    "value, reason",
+    [
+        ("lots", "expected null (no cap), bytes as an int or a size like 512MiB"),
+        (True, "expected null (no cap), bytes as an int or a size like 512MiB"),
+        (CHUNK, "expected at least two chunks (2097152 bytes)"),
+    ],
+)
+def test_a_budget_that_is_not_a_size_of_two_chunks_is_one_line(value, reason):
+    with pytest.raises(
+        ConfigError,
+        match=f"^state_dict_offload_host_budget={value!r}: {reason}$".replace("(", r"\(").replace(")", r"\)"),
+    ):
+        PortableFusedAdam([torch.nn.Parameter(torch.zeros(4))], **OPTIONS, state_dict_offload_host_budget=value)
+
+
+def test_a_budget_with_reused_buffers_or_without_chunks_is_one_line():
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    with pytest.raises(ConfigError, match="cannot be combined with state_dict_offload_reuse_buffers=True"):
+        PortableFusedAdam(
+            params, **OPTIONS, state_dict_offload_reuse_buffers=True, state_dict_offload_host_budget="8MiB"
+        )
+    with pytest.raises(ConfigError, match="needs a chunked export"):
+        PortableFusedAdam(params, state_dict_offload_host_budget="8MiB")
+
+
+def test_checkpointers_that_hold_a_whole_export_refuse_a_budget_in_one_line(tmp_path):
+    _, opt = _trained(2 * STATE)
+    with pytest.raises(ValueError, match=r"^state_dict_offload_host_budget=8388608: AsyncSaveStager holds a whole"):
+        AsyncSaveStager(opt)
+    with pytest.raises(ValueError, match="give budget=, or an optimizer built with state_dict_offload_host_budget"):
+        with BudgetSavePlanner(writer_for(tmp_path / "ck")).exporting(_trained()[1]):
+            pass
+    with pytest.raises(ValueError, match=r"^BudgetSavePlanner: the writer's per_thread_copy_ahead is 10000000: "):
+        BudgetSavePlanner(FileSystemWriter(tmp_path / "ck"))
+    form = getattr(getattr(filesystem, "SerializationFormat", None), "SAFETENSORS", None)  # torch >= 2.9
+    if form is not None:
+        safetensors = writer_for(tmp_path / "ck", serialization_format=form)
+        with pytest.raises(ValueError, match=r"^BudgetSavePlanner: the writer's serialization_format is "):
+            BudgetSavePlanner(safetensors)
+    budget = ["optim.state_dict_cpu_offload=true", "optim.state_dict_offload_host_budget=512MiB"]
+    line = refused(cli(*QUICK, f"run_dir={tmp_path}", *budget))
+    assert line == (
+        "optim.state_dict_offload_host_budget='512MiB': the recipe's saves hold a whole export "
+        "(optim_factory.budget.BudgetSavePlanner saves within it)"
+    )
