@@ -5,8 +5,8 @@ docs/export.md, "Saves within a host budget".
 
 An optimizer's chunked export made inside :meth:`BudgetSavePlanner.exporting` returns host tensors whose memory
 is untouched (``unfilled_state_dict``); a CUDA tensor of the state dict (the model's) is copied into fresh host
-memory. Either is filled when DCP's writer asks for it (``resolve_data``), on its writer thread, once the budget
-has room; a thread's previous item is then written (DCP's serial loader asks for the next item only after writing
+memory. Either is filled when DCP's writer asks for it (``resolve_data``), on its writer thread, one fill at a
+time; a thread's previous item is then written (DCP's serial loader asks for the next item only after writing
 the previous one), and its pages are given back to the system (``MADV_DONTNEED``) although DCP still references
 the tensor. DCP's overlapping loader (one writer thread, CUDA, ``per_thread_copy_ahead > 0``) asks ahead of its
 writes, and would have an item's pages given back before they are written: the planner takes the writer and
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import math
 import mmap
 import sys
 import threading
@@ -45,28 +46,34 @@ def refuse_budgeted(optimizers: Any, where: str) -> None:
             )
 
 
+def _item_bytes(item: Any) -> int:
+    """Bytes of a tensor write item (0 for pickled ones)."""
+    data = getattr(item, "tensor_data", None)
+    if data is None:
+        return 0
+    return math.prod(data.chunk.sizes) * torch.empty(0, dtype=data.properties.dtype).element_size()
+
+
 def writer_for(checkpoint_id: Any, **kwargs: Any) -> FileSystemWriter:
     """DCP's ``FileSystemWriter`` as :class:`BudgetSavePlanner` needs it: without copy-ahead."""
     return FileSystemWriter(checkpoint_id, per_thread_copy_ahead=0, **kwargs)
 
 
 class _Budget:
-    """Bytes held, at most ``limit`` (one item larger than what is free waits until nothing else is held)."""
+    """Bytes held by a save's writer threads (each holds one item at a time), and the most held at once."""
 
     def __init__(self, limit: int) -> None:
         self.limit, self.held, self.peak = limit, 0, 0
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> None:
-        with self._changed:
-            self._changed.wait_for(lambda: self.held == 0 or self.held + nbytes <= self.limit)
+        with self._lock:
             self.held += nbytes
             self.peak = max(self.peak, self.held)
 
     def give(self, nbytes: int) -> None:
-        with self._changed:
+        with self._lock:
             self.held -= nbytes
-            self._changed.notify_all()
 
 
 @functools.cache
@@ -117,6 +124,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         if _madvise() is None:
             raise ValueError("BudgetSavePlanner: needs Linux (pages are given back with madvise)")
         super().__init__(**kwargs)
+        self._threads = max(1, getattr(writer, "thread_count", 1))
         self._budget: _Budget | None = None if budget is None else _Budget(budget)
         self._fills: dict[int, tuple[Any, Any, int]] = {}  # placeholder data_ptr -> (exporter, item, chunk bytes)
         self._held: dict[int, torch.Tensor] = {}  # writer thread -> the tensor it was last given
@@ -143,6 +151,21 @@ class BudgetSavePlanner(DefaultSavePlanner):
         chunk = optimizer.export_options.chunk_bytes
         for item in items:
             self._fills[item.dst.data_ptr()] = (optimizer.state_exporter, item, chunk)
+
+    def create_local_plan(self) -> Any:
+        """DCP's local plan, refused when its writer threads could hold more than the budget: each holds the item
+        it writes (the largest ones at worst)."""
+        plan = super().create_local_plan()
+        if self._budget is None:
+            raise ValueError("BudgetSavePlanner: no budget (give budget=, or export inside planner.exporting(opt))")
+        sizes = sorted((_item_bytes(item) for item in plan.items), reverse=True)
+        worst = sum(sizes[: self._threads])
+        if worst > self._budget.limit:
+            raise ValueError(
+                f"BudgetSavePlanner: {self._threads} writer thread(s) may hold {worst} bytes at once (the largest "
+                f"items), more than the budget of {self._budget.limit}: fewer writer threads or a larger budget"
+            )
+        return plan
 
     def resolve_data(self, write_item: Any) -> Any:
         obj = super().resolve_data(write_item)

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter, filesystem
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory import PortableFusedAdam
@@ -110,6 +111,19 @@ def test_a_budget_with_reused_buffers_or_without_chunks_is_one_line():
         )
     with pytest.raises(ConfigError, match="needs a chunked export"):
         PortableFusedAdam(params, state_dict_offload_host_budget="8MiB")
+
+
+def test_a_save_whose_writer_threads_could_hold_more_than_the_budget_is_refused_before_writing(tmp_path):
+    model, opt = _trained(2 * STATE)
+    writer = writer_for(tmp_path / "ck", thread_count=3)
+    planner = BudgetSavePlanner(writer)
+    with planner.exporting(opt):
+        msd, osd = get_state_dict(model, opt)
+    with pytest.raises(
+        CheckpointException, match=r"3 writer thread\(s\) may hold 12582912 bytes at once .* more than the budget"
+    ):
+        dcp.save({"model": msd, "optim": osd}, storage_writer=writer, planner=planner, no_dist=True)
+    assert not any(p.suffix == ".distcp" for p in (tmp_path / "ck").glob("*"))
 
 
 def test_checkpointers_that_hold_a_whole_export_refuse_a_budget_in_one_line(tmp_path):
