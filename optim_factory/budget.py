@@ -1,16 +1,17 @@
 """A save within a host-memory budget: ``BudgetSavePlanner``, DCP's save planner that fills each tensor's host
-bytes just before DCP writes it and gives them back once written, so that a save holds at most the budget, plus
-the staging of the one item being filled (at most 128 MiB: two default chunks), whatever the state's size. See
-docs/export.md, "Saves within a host budget".
+bytes just before DCP writes it and gives them back once written, so that a save holds at most the budget (which
+must hold its writer threads' largest items: each thread holds the item it writes), plus the staging of the one
+item being filled (at most two chunks). See docs/export.md, "Saves within a host budget".
 
 An optimizer's chunked export made inside :meth:`BudgetSavePlanner.exporting` returns host tensors whose memory
 is untouched (``unfilled_state_dict``); a CUDA tensor of the state dict (the model's) is copied into fresh host
 memory. Either is filled when DCP's writer asks for it (``resolve_data``), on its writer thread, one fill at a
 time; a thread's previous item is then written (DCP's serial loader asks for the next item only after writing
 the previous one), and its pages are given back to the system (``MADV_DONTNEED``) although DCP still references
-the tensor. DCP's overlapping loader (one writer thread, CUDA, ``per_thread_copy_ahead > 0``) asks ahead of its
-writes, and would have an item's pages given back before they are written: the planner takes the writer and
-refuses one that copies ahead (:func:`writer_for` builds one that does not).
+the tensor. That holds only for the writer :meth:`BudgetSavePlanner.save` builds (DCP's ``FileSystemWriter``
+without copy-ahead, whose overlapping loader asks ahead, and with torch's own serialization, not safetensors,
+which writes every tensor again at a file's end) and for the very tensors the export returned: the planner fills
+nothing for any other save, and refuses a state dict that holds copies of its placeholders.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
 from optim_factory.optimizers.export import local_tensor
 from optim_factory.optimizers.export.host_memory import host_empty
+from optim_factory.tree import local_tensors
 
-__all__ = ["BudgetSavePlanner", "writer_for", "refuse_budgeted"]
+__all__ = ["BudgetSavePlanner", "refuse_budgeted"]
 
 
 def refuse_budgeted(optimizers: Any, where: str) -> None:
@@ -52,11 +55,6 @@ def _item_bytes(item: Any) -> int:
     if data is None:
         return 0
     return math.prod(data.chunk.sizes) * torch.empty(0, dtype=data.properties.dtype).element_size()
-
-
-def writer_for(checkpoint_id: Any, **kwargs: Any) -> FileSystemWriter:
-    """DCP's ``FileSystemWriter`` as :class:`BudgetSavePlanner` needs it: without copy-ahead."""
-    return FileSystemWriter(checkpoint_id, per_thread_copy_ahead=0, **kwargs)
 
 
 class _Budget:
@@ -98,34 +96,25 @@ def _give_pages_back(t: torch.Tensor) -> None:
 
 
 class BudgetSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner that fills what a save writes item by item within ``budget`` bytes of host memory
-    (``optimizer.export_options.host_budget`` for :meth:`exporting`'s optimizer when not given).
+    """DCP's default save planner that fills what a save of ``optimizer``'s export writes item by item, within its
+    ``state_dict_offload_host_budget`` bytes of host memory.
 
-    ``writer = writer_for(path)``, ``planner = BudgetSavePlanner(writer)``, ``with planner.exporting(opt): sd =
-    {"model": ..., "optim": get_optimizer_state_dict(model, opt)}``, then ``dcp.save(sd, storage_writer=writer,
-    planner=planner)``, then :meth:`release`. The data files are those of a save without it, byte for byte."""
+    ``planner = BudgetSavePlanner(opt)``; ``with planner.exporting(): sd = {"model": ..., "optim":
+    get_optimizer_state_dict(model, opt)}``; ``planner.save(sd, path)``. The data files are those of a save without
+    it, byte for byte. One planner per save."""
 
-    def __init__(self, writer: Any, budget: int | None = None, **kwargs: Any) -> None:
-        """``writer``: the storage writer of the save (DCP's ``FileSystemWriter`` or a subclass, without copy-ahead);
-        ``budget``: bytes (default: the optimizer's ``state_dict_offload_host_budget``); ``kwargs``: DCP's
-        ``DefaultSavePlanner``'s."""
-        ahead = getattr(writer, "per_thread_copy_ahead", None)
-        if ahead != 0:
-            raise ValueError(
-                f"BudgetSavePlanner: the writer's per_thread_copy_ahead is {ahead}: DCP would ask for an item before "
-                "the previous one is written; build it with per_thread_copy_ahead=0 (optim_factory.budget.writer_for)"
-            )
-        form = getattr(writer, "serialization_format", None)
-        if form is not None and getattr(form, "name", form) != "TORCH_SAVE":
-            raise ValueError(
-                f"BudgetSavePlanner: the writer's serialization_format is {form}: DCP writes such a file from every "
-                "tensor again at its end, after their pages were given back; write with the default (TORCH_SAVE)"
-            )
+    def __init__(self, optimizer: Any, **kwargs: Any) -> None:
+        """``kwargs``: DCP's ``DefaultSavePlanner``'s."""
+        budget = getattr(getattr(optimizer, "export_options", None), "host_budget", None)
+        if budget is None:
+            raise ValueError("BudgetSavePlanner: the optimizer has no state_dict_offload_host_budget")
         if _madvise() is None:
             raise ValueError("BudgetSavePlanner: needs Linux (pages are given back with madvise)")
         super().__init__(**kwargs)
-        self._threads = max(1, getattr(writer, "thread_count", 1))
-        self._budget: _Budget | None = None if budget is None else _Budget(budget)
+        self.optimizer = optimizer
+        self._budget = _Budget(budget)
+        self._threads = 1
+        self._saving = False  # inside save(): the writer is the one save() built
         self._fills: dict[int, tuple[Any, Any, int]] = {}  # placeholder data_ptr -> (exporter, item, chunk bytes)
         self._held: dict[int, torch.Tensor] = {}  # writer thread -> the tensor it was last given
         self._lock = threading.Lock()
@@ -134,30 +123,47 @@ class BudgetSavePlanner(DefaultSavePlanner):
     @property
     def peak_bytes(self) -> int:
         """The most bytes this planner's save held at once."""
-        return 0 if self._budget is None else self._budget.peak
+        return self._budget.peak
 
     @contextlib.contextmanager
-    def exporting(self, optimizer: Any) -> Iterator[None]:
-        """``optimizer``'s chunked exports started inside return unfilled host tensors this planner fills."""
-        if self._budget is None:
-            budget = optimizer.export_options.host_budget
-            if budget is None:
-                raise ValueError(
-                    "BudgetSavePlanner: give budget=, or an optimizer built with state_dict_offload_host_budget"
-                )
-            self._budget = _Budget(budget)
-        with optimizer.unfilled_state_dict() as items:
+    def exporting(self) -> Iterator[None]:
+        """The optimizer's chunked exports started inside return unfilled host tensors this planner fills."""
+        with self.optimizer.unfilled_state_dict() as items:
             yield
-        chunk = optimizer.export_options.chunk_bytes
+        chunk = self.optimizer.export_options.chunk_bytes
         for item in items:
-            self._fills[item.dst.data_ptr()] = (optimizer.state_exporter, item, chunk)
+            if item.dst.numel():
+                self._fills[item.dst.data_ptr()] = (self.optimizer.state_exporter, item, chunk)
+
+    def save(self, state_dict: dict[str, Any], checkpoint_id: Any, *, thread_count: int = 1, **dcp_kwargs: Any) -> Any:
+        """``dcp.save(state_dict, checkpoint_id=...)`` through DCP's ``FileSystemWriter`` with ``thread_count``
+        writer threads (without copy-ahead) and this planner; ``dcp_kwargs``: ``dcp.save``'s others
+        (``process_group``, ``no_dist``). Gives back what the writer threads held last, however it ends."""
+        writer = FileSystemWriter(checkpoint_id, thread_count=thread_count, per_thread_copy_ahead=0)
+        self._threads, self._saving = max(1, thread_count), True
+        try:
+            return dcp.save(state_dict, storage_writer=writer, planner=self, **dcp_kwargs)
+        finally:
+            self._saving = False
+            self._release()
+
+    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
+        present = {t.data_ptr() for t in local_tensors(state_dict)}
+        copied = [ptr for ptr in self._fills if ptr not in present]
+        if copied:
+            raise ValueError(
+                f"BudgetSavePlanner: the state dict saved does not hold {len(copied)} of the export's tensors (a "
+                "copy of them, e.g. a full_state_dict or a staged copy, would be written unfilled): save the export "
+                "made inside exporting() itself"
+            )
+        super().set_up_planner(state_dict, *args, **kwargs)
 
     def create_local_plan(self) -> Any:
         """DCP's local plan, refused when its writer threads could hold more than the budget: each holds the item
         it writes (the largest ones at worst)."""
+        if not self._saving:
+            raise ValueError("BudgetSavePlanner: save with planner.save(...), which builds the writer it needs")
         plan = super().create_local_plan()
-        if self._budget is None:
-            raise ValueError("BudgetSavePlanner: no budget (give budget=, or export inside planner.exporting(opt))")
         sizes = sorted((_item_bytes(item) for item in plan.items), reverse=True)
         worst = sum(sizes[: self._threads])
         if worst > self._budget.limit:
@@ -168,6 +174,8 @@ class BudgetSavePlanner(DefaultSavePlanner):
         return plan
 
     def resolve_data(self, write_item: Any) -> Any:
+        if not self._saving:
+            raise ValueError("BudgetSavePlanner: save with planner.save(...), which builds the writer it needs")
         obj = super().resolve_data(write_item)
         if not isinstance(obj, torch.Tensor):
             return obj
@@ -183,20 +191,26 @@ class BudgetSavePlanner(DefaultSavePlanner):
             self._budget.give(previous.numel() * previous.element_size())
         nbytes = local.numel() * local.element_size()
         self._budget.take(nbytes)
-        with self._filling:  # one fill at a time: its staging ring (at most 128 MiB) is the bytes beyond the budget
+        try:
+            with self._filling:  # one fill at a time: its staging (at most two chunks) is the bytes beyond the budget
+                if fill is not None:
+                    exporter, item, chunk = fill
+                    exporter.stream([item], chunk)
+                    host = local
+                else:
+                    host = host_empty(local.shape, local.dtype)
+                    host.copy_(local)
+        except BaseException:
             if fill is not None:
-                exporter, item, chunk = fill
-                exporter.stream([item], chunk)
-                host = local
-            else:
-                host = host_empty(local.shape, local.dtype)
-                host.copy_(local)
+                _give_pages_back(local)
+            self._budget.give(nbytes)
+            raise
         with self._lock:
             self._held[me] = host
         return host
 
-    def release(self) -> None:
-        """Give back what the save's writer threads held last (call after ``dcp.save``)."""
+    def _release(self) -> None:
+        """Give back what the save's writer threads held last."""
         with self._lock:
             held, self._held = list(self._held.values()), {}
         self._fills.clear()

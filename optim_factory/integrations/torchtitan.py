@@ -140,9 +140,9 @@ class CheckpointManager(TitanCheckpointManager):
         """torchtitan's checkpoint config, unchanged; declared here so that ``config.build()`` builds this class."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
-        if self.enable:
+        if config.enable:  # before torchtitan's constructor starts anything (its async process group)
             refuse_budgeted(kwargs["optimizers"].optimizers, "torchtitan's CheckpointManager")
+        super().__init__(config, **kwargs)
         if self.enable and self.async_mode != AsyncMode.DISABLED:
             # torchtitan's own slot for its stager, which its close() closes; its gloo group of async saves (every
             # rank made it in the constructor above) carries the ranks' agreement on a refusal

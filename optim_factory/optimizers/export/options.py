@@ -72,7 +72,11 @@ class ExportOptions:
             )
         how += ["BF16 kept"] if self.keep_bf16 else []
         how += ["in the background"] if self.background else []
-        how += [f"saves within {self.host_budget / (1 << 20):g} MiB of host memory"] if self.host_budget else []
+        how += (
+            [f"budgeted saves (optim_factory.budget) within {self.host_budget / (1 << 20):g} MiB"]
+            if self.host_budget
+            else []
+        )
         return ", ".join(how)
 
     @classmethod
