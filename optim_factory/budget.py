@@ -1,23 +1,24 @@
-"""A save within a host-memory budget: ``BudgetSavePlanner``, DCP's save planner that fills each tensor's host
-bytes just before DCP writes it and gives them back once written, so that a save holds at most the budget (which
-must hold its writer threads' largest items: each thread holds the item it writes), plus the staging of the one
-item being filled (at most two chunks). See docs/export.md, "Saves within a host budget".
+"""A save within a host-memory budget: ``BudgetSavePlanner``, DCP's save planner that exports each optimizer state
+(and copies each CUDA tensor) into host memory just before DCP writes it and gives that memory back once written,
+so that a save holds at most the budget (which must hold its writer threads' largest items: each thread holds the
+item it writes), plus the staging of the one item being filled (a ring of at most 128 MiB, less for a smaller
+state). See docs/export.md, "Saves within a host budget".
 
-An optimizer's chunked export made inside :meth:`BudgetSavePlanner.exporting` returns host tensors whose memory
-is untouched (``unfilled_state_dict``); a CUDA tensor of the state dict (the model's) is copied into fresh host
-memory. Either is filled when DCP's writer asks for it (``resolve_data``), on its writer thread, one fill at a
-time; a thread's previous item is then written (DCP's serial loader asks for the next item only after writing
-the previous one), and its pages are given back to the system (``MADV_DONTNEED``) although DCP still references
-the tensor. That holds only for the writer :meth:`BudgetSavePlanner.save` builds (DCP's ``FileSystemWriter``
-without copy-ahead, whose overlapping loader asks ahead, and with torch's own serialization, not safetensors,
-which writes every tensor again at a file's end) and for the very tensors the export returned: the planner fills
-nothing for any other save, and refuses a state dict that holds copies of its placeholders.
+An optimizer's chunked export made inside :meth:`BudgetSavePlanner.exporting` returns a meta tensor in place of
+each streamed state (``unfilled_state_dict``): no memory, and any other reader (a plain ``dcp.save``, a copy)
+fails loudly. The planner knows each placeholder's key in the flattened state dict and, when DCP's writer asks for
+that key (``resolve_data``), streams the state into fresh host memory on the writer thread, one fill at a time;
+a thread's previous item is then written (DCP's serial loader asks for the next item only after writing the
+previous one) and its pages are given back (``MADV_DONTNEED``) although DCP still references the tensor. That holds
+for the writer :meth:`BudgetSavePlanner.save` builds (DCP's ``FileSystemWriter`` without copy-ahead, whose
+overlapping loader asks ahead): planning anywhere else is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import math
 import mmap
@@ -32,7 +33,6 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
 from optim_factory.optimizers.export import local_tensor
 from optim_factory.optimizers.export.host_memory import host_empty
-from optim_factory.tree import local_tensors
 
 __all__ = ["BudgetSavePlanner", "refuse_budgeted"]
 
@@ -100,45 +100,54 @@ class BudgetSavePlanner(DefaultSavePlanner):
     ``state_dict_offload_host_budget`` bytes of host memory.
 
     ``planner = BudgetSavePlanner(opt)``; ``with planner.exporting(): sd = {"model": ..., "optim":
-    get_optimizer_state_dict(model, opt)}``; ``planner.save(sd, path)``. The data files are those of a save without
-    it, byte for byte. One planner per save."""
+    get_optimizer_state_dict(model, opt)}``; ``planner.save(sd, path)`` (again for another copy, until the next
+    ``step()``). The data files are those of a save without it, byte for byte."""
 
-    def __init__(self, optimizer: Any, **kwargs: Any) -> None:
-        """``kwargs``: DCP's ``DefaultSavePlanner``'s."""
+    def __init__(self, optimizer: Any) -> None:
         budget = getattr(getattr(optimizer, "export_options", None), "host_budget", None)
         if budget is None:
             raise ValueError("BudgetSavePlanner: the optimizer has no state_dict_offload_host_budget")
         if _madvise() is None:
             raise ValueError("BudgetSavePlanner: needs Linux (pages are given back with madvise)")
-        super().__init__(**kwargs)
+        super().__init__()
         self.optimizer = optimizer
         self._budget = _Budget(budget)
         self._threads = 1
-        self._saving = False  # inside save(): the writer is the one save() built
-        self._fills: dict[int, tuple[Any, Any, int]] = {}  # placeholder data_ptr -> (exporter, item, chunk bytes)
+        self._exporting = self._saving = False
+        self._placeholders: dict[int, Any] = {}  # id of an exported meta tensor -> its stream item
+        self._steps: list[Any] = []  # each group's step count at the export
+        self._by_fqn: dict[str, Any] = {}  # the save's flattened keys of the placeholders -> their items
         self._held: dict[int, torch.Tensor] = {}  # writer thread -> the tensor it was last given
         self._lock = threading.Lock()
         self._filling = threading.Lock()
 
     @property
     def peak_bytes(self) -> int:
-        """The most bytes this planner's save held at once."""
+        """The most bytes this planner's saves held at once."""
         return self._budget.peak
 
     @contextlib.contextmanager
     def exporting(self) -> Iterator[None]:
-        """The optimizer's chunked exports started inside return unfilled host tensors this planner fills."""
-        with self.optimizer.unfilled_state_dict() as items:
-            yield
-        chunk = self.optimizer.export_options.chunk_bytes
-        for item in items:
-            if item.dst.numel():
-                self._fills[item.dst.data_ptr()] = (self.optimizer.state_exporter, item, chunk)
+        """The optimizer's chunked exports started inside hold a meta tensor in place of each streamed state."""
+        self._exporting = True
+        try:
+            with self.optimizer.unfilled_state_dict() as items:
+                yield
+        finally:
+            self._exporting = False
+        self._placeholders.update({id(item.dst): item for item in items})
+        self._steps = _steps(self.optimizer)
 
     def save(self, state_dict: dict[str, Any], checkpoint_id: Any, *, thread_count: int = 1, **dcp_kwargs: Any) -> Any:
         """``dcp.save(state_dict, checkpoint_id=...)`` through DCP's ``FileSystemWriter`` with ``thread_count``
         writer threads (without copy-ahead) and this planner; ``dcp_kwargs``: ``dcp.save``'s others
         (``process_group``, ``no_dist``). Gives back what the writer threads held last, however it ends."""
+        if self._exporting:
+            raise ValueError("BudgetSavePlanner.save: inside exporting(); save once the export is done")
+        if not self._placeholders:
+            raise ValueError("BudgetSavePlanner.save: nothing was exported inside planner.exporting()")
+        if _steps(self.optimizer) != self._steps:
+            raise ValueError("BudgetSavePlanner.save: the optimizer stepped since the export; export again")
         writer = FileSystemWriter(checkpoint_id, thread_count=thread_count, per_thread_copy_ahead=0)
         self._threads, self._saving = max(1, thread_count), True
         try:
@@ -147,16 +156,21 @@ class BudgetSavePlanner(DefaultSavePlanner):
             self._saving = False
             self._release()
 
-    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
-        present = {t.data_ptr() for t in local_tensors(state_dict)}
-        copied = [ptr for ptr in self._fills if ptr not in present]
-        if copied:
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        if not self._saving:
+            raise ValueError("BudgetSavePlanner: save with planner.save(...), which builds the writer it needs")
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        self._by_fqn = {}
+        for fqn, value in self.state_dict.items():  # flattened by DefaultSavePlanner
+            item = self._placeholders.get(id(local_tensor(value))) if isinstance(value, torch.Tensor) else None
+            if item is not None:
+                self._by_fqn[fqn] = item
+        missing = len({id(item) for item in self._placeholders.values()} - {id(i) for i in self._by_fqn.values()})
+        if missing:
             raise ValueError(
-                f"BudgetSavePlanner: the state dict saved does not hold {len(copied)} of the export's tensors (a "
-                "copy of them, e.g. a full_state_dict or a staged copy, would be written unfilled): save the export "
-                "made inside exporting() itself"
+                f"BudgetSavePlanner: {missing} of the export's states are not values of the state dict saved (a copy "
+                "of a placeholder, or one inside a pickled value, holds no data): save the export itself"
             )
-        super().set_up_planner(state_dict, *args, **kwargs)
 
     def create_local_plan(self) -> Any:
         """DCP's local plan, refused when its writer threads could hold more than the budget: each holds the item
@@ -176,33 +190,31 @@ class BudgetSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: Any) -> Any:
         if not self._saving:
             raise ValueError("BudgetSavePlanner: save with planner.save(...), which builds the writer it needs")
-        obj = super().resolve_data(write_item)
-        if not isinstance(obj, torch.Tensor):
+        item = self._by_fqn.get(write_item.index.fqn)
+        obj = None if item is not None else super().resolve_data(write_item)
+        if item is None and not (isinstance(obj, torch.Tensor) and local_tensor(obj).is_cuda):
             return obj
-        local = local_tensor(obj)
-        fill = self._fills.get(local.data_ptr())
-        if fill is None and not local.is_cuda:
-            return obj
+        source = item.source if item is not None else local_tensor(obj)
+        shape, dtype = (item.dst.shape, item.dst.dtype) if item is not None else (source.shape, source.dtype)
         me = threading.get_ident()
         with self._lock:
             previous = self._held.pop(me, None)
         if previous is not None:  # written: DCP's serial loader asks for the next item only after that
             _give_pages_back(previous)
             self._budget.give(previous.numel() * previous.element_size())
-        nbytes = local.numel() * local.element_size()
+        host = host_empty(shape, dtype)
+        nbytes = host.numel() * host.element_size()
         self._budget.take(nbytes)
         try:
-            with self._filling:  # one fill at a time: its staging (at most two chunks) is the bytes beyond the budget
-                if fill is not None:
-                    exporter, item, chunk = fill
-                    exporter.stream([item], chunk)
-                    host = local
+            if source.is_cuda:
+                torch.cuda.set_device(source.device)  # a writer thread's device is 0 until set
+            with self._filling:  # one fill at a time: its staging ring is the bytes beyond the budget
+                if item is not None:
+                    exporter, chunk = self.optimizer.state_exporter, self.optimizer.export_options.chunk_bytes
+                    exporter.stream([dataclasses.replace(item, dst=host, result=host)], chunk)
                 else:
-                    host = host_empty(local.shape, local.dtype)
-                    host.copy_(local)
+                    host.copy_(source)
         except BaseException:
-            if fill is not None:
-                _give_pages_back(local)
             self._budget.give(nbytes)
             raise
         with self._lock:
@@ -213,7 +225,13 @@ class BudgetSavePlanner(DefaultSavePlanner):
         """Give back what the save's writer threads held last."""
         with self._lock:
             held, self._held = list(self._held.values()), {}
-        self._fills.clear()
         for t in held:
             _give_pages_back(t)
             self._budget.give(t.numel() * t.element_size())
+
+
+def _steps(optimizer: Any) -> list[Any]:
+    """Each parameter group's step count (a tensor's value), to tell whether the optimizer stepped."""
+    return [
+        float(g["step"]) if isinstance(g.get("step"), torch.Tensor) else g.get("step") for g in optimizer.param_groups
+    ]

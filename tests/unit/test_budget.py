@@ -125,18 +125,49 @@ def test_a_save_whose_writer_threads_could_hold_more_than_the_budget_is_refused_
 
 
 def test_a_save_through_another_writer_or_of_a_copy_of_the_export_is_refused(tmp_path):
-    """Either would write unfilled memory: another writer may ask for items ahead of its writes, and a copy of a
-    placeholder is taken before anything fills it."""
+    """Another writer may ask for items ahead of its writes; a copy of a placeholder holds no data (a meta tensor);
+    a save inside exporting(), of nothing exported, or after a step would save other states than the export's."""
     model, opt = _trained(2 * STATE)
     planner = BudgetSavePlanner(opt)
     with planner.exporting():
         msd, osd = get_state_dict(model, opt)
+        with pytest.raises(ValueError, match=r"^BudgetSavePlanner.save: inside exporting\(\); save once"):
+            planner.save({"optim": osd}, tmp_path / "inside", no_dist=True)
     with pytest.raises(CheckpointException, match=r"BudgetSavePlanner: save with planner.save\(...\)"):
         dcp.save({"optim": osd}, checkpoint_id=str(tmp_path / "dcp"), planner=planner, no_dist=True)
+    with pytest.raises(CheckpointException, match="Cannot copy out of meta tensor|meta"):
+        dcp.save({"optim": osd}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)  # no planner: loud, not zeros
     copied = {"optim": {"state": {i: {n: t.clone() for n, t in st.items()} for i, st in osd["state"].items()}}}
-    with pytest.raises(CheckpointException, match="does not hold 48 of the export's tensors"):
+    with pytest.raises(CheckpointException, match="48 of the export's states are not values of the state dict saved"):
         planner.save(copied, tmp_path / "copy", no_dist=True)
-    assert not list(tmp_path.glob("*/*.distcp"))
+    with pytest.raises(
+        ValueError, match=r"^BudgetSavePlanner.save: nothing was exported inside planner.exporting\(\)$"
+    ):
+        BudgetSavePlanner(opt).save({"optim": osd}, tmp_path / "nothing", no_dist=True)
+    train_step = torch.nn.functional.mse_loss(model(torch.randn(4, 1024)), torch.zeros(4, 1024))
+    train_step.backward()
+    opt.step()
+    with pytest.raises(ValueError, match=r"^BudgetSavePlanner.save: the optimizer stepped since the export"):
+        planner.save({"optim": osd}, tmp_path / "stepped", no_dist=True)
+    assert not [p for p in tmp_path.glob("*/*.distcp") if p.parent.name != "plain"]
+    assert not (tmp_path / "plain" / ".metadata").exists()  # DCP's failed write: never a checkpoint
+
+
+def test_the_export_saves_again_and_under_two_keys_with_the_same_files(tmp_path):
+    model, opt = _trained(2 * STATE)
+    planner = BudgetSavePlanner(opt)
+    with planner.exporting():
+        msd, osd = get_state_dict(model, opt)
+    planner.save({"optim": osd}, tmp_path / "a", thread_count=2, no_dist=True)
+    planner.save({"optim": osd}, tmp_path / "b", thread_count=2, no_dist=True)
+    assert _data_files(tmp_path / "a") == _data_files(tmp_path / "b")
+    planner.save({"optim": osd, "again": osd}, tmp_path / "twice", no_dist=True)
+    loaded = {"optim": get_state_dict(model, opt)[1], "again": get_state_dict(model, opt)[1]}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "twice"), no_dist=True)
+    for key in ("optim", "again"):
+        for idx, states in loaded[key]["state"].items():
+            for name, t in states.items():
+                assert torch.equal(t, opt.state[dict(model.named_parameters())[idx]][name]), (key, idx, name)
 
 
 def test_checkpointers_that_hold_a_whole_export_refuse_a_budget_in_one_line(tmp_path):

@@ -178,9 +178,9 @@ class OffloadedStateDict:
     @contextlib.contextmanager
     def unfilled_state_dict(self) -> Iterator[list]:
         """``with opt.unfilled_state_dict() as items: sd = get_optimizer_state_dict(model, opt)``: a chunked export
-        started inside returns host tensors that are not filled (untouched memory, no host bytes) and appends each
-        streamed state's item to ``items``, for a caller that fills each just before writing it
-        (``optim_factory.budget.BudgetSavePlanner``). Nothing but that caller may read those tensors."""
+        started inside returns a meta tensor in place of each streamed state (no memory; any reader fails loudly)
+        and appends each state's item to ``items``, for a caller that streams each into memory of its own just
+        before writing it (``optim_factory.budget.BudgetSavePlanner``)."""
         if self._unfilled is not None:
             raise RuntimeError("unfilled_state_dict: already inside one")
         self._unfilled = items = []

@@ -103,8 +103,8 @@ class ExportPlan:
     def export(self, optimizer: Any, unfilled: list[StreamItem] | None = None) -> dict[str, Any]:
         """``{"state": {index: {name: tensor}}, "param_groups": [...]}`` like ``torch.optim.Optimizer``, exported
         (see the module docstring for the contract). ``unfilled``: the streamed states' items are appended to it
-        and not filled (their host tensors untouched, holding no memory): the caller fills each (a save within a
-        host budget, ``optim_factory.budget``)."""
+        and not streamed, each state a meta tensor in the dictionary (any reader fails loudly): the caller streams
+        each into memory of its own (a save within a host budget, ``optim_factory.budget``)."""
         o = self.options
         if (o.reuse_buffers or o.background) and self.exporter is None:
             raise ValueError(
@@ -124,7 +124,7 @@ class ExportPlan:
                 continue
             exported = {}
             for name in packed:
-                item = self.item(optimizer, param, key, name) if o.chunk_bytes else None
+                item = self.item(optimizer, param, key, name, unfilled is not None) if o.chunk_bytes else None
                 if item is not None:
                     streamed.append(item)
                 exported[name] = self.whole(optimizer, param, name) if item is None else item.result
@@ -177,15 +177,18 @@ class ExportPlan:
         pinning = self.options.pinning if source.device.type == "cuda" else Pinning.none
         return source, scale, Slot((key, name), tuple(local_tensor(live).shape), dtype, pinning)
 
-    def item(self, optimizer: Any, param: torch.Tensor, key: Any, name: str) -> StreamItem | None:
-        """The streaming plan for one state, with its host destination; ``None``: export it whole."""
+    def item(self, optimizer: Any, param: torch.Tensor, key: Any, name: str, meta: bool = False) -> StreamItem | None:
+        """The streaming plan for one state, with its host destination (``meta``: a meta tensor in its place, for a
+        caller that streams into memory of its own); ``None``: export it whole."""
         found = self.slot(optimizer, param, key, name)
         if found is None:
             return None
         source, scale, slot = found
         # CUDA: pinned destinations are copied into directly, pageable ones through the pinned staging buffers.
         # CPU: reused destinations directly, fresh ones staged (the same steps, so CPU tests cover both paths).
-        if self.options.reuse_buffers:
+        if meta:
+            dst, staged = torch.empty(slot.shape, dtype=slot.dtype, device="meta"), True
+        elif self.options.reuse_buffers:
             dst = self.exporter.pool.take(slot)
             staged = source.device.type == "cuda" and not self.exporter.pool.is_pinned(dst)
         else:
