@@ -4,14 +4,15 @@ so that a save holds at most the budget (which must hold its writer threads' lar
 item it writes), plus the staging of the one item being filled (a ring of at most 128 MiB, less for a smaller
 state). See docs/export.md, "Saves within a host budget".
 
-An optimizer's chunked export made inside :meth:`BudgetSavePlanner.exporting` returns a meta tensor in place of
-each streamed state (``unfilled_state_dict``): no memory, and any other reader (a plain ``dcp.save``, a copy)
-fails loudly. The planner knows each placeholder's key in the flattened state dict and, when DCP's writer asks for
-that key (``resolve_data``), streams the state into fresh host memory on the writer thread, one fill at a time;
-a thread's previous item is then written (DCP's serial loader asks for the next item only after writing the
-previous one) and its pages are given back (``MADV_DONTNEED``) although DCP still references the tensor. That holds
-for the writer :meth:`BudgetSavePlanner.save` builds (DCP's ``FileSystemWriter`` without copy-ahead, whose
-overlapping loader asks ahead): planning anywhere else is refused.
+An optimizer's chunked export made inside :meth:`BudgetSavePlanner.exporting` returns a meta tensor in place of each
+streamed state (``unfilled_state_dict``): no memory; a reader that copies its data out (``.cpu()``, a plain
+``dcp.save``) fails loudly, while pickling it (``torch.save``) stores a tensor without data. The planner knows each
+placeholder's key in the flattened state dict and, when DCP's writer asks for that key (``resolve_data``), streams
+the state into fresh host memory on the writer thread, one fill at a time; a thread's previous item is then written
+(DCP's serial loader asks for the next item only after writing the previous one) and its pages are given back
+(``MADV_DONTNEED``) although DCP still references the tensor. That holds for the writer
+:meth:`BudgetSavePlanner.save` builds (DCP's ``FileSystemWriter`` without copy-ahead, whose overlapping loader asks
+ahead): planning anywhere else is refused.
 """
 
 from __future__ import annotations
@@ -30,11 +31,15 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from optim_factory.optimizers.export import local_tensor
 from optim_factory.optimizers.export.host_memory import host_empty
+from optim_factory.tree import leaves
 
 __all__ = ["BudgetSavePlanner", "refuse_budgeted"]
+
+_NAME = "BudgetSavePlanner"  # the start of this module's refusals
 
 
 def refuse_budgeted(optimizers: Any, where: str) -> None:
@@ -129,7 +134,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
     @contextlib.contextmanager
     def exporting(self) -> Iterator[None]:
         """The optimizer's chunked exports started inside hold a meta tensor in place of each streamed state."""
-        self._exporting = True
+        self._exporting, self._placeholders = True, {}
         try:
             with self.optimizer.unfilled_state_dict() as items:
                 yield
@@ -152,6 +157,12 @@ class BudgetSavePlanner(DefaultSavePlanner):
         self._threads, self._saving = max(1, thread_count), True
         try:
             return dcp.save(state_dict, storage_writer=writer, planner=self, **dcp_kwargs)
+        except CheckpointException as exc:  # DCP wraps this planner's refusals: raised here as the one line
+            causes = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]  # (exception, traceback)
+            refusal = next((c for c in causes if isinstance(c, ValueError) and str(c).startswith(_NAME)), None)
+            if refusal is None:
+                raise
+            raise ValueError(str(refusal)) from exc
         finally:
             self._saving = False
             self._release()
@@ -165,6 +176,17 @@ class BudgetSavePlanner(DefaultSavePlanner):
             item = self._placeholders.get(id(local_tensor(value))) if isinstance(value, torch.Tensor) else None
             if item is not None:
                 self._by_fqn[fqn] = item
+        pickled = [
+            fqn
+            for fqn, value in self.state_dict.items()
+            if not isinstance(value, torch.Tensor)
+            and any(isinstance(leaf, torch.Tensor) and leaf.is_meta for _, leaf in leaves(value))
+        ]
+        if pickled:
+            raise ValueError(
+                f"BudgetSavePlanner: {pickled[0]} holds a meta tensor (a placeholder) inside a value DCP pickles: it "
+                "would be saved without data"
+            )
         missing = len({id(item) for item in self._placeholders.values()} - {id(i) for i in self._by_fqn.values()})
         if missing:
             raise ValueError(

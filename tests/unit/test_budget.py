@@ -53,6 +53,11 @@ def _trained(budget=None):
     return model, opt
 
 
+def train(model, opt) -> None:
+    model(torch.randn(4, 1024)).square().mean().backward()
+    opt.step()
+
+
 def _data_files(path: Path) -> dict[str, str]:
     """Each data file's hash (``.metadata`` names the checkpoint and a random save id: it differs between any two
     saves)."""
@@ -118,7 +123,7 @@ def test_a_save_whose_writer_threads_could_hold_more_than_the_budget_is_refused_
     with planner.exporting():
         msd, osd = get_state_dict(model, opt)
     with pytest.raises(
-        CheckpointException, match=r"3 writer thread\(s\) may hold 12582912 bytes at once .* more than the budget"
+        ValueError, match=r"^BudgetSavePlanner: 3 writer thread\(s\) may hold 12582912 bytes at once .* than the budget"
     ):
         planner.save({"model": msd, "optim": osd}, tmp_path / "ck", thread_count=3, no_dist=True)
     assert not list((tmp_path / "ck").glob("*.distcp"))
@@ -138,12 +143,17 @@ def test_a_save_through_another_writer_or_of_a_copy_of_the_export_is_refused(tmp
     with pytest.raises(CheckpointException, match="Cannot copy out of meta tensor|meta"):
         dcp.save({"optim": osd}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)  # no planner: loud, not zeros
     copied = {"optim": {"state": {i: {n: t.clone() for n, t in st.items()} for i, st in osd["state"].items()}}}
-    with pytest.raises(CheckpointException, match="48 of the export's states are not values of the state dict saved"):
+    with pytest.raises(ValueError, match="^BudgetSavePlanner: 48 of the export's states are not values of the state"):
         planner.save(copied, tmp_path / "copy", no_dist=True)
     with pytest.raises(
         ValueError, match=r"^BudgetSavePlanner.save: nothing was exported inside planner.exporting\(\)$"
     ):
         BudgetSavePlanner(opt).save({"optim": osd}, tmp_path / "nothing", no_dist=True)
+    with pytest.raises(
+        ValueError, match=r"^BudgetSavePlanner: tuple holds a meta tensor \(a placeholder\) inside a value DCP pickles"
+    ):
+        first = next(iter(osd["state"].values()))
+        planner.save({"optim": osd, "tuple": (first["exp_avg"],)}, tmp_path / "pickled", no_dist=True)
     train_step = torch.nn.functional.mse_loss(model(torch.randn(4, 1024)), torch.zeros(4, 1024))
     train_step.backward()
     opt.step()
@@ -161,6 +171,10 @@ def test_the_export_saves_again_and_under_two_keys_with_the_same_files(tmp_path)
     planner.save({"optim": osd}, tmp_path / "a", thread_count=2, no_dist=True)
     planner.save({"optim": osd}, tmp_path / "b", thread_count=2, no_dist=True)
     assert _data_files(tmp_path / "a") == _data_files(tmp_path / "b")
+    train(model, opt)  # the documented path after a step: export again with the same planner
+    with planner.exporting():
+        osd = get_state_dict(model, opt)[1]
+    planner.save({"optim": osd}, tmp_path / "after_step", no_dist=True)
     planner.save({"optim": osd, "again": osd}, tmp_path / "twice", no_dist=True)
     loaded = {"optim": get_state_dict(model, opt)[1], "again": get_state_dict(model, opt)[1]}
     dcp.load(loaded, checkpoint_id=str(tmp_path / "twice"), no_dist=True)

@@ -178,9 +178,10 @@ class OffloadedStateDict:
     @contextlib.contextmanager
     def unfilled_state_dict(self) -> Iterator[list]:
         """``with opt.unfilled_state_dict() as items: sd = get_optimizer_state_dict(model, opt)``: a chunked export
-        started inside returns a meta tensor in place of each streamed state (no memory; any reader fails loudly)
-        and appends each state's item to ``items``, for a caller that streams each into memory of its own just
-        before writing it (``optim_factory.budget.BudgetSavePlanner``)."""
+        started inside returns a meta tensor in place of each streamed state (no memory; a reader that copies its
+        data out fails, ``torch.save`` stores it without data) and appends each state's item to ``items``, for a
+        caller that streams each into memory of its own just before writing it
+        (``optim_factory.budget.BudgetSavePlanner``)."""
         if self._unfilled is not None:
             raise RuntimeError("unfilled_state_dict: already inside one")
         self._unfilled = items = []
