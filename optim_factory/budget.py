@@ -18,11 +18,8 @@ ahead): planning anywhere else is refused.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import functools
 import math
-import mmap
 import sys
 import threading
 from collections.abc import Iterator
@@ -34,7 +31,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from optim_factory.optimizers.export import local_tensor
-from optim_factory.optimizers.export.host_memory import host_empty
+from optim_factory.optimizers.export.host_memory import give_pages_back, host_empty
 from optim_factory.tree import leaves
 
 __all__ = ["BudgetSavePlanner", "refuse_budgeted"]
@@ -79,27 +76,6 @@ class _Budget:
             self.held -= nbytes
 
 
-@functools.cache
-def _madvise() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    fn = ctypes.CDLL(None, use_errno=True).madvise  # a CDLL call releases the GIL
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn
-
-
-def _give_pages_back(t: torch.Tensor) -> None:
-    """The whole pages of host tensor ``t`` back to the system (reads afterwards see zeros)."""
-    madvise = _madvise()
-    if madvise is None:
-        return
-    page = mmap.PAGESIZE
-    start = -(-t.data_ptr() // page) * page
-    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-    if end > start:
-        madvise(start, end - start, 4)  # MADV_DONTNEED
-
-
 class BudgetSavePlanner(DefaultSavePlanner):
     """DCP's default save planner that fills what a save of ``optimizer``'s export writes item by item, within its
     ``state_dict_offload_host_budget`` bytes of host memory.
@@ -112,7 +88,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         budget = getattr(getattr(optimizer, "export_options", None), "host_budget", None)
         if budget is None:
             raise ValueError("BudgetSavePlanner: the optimizer has no state_dict_offload_host_budget")
-        if _madvise() is None:
+        if not sys.platform.startswith("linux"):
             raise ValueError("BudgetSavePlanner: needs Linux (pages are given back with madvise)")
         super().__init__()
         self.optimizer = optimizer
@@ -222,7 +198,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         with self._lock:
             previous = self._held.pop(me, None)
         if previous is not None:  # written: DCP's serial loader asks for the next item only after that
-            _give_pages_back(previous)
+            give_pages_back(previous)
             self._budget.give(previous.numel() * previous.element_size())
         host = host_empty(shape, dtype)
         nbytes = host.numel() * host.element_size()
@@ -248,7 +224,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         with self._lock:
             held, self._held = list(self._held.values()), {}
         for t in held:
-            _give_pages_back(t)
+            give_pages_back(t)
             self._budget.give(t.numel() * t.element_size())
 
 

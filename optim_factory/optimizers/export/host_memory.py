@@ -24,6 +24,7 @@ from optim_factory.optimizers.export.options import Pinning
 __all__ = [
     "host_empty",
     "fault_in",
+    "give_pages_back",
     "register_host",
     "unregister_host",
     "worker_threads",
@@ -65,6 +66,20 @@ def _madvise() -> Any:
     fn = ctypes.CDLL(None, use_errno=True).madvise  # a CDLL call releases the GIL
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return fn
+
+
+def give_pages_back(t: torch.Tensor) -> bool:
+    """Give the whole pages of contiguous host tensor ``t`` back to the system (``MADV_DONTNEED``: reads afterwards
+    see zeros, writes fault fresh pages in); False off Linux, where nothing is given back."""
+    madvise = _madvise()
+    if madvise is None:
+        return False
+    page = mmap.PAGESIZE
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if end > start:
+        madvise(start, end - start, 4)  # MADV_DONTNEED
+    return True
 
 
 def fault_in(t: torch.Tensor, populate: bool = True) -> str:
