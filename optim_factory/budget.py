@@ -43,7 +43,7 @@ def refuse_budgeted(optimizers: Any, where: str) -> None:
     """A ``ValueError`` naming the option when an optimizer of ``optimizers`` has a host budget: ``where`` (a
     checkpointer) would export it whole, not within the budget."""
     for opt in optimizers:
-        budget = getattr(getattr(opt, "export_options", None), "host_budget", None)
+        budget = _budget_of(opt)
         if budget is not None:
             raise ValueError(
                 f"state_dict_offload_host_budget={budget}: {where} holds a whole export; a save within the budget "
@@ -51,12 +51,17 @@ def refuse_budgeted(optimizers: Any, where: str) -> None:
             )
 
 
+def _budget_of(optimizer: Any) -> int | None:
+    """An optimizer's ``state_dict_offload_host_budget`` in bytes (None: none, or not one of ours)."""
+    return getattr(getattr(optimizer, "export_options", None), "host_budget", None)
+
+
 def _item_bytes(item: Any) -> int:
     """Bytes of a tensor write item (0 for pickled ones)."""
     data = getattr(item, "tensor_data", None)
     if data is None:
         return 0
-    return math.prod(data.chunk.sizes) * torch.empty(0, dtype=data.properties.dtype).element_size()
+    return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
 
 
 class _Budget:
@@ -85,7 +90,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
     ``step()``). The data files are those of a save without it, byte for byte."""
 
     def __init__(self, optimizer: Any) -> None:
-        budget = getattr(getattr(optimizer, "export_options", None), "host_budget", None)
+        budget = _budget_of(optimizer)
         if budget is None:
             raise ValueError("BudgetSavePlanner: the optimizer has no state_dict_offload_host_budget")
         if not sys.platform.startswith("linux"):
