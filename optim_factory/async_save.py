@@ -1,27 +1,25 @@
 """``AsyncSaveStager``: the async save's staging, kept across saves, for any checkpointer that calls
 ``dcp.async_save`` (docs/export.md, "Async saves"; docs/design.md, "The async-save stager").
 
-DCP's own stagers (``DefaultStager``, ``BlockingAsyncStager``) copy every tensor of the state dict into host memory
-of their own when a save starts. For our optimizers' exports that is a second copy of what is already on the host,
-in buffers that nothing else writes until they are released: this stager passes those buffers to DCP's writer
-uncopied, copies the rest (the model's tensors) into pinned host buffers it keeps from save to save, completes a
-background export (``state_dict_offload_background``) on a thread of its own while training goes on, and gives the
-export's buffers back to the optimizer once the write is done. With any other optimizer it stages as DCP's stager
-does (a host copy of every tensor; of CUDA tensors into pinned memory reused from save to save).
+DCP's own stagers copy every tensor into host memory of their own when a save starts: for our optimizers' exports, a
+second copy of what is already on the host. This stager passes the export's pooled buffers to DCP's writer uncopied
+and gives them back once written, copies the rest (the model's tensors) into pinned host buffers kept from save to
+save, and completes a background export (``state_dict_offload_background``) on a thread of its own while training
+goes on. With any other optimizer it stages as DCP's stager does. An optimizer with ``state_dict_offload_host_budget``
+is saved within it: nothing is copied when the save starts; its planner fills each tensor as the writer reaches it
+(``optim_factory.budget``), and the staging completes once what is left fits the budget.
 
-A save it stages is refused on every rank, before DCP writes anything, when an optimizer's export failed or did not
-fill within ``export_timeout_s``, its state holds NaN or inf (``refuse_non_finite``), or the caller's ``check``
-refuses the staged state: the response's ``upload_completion`` raises :class:`SaveRefused` in one line and the
-checkpoint directory is not written (nor, a local one, left behind), so the previous checkpoint stays the newest.
-
-DCP plans a save :meth:`AsyncSaveStager.async_save` starts while the export fills (the loop waits for the fill, not
-the steps after it); its writer waits for the ranks' verdict (``optim_factory.gated_writer``; docs/design.md says
-which saves). A caller's own ``dcp.async_save`` is planned once the verdict is in.
+A save is refused on every rank, before DCP writes anything, when an export failed or did not fill within
+``export_timeout_s``, the state holds NaN or inf (``refuse_non_finite``), or ``check`` refuses it:
+``upload_completion`` raises :class:`SaveRefused` in one line and the checkpoint directory is not written (nor, a
+local one, left behind). DCP plans a save :meth:`AsyncSaveStager.async_save` starts at once; its writer waits for the
+ranks' verdict (``optim_factory.gated_writer``; docs/design.md says which saves).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -32,14 +30,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 
 # torch >= 2.9: a stager may return a Future, and async_save then returns both completions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from optim_factory.budget import refuse_budgeted
+from optim_factory.budget import budget_planner, one_line_refusal
 from optim_factory.checkpoint import export_buffer_test, export_failure, release_export
-from optim_factory.errors import first_line
+from optim_factory.errors import SaveRefused, first_line
 from optim_factory.finite_check import NON_FINITE_LINE, FiniteCheck
 from optim_factory.gated_writer import GatedWriter
 from optim_factory.host_copies import HostCopies
@@ -55,18 +54,6 @@ EXPORT_FAILED_LINE = "the optimizer's background export failed"
 
 Check = Callable[[dict[str, Any]], "str | None"]
 _OWN_OPTIONS = {"refuse_non_finite", "check", "pinned", "export_timeout_s"}  # the constructor's, never DCP's
-
-
-class SaveRefused(RuntimeError):
-    """A staged save refused on every rank before anything was written, in one line naming each rank's reason
-    (``reasons``: ``"<reason> (rank N)"`` for every rank that refused)."""
-
-    def __init__(self, reasons: list[str]) -> None:
-        super().__init__(f"not saved, nothing was written: {'; '.join(reasons)}")
-        self.reasons = reasons
-
-    def __reduce__(self) -> tuple:  # DCP gathers a write's failures to its coordinator pickled
-        return SaveRefused, (self.reasons,)
 
 
 @dataclass
@@ -87,24 +74,21 @@ class _Save:
 class AsyncSaveStager(AsyncStager):
     """DCP's ``AsyncStager`` for async saves of our optimizers' exports, kept across saves; ``close()`` frees it.
 
-    ``optimizers``: the optimizer (or optimizers) whose exports the saved state dicts hold; any optimizer works.
-    ``refuse_non_finite``: refuse a save whose state holds NaN or inf (:data:`NON_FINITE_LINE`), each value read
-    where it lives: CUDA tensors on the GPU beside training (``optim_factory.finite_check``). ``check``: called on
-    the completion thread with the staged state dict once it is filled; a returned line refuses the save.
-    ``process_group``: the gloo group on which the ranks
-    agree on a refusal, from the completion thread (default: one of its own over the default group's ranks, created
-    here, or at the first save where the process group does not exist yet, so every rank must build and first use
-    its stager in the same order, as for any process group; none on a single process; building it first suits a
-    model that is not sharded: FSDP2 needs the group before the optimizer exists). ``pinned``: the model's host
-    copies in pinned memory (CUDA tensors only; other tensors are copied as they are).
+    ``optimizers``: the optimizer (or optimizers) whose exports the saved state dicts hold; any optimizer works, at
+    most one with a host budget. ``refuse_non_finite``: refuse a save whose state holds NaN or inf
+    (:data:`NON_FINITE_LINE`), each value read where it lives (``optim_factory.finite_check``). ``check``: called on
+    the completion thread with the filled staged state dict; a returned line refuses the save. Neither with a budget.
+    ``process_group``: the gloo group on which the ranks agree on a refusal (default: one of its own over the
+    default group's ranks, made here or at the first save, so every rank builds and first uses its stager in the
+    same order; none on a single process). ``pinned``: the model's host copies of CUDA tensors in pinned memory.
 
     Start a save with :meth:`async_save` (``dcp.async_save``'s arguments): at most one save is in flight, and its
-    export buffers go back to the optimizer when its write is done, so the next export reuses them.
-    ``dcp.async_save(..., async_stager=stager)`` works too; DCP then tells nobody when the write is done, so the
-    buffers go back when the next save is staged (the caller must have waited for the previous save's
-    ``upload_completion`` by then, DCP's rule for any stager that reuses memory), and the export in between takes
-    a second set. Before the next ``optimizer.step()``, wait for the response's ``staging_completion`` (or
-    :meth:`wait_staged`): the model's copies and a background export read what ``step()`` changes.
+    export buffers go back to the optimizer when its write is done. ``dcp.async_save(..., async_stager=stager)``
+    works too (not with a budget); its buffers go back when the next save is staged (its caller has waited for the
+    previous ``upload_completion`` by then, DCP's rule for any stager that reuses memory), the export in between
+    taking a second set. Before the next ``optimizer.step()``, wait for the response's ``staging_completion`` (or
+    :meth:`wait_staged`): the model's copies and a background export read what ``step()`` changes (our
+    optimizers' ``step()`` waits for their own export and a budget's fills).
     """
 
     _synchronize_after_execute = False  # staging completes through the Future stage() returns
@@ -124,7 +108,7 @@ class AsyncSaveStager(AsyncStager):
         stray = [type(o).__name__ for o in self.optimizers if not isinstance(o, torch.optim.Optimizer)]
         if stray:
             raise TypeError(f"AsyncSaveStager(optimizers=...): expected torch optimizers, got {', '.join(stray)}")
-        refuse_budgeted(self.optimizers, "AsyncSaveStager")
+        self._budget = budget_planner(self.optimizers, "AsyncSaveStager", refuse_non_finite or check is not None)
         for name, flag in (("refuse_non_finite", refuse_non_finite), ("pinned", pinned)):
             if not isinstance(flag, bool):
                 raise TypeError(f"AsyncSaveStager({name}=...): expected True or False, got {flag!r}")
@@ -139,6 +123,7 @@ class AsyncSaveStager(AsyncStager):
         self._save: _Save | None = None
         self._closed = False
         self._gate_next = False  # async_save's staging: the write waits at a GatedWriter for the verdict
+        self._writer_threads: int | None = None  # inside async_save: its writer's threads (a budgeted save's)
         self._join_ranks()
 
     # ------------------------------------------------------------------ DCP's protocol
@@ -155,9 +140,14 @@ class AsyncSaveStager(AsyncStager):
         def exported_by(t: torch.Tensor) -> torch.optim.Optimizer | None:
             return next((opt for opt, test in tests if test(t)), None)
 
-        finite = None
+        finite = filling = None
         try:
-            staged, copied = self._copies.copy(state_dict, keep=lambda t: exported_by(t) is not None)
+            if self._budget is not None:  # filled within the budget while it is written (optim_factory.fills)
+                filling = self._budget.begin(state_dict, self._writer_threads)
+                filling.add_done_callback(lambda _: save.filled.set_result(None))
+                staged, copied = state_dict, lambda: None
+            else:
+                staged, copied = self._copies.copy(state_dict, keep=lambda t: exported_by(t) is not None)
             finite = (
                 FiniteCheck(state_dict, staged, exported_by, self._check_streams) if self.refuse_non_finite else None
             )
@@ -167,7 +157,7 @@ class AsyncSaveStager(AsyncStager):
         device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         threading.Thread(
             target=self._complete,
-            args=(save, staged, copied, finite, device, gated),
+            args=(save, staged, copied, finite, device, gated, filling is None),
             name="optim-factory-staging",
             daemon=True,
         ).start()
@@ -176,8 +166,7 @@ class AsyncSaveStager(AsyncStager):
         return save.staged
 
     def synchronize_staging(self) -> None:
-        """Wait until the last staged save's copies and exports are filled (:meth:`wait_staged`)."""
-        self.wait_staged()
+        self.wait_staged()  # the last staged save's copies and exports filled
 
     def close(self) -> None:
         """Wait for a save :meth:`async_save` started (its failure is its response's), give every buffer back and
@@ -212,6 +201,8 @@ class AsyncSaveStager(AsyncStager):
         if dcp_kwargs.get("checkpoint_id") is None and dcp_kwargs.get("storage_writer") is None:
             raise ValueError("AsyncSaveStager.async_save: give checkpoint_id= (or storage_writer=), where it writes")
         # gated or not from the arguments alone, the same on every rank (DCP's writer for a path built here)
+        if self._budget is not None:  # its planner, and a writer in the order it fills
+            dcp_kwargs, self._writer_threads = self._budget.async_save_kwargs(dcp_kwargs)
         writer, ckpt = dcp_kwargs.get("storage_writer"), str(dcp_kwargs.get("checkpoint_id"))
         writer = FileSystemWriter(ckpt) if writer is None and "://" not in ckpt else writer
         previous = self._save
@@ -220,19 +211,25 @@ class AsyncSaveStager(AsyncStager):
             self._gate_next = self._gate_next and not dcp_kwargs.get("no_dist", False)
             if self._gate_next:
                 dcp_kwargs["storage_writer"] = GatedWriter(writer, self._open_gate)
-            response = dcp.async_save(
-                state_dict, async_stager=self, async_checkpointer_type=AsyncCheckpointerType.THREAD, **dcp_kwargs
-            )
+            with self.exporting():  # DCP exports a Stateful optimizer inside
+                response = dcp.async_save(
+                    state_dict, async_stager=self, async_checkpointer_type=AsyncCheckpointerType.THREAD, **dcp_kwargs
+                )
         except BaseException:
             if self._save is not previous:  # staged, never written: nothing reads its buffers
                 self._give_back(self._save)
             raise
         finally:
-            self._gate_next = False
+            self._gate_next, self._writer_threads = False, None
         save = self._save
         save.upload = Future()
         response.upload_completion.add_done_callback(lambda done: self._uploaded(save, done))
         return AsyncSaveResponse(staging_completion=save.filled, upload_completion=save.upload)
+
+    def exporting(self) -> contextlib.AbstractContextManager:
+        """``with stager.exporting(): sd = get_state_dict(model, opt)``: an export within the optimizer's host budget,
+        filled as the save writes it (:meth:`async_save` exports a ``Stateful`` inside it itself); else no effect."""
+        return contextlib.nullcontext() if self._budget is None else self._budget.exporting()
 
     def wait_staged(self) -> None:
         """Block until the last staged save's copies are done and its exports filled; the next ``step()`` may run."""
@@ -261,6 +258,10 @@ class AsyncSaveStager(AsyncStager):
         return self._group
 
     @property
+    def budget_peak_bytes(self) -> int | None:
+        return None if self._budget is None else self._budget.peak_bytes  # the most a budgeted save held at once
+
+    @property
     def host_bytes(self) -> int:
         """Bytes of the host copies kept for the next save (the export buffers are the optimizers')."""
         return self._copies.nbytes()
@@ -271,17 +272,14 @@ class AsyncSaveStager(AsyncStager):
             raise RuntimeError("AsyncSaveStager: closed; build a new one for further saves")
 
     def _join_ranks(self) -> None:
-        """The stager's own gloo group over the default group's ranks, made once that group exists and has more
-        than one rank: at construction, or at the first save of a stager built before ``init_process_group``
-        (``dist.new_group`` is collective: every rank of the default group must reach that first save); never
-        made when ``process_group`` was given."""
+        """The stager's own gloo group over the default group's ranks, made once that group exists with more than
+        one rank (at construction or at the first save: collective), unless ``process_group`` was given."""
         if self._group is None and not self._closed and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo")
             self._own_group = True
 
     def _end_previous(self) -> None:
-        """The previous save over: waited for when started by :meth:`async_save`, else (``dcp.async_save``
-        directly, whose caller waited for it before the next save) its buffers given back."""
+        """The previous save over: waited for (:meth:`async_save`'s), else its buffers given back."""
         save = self._save
         if save is None:
             return
@@ -299,6 +297,8 @@ class AsyncSaveStager(AsyncStager):
     def _upload_over(self, save: _Save, done: Future) -> None:
         self._give_back(save)
         failure = done.exception()
+        if isinstance(failure, CheckpointException):  # a budget's refusal as its one line
+            failure = one_line_refusal(failure)
         if failure is None:
             save.upload.set_result(done.result())
         else:
@@ -318,6 +318,8 @@ class AsyncSaveStager(AsyncStager):
 
     def _give_back(self, save: _Save) -> None:
         if not save.over.is_set():
+            if self._budget is not None:
+                self._budget.end()
             if not save.stuck:
                 for opt in self.optimizers:
                     release_export(opt, save.state_dict)
@@ -331,6 +333,7 @@ class AsyncSaveStager(AsyncStager):
         finite: FiniteCheck | None,
         device: int | None,
         gated: bool,
+        fills: bool,
     ) -> None:
         """The staging's completion, on a thread of its own: the GPU's finite check, the copies, every export
         filled, the host's finite check, ``check``, then the ranks' agreement (``gated``: the gate's, on DCP's upload
@@ -343,11 +346,12 @@ class AsyncSaveStager(AsyncStager):
                 torch.cuda.set_device(device)
             on_device = None if finite is None else finite.device_refusal()  # before step() changes what it reads
             copied()
-            failure = self._export_failure(save)
+            failure = self._export_failure(save) if fills else None  # a budget has no background export
         except BaseException as exc:  # noqa: BLE001  (one rank's failure must reach the agreement, not end it)
             failure = first_line(exc, named=True)
         finally:
-            save.filled.set_result(None)
+            if fills:  # else the budget's fills complete it
+                save.filled.set_result(None)
         try:
             if failure is None and finite is not None:
                 failure = finite.refusal(on_device)

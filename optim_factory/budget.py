@@ -1,18 +1,16 @@
 """A save within a host-memory budget: ``BudgetSavePlanner``, DCP's save planner that exports each optimizer state
-(and copies each CUDA tensor) into host memory just before DCP writes it and gives that memory back once written,
-so that a save holds at most the budget (which must hold its writer threads' largest items: each thread holds the
-item it writes), plus the staging of the one item being filled (a ring of at most 128 MiB, less for a smaller
-state). See docs/export.md, "Saves within a host budget".
+(and copies each CUDA tensor) into fresh host memory ahead of DCP's writer and gives that memory back once written,
+so that a save holds at most the budget, plus the staging of the fills (a ring of at most 128 MiB). See
+docs/export.md, "Saves within a host budget".
 
 An optimizer's chunked export made inside :meth:`BudgetSavePlanner.exporting` returns a meta tensor in place of each
 streamed state (``unfilled_state_dict``): no memory; a reader that copies its data out (``.cpu()``, a plain
 ``dcp.save``) fails loudly, while pickling it (``torch.save``) stores a tensor without data. The planner knows each
-placeholder's key in the flattened state dict and, when DCP's writer asks for that key (``resolve_data``), streams
-the state into fresh host memory on the writer thread, one fill at a time; a thread's previous item is then written
-(DCP's serial loader asks for the next item only after writing the previous one) and its pages are given back
-(``MADV_DONTNEED``) although DCP still references the tensor. That holds for the writer
-:meth:`BudgetSavePlanner.save` builds (DCP's ``FileSystemWriter`` without copy-ahead, whose overlapping loader asks
-ahead): planning anywhere else is refused.
+placeholder's key in the flattened state dict; once DCP's plan is final it fills every tensor it writes on a thread
+of its own, in the order the writer's threads ask for them (``optim_factory.fills``), and a writer thread's previous
+tensor, written once it asks for the next, is given back (``MADV_DONTNEED``) although DCP still references it.
+That order is that of DCP's ``FileSystemWriter`` without copy-ahead (whose overlapping loader asks ahead), which
+:meth:`BudgetSavePlanner.save` builds; a save with the planner that builds no writer of its own is refused.
 """
 
 from __future__ import annotations
@@ -23,35 +21,50 @@ import math
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import WriteItemType
 
+from optim_factory.fills import Fill, SaveFills
 from optim_factory.optimizers.export import local_tensor
-from optim_factory.optimizers.export.host_memory import give_pages_back, host_empty
-from optim_factory.tree import leaves
+from optim_factory.optimizers.export.stream import StreamItem
+from optim_factory.tree import leaves, local_tensors
 
-__all__ = ["BudgetSavePlanner", "refuse_budgeted"]
+__all__ = [
+    "BudgetSavePlanner",
+    "budget_planner",
+    "host_budget",
+    "refuse_writer",
+    "write_order",
+    "one_line_refusal",
+]
 
 _NAME = "BudgetSavePlanner"  # the start of this module's refusals
 
 
-def refuse_budgeted(optimizers: Any, where: str) -> None:
-    """A ``ValueError`` naming the option when an optimizer of ``optimizers`` has a host budget: ``where`` (a
-    checkpointer) would export it whole, not within the budget."""
-    for opt in optimizers:
-        budget = _budget_of(opt)
-        if budget is not None:
-            raise ValueError(
-                f"state_dict_offload_host_budget={budget}: {where} holds a whole export; a save within the budget "
-                "goes through optim_factory.budget.BudgetSavePlanner (a synchronous plain DCP save)"
-            )
+def budget_planner(optimizers: Any, where: str, checked: bool = False) -> BudgetSavePlanner | None:
+    """The planner of ``where``'s async saves (host tensors filled too) for the one optimizer of ``optimizers`` with a
+    host budget; None when none has one; a ``ValueError`` when several have, or with a check of the filled state
+    (``checked``: ``AsyncSaveStager``'s ``refuse_non_finite`` or ``check``)."""
+    budgeted = [opt for opt in optimizers if host_budget(opt) is not None]
+    if len(budgeted) > 1:
+        raise ValueError(
+            f"state_dict_offload_host_budget: {where} saves one optimizer within a budget, not {len(budgeted)}"
+        )
+    if budgeted and checked:
+        raise ValueError(
+            f"{where}(refuse_non_finite=..., check=...): not with state_dict_offload_host_budget, whose save is "
+            "written while it is filled"
+        )
+    return BudgetSavePlanner(budgeted[0], copy_host_tensors=True) if budgeted else None
 
 
-def _budget_of(optimizer: Any) -> int | None:
+def host_budget(optimizer: Any) -> int | None:
     """An optimizer's ``state_dict_offload_host_budget`` in bytes (None: none, or not one of ours)."""
     return getattr(getattr(optimizer, "export_options", None), "host_budget", None)
 
@@ -64,99 +77,131 @@ def _item_bytes(item: Any) -> int:
     return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
 
 
-class _Budget:
-    """Bytes held by a save's writer threads (each holds one item at a time), and the most held at once."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.held, self.peak = limit, 0, 0
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> None:
-        with self._lock:
-            self.held += nbytes
-            self.peak = max(self.peak, self.held)
-
-    def give(self, nbytes: int) -> None:
-        with self._lock:
-            self.held -= nbytes
-
-
 class BudgetSavePlanner(DefaultSavePlanner):
     """DCP's default save planner that fills what a save of ``optimizer``'s export writes item by item, within its
-    ``state_dict_offload_host_budget`` bytes of host memory.
+    ``state_dict_offload_host_budget`` bytes of host memory (``optim_factory.fills``).
 
     ``planner = BudgetSavePlanner(opt)``; ``with planner.exporting(): sd = {"model": ..., "optim":
     get_optimizer_state_dict(model, opt)}``; ``planner.save(sd, path)`` (again for another copy, until the next
-    ``step()``). The data files are those of a save without it, byte for byte."""
+    ``step()``). The data files are those of a save without it, byte for byte. ``copy_host_tensors``: fill host
+    tensors too (an async save, written while the next ``step()`` changes them; ``AsyncSaveStager``'s); otherwise
+    they are written as they are. A checkpointer of its own calls :meth:`begin` before DCP plans and :meth:`end`
+    once DCP returned, with a ``FileSystemWriter`` without copy-ahead (:func:`refuse_writer`)."""
 
-    def __init__(self, optimizer: Any) -> None:
-        budget = _budget_of(optimizer)
+    def __init__(self, optimizer: Any, *, copy_host_tensors: bool = False) -> None:
+        budget = host_budget(optimizer)
         if budget is None:
-            raise ValueError("BudgetSavePlanner: the optimizer has no state_dict_offload_host_budget")
+            raise ValueError(f"{_NAME}: the optimizer has no state_dict_offload_host_budget")
         if not sys.platform.startswith("linux"):
-            raise ValueError("BudgetSavePlanner: needs Linux (pages are given back with madvise)")
+            raise ValueError(f"{_NAME}: needs Linux (pages are given back with madvise)")
         super().__init__()
-        self.optimizer = optimizer
-        self._budget = _Budget(budget)
+        self.optimizer, self.limit, self.copy_host_tensors = optimizer, budget, copy_host_tensors
+        self.peak_bytes = 0  # the most bytes this planner's saves held at once
         self._threads = 1
-        self._exporting = self._saving = False
-        self._placeholders: dict[int, Any] = {}  # id of an exported meta tensor -> its stream item
-        self._steps: list[Any] = []  # each group's step count at the export
-        self._by_fqn: dict[str, Any] = {}  # the save's flattened keys of the placeholders -> their items
-        self._held: dict[int, torch.Tensor] = {}  # writer thread -> the tensor it was last given
+        self._saving = False
+        self._items: list = []  # the last export's streamed states (their placeholders' stream items)
+        self._steps: list[Any] | None = None  # each group's step count after that export
+        self._current: list | None = None  # inside exporting(): the streamed states exported so far
+        self._sources: dict[str, Any] = {}  # the save's flattened keys filled -> a stream item or a tensor
+        self._fills: SaveFills | None = None
+        self._filled: Future | None = None
+        self._streams: dict[torch.device, Any] = {}  # the fills' side stream per device, kept from save to save
         self._lock = threading.Lock()
-        self._filling = threading.Lock()
-
-    @property
-    def peak_bytes(self) -> int:
-        """The most bytes this planner's saves held at once."""
-        return self._budget.peak
 
     @contextlib.contextmanager
     def exporting(self) -> Iterator[None]:
-        """The optimizer's chunked exports started inside hold a meta tensor in place of each streamed state."""
-        self._exporting, self._placeholders = True, {}
+        """The optimizer's chunked exports started inside hold a meta tensor in place of each streamed state. A save
+        is of the last block that exported something (a checkpointer's block around the caller's save of an export
+        made before exports nothing)."""
+        if self._current is not None:  # a checkpointer's exporting() around the caller's
+            yield
+            return
         try:
             with self.optimizer.unfilled_state_dict() as items:
+                self._current = items
                 yield
         finally:
-            self._exporting = False
-        self._placeholders.update({id(item.dst): item for item in items})
-        self._steps = _steps(self.optimizer)
+            self._current = None
+        if items:
+            self._items, self._steps = items, _steps(self.optimizer)
 
     def save(self, state_dict: dict[str, Any], checkpoint_id: Any, *, thread_count: int = 1, **dcp_kwargs: Any) -> Any:
         """``dcp.save(state_dict, checkpoint_id=...)`` through DCP's ``FileSystemWriter`` with ``thread_count``
         writer threads (without copy-ahead) and this planner; ``dcp_kwargs``: ``dcp.save``'s others
-        (``process_group``, ``no_dist``). Gives back what the writer threads held last, however it ends."""
-        if self._exporting:
-            raise ValueError("BudgetSavePlanner.save: inside exporting(); save once the export is done")
-        if not self._placeholders:
-            raise ValueError("BudgetSavePlanner.save: nothing was exported inside planner.exporting()")
-        if _steps(self.optimizer) != self._steps:
-            raise ValueError("BudgetSavePlanner.save: the optimizer stepped since the export; export again")
+        (``process_group``, ``no_dist``). Gives back what it filled, however it ends."""
         writer = FileSystemWriter(checkpoint_id, thread_count=thread_count, per_thread_copy_ahead=0)
-        self._threads, self._saving = max(1, thread_count), True
+        self.begin(state_dict, thread_count)
         try:
             return dcp.save(state_dict, storage_writer=writer, planner=self, **dcp_kwargs)
         except CheckpointException as exc:  # DCP wraps this planner's refusals: raised here as the one line
-            causes = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]  # (exception, traceback)
-            refusal = next((c for c in causes if isinstance(c, ValueError) and str(c).startswith(_NAME)), None)
-            if refusal is None:
-                raise
-            raise ValueError(str(refusal)) from exc
+            raise one_line_refusal(exc) from exc
         finally:
-            self._saving = False
-            self._release()
+            self.end()
+
+    def async_save_kwargs(self, dcp_kwargs: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """``dcp.async_save``'s arguments of a checkpointer's save through this planner (none of the caller's) and
+        its writer (DCP's ``FileSystemWriter`` without copy-ahead for a ``checkpoint_id``; a ``storage_writer`` must
+        write in the order the fills follow, :func:`refuse_writer`), and the writer's thread count."""
+        if dcp_kwargs.get("planner") is not None:
+            raise ValueError(
+                f"{_NAME}: a save within the budget plans with this planner, not {dcp_kwargs['planner']!r}"
+            )
+        writer = dcp_kwargs.get("storage_writer")
+        if writer is None and "://" not in str(dcp_kwargs.get("checkpoint_id")):
+            writer = FileSystemWriter(dcp_kwargs["checkpoint_id"], per_thread_copy_ahead=0)
+        refuse_writer(writer)
+        return {**dcp_kwargs, "storage_writer": writer, "planner": self}, writer.thread_count
+
+    def begin(self, state_dict: Any, thread_count: int | None) -> Future:
+        """A save of ``state_dict`` (exported inside :meth:`exporting`) by a writer of ``thread_count`` threads
+        starts: its fills will wait for the work queued so far on the current CUDA streams, and the optimizer's
+        ``step()`` waits for them. Returns the Future done once every fill is (or the save has ended). ``None``
+        threads: a save that a checkpointer of its own did not start (its writer unknown), refused."""
+        if thread_count is None:
+            raise ValueError(
+                f"{_NAME}: a save within state_dict_offload_host_budget starts with its checkpointer's save "
+                "(AsyncSaveStager.async_save, planner.save), which builds its writer"
+            )
+        if self._current:  # saved inside the block that exported it
+            self._items, self._steps = list(self._current), None
+        if not self._items:
+            raise ValueError(f"{_NAME}: nothing was exported inside planner.exporting()")
+        if self._steps is not None and _steps(self.optimizer) != self._steps:
+            raise ValueError(f"{_NAME}: the optimizer stepped since the export; export again")
+        devices = {t.device for t in local_tensors(state_dict) if t.is_cuda}
+        devices |= {local_tensor(item.source).device for item in self._items if item.source.is_cuda}
+        for device in devices:
+            side = self._streams.get(device)
+            if side is None:
+                side = self._streams[device] = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))  # the states are final here
+        self._threads, self._saving, self._filled = max(1, thread_count), True, Future()
+        self.optimizer.state_exporter.hold(self._filled)
+        return self._filled
+
+    def end(self) -> None:
+        """The save is over: stop its fills and give back everything they hold."""
+        self._saving = False
+        fills, self._fills = self._fills, None
+        if fills is not None:
+            fills.close()
+            self.peak_bytes = max(self.peak_bytes, fills.peak)
+        _complete(self._filled)
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
-        if not self._saving:
-            raise ValueError("BudgetSavePlanner: save with planner.save(...), which builds the writer it needs")
+        self._check_saving()
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
-        self._by_fqn = {}
+        placeholders = {id(item.dst): item for item in self._items}
+        self._sources = {}
         for fqn, value in self.state_dict.items():  # flattened by DefaultSavePlanner
-            item = self._placeholders.get(id(local_tensor(value))) if isinstance(value, torch.Tensor) else None
+            if not isinstance(value, torch.Tensor):
+                continue
+            local = local_tensor(value)
+            item = placeholders.get(id(local))
             if item is not None:
-                self._by_fqn[fqn] = item
+                self._sources[fqn] = item
+            elif not local.is_meta and (local.is_cuda or self.copy_host_tensors):
+                self._sources[fqn] = local.detach()
         pickled = [
             fqn
             for fqn, value in self.state_dict.items()
@@ -165,72 +210,109 @@ class BudgetSavePlanner(DefaultSavePlanner):
         ]
         if pickled:
             raise ValueError(
-                f"BudgetSavePlanner: {pickled[0]} holds a meta tensor (a placeholder) inside a value DCP pickles: it "
-                "would be saved without data"
+                f"{_NAME}: {pickled[0]} holds a meta tensor (a placeholder) inside a value DCP pickles: it would be "
+                "saved without data"
             )
-        missing = len({id(item) for item in self._placeholders.values()} - {id(i) for i in self._by_fqn.values()})
+        saved = {id(s) for s in self._sources.values()}
+        missing = sum(id(item) not in saved for item in self._items)
         if missing:
             raise ValueError(
-                f"BudgetSavePlanner: {missing} of the export's states are not values of the state dict saved (a copy "
-                "of a placeholder, or one inside a pickled value, holds no data): save the export itself"
+                f"{_NAME}: {missing} of the export's states are not values of the state dict saved (a copy of a "
+                "placeholder, or one inside a pickled value, holds no data): save the export itself"
             )
 
     def create_local_plan(self) -> Any:
         """DCP's local plan, refused when its writer threads could hold more than the budget: each holds the item
         it writes (the largest ones at worst)."""
-        if not self._saving:
-            raise ValueError("BudgetSavePlanner: save with planner.save(...), which builds the writer it needs")
+        self._check_saving()
         plan = super().create_local_plan()
-        sizes = sorted((_item_bytes(item) for item in plan.items), reverse=True)
+        sizes = sorted((_item_bytes(i) for i in plan.items if i.index.fqn in self._sources), reverse=True)
         worst = sum(sizes[: self._threads])
-        if worst > self._budget.limit:
+        if worst > self.limit:
             raise ValueError(
-                f"BudgetSavePlanner: {self._threads} writer thread(s) may hold {worst} bytes at once (the largest "
-                f"items), more than the budget of {self._budget.limit}: fewer writer threads or a larger budget"
+                f"{_NAME}: {self._threads} writer thread(s) may hold {worst} bytes at once (the largest items), more "
+                f"than the budget of {self.limit}: fewer writer threads or a larger budget"
             )
         return plan
 
-    def resolve_data(self, write_item: Any) -> Any:
-        if not self._saving:
-            raise ValueError("BudgetSavePlanner: save with planner.save(...), which builds the writer it needs")
-        item = self._by_fqn.get(write_item.index.fqn)
-        obj = None if item is not None else super().resolve_data(write_item)
-        if item is None and not (isinstance(obj, torch.Tensor) and local_tensor(obj).is_cuda):
-            return obj
-        source = item.source if item is not None else local_tensor(obj)
-        shape, dtype = (item.dst.shape, item.dst.dtype) if item is not None else (source.shape, source.dtype)
-        me = threading.get_ident()
-        with self._lock:
-            previous = self._held.pop(me, None)
-        if previous is not None:  # written: DCP's serial loader asks for the next item only after that
-            give_pages_back(previous)
-            self._budget.give(previous.numel() * previous.element_size())
-        host = host_empty(shape, dtype)
-        nbytes = host.numel() * host.element_size()
-        self._budget.take(nbytes)
-        try:
-            if source.is_cuda:
-                torch.cuda.set_device(source.device)  # a writer thread's device is 0 until set
-            with self._filling:  # one fill at a time: its staging ring is the bytes beyond the budget
-                if item is not None:
-                    exporter, chunk = self.optimizer.state_exporter, self.optimizer.export_options.chunk_bytes
-                    exporter.stream([dataclasses.replace(item, dst=host, result=host)], chunk)
-                else:
-                    host.copy_(source)
-        except BaseException:
-            self._budget.give(nbytes)
-            raise
-        with self._lock:
-            self._held[me] = host
-        return host
+    def finish_plan(self, new_plan: Any) -> Any:
+        """The final plan: its fills, in the order the writer threads will ask for them."""
+        plan = super().finish_plan(new_plan)
+        sequences = [
+            [self._fill(i) for i in seq if i.index.fqn in self._sources]
+            for seq in write_order(plan.items, self._threads)
+        ]
+        exporter, chunk = self.optimizer.state_exporter, self.optimizer.export_options.chunk_bytes
+        self._fills = SaveFills(sequences, self.limit, exporter, chunk, self._streams)
+        self._fills.done.add_done_callback(lambda _: _complete(self._filled))
+        return plan
 
-    def _release(self) -> None:
-        """Give back what the save's writer threads held last."""
-        with self._lock:
-            held, self._held = list(self._held.values()), {}
-        for t in held:
-            give_pages_back(t)
-            self._budget.give(t.numel() * t.element_size())
+    def resolve_data(self, write_item: Any) -> Any:
+        self._check_saving()
+        fqn = write_item.index.fqn
+        if fqn in self._sources and self._fills is not None:
+            return self._fills.take(fqn)
+        return super().resolve_data(write_item)
+
+    def _check_saving(self) -> None:
+        if not self._saving:
+            raise ValueError(f"{_NAME}: save with planner.save(...), which builds the writer it needs")
+
+    def _fill(self, write_item: Any) -> Fill:
+        source = self._sources[write_item.index.fqn]
+        if isinstance(source, StreamItem):
+            return Fill(
+                write_item.index.fqn,
+                source.dst.shape,
+                source.dst.dtype,
+                lambda host, s=source: dataclasses.replace(s, dst=host, result=host),
+            )
+        return Fill(
+            write_item.index.fqn,
+            source.shape,
+            source.dtype,
+            lambda host, s=source: StreamItem(s.reshape(-1), None, host, host, staged=s.is_cuda),
+        )
+
+
+def write_order(items: list[Any], threads: int) -> list[list[Any]]:
+    """The tensor items of a final plan in the order each of DCP's ``FileSystemWriter`` threads (one file per
+    thread, no copy-ahead) asks for them: one thread, the plan's order; several, the largest first, each to the
+    thread with the fewest bytes so far (DCP's own split)."""
+    tensors = [i for i in items if i.type != WriteItemType.BYTE_IO]
+    if threads == 1:
+        return [tensors]
+    sequences: list[list[Any]] = [[] for _ in range(threads)]
+    sizes = [0] * threads
+    for item in sorted(tensors, key=_item_bytes, reverse=True):
+        least = sizes.index(min(sizes))
+        sequences[least].append(item)
+        sizes[least] += _item_bytes(item)
+    return sequences
+
+
+def refuse_writer(writer: Any) -> None:
+    """A ``ValueError`` unless ``writer`` writes in the order :func:`write_order` says: DCP's ``FileSystemWriter``
+    (or a subclass) with one file per thread and no copy-ahead (whose loader asks for items before writing)."""
+    if not (isinstance(writer, FileSystemWriter) and writer.per_thread_copy_ahead == 0 and writer.single_file_per_rank):
+        raise ValueError(
+            f"{_NAME}: a save within the budget writes through DCP's FileSystemWriter(..., per_thread_copy_ahead=0) "
+            f"with one file per thread; got {writer!r}"
+        )
+
+
+def one_line_refusal(exc: CheckpointException) -> BaseException:
+    """This planner's refusal that DCP wrapped in its multi-line ``CheckpointException``, as the one-line
+    ``ValueError``; any other failure as it is."""
+    causes = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]  # (exception, traceback)
+    refusal = next((c for c in causes if isinstance(c, ValueError) and str(c).startswith(_NAME)), None)
+    return exc if refusal is None else ValueError(str(refusal))
+
+
+def _complete(future: Future | None) -> None:
+    if future is not None:
+        with contextlib.suppress(InvalidStateError):
+            future.set_result(None)
 
 
 def _steps(optimizer: Any) -> list[Any]:

@@ -1,5 +1,6 @@
-"""``ConfigError``: the one exception of a refused value (a rule's, or a config's); ``optim_keys``: the one place a
-rule's refusal becomes the optimizer config's line; ``first_line``: the one place an error is shortened to one line."""
+"""``ConfigError``: the one exception of a refused value (a rule's, or a config's); ``SaveRefused``: a save refused on
+every rank (``optim_factory.async_save``); ``optim_keys``: the one place a rule's refusal becomes the optimizer
+config's line; ``first_line``: the one place an error is shortened to one line."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from contextlib import contextmanager
 from enum import Enum
 from typing import Any
 
-__all__ = ["ConfigError", "first_line", "optim_keys"]
+__all__ = ["ConfigError", "SaveRefused", "first_line", "optim_keys"]
 
 
 class ConfigError(ValueError, RuntimeError):
@@ -86,3 +87,15 @@ def first_line(error: BaseException | str, empty: str | None = None, *, named: b
         described = first_line(inner, named=True) if isinstance(inner, BaseException) else str(inner)[:300]
         return f"rank {rank}: {described}"
     return f"{type(error).__name__}: {first_line(error, '')[:300]}"
+
+
+class SaveRefused(RuntimeError):
+    """A staged save refused on every rank before anything was written, in one line naming each rank's reason
+    (``reasons``: ``"<reason> (rank N)"`` for every rank that refused)."""
+
+    def __init__(self, reasons: list[str]) -> None:
+        super().__init__(f"not saved, nothing was written: {'; '.join(reasons)}")
+        self.reasons = reasons
+
+    def __reduce__(self) -> tuple:  # DCP gathers a write's failures to its coordinator pickled
+        return SaveRefused, (self.reasons,)

@@ -23,7 +23,9 @@ A refused save (a failed or stuck export) raises from ``async_wait()`` in one li
 accelerator (Automodel's stager refuses a machine without one). Its async saves write local paths (DCP's file
 writer, DCP's default save planner); an ``msc://`` checkpoint directory with ``is_async`` is refused in one line.
 
-Everything else (sync saves, the model's HF and PEFT formats) is Automodel's. Importing this module imports
+An optimizer with ``state_dict_offload_host_budget`` saves within it, async or not (a sync save through the stager,
+waited for): the stager fills each state as DCP's writer reaches it (``optim_factory.budget``). Everything else
+(other sync saves, the model's HF and PEFT formats) is Automodel's. Importing this module imports
 Automodel's checkpoint package (and transformers); the rest of optim_factory never does.
 """
 
@@ -39,7 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from optim_factory.async_save import AsyncSaveStager
-from optim_factory.budget import refuse_budgeted
+from optim_factory.budget import host_budget
 from optim_factory.checkpoint import ExactLoadPlanner, deferred_export, defers_export
 from optim_factory.integrations import framework_import_error
 
@@ -89,6 +91,7 @@ class Checkpointer(AutomodelCheckpointer):
         self.config = config
         self.lifecycle = CheckpointLifecycle(config=config, process_group=self.process_group)  # the one config
         self.stagers: dict[str, AsyncSaveStager] = {}
+        self._budgeted = False  # the optimizers of the last save_optimizer: one has a host budget
         # the ranks of a save agree on a refusal and DCP plans on a gloo group of the kind's (made by every rank)
         self._async_groups = (
             {kind: _gloo_group(self.process_group) for kind in (MODEL_DIR, OPTIM_DIR)}
@@ -97,12 +100,13 @@ class Checkpointer(AutomodelCheckpointer):
         )
 
     def save_optimizer(self, optimizer: Any, model: Any, weights_path: str, *args: Any, **kwargs: Any) -> None:
-        refuse_budgeted(optimizer if isinstance(optimizer, (list, tuple)) else [optimizer], "Automodel's Checkpointer")
-        if not self.config.is_async:
-            return super().save_optimizer(optimizer, model, weights_path, *args, **kwargs)
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-        self._stager(OPTIM_DIR, optimizers)
+        self._budgeted = any(host_budget(opt) is not None for opt in optimizers)
+        if not (self.config.is_async or self._budgeted):
+            return super().save_optimizer(optimizer, model, weights_path, *args, **kwargs)
+        stager = self._stager(OPTIM_DIR, optimizers)
         with contextlib.ExitStack() as deferred:  # waited for by maybe_wait_for_staging() (and by step())
+            deferred.enter_context(stager.exporting())  # within a host budget: the stager fills what it writes
             for opt in optimizers:
                 if defers_export(opt):
                     deferred.enter_context(deferred_export(opt))
@@ -112,12 +116,17 @@ class Checkpointer(AutomodelCheckpointer):
         # Automodel's one DCP write, of the model and of the optimizer; its async one is replaced on local paths
         kind = OPTIM_DIR if os.path.basename(os.path.normpath(path)) == OPTIM_DIR else MODEL_DIR
         peft_model = self.config.is_peft and kind == MODEL_DIR  # rank 0 writes the adapter's safetensors
-        if not self.config.is_async or peft_model:
+        budgeted = self._budgeted and kind == OPTIM_DIR  # a sync save within the budget: the stager's, waited for
+        if not (self.config.is_async or budgeted) or peft_model:
             return super()._do_save(state_dict, path, storage_writer)
         _refuse_remote(path)
-        return self._stager(kind).async_save(
+        response = self._stager(kind).async_save(
             state_dict, checkpoint_id=path, storage_writer=storage_writer, process_group=self._async_groups.get(kind)
         )
+        if not self.config.is_async:  # as Automodel's sync save: nothing to wait for afterwards
+            response.upload_completion.result()
+            return None
+        return response
 
     def maybe_wait_for_staging(self) -> None:
         super().maybe_wait_for_staging()

@@ -41,6 +41,8 @@ nothing written.
 (torchtitan's Trainer calls it before the optimizer step), so there a background export
 (``state_dict_offload_background``) is deferred: it fills beside the next forward and backward. ``async`` keeps
 torchtitan's too, staged when the save returns, so its export is filled before ``state_dict()`` returns.
+An optimizer with ``state_dict_offload_host_budget`` saves within it in every mode (a sync save through the stager,
+waited for): the stager fills each state as DCP's writer reaches it (``optim_factory.budget``).
 
 Importing this module imports torchtitan; the rest of optim_factory never does.
 """
@@ -57,12 +59,12 @@ import torch.distributed.checkpoint as dcp
 
 import optim_factory
 from optim_factory.async_save import AsyncSaveStager
-from optim_factory.budget import refuse_budgeted
+from optim_factory.budget import host_budget
 from optim_factory.checkpoint import ExactLoadPlanner, deferred_export, defers_export
 from optim_factory.integrations import framework_import_error
 
 try:  # names torchtitan 0.3 and its main branch both provide (0.3's components.checkpoint is main's checkpointer)
-    from torchtitan.components.checkpointer import MODEL, AsyncMode
+    from torchtitan.components.checkpointer import MODEL, OPTIMIZER, AsyncMode
     from torchtitan.components.checkpointer import CheckpointManager as TitanCheckpointManager
     from torchtitan.components.optimizer import OptimizersContainer as TitanOptimizersContainer
     from torchtitan.components.optimizer import ParamGroupConfig
@@ -140,10 +142,9 @@ class CheckpointManager(TitanCheckpointManager):
         """torchtitan's checkpoint config, unchanged; declared here so that ``config.build()`` builds this class."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
-        if config.enable:  # before torchtitan's constructor starts anything (its async process group)
-            refuse_budgeted(kwargs["optimizers"].optimizers, "torchtitan's CheckpointManager")
         super().__init__(config, **kwargs)
-        if self.enable and self.async_mode != AsyncMode.DISABLED:
+        self.budgeted = any(host_budget(opt) is not None for opt in kwargs["optimizers"].optimizers)
+        if self.enable and (self.async_mode != AsyncMode.DISABLED or self.budgeted):
             # torchtitan's own slot for its stager, which its close() closes; its gloo group of async saves (every
             # rank made it in the constructor above) carries the ranks' agreement on a refusal
             pinned = self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
@@ -157,8 +158,13 @@ class CheckpointManager(TitanCheckpointManager):
         enable_garbage_collection: bool = False,
         to_hf: bool = False,
     ) -> Any:
-        if async_mode == AsyncMode.DISABLED or to_hf:  # torchtitan saves HF files synchronously only
+        budgeted = self.budgeted and OPTIMIZER in state_dict  # a sync save within the budget: the stager's, waited
+        if (async_mode == AsyncMode.DISABLED and not budgeted) or to_hf:  # torchtitan saves HF files sync only
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        if async_mode == AsyncMode.DISABLED:
+            response = self.stager.async_save(state_dict, checkpoint_id=checkpoint_id, process_group=self.pg)
+            response.upload_completion.result()
+            return None
         staged_later = async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM  # the caller waits before the next step
         with contextlib.ExitStack() as deferred:
             for opt in self.stager.optimizers:

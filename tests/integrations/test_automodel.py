@@ -430,18 +430,30 @@ def test_async_checkpointer_refuses_remote_storage():
 
 
 @needs_checkpointer
-def test_checkpointer_refuses_an_optimizer_with_a_host_budget_in_one_line(tmp_path):
-    """It saves the optimizer's whole export: a budget it cannot hold is refused at the save, before anything."""
+@pytest.mark.parametrize("is_async", [False, True])
+def test_an_optimizer_with_a_host_budget_saves_within_it_and_loads_bitwise(tmp_path, is_async):
+    """Sync or async, the optimizer's save goes through the stager, which fills each state as DCP writes it (a
+    budget of 16 chunks, a third of the state); the optimizer loads back bitwise, the next step the same."""
     from nemo_automodel.components.checkpoint.config import CheckpointingConfig
 
     from optim_factory.integrations.automodel import Checkpointer
 
-    opt = build_optimizer(
-        tmp_path, "--optimizer.state_dict_cpu_offload=true", "--optimizer.state_dict_offload_host_budget=128MiB"
-    )
-    config = CheckpointingConfig(checkpoint_dir=str(tmp_path / "ck"), save_consolidated=False, is_async=False)
+    budget = ["--optimizer.state_dict_cpu_offload=true", "--optimizer.state_dict_offload_chunk_bytes=64"]
+    budget.append("--optimizer.state_dict_offload_host_budget=1024")
+    m1, m2 = model(), model(seed=1)
+    (o1,) = optimizer_config(tmp_path, *budget).build(m1, device_mesh=None)
+    (o2,) = optimizer_config(tmp_path, *budget).build(m2, device_mesh=None)
+    train(m1, o1, range(2))
+    config = CheckpointingConfig(checkpoint_dir=str(tmp_path / "ck"), save_consolidated=False, is_async=is_async)
     checkpointer = Checkpointer(config, dp_rank=0, tp_rank=0, pp_rank=0)
-    line = r"^state_dict_offload_host_budget=134217728: Automodel's Checkpointer holds a whole export; "
-    with pytest.raises(ValueError, match=line):
-        checkpointer.save_optimizer(opt, model(), str(tmp_path / "ck" / "step_1"))
-    assert not (tmp_path / "ck" / "step_1").exists()
+    checkpointer.save_optimizer(o1, m1, str(tmp_path / "ck" / "step_2"))
+    checkpointer.maybe_wait_for_staging()
+    checkpointer.async_wait()
+    assert 0 < checkpointer.stagers["optim"].budget_peak_bytes <= 1024
+    m2.load_state_dict(m1.state_dict())
+    checkpointer.load_optimizer(o2, m2, str(tmp_path / "ck" / "step_2"))
+    assert_same(m1, o1, m2, o2, "after the load")
+    train(m1, o1, range(2, 3))
+    train(m2, o2, range(2, 3))
+    assert_same(m1, o1, m2, o2, "the step after")
+    checkpointer.close()

@@ -16,7 +16,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory import PortableFusedAdam
-from optim_factory.async_save import AsyncSaveStager
 from optim_factory.budget import BudgetSavePlanner
 from optim_factory.errors import ConfigError
 from tests.recipe.runs import QUICK, cli, refused
@@ -84,11 +83,11 @@ def test_a_save_within_the_budget_writes_the_same_files_and_holds_at_most_the_bu
 
     exported = 24 * STATE  # exp_avg and exp_avg_sq of 12 weights (the biases' states are small)
     assert _peak_added(save_plain) > exported  # the measure sees a whole export
-    # the budget, the staging of the one state being filled, and DCP's and Python's own allocations: 50-75 KB
-    # measured beyond the first two, and with 2 writer threads once 2.1 MB under the loaded CI run (one 2 MiB page
-    # more; its source is not established), so a second thread is allowed one
-    other = (256 << 10) + (2 << 20) * (threads - 1)
-    assert _peak_added(save_within) <= budget + STATE + other
+    # the budget, the fills' staging ring (two chunks), and DCP's and Python's own allocations: 0-380 KB measured
+    # beyond the first two, and with 2 writer threads once a 2 MiB page more under a loaded CI run (its source is
+    # not established), so a second thread is allowed one
+    other = (512 << 10) + (2 << 20) * (threads - 1)
+    assert _peak_added(save_within) <= budget + 2 * CHUNK + other
     assert _data_files(within) == _data_files(plain)
     shutil.rmtree(plain)
 
@@ -133,13 +132,11 @@ def test_a_save_whose_writer_threads_could_hold_more_than_the_budget_is_refused_
 
 def test_a_save_through_another_writer_or_of_a_copy_of_the_export_is_refused(tmp_path):
     """Another writer may ask for items ahead of its writes; a copy of a placeholder holds no data (a meta tensor);
-    a save inside exporting(), of nothing exported, or after a step would save other states than the export's."""
+    a save of nothing exported, or after a step, would save other states than the export's."""
     model, opt = _trained(2 * STATE)
     planner = BudgetSavePlanner(opt)
     with planner.exporting():
         msd, osd = get_state_dict(model, opt)
-        with pytest.raises(ValueError, match=r"^BudgetSavePlanner.save: inside exporting\(\); save once"):
-            planner.save({"optim": osd}, tmp_path / "inside", no_dist=True)
     with pytest.raises(CheckpointException, match=r"BudgetSavePlanner: save with planner.save\(...\)"):
         dcp.save({"optim": osd}, checkpoint_id=str(tmp_path / "dcp"), planner=planner, no_dist=True)
     with pytest.raises(CheckpointException, match="Cannot copy out of meta tensor|meta"):
@@ -147,9 +144,7 @@ def test_a_save_through_another_writer_or_of_a_copy_of_the_export_is_refused(tmp
     copied = {"optim": {"state": {i: {n: t.clone() for n, t in st.items()} for i, st in osd["state"].items()}}}
     with pytest.raises(ValueError, match="^BudgetSavePlanner: 48 of the export's states are not values of the state"):
         planner.save(copied, tmp_path / "copy", no_dist=True)
-    with pytest.raises(
-        ValueError, match=r"^BudgetSavePlanner.save: nothing was exported inside planner.exporting\(\)$"
-    ):
+    with pytest.raises(ValueError, match=r"^BudgetSavePlanner: nothing was exported inside planner.exporting\(\)$"):
         BudgetSavePlanner(opt).save({"optim": osd}, tmp_path / "nothing", no_dist=True)
     with pytest.raises(
         ValueError, match=r"^BudgetSavePlanner: tuple holds a meta tensor \(a placeholder\) inside a value DCP pickles"
@@ -159,7 +154,7 @@ def test_a_save_through_another_writer_or_of_a_copy_of_the_export_is_refused(tmp
     train_step = torch.nn.functional.mse_loss(model(torch.randn(4, 1024)), torch.zeros(4, 1024))
     train_step.backward()
     opt.step()
-    with pytest.raises(ValueError, match=r"^BudgetSavePlanner.save: the optimizer stepped since the export"):
+    with pytest.raises(ValueError, match=r"^BudgetSavePlanner: the optimizer stepped since the export"):
         planner.save({"optim": osd}, tmp_path / "stepped", no_dist=True)
     assert not [p for p in tmp_path.glob("*/*.distcp") if p.parent.name != "plain"]
     assert not (tmp_path / "plain" / ".metadata").exists()  # DCP's failed write: never a checkpoint
@@ -170,7 +165,9 @@ def test_the_export_saves_again_and_under_two_keys_with_the_same_files(tmp_path)
     planner = BudgetSavePlanner(opt)
     with planner.exporting():
         msd, osd = get_state_dict(model, opt)
+        planner.save({"optim": osd}, tmp_path / "inside", thread_count=2, no_dist=True)  # as after the block
     planner.save({"optim": osd}, tmp_path / "a", thread_count=2, no_dist=True)
+    assert _data_files(tmp_path / "inside") == _data_files(tmp_path / "a")
     planner.save({"optim": osd}, tmp_path / "b", thread_count=2, no_dist=True)
     assert _data_files(tmp_path / "a") == _data_files(tmp_path / "b")
     train(model, opt)  # the documented path after a step: export again with the same planner
@@ -186,10 +183,7 @@ def test_the_export_saves_again_and_under_two_keys_with_the_same_files(tmp_path)
                 assert torch.equal(t, opt.state[dict(model.named_parameters())[idx]][name]), (key, idx, name)
 
 
-def test_checkpointers_that_hold_a_whole_export_refuse_a_budget_in_one_line(tmp_path):
-    _, opt = _trained(2 * STATE)
-    with pytest.raises(ValueError, match=r"^state_dict_offload_host_budget=8388608: AsyncSaveStager holds a whole"):
-        AsyncSaveStager(opt)
+def test_a_planner_without_a_budget_and_the_recipe_s_saves_refuse_a_budget_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="^BudgetSavePlanner: the optimizer has no state_dict_offload_host_budget$"):
         BudgetSavePlanner(_trained()[1])
     budget = ["optim.state_dict_cpu_offload=true", "optim.state_dict_offload_host_budget=512MiB"]

@@ -14,7 +14,13 @@ from typing import Any
 import torch
 
 from optim_factory.optimizers.export.host_memory import HostBufferPool, ProcessThreads
-from optim_factory.optimizers.export.staging import Stager, UnstageWorkers, unstage_threads
+from optim_factory.optimizers.export.staging import (
+    SLOT_BYTES,
+    STAGING_SLOTS,
+    Stager,
+    UnstageWorkers,
+    unstage_threads,
+)
 
 __all__ = ["StreamItem", "Piece", "plan_chunks", "StateExporter"]
 
@@ -150,13 +156,15 @@ class StateExporter:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def stream(self, items: list[StreamItem], chunk_bytes: int) -> None:
-        """Fill every item's destination; returns when all host tensors hold their final values."""
+    def stream(self, items: list[StreamItem], chunk_bytes: int, ring_bytes: int | None = None) -> None:
+        """Fill every item's destination; returns when all host tensors hold their final values. ``ring_bytes``:
+        the most host bytes of the staging ring (default: ``STAGING_SLOTS`` buffers of ``SLOT_BYTES``)."""
         by_device: dict[torch.device, list[StreamItem]] = {}
         for item in items:
             by_device.setdefault(item.source.device, []).append(item)
+        slot = SLOT_BYTES if ring_bytes is None else max(_ALIGN, ring_bytes // STAGING_SLOTS // _ALIGN * _ALIGN)
         for device, group in by_device.items():
-            self._stream_device(device, plan_chunks(group, chunk_bytes))
+            self._stream_device(device, plan_chunks(group, chunk_bytes), min(slot, SLOT_BYTES))
 
     def stream_background(self, items: list[StreamItem], chunk_bytes: int) -> Future:
         """Fill every item's destination on the background thread; return at once. On CUDA the conversions
@@ -183,6 +191,13 @@ class StateExporter:
                 convert.wait_event(event)
                 stack.enter_context(torch.cuda.stream(convert))  # this thread's current stream on ``device``
             self.stream(items, chunk_bytes)
+
+    def hold(self, job: Future) -> None:
+        """Make ``job`` (work that reads the states beside training: a budgeted save's fills) pending as a
+        background export is, so that ``step()``, ``state_dict()`` and ``load_state_dict()`` wait for it first
+        (after waiting for a pending export). ``job`` should not fail: its failure would be raised by that wait."""
+        self.wait()
+        self._pending, self._pending_pid = job, os.getpid()
 
     @property
     def pending(self) -> bool:
@@ -219,7 +234,7 @@ class StateExporter:
         """Whether ``pending`` never finishes here: started in the parent of this forked process, not done then."""
         return self._pending_pid != os.getpid() and not pending.done()
 
-    def _stream_device(self, device: torch.device, chunks: list[list[Piece]]) -> None:
+    def _stream_device(self, device: torch.device, chunks: list[list[Piece]], slot_bytes: int = SLOT_BYTES) -> None:
         cuda = device.type == "cuda"
         compute = torch.cuda.current_stream(device) if cuda else None
         copy = self._copy_stream(device) if cuda else None
@@ -229,7 +244,9 @@ class StateExporter:
         buffers = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)] if need else []
         staged_bytes = sum((p.stop - p.start) * p.item.dst.element_size() for c in chunks for p in c if p.item.staged)
         freed: list[Any] = [None, None]  # copy-stream events after which buffers[i] may be reused
-        staging = Stager(staged_bytes, copy, self.unstage_workers(device)) if staged_bytes else None
+        staging = (
+            Stager(staged_bytes, copy, self.unstage_workers(device), slot_bytes=slot_bytes) if staged_bytes else None
+        )
         with staging or contextlib.nullcontext() as stager:
             for i, chunk in enumerate(chunks):
                 slot = i % 2

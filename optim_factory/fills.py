@@ -1,0 +1,198 @@
+"""``SaveFills``: the fills of one save within a host budget (``optim_factory.budget``). Each tensor DCP's writer
+writes is filled into fresh host memory on one thread of its own, ahead of the writer and in the order its threads
+ask for them, while the bytes filled and not yet given back fit the budget; a writer thread's previous tensor is
+given back (``MADV_DONTNEED``) when it asks for its next one. See docs/export.md, "Saves within a host budget".
+
+The fills run through the optimizer's exporter (``StateExporter.stream``: on CUDA, through its pinned staging ring
+and at most two chunks of GPU memory), several states per call up to :data:`FILL_BATCH_BYTES`, on a side stream
+that waits only for the work queued before the save: training's kernels queued meanwhile do not delay them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from optim_factory.optimizers.export.host_memory import give_pages_back, host_empty
+from optim_factory.optimizers.export.stream import StateExporter, StreamItem
+
+__all__ = ["Fill", "SaveFills", "FILL_BATCH_BYTES"]
+
+FILL_BATCH_BYTES = 256 << 20
+"""The most bytes filled by one call of the exporter: each call pins a staging ring of its own, and the writer waits
+for a whole call's states before it writes the first of them."""
+
+
+@dataclass
+class Fill:
+    """One tensor to fill: its key in the flattened state dict, its host layout, and how a host tensor of that
+    layout is filled (the stream item that copies or exports into it)."""
+
+    fqn: str
+    shape: torch.Size
+    dtype: torch.dtype
+    item: Callable[[torch.Tensor], StreamItem]
+    host: torch.Tensor | None = None  # filled, not yet taken by a writer thread
+    ready: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+
+class _Closed(Exception):
+    """The save ended before every fill was done."""
+
+
+class SaveFills:
+    """The fills of one save: ``sequences`` are the writer threads' orders (each thread writes one sequence, in
+    order); ``limit``: the budget in bytes. :meth:`take` is the writer threads' ``resolve_data``; :meth:`close`
+    ends the save's fills and gives back everything still held; ``done`` completes when every fill is done (or
+    failed, or the save ended), never with an exception."""
+
+    def __init__(
+        self,
+        sequences: list[list[Fill]],
+        limit: int,
+        exporter: StateExporter,
+        chunk_bytes: int,
+        streams: dict[torch.device, Any],
+    ) -> None:
+        """``streams``: the side stream per CUDA device that the fills run on (waiting for the save's point)."""
+        self.limit, self.held, self.peak = limit, 0, 0
+        self.done: Future = Future()
+        self._exporter, self._chunk_bytes, self._streams = exporter, chunk_bytes, streams
+        self._where = {f.fqn: (s, pos) for s, seq in enumerate(sequences) for pos, f in enumerate(seq)}
+        self._fills = {f.fqn: f for seq in sequences for f in seq}
+        self._next = [0] * len(sequences)  # per sequence: the position its writer thread asks for next
+        self._order = _merged(sequences)
+        self._taken: dict[int, torch.Tensor] = {}  # writer thread -> the tensor it was given last
+        self._cond = threading.Condition()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start filling (once; :meth:`take` starts it too)."""
+        with self._cond:
+            if self._thread is not None or self._closed:
+                return
+            self._thread = threading.Thread(target=self._run, name="optim-factory-fills", daemon=True)
+        self._thread.start()
+
+    def take(self, fqn: str) -> torch.Tensor:
+        """The filled host tensor of ``fqn``, once filled; the calling thread's previous one is given back first (a
+        writer thread asks for its next tensor once it has written the previous one)."""
+        self._give_back(self._taken.pop(threading.get_ident(), None))
+        fill = self._fills[fqn]
+        with self._cond:
+            sequence, position = self._where[fqn]
+            if self._next[sequence] != position:
+                raise ValueError(
+                    f"BudgetSavePlanner: DCP's writer asked for {fqn} out of the order the budget fills in (writer "
+                    f"thread {sequence}, item {position}, expected {self._next[sequence]}): nothing more is filled"
+                )
+            self._next[sequence] += 1
+        self.start()
+        with self._cond:
+            while not fill.ready and self._error is None and not self._closed:
+                self._cond.wait()
+            if not fill.ready:
+                raise RuntimeError(f"the fill of {fqn} failed: {self._error or 'the save ended'}") from self._error
+            host, fill.host = fill.host, None
+            self._taken[threading.get_ident()] = host
+        return host
+
+    def close(self) -> None:
+        """End the fills (a fill in progress is finished first) and give back every tensor still held."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        held = list(self._taken.values()) + [f.host for f in self._fills.values() if f.host is not None]
+        self._taken = {}
+        for f in self._fills.values():
+            f.host = None
+        for host in held:
+            self._give_back(host)
+        if not self.done.done():
+            self.done.set_result(None)
+
+    # ------------------------------------------------------------------ the fill thread
+    def _run(self) -> None:
+        try:
+            with self._on_side_streams():
+                batch: list[Fill] = []
+                for fill in self._order:
+                    if batch and (not self._fits(fill) or sum(f.nbytes for f in batch) >= FILL_BATCH_BYTES):
+                        self._fill(batch)  # never wait for room while holding states the writer may wait for
+                        batch = []
+                    self._reserve(fill)
+                    fill.host = host_empty(fill.shape, fill.dtype)
+                    batch.append(fill)
+                if batch:
+                    self._fill(batch)
+        except _Closed:
+            pass
+        except BaseException as exc:  # noqa: BLE001  (the writer threads waiting raise it)
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+        finally:
+            self.done.set_result(None)
+
+    @contextlib.contextmanager
+    def _on_side_streams(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for device, stream in self._streams.items():
+                torch.cuda.set_device(device)  # a new thread's device is 0 until set
+                stack.enter_context(torch.cuda.stream(stream))
+            yield
+
+    def _fits(self, fill: Fill) -> bool:
+        with self._cond:
+            return self.held + fill.nbytes <= self.limit
+
+    def _reserve(self, fill: Fill) -> None:
+        with self._cond:
+            while not self._closed and self.held + fill.nbytes > self.limit:
+                self._cond.wait()
+            if self._closed:
+                raise _Closed
+            self.held += fill.nbytes
+            self.peak = max(self.peak, self.held)
+
+    def _fill(self, batch: list[Fill]) -> None:
+        # the staging ring of at most two chunks: the bytes a save holds beyond the budget
+        self._exporter.stream([f.item(f.host) for f in batch], self._chunk_bytes, ring_bytes=2 * self._chunk_bytes)
+        with self._cond:
+            for f in batch:
+                f.ready = True
+            self._cond.notify_all()
+
+    def _give_back(self, host: torch.Tensor | None) -> None:
+        if host is None:
+            return
+        give_pages_back(host)
+        with self._cond:
+            self.held -= host.numel() * host.element_size()
+            self._cond.notify_all()
+
+
+def _merged(sequences: list[list[Fill]]) -> list[Fill]:
+    """The sequences merged in the order their threads, writing at the same rate, reach each tensor (each
+    sequence's own order kept): by the bytes before it in its sequence."""
+    keyed = []
+    for s, seq in enumerate(sequences):
+        offsets = itertools.accumulate((f.nbytes for f in seq), initial=0)
+        keyed += [(offset, s, pos, f) for pos, (offset, f) in enumerate(zip(offsets, seq))]
+    return [f for *_, f in sorted(keyed, key=lambda k: k[:3])]
