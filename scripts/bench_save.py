@@ -82,6 +82,7 @@ from scripts import cli_args
 from scripts.bench_export import PoolBuffers, d2h_bandwidth, environment, sync, wait_pinning, write_results
 from scripts.dcp_stagers import EMULATION, KeptStager, stager_reusable
 
+BUDGETS = {"full": 1, "half": 2, "quarter": 4, "min": 0}  # the budget: the FP32 export / this (0: two chunks)
 MODES = (
     "a-te-async-pinned",
     "b-te-cpu-offload",
@@ -94,6 +95,7 @@ MODES = (
     "f-titan-ours",
     "g-automodel-te",
     "g-automodel-ours",
+    *(f"f-titan-ours-budget-{b}" for b in BUDGETS),
 )
 STEPS_AFTER = 8  # the steps after a save that count (the module docstring)
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # as the recipe and torchtitan save optimizers
@@ -152,6 +154,17 @@ def ours_export(ctx: dict, background: bool = True, keep_bf16: bool = False) -> 
         state_dict_offload_reuse_buffers=True,
         state_dict_keep_bf16=keep_bf16,
         state_dict_offload_background=background,
+    )
+
+
+def budget_export(ctx: dict, name: str) -> dict:
+    """A chunked export into fresh memory within a host budget (``*-budget-<b>``): the FP32 export's bytes over
+    ``BUDGETS[b]``, or two chunks for ``min``."""
+    state = sum(p.to_local().numel() for p in ctx["model"].parameters()) * 12  # FP32 master and moments
+    divisor = BUDGETS[name.rsplit("-", 1)[1]]
+    budget = state // divisor if divisor else 2 * ctx["chunk"]
+    return dict(
+        state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=ctx["chunk"], state_dict_offload_host_budget=budget
     )
 
 
@@ -329,9 +342,9 @@ def make_mode(name: str, ctx: dict):
         return Mode(name, ctx)
     from scripts.bench_save_frameworks import build_mode
 
-    export = ours_export(ctx) if name.endswith("-ours") else {}
+    export = ours_export(ctx) if name.endswith("-ours") else budget_export(ctx, name) if "-budget-" in name else {}
     stepper = switch_optimizer(ctx, container=name.startswith("f-"), **export)
-    if export:
+    if export.get("state_dict_offload_reuse_buffers"):
         ctx["opt"].prepare_state_dict().result()  # the pool's buffers, as (c) prepares them
     return build_mode(name, ctx, stepper)
 
@@ -492,6 +505,8 @@ COLUMNS = (  # summary key, table label, divisor, digits
     ("gpu_peak_step_excess_mib", "next step's GPU excess (MiB)", 1, 0),
     ("rss_delta_bytes", "RSS delta (MB)", 1e6, 0),
     ("rss_held_bytes", "RSS held by the mode (MB)", 1e6, 0),
+    ("budget_bytes", "host budget (MB)", 1e6, 0),
+    ("rss_peak_added_bytes", "RSS peak added by the save (MB)", 1e6, 0),
     ("pinned_held_bytes", "pinned held, counted (MB)", 1e6, 0),
     ("disk_bytes", "on disk (MB)", 1e6, 1),
     ("optim_bytes", "optimizer export per rank (MB)", 1e6, 1),

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from optim_factory.errors import first_line
 from optim_factory.tree import state_bytes
 from scripts.bench_export import PoolBuffers, wait_pinning
+from scripts.bench_save import proc_status  # (bench_save imports this module inside its functions only)
 from scripts.dcp_stagers import EMULATION, KeptStager
 
 IMPORTS = {  # mode prefix -> what its modes import (the framework's and our integration's)
@@ -71,7 +72,9 @@ class FrameworkMode:
 
     def __init__(self, name: str, ctx: dict) -> None:
         self.name, self.ctx = name, ctx
-        self.ours = name.endswith("-ours")
+        self.ours = "-ours" in name
+        self.budget = ctx["opt"].export_options.host_budget if self.ours else None
+        self.rss_base = self.last = None  # a budget's: the resident bytes at the save, and the save's row
         self.exported = ExportBytes(ctx["opt"])
         self.pool_buffers = PoolBuffers(ctx["opt"])  # what of the pinned host memory is our pool's
         self.stager = ""  # the stager's name, for the rows
@@ -80,7 +83,20 @@ class FrameworkMode:
         return root / f"step_{step:08d}"
 
     def info(self) -> dict:
-        return {"optim_bytes": self.exported.nbytes, "stager": self.stager}
+        self.last = {"optim_bytes": self.exported.nbytes, "stager": self.stager, "budget_bytes": self.budget}
+        return self.last
+
+    def reset_peak(self) -> None:
+        """With a budget: the process's resident high-water mark reset at the save (Linux), read by :meth:`peak`."""
+        if self.budget is not None:
+            Path("/proc/self/clear_refs").write_text("5")
+            self.rss_base = proc_status("VmRSS")
+
+    def peak(self) -> None:
+        """With a budget: the row gets the resident bytes the save added at its peak, and the fills' own peak."""
+        if self.budget is not None and self.last is not None:
+            self.last["rss_peak_added_bytes"] = proc_status("VmHWM") - self.rss_base
+            self.last["fill_peak_bytes"] = self.checkpointer.stager.budget_peak_bytes
 
     def hook(self) -> None:
         """Before the optimizer step: the framework's wait for staging (torchtitan's Trainer and Automodel's recipes
@@ -137,12 +153,14 @@ class TitanMode(FrameworkMode):
         return root / f"step-{step}"  # torchtitan's name for it
 
     def save(self, step: int, path: Path) -> dict:
+        self.reset_peak()
         self.checkpointer.save(curr_step=step)
         self.stager = type(self.checkpointer.stager).__name__ + self.how  # the stager that staged this save
         return self.info()
 
     def finish(self) -> None:
         self.checkpointer.maybe_wait_for_saving()
+        self.peak()
         wait_pinning(self.ctx["opt"])
 
 
