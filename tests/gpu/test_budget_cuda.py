@@ -1,0 +1,59 @@
+"""A save within a host budget on CUDA (BF16 parameters, BF16 moments exported as FP32): the fills stream the
+states and the model's parameters through the exporter's staging ring on a side stream; the async save writes the
+same data files as a plain save of the state at its start, although ``step()`` is called at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from optim_factory import PortableFusedAdam
+from optim_factory.async_save import AsyncSaveStager
+from optim_factory.budget import BudgetSavePlanner
+from tests.unit.test_budget import _data_files
+
+pytestmark = pytest.mark.cuda_only
+CHUNK = 1 << 20
+
+
+def _trained():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)]).cuda().to(torch.bfloat16)
+    opt = PortableFusedAdam(
+        model.parameters(), lr=1e-3, master_weights=True, exp_avg_dtype=torch.bfloat16,
+        exp_avg_sq_dtype=torch.bfloat16, state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=CHUNK,
+        state_dict_offload_host_budget=8 << 20,
+    )  # fmt: skip
+    _train(model, opt)
+    return model, opt
+
+
+def _train(model, opt) -> None:
+    model(torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_saves_within_the_budget_on_cuda_write_the_plain_save_s_files(tmp_path):
+    model, opt = _trained()
+    msd, osd = get_state_dict(model, opt)
+    plain = FileSystemWriter(tmp_path / "plain", per_thread_copy_ahead=0)
+    dcp.save({"model": msd, "optim": osd}, storage_writer=plain, no_dist=True)
+    del msd, osd
+    planner = BudgetSavePlanner(opt)
+    with planner.exporting():
+        msd, osd = get_state_dict(model, opt)
+    planner.save({"model": msd, "optim": osd}, tmp_path / "sync", no_dist=True)
+    stager = AsyncSaveStager(opt)
+    with stager.exporting():
+        msd, osd = get_state_dict(model, opt)
+    response = stager.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "async"), no_dist=True)
+    _train(model, opt)  # at once: it waits for the fills
+    response.upload_completion.result()
+    assert 0 < planner.peak_bytes <= 8 << 20 and 0 < stager.budget_peak_bytes <= 8 << 20
+    for name in ("sync", "async"):
+        assert _data_files(tmp_path / name) == _data_files(tmp_path / "plain"), name
+    stager.close()
