@@ -86,7 +86,9 @@ def test_misuses_of_a_budget_with_the_stager_are_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"^BudgetSavePlanner: a save within the budget writes through DCP's FileSys"):
         stager.async_save({"optim": osd}, storage_writer=FileSystemWriter(tmp_path / "ahead"), no_dist=True)
     response = dcp.async_save({"optim": osd}, checkpoint_id=str(tmp_path / "direct"), async_stager=stager, no_dist=True)
-    with pytest.raises(SaveRefused, match="a save within state_dict_offload_host_budget starts with its checkpointer.s save"):
+    with pytest.raises(
+        SaveRefused, match="a save within state_dict_offload_host_budget starts with its checkpointer.s save"
+    ):
         response.upload_completion.result()
     assert not list(tmp_path.glob("*/*.distcp"))
     stager.close()
