@@ -168,6 +168,24 @@ class BudgetSavePlanner(DefaultSavePlanner):
             raise ValueError(f"{_NAME}: nothing was exported inside planner.exporting()")
         if self._steps is not None and _steps(self.optimizer) != self._steps:
             raise ValueError(f"{_NAME}: the optimizer stepped since the export; export again")
+        if self.copy_host_tensors:  # filled after the save returns: only what step() changes, and step() waits
+            stepped = {
+                local_tensor(p).untyped_storage().data_ptr() for g in self.optimizer.param_groups for p in g["params"]
+            }
+            other = next(
+                (
+                    t
+                    for t in local_tensors(state_dict)
+                    if not t.is_meta and t.numel() and t.untyped_storage().data_ptr() not in stepped
+                ),
+                None,
+            )
+            if other is not None:
+                raise ValueError(
+                    f"{_NAME}: the state dict holds a tensor of shape {tuple(other.shape)} that the optimizer's step() "
+                    "does not change (a buffer, another optimizer's state): an async save within the budget fills "
+                    "it after the save returns, when the next forward may have changed it"
+                )
         devices = {t.device for t in local_tensors(state_dict) if t.is_cuda}
         devices |= {local_tensor(item.source).device for item in self._items if item.source.is_cuda}
         for device in devices:

@@ -112,3 +112,19 @@ def test_a_writer_thread_asking_out_of_the_planned_order_is_refused_not_waited_f
         save.take("t2")
     save.close()
     assert save.held == 0 and save.done.done()
+
+
+def test_an_async_save_within_the_budget_refuses_a_tensor_that_step_does_not_change(tmp_path):
+    """A buffer (BatchNorm's running statistics) is filled after the save returns, when the next forward may have
+    changed it: refused in one line, nothing written."""
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.BatchNorm1d(1024))
+    opt = PortableFusedAdam(model.parameters(), **OPTIONS, state_dict_offload_host_budget=2 * STATE)
+    train(model, opt)
+    stager = AsyncSaveStager(opt)
+    with stager.exporting():
+        msd, osd = get_state_dict(model, opt)
+    response = stager.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    with pytest.raises(SaveRefused, match=r"BudgetSavePlanner: the state dict holds a tensor of shape \(1024,\) that"):
+        response.upload_completion.result()
+    assert not list(tmp_path.glob("*/*.distcp"))
+    stager.close()
