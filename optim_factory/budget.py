@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import math
 import sys
-import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
@@ -106,7 +105,6 @@ class BudgetSavePlanner(DefaultSavePlanner):
         self._fills: SaveFills | None = None
         self._filled: Future | None = None
         self._streams: dict[torch.device, Any] = {}  # the fills' side stream per device, kept from save to save
-        self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def exporting(self) -> Iterator[None]:

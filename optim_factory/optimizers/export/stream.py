@@ -162,9 +162,13 @@ class StateExporter:
         by_device: dict[torch.device, list[StreamItem]] = {}
         for item in items:
             by_device.setdefault(item.source.device, []).append(item)
-        slot = SLOT_BYTES if ring_bytes is None else max(_ALIGN, ring_bytes // STAGING_SLOTS // _ALIGN * _ALIGN)
+        slot = (
+            SLOT_BYTES
+            if ring_bytes is None
+            else min(SLOT_BYTES, max(_ALIGN, ring_bytes // STAGING_SLOTS // _ALIGN * _ALIGN))
+        )
         for device, group in by_device.items():
-            self._stream_device(device, plan_chunks(group, chunk_bytes), min(slot, SLOT_BYTES))
+            self._stream_device(device, plan_chunks(group, chunk_bytes), slot)
 
     def stream_background(self, items: list[StreamItem], chunk_bytes: int) -> Future:
         """Fill every item's destination on the background thread; return at once. On CUDA the conversions
