@@ -102,6 +102,8 @@ class BudgetSavePlanner(DefaultSavePlanner):
         self._steps: list[Any] | None = None  # each group's step count after that export
         self._current: list | None = None  # inside exporting(): the streamed states exported so far
         self._sources: dict[str, Any] = {}  # the save's flattened keys filled -> a stream item or a tensor
+        self._early: dict[int, torch.Tensor] = {}  # an async save's copies made at its start (_copy_early), by id
+        self._early_by_fqn: dict[str, torch.Tensor] = {}  # those copies by the save's flattened keys
         self._fills: SaveFills | None = None
         self._filled: Future | None = None
         self._streams: dict[torch.device, Any] = {}  # the fills' side stream per device, kept from save to save
@@ -166,24 +168,14 @@ class BudgetSavePlanner(DefaultSavePlanner):
             raise ValueError(f"{_NAME}: nothing was exported inside planner.exporting()")
         if self._steps is not None and _steps(self.optimizer) != self._steps:
             raise ValueError(f"{_NAME}: the optimizer stepped since the export; export again")
-        if self.copy_host_tensors:  # filled after the save returns: only what step() changes, and step() waits
-            stepped = {
-                local_tensor(p).untyped_storage().data_ptr() for g in self.optimizer.param_groups for p in g["params"]
-            }
-            other = next(
-                (
-                    t
-                    for t in local_tensors(state_dict)
-                    if not t.is_meta and t.numel() and t.untyped_storage().data_ptr() not in stepped
-                ),
-                None,
+        self._early = self._copy_early(state_dict) if self.copy_host_tensors else {}
+        early = self._early_bytes()
+        if early > self.limit:
+            self._early = {}
+            raise ValueError(
+                f"{_NAME}: the tensors the optimizer's step() does not change (buffers, other states) take {early} "
+                f"bytes, more than the budget of {self.limit}"
             )
-            if other is not None:
-                raise ValueError(
-                    f"{_NAME}: the state dict holds a tensor of shape {tuple(other.shape)} that the optimizer's step() "
-                    "does not change (a buffer, another optimizer's state): an async save within the budget fills "
-                    "it after the save returns, when the next forward may have changed it"
-                )
         devices = {t.device for t in local_tensors(state_dict) if t.is_cuda}
         devices |= {local_tensor(item.source).device for item in self._items if item.source.is_cuda}
         for device in devices:
@@ -195,9 +187,26 @@ class BudgetSavePlanner(DefaultSavePlanner):
         self.optimizer.state_exporter.hold(self._filled)
         return self._filled
 
+    def _copy_early(self, state_dict: Any) -> dict[int, torch.Tensor]:
+        """An async save's host copies, made now, of the tensors that the optimizer's ``step()`` does not change
+        (a buffer, the next forward may change; another optimizer's state; a trainer's tensor): only the
+        optimizer's parameters and states are filled later, and ``step()`` waits for those fills. By the tensor's
+        identity (the local tensor of a DTensor)."""
+        params = self.optimizer.param_groups
+        stepped = {local_tensor(p).untyped_storage().data_ptr() for g in params for p in g["params"]}
+        return {
+            id(t): t.detach().to("cpu", copy=True)
+            for t in local_tensors(state_dict)
+            if not t.is_meta and t.untyped_storage().data_ptr() not in stepped
+        }
+
+    def _early_bytes(self) -> int:
+        """Bytes of the copies made at the save's start, held until it ends (counted in the budget)."""
+        return sum(t.numel() * t.element_size() for t in self._early.values())
+
     def end(self) -> None:
         """The save is over: stop its fills and give back everything they hold."""
-        self._saving = False
+        self._saving, self._early = False, {}
         fills, self._fills = self._fills, None
         if fills is not None:
             fills.close()
@@ -208,7 +217,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         self._check_saving()
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         placeholders = {id(item.dst): item for item in self._items}
-        self._sources = {}
+        self._sources, self._early_by_fqn = {}, {}
         for fqn, value in self.state_dict.items():  # flattened by DefaultSavePlanner
             if not isinstance(value, torch.Tensor):
                 continue
@@ -216,6 +225,8 @@ class BudgetSavePlanner(DefaultSavePlanner):
             item = placeholders.get(id(local))
             if item is not None:
                 self._sources[fqn] = item
+            elif id(local) in self._early:
+                self._early_by_fqn[fqn] = self._early[id(local)]
             elif not local.is_meta and (local.is_cuda or self.copy_host_tensors):
                 self._sources[fqn] = local.detach()
         pickled = [
@@ -243,11 +254,12 @@ class BudgetSavePlanner(DefaultSavePlanner):
         self._check_saving()
         plan = super().create_local_plan()
         sizes = sorted((_item_bytes(i) for i in plan.items if i.index.fqn in self._sources), reverse=True)
-        worst = sum(sizes[: self._threads])
+        worst = sum(sizes[: self._threads]) + self._early_bytes()
         if worst > self.limit:
             raise ValueError(
-                f"{_NAME}: {self._threads} writer thread(s) may hold {worst} bytes at once (the largest items), more "
-                f"than the budget of {self.limit}: fewer writer threads or a larger budget"
+                f"{_NAME}: {self._threads} writer thread(s) may hold {worst} bytes at once (the largest items, and "
+                f"the copies made at the save's start), more than the budget of {self.limit}: fewer writer threads "
+                "or a larger budget"
             )
         return plan
 
@@ -259,7 +271,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
             for seq in write_order(plan.items, self._threads)
         ]
         exporter, chunk = self.optimizer.state_exporter, self.optimizer.export_options.chunk_bytes
-        self._fills = SaveFills(sequences, self.limit, exporter, chunk, self._streams)
+        self._fills = SaveFills(sequences, self.limit - self._early_bytes(), exporter, chunk, self._streams)
         self._fills.done.add_done_callback(lambda _: _complete(self._filled))
         return plan
 
@@ -268,7 +280,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         fqn = write_item.index.fqn
         if fqn in self._sources and self._fills is not None:
             return self._fills.take(fqn)
-        return super().resolve_data(write_item)
+        return self._early_by_fqn.get(fqn) if fqn in self._early_by_fqn else super().resolve_data(write_item)
 
     def _check_saving(self) -> None:
         if not self._saving:

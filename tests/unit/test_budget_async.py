@@ -4,6 +4,8 @@ state saved as it was when the save started although ``step()`` is called at onc
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -114,17 +116,39 @@ def test_a_writer_thread_asking_out_of_the_planned_order_is_refused_not_waited_f
     assert save.held == 0 and save.done.done()
 
 
-def test_an_async_save_within_the_budget_refuses_a_tensor_that_step_does_not_change(tmp_path):
-    """A buffer (BatchNorm's running statistics) is filled after the save returns, when the next forward may have
-    changed it: refused in one line, nothing written."""
+class HeldWriter(FileSystemWriter):
+    """DCP's file writer whose ``write_data`` (and so every fill, which the first write starts) waits for
+    ``release``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.release = threading.Event()
+
+    def write_data(self, plan, planner):
+        assert self.release.wait(60)
+        return super().write_data(plan, planner)
+
+
+def test_tensors_step_does_not_change_are_copied_when_the_async_save_starts(tmp_path):
+    """A buffer (BatchNorm's running statistics), which the next forward changes before step(), and a trainer's
+    tensor are saved as they were when the save started; the optimizer's parameters and states are filled later."""
+    torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.BatchNorm1d(1024))
     opt = PortableFusedAdam(model.parameters(), **OPTIONS, state_dict_offload_host_budget=2 * STATE)
     train(model, opt)
+    msd, osd = get_state_dict(model, opt)
+    trainer = {"rng": torch.arange(8.0)}
+    writer = FileSystemWriter(tmp_path / "plain", per_thread_copy_ahead=0)
+    dcp.save({"model": msd, "optim": osd, "trainer": trainer}, storage_writer=writer, no_dist=True)
     stager = AsyncSaveStager(opt)
     with stager.exporting():
         msd, osd = get_state_dict(model, opt)
-    response = stager.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
-    with pytest.raises(SaveRefused, match=r"BudgetSavePlanner: the state dict holds a tensor of shape \(1024,\) that"):
-        response.upload_completion.result()
-    assert not list(tmp_path.glob("*/*.distcp"))
+    state = {"model": msd, "optim": osd, "trainer": trainer}
+    writer = HeldWriter(tmp_path / "within", per_thread_copy_ahead=0)  # no fill before the forward below
+    response = stager.async_save(state, storage_writer=writer, no_dist=True)
+    model(torch.randn(4, 1024))  # the next forward changes the running statistics
+    trainer["rng"].add_(1)
+    writer.release.set()
+    response.upload_completion.result()
+    assert _data_files(tmp_path / "within") == _data_files(tmp_path / "plain")
     stager.close()
