@@ -39,10 +39,6 @@ def preflight(cfg: DictConfig):
             "parameter would be updated"
         )
         raise ConfigError("optim.use_decoupled_grad", True, unread, shown="true")
-    budget = cfg.optim.get("state_dict_offload_host_budget")
-    if budget is not None:
-        streams = "the recipe's saves hold a whole export (optim_factory.budget.BudgetSavePlanner saves within it)"
-        raise ConfigError("optim.state_dict_offload_host_budget", budget, streams)
     typed: TrainConfig = OmegaConf.to_object(cfg)
     env = resolve_dist_env(os.environ)
     device = pick_device(typed.trainer.device, env.local_rank)

@@ -1,9 +1,8 @@
 """A save of a checkpoint, owned from its export to its sealed manifest by one :class:`Saver` (docs/design.md,
 "Checkpoints"): the export (timed; on CUDA its GPU peak), the checks agreed by all ranks before anything is written
 (NaN/inf, a failed background export, free space), DCP's write (sync, or async through the library's
-:class:`~optim_factory.async_save.AsyncSaveStager` on a gloo group of its own), the wait for an async save, the
-manifest with every file's checksum, ``keep_last``, and the report (docs/recipe.md, "Export report"), logged and
-handed to ``on_report``.
+:class:`~optim_factory.async_save.AsyncSaveStager` on a gloo group of its own, as is a save within a host budget),
+the wait for an async save, the manifest with every file's checksum, ``keep_last``, and the report.
 
 An async save of a background export into pooled buffers is *deferred*: the save returns before the export is
 filled, the stager completes it on a thread of its own (the copies, the export's outcome, the NaN/inf check agreed by
@@ -13,6 +12,7 @@ non-finite export refuses the checkpoint on every rank before DCP writes anythin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from optim_factory.async_save import EXPORT_FAILED_LINE, NON_FINITE_LINE, AsyncSaveStager, SaveRefused
+from optim_factory.budget import host_budget
 from optim_factory.checkpoint import deferred_export, defers_export, export_failure, release_export
 from optim_factory.errors import first_line
 from optim_factory.optimizers.export import all_finite
@@ -119,10 +120,8 @@ class Saver:
     def _clear_in_the_way(self, step: int, path: Path) -> None:
         """Rank 0 removes a directory of this step from an earlier launch (incomplete, or complete from before a
         resume at an earlier step) before any rank writes into it, behind a barrier. Only a directory that existed
-        at the first save can be in the way (each save writes a later step): the first save learns rank 0's list
-        (one collective), later ones cost no collective unless their step is on it (a barrier in every save call
-        would hold every rank until the slowest arrives). On the gloo save group if any (NCCL's waits for the
-        device)."""
+        at the first save can be in the way: the first save learns rank 0's list (one collective), later ones cost
+        no collective unless their step is on it. On the gloo save group if any (NCCL's waits for the device)."""
         if self._in_the_way is None:
             names = [p.name for _, p in step_dirs(self.root)] if self.rank == 0 else None
             self._in_the_way = set(all_ranks(names, self.save_group)[0])
@@ -153,7 +152,9 @@ class Saver:
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
         t0 = time.perf_counter()
-        with deferred_export(optimizer):  # a background export returns unfilled: waited for below unless deferred
+        # a background export returns unfilled (waited for below unless deferred); a budget's holds placeholders
+        budget = self._stager_for(optimizer).exporting() if host_budget(optimizer) else contextlib.nullcontext()
+        with deferred_export(optimizer), budget:
             osd = get_optimizer_state_dict(model, optimizer, options=self.options)
         export_error = None if deferred else failure_line(optimizer)
         if on_cuda and not deferred:
@@ -175,7 +176,8 @@ class Saver:
         msd, osd, export_s, peak, export_error = self._export(model, optimizer, deferred)
         try:
             self.on_phase("export", step, path)
-            self._check_before_writing(step, msd, osd, export_error, deferred)  # before anything on disk changes
+            live = list(optimizer.state.values()) if host_budget(optimizer) else []  # checked for placeholders
+            self._check_before_writing(step, msd, osd, export_error, deferred, live)
         except BaseException:
             if deferred:
                 failure_line(optimizer)  # nothing stages it: its failure must not reach the next step()
@@ -184,7 +186,8 @@ class Saver:
         self._clear_in_the_way(step, path)
         nbytes = state_bytes(osd)
         t0 = time.perf_counter()
-        writer = ChecksumFileSystemWriter(path, thread_count=self.write_threads)
+        budget = {"per_thread_copy_ahead": 0} if host_budget(optimizer) else {}  # the order a budget fills in
+        writer = ChecksumFileSystemWriter(path, thread_count=self.write_threads, **budget)
         pending = InFlight(step, path, writer, held_since, deferred) if self.cfg.async_save else None
         self._write({"model": msd, "optim": osd, "trainer": trainer_state}, path, writer, optimizer, pending)
         save_s = time.perf_counter() - t0
@@ -223,10 +226,13 @@ class Saver:
         """``dcp.save`` (``pending`` None), or the stager's ``dcp.async_save``, whose upload ``pending`` holds from
         here on and which gives the export's buffers back once written. A sync save's buffers go back here."""
         try:
-            if pending is not None:
+            if pending is not None or host_budget(optimizer):  # a sync save within a budget: the stager's, waited
                 response = self._stager_for(optimizer).async_save(
                     state, checkpoint_id=str(path), storage_writer=writer, process_group=self.save_group
                 )
+                if pending is None:
+                    response.upload_completion.result()
+                    return
                 pending.staged, pending.upload = response.staging_completion, response.upload_completion
                 pending.staged.add_done_callback(lambda _: setattr(pending, "filled_at", time.perf_counter()))
             else:
@@ -262,7 +268,9 @@ class Saver:
         pending.held_s += time.perf_counter() - t0
         pending.export_waited = True
 
-    def _check_before_writing(self, step: int, msd: dict, osd: dict, export_error: str | None, deferred: bool) -> None:
+    def _check_before_writing(
+        self, step: int, msd: dict, osd: dict, export_error: str | None, deferred: bool, live: list
+    ) -> None:
         """Refuse to save a state holding NaN or inf, or whose background export failed, or that cannot fit in
         the free space of ``checkpoint.dir`` (rank 0 judges the space; all ranks agree: one ``all_ranks`` collective). A
         deferred save has no collective in the save call: the stager checks it (``refuse_non_finite``: its CUDA
@@ -273,7 +281,7 @@ class Saver:
         space = self._space_problem(msd, osd) if self.rank == 0 else None
         if export_error is not None:
             verdict = EXPORT_FAILED
-        elif not all_finite(local_tensors({"model": msd, "optim": osd})):
+        elif not all_finite(t for t in local_tensors({"model": msd, "optim": osd, "live": live}) if not t.is_meta):
             verdict = NON_FINITE
         else:
             verdict = NO_SPACE if space else FINITE

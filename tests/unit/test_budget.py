@@ -183,12 +183,12 @@ def test_the_export_saves_again_and_under_two_keys_with_the_same_files(tmp_path)
                 assert torch.equal(t, opt.state[dict(model.named_parameters())[idx]][name]), (key, idx, name)
 
 
-def test_a_planner_without_a_budget_and_the_recipe_s_saves_refuse_a_budget_in_one_line(tmp_path):
+def test_a_planner_without_a_budget_and_a_recipe_budget_that_is_not_a_size_are_one_line(tmp_path):
     with pytest.raises(ValueError, match="^BudgetSavePlanner: the optimizer has no state_dict_offload_host_budget$"):
         BudgetSavePlanner(_trained()[1])
-    budget = ["optim.state_dict_cpu_offload=true", "optim.state_dict_offload_host_budget=512MiB"]
-    line = refused(cli(*QUICK, f"run_dir={tmp_path}", *budget))
-    assert line == (
-        "optim.state_dict_offload_host_budget='512MiB': the recipe's saves hold a whole export "
-        "(optim_factory.budget.BudgetSavePlanner saves within it)"
-    )
+    for value, reason in (("lots", "expected null (no cap), bytes as an int or a size like 512MiB"),
+                          ("1KiB", "expected at least two chunks (134217728 bytes)")):  # fmt: skip
+        budget = ["optim.state_dict_cpu_offload=true", f"optim.state_dict_offload_host_budget={value}"]
+        assert refused(cli(*QUICK, f"run_dir={tmp_path}", *budget)) == (
+            f"optim.state_dict_offload_host_budget={value!r}: {reason}"
+        )

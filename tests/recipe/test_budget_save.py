@@ -1,0 +1,56 @@
+"""The recipe's saves within a host budget (``optim.state_dict_offload_host_budget``): sync and async checkpoints
+equal an unbudgeted run's bitwise, and kill -9 inside a streamed save leaves the previous checkpoint for an exact
+resume (``tests/fault/fault_injection.py``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from recipes.checkpoint import read_checkpoint
+from recipes.train import compose_config, train
+from tests.fault import fault_injection
+from tests.recipe.runs import QUICK
+
+# chunks of 64 KiB and a budget of 512 KiB, a third of what a save writes (1.6 MB): every save streams
+BUDGET = [
+    "optim.state_dict_cpu_offload=true",
+    "optim.state_dict_offload_chunk_bytes=65536",
+    "optim.state_dict_offload_host_budget=512KiB",
+]
+
+
+def test_checkpoints_within_the_budget_equal_unbudgeted_ones_bitwise(tmp_path):
+    runs = {
+        "plain": ["optim.state_dict_cpu_offload=true"],
+        "sync": BUDGET,
+        "async": [*BUDGET, "checkpoint.async_save=true"],
+    }
+    for name, options in runs.items():
+        train(compose_config([*QUICK, f"run_dir={tmp_path / name}", "trainer.max_steps=20", *options]))
+    for step in (10, 20):
+        plain = read_checkpoint(tmp_path / "plain" / "checkpoints" / f"step_{step:08d}", tmp_path)
+        assert sum(1 for k in plain if k.startswith("optim.") and isinstance(plain[k], torch.Tensor)) > 0
+        for name in ("sync", "async"):
+            within = read_checkpoint(tmp_path / name / "checkpoints" / f"step_{step:08d}", tmp_path)
+            assert within.keys() == plain.keys(), name
+            for key, value in plain.items():
+                same = torch.equal(value, within[key]) if isinstance(value, torch.Tensor) else value == within[key]
+                assert same, (name, step, key)
+
+
+@pytest.mark.slow  # forked trainers
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_9_inside_a_streamed_save_resumes_from_the_previous_checkpoint_bitwise(tmp_path, monkeypatch, mode):
+    """tests/fault/fault_injection.py's trial 3: the trainer killed once the save of a random step is written or
+    (async) in flight, its fills streaming; the relaunch resumes from the previous complete checkpoint, and the
+    final checkpoint equals an uninterrupted run's bitwise."""
+    monkeypatch.setattr(fault_injection, "OVERRIDES", BUDGET)
+    reference_dir = tmp_path / f"{mode}-reference"
+    train(compose_config(fault_injection.overrides(reference_dir, mode)))
+    reference = fault_injection.final_state(reference_dir, tmp_path)
+    trial = fault_injection.run_trial(mode, 3, random.Random(0), tmp_path, reference)
+    assert trial.fault.startswith("kill in save: write of step"), trial
+    assert trial.ok and trial.killed_in_save and trial.resumed_from, trial
