@@ -82,7 +82,14 @@ from scripts import cli_args
 from scripts.bench_export import PoolBuffers, d2h_bandwidth, environment, sync, wait_pinning, write_results
 from scripts.dcp_stagers import EMULATION, KeptStager, stager_reusable
 
-BUDGETS = {"full": 1, "half": 2, "quarter": 4, "min": 0}  # the budget: the FP32 export / this (0: two chunks)
+# the host budget of a *-budget-<b> mode, from the FP32 export's bytes S, the model's M and the chunk C
+BUDGETS = {
+    "all": lambda s, m, c: s + m,
+    "full": lambda s, m, c: s,
+    "half": lambda s, m, c: s // 2,
+    "quarter": lambda s, m, c: s // 4,
+    "min": lambda s, m, c: 2 * c,
+}
 MODES = (
     "a-te-async-pinned",
     "b-te-cpu-offload",
@@ -96,6 +103,7 @@ MODES = (
     "g-automodel-te",
     "g-automodel-ours",
     *(f"f-titan-ours-budget-{b}" for b in BUDGETS),
+    *(f"c-ours-budget-{b}" for b in BUDGETS),
 )
 STEPS_AFTER = 8  # the steps after a save that count (the module docstring)
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # as the recipe and torchtitan save optimizers
@@ -158,11 +166,11 @@ def ours_export(ctx: dict, background: bool = True, keep_bf16: bool = False) -> 
 
 
 def budget_export(ctx: dict, name: str) -> dict:
-    """A chunked export into fresh memory within a host budget (``*-budget-<b>``): the FP32 export's bytes over
-    ``BUDGETS[b]``, or two chunks for ``min``."""
-    state = sum(p.to_local().numel() for p in ctx["model"].parameters()) * 12  # FP32 master and moments
-    divisor = BUDGETS[name.rsplit("-", 1)[1]]
-    budget = state // divisor if divisor else 2 * ctx["chunk"]
+    """A chunked export into fresh memory within a host budget (``*-budget-<b>``: :data:`BUDGETS`)."""
+    params = list(ctx["model"].parameters())
+    state = sum(p.to_local().numel() for p in params) * 12  # FP32 master and moments
+    model = sum(p.to_local().numel() * p.element_size() for p in params)
+    budget = BUDGETS[name.rsplit("-", 1)[1]](state, model, ctx["chunk"])
     return dict(
         state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=ctx["chunk"], state_dict_offload_host_budget=budget
     )
@@ -266,11 +274,13 @@ class Mode:
                 self.stager = self.new_stager()
         else:
             background = name in ("c-ours", "d-ours-keep-bf16")
-            opt = switch_optimizer(ctx, **ours_export(ctx, background, keep_bf16=name.startswith("d-")))
+            export = ours_export(ctx, background, keep_bf16=name.startswith("d-"))
+            opt = switch_optimizer(ctx, **(budget_export(ctx, name) if "-budget-" in name else export))
             cfg = CheckpointConfig(dir=str(ctx["root"]), every_steps=1, keep_last=0, async_save=name != "e-ours-sync")
             # hook() calls wait_export() before the next step(), as the recipe's loop does
             self.manager = CheckpointManager(cfg, rank=ctx["rank"], device=ctx["device"], waits_before_step=True)
-            opt.prepare_state_dict().result()
+            if opt.state_dict_offload_reuse_buffers:
+                opt.prepare_state_dict().result()
         self.options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=name.startswith("b-"))
         self.pool_buffers = PoolBuffers(ctx["opt"])  # what of the pinned host memory is our pool's
 
