@@ -166,11 +166,12 @@ def ours_export(ctx: dict, background: bool = True, keep_bf16: bool = False) -> 
 
 
 def budget_export(ctx: dict, name: str) -> dict:
-    """A chunked export into fresh memory within a host budget (``*-budget-<b>``: :data:`BUDGETS`)."""
+    """A chunked export into fresh memory within a host budget (``*-budget-<b>``: :data:`BUDGETS`, at least two
+    chunks)."""
     params = list(ctx["model"].parameters())
     state = sum(p.to_local().numel() for p in params) * 12  # FP32 master and moments
     model = sum(p.to_local().numel() * p.element_size() for p in params)
-    budget = BUDGETS[name.rsplit("-", 1)[1]](state, model, ctx["chunk"])
+    budget = max(2 * ctx["chunk"], BUDGETS[name.rsplit("-", 1)[1]](state, model, ctx["chunk"]))  # the option's least
     return dict(
         state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=ctx["chunk"], state_dict_offload_host_budget=budget
     )
