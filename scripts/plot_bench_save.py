@@ -63,7 +63,8 @@ def plot(meta: dict, rows: list[dict], out: Path) -> None:
 
 def budget_points(runs: list[tuple[dict, list[dict]]]) -> dict[float, dict]:
     """Per FP32 state (GB): the bytes written W, the budgeted modes' (budget, loss) and the loss without a budget
-    (``f-titan-ours``, the last run's), from one or more runs of the same model; the stream's rate is W over the two-chunk mode's loss."""
+    (``f-titan-ours``, the last run's), from runs of the same model; the stream's rate: W over the two-chunk mode's
+    loss."""
     out: dict[float, dict] = {}
     for meta, rows in runs:
         state = round(meta["fp32_state_gb"], 2)
