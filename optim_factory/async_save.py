@@ -123,7 +123,6 @@ class AsyncSaveStager(AsyncStager):
         self._save: _Save | None = None
         self._closed = False
         self._gate_next = False  # async_save's staging: the write waits at a GatedWriter for the verdict
-        self._writer_threads: int | None = None  # inside async_save: its writer's threads (a budgeted save's)
         self._join_ranks()
 
     # ------------------------------------------------------------------ DCP's protocol
@@ -143,7 +142,7 @@ class AsyncSaveStager(AsyncStager):
         finite = filling = None
         try:
             if self._budget is not None:  # filled within the budget while it is written (optim_factory.fills)
-                filling = self._budget.begin(state_dict, self._writer_threads)
+                filling = self._budget.begin(state_dict)
                 filling.add_done_callback(lambda _: save.filled.set_result(None))
                 staged, copied = state_dict, lambda: None
             else:
@@ -202,7 +201,7 @@ class AsyncSaveStager(AsyncStager):
             raise ValueError("AsyncSaveStager.async_save: give checkpoint_id= (or storage_writer=), where it writes")
         # gated or not from the arguments alone, the same on every rank (DCP's writer for a path built here)
         if self._budget is not None:  # its planner, and a writer in the order it fills
-            dcp_kwargs, self._writer_threads = self._budget.async_save_kwargs(dcp_kwargs)
+            dcp_kwargs = self._budget.async_save_kwargs(dcp_kwargs)
         writer, ckpt = dcp_kwargs.get("storage_writer"), str(dcp_kwargs.get("checkpoint_id"))
         writer = FileSystemWriter(ckpt) if writer is None and "://" not in ckpt else writer
         previous = self._save
@@ -220,7 +219,7 @@ class AsyncSaveStager(AsyncStager):
                 self._give_back(self._save)
             raise
         finally:
-            self._gate_next, self._writer_threads = False, None
+            self._gate_next = False
         save = self._save
         save.upload = Future()
         response.upload_completion.add_done_callback(lambda done: self._uploaded(save, done))

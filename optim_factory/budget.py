@@ -39,7 +39,6 @@ __all__ = [
     "budget_planner",
     "host_budget",
     "refuse_writer",
-    "write_order",
     "one_line_refusal",
 ]
 
@@ -96,7 +95,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         super().__init__()
         self.optimizer, self.limit, self.copy_host_tensors = optimizer, budget, copy_host_tensors
         self.peak_bytes = 0  # the most bytes this planner's saves held at once
-        self._threads = 1
+        self._writer_checked = False  # a writer of the budget's order was built or checked for the next save
         self._saving = False
         self._items: list = []  # the last export's streamed states (their placeholders' stream items)
         self._steps: list[Any] | None = None  # each group's step count after that export
@@ -125,12 +124,13 @@ class BudgetSavePlanner(DefaultSavePlanner):
         if items:
             self._items, self._steps = items, _steps(self.optimizer)
 
-    def save(self, state_dict: dict[str, Any], checkpoint_id: Any, *, thread_count: int = 1, **dcp_kwargs: Any) -> Any:
-        """``dcp.save(state_dict, checkpoint_id=...)`` through DCP's ``FileSystemWriter`` with ``thread_count``
-        writer threads (without copy-ahead) and this planner; ``dcp_kwargs``: ``dcp.save``'s others
-        (``process_group``, ``no_dist``). Gives back what it filled, however it ends."""
-        writer = FileSystemWriter(checkpoint_id, thread_count=thread_count, per_thread_copy_ahead=0)
-        self.begin(state_dict, thread_count)
+    def save(self, state_dict: dict[str, Any], checkpoint_id: Any, **dcp_kwargs: Any) -> Any:
+        """``dcp.save(state_dict, checkpoint_id=...)`` through DCP's ``FileSystemWriter`` (one thread, without
+        copy-ahead) and this planner; ``dcp_kwargs``: ``dcp.save``'s others (``process_group``, ``no_dist``). Gives
+        back what it filled, however it ends."""
+        writer = FileSystemWriter(checkpoint_id, per_thread_copy_ahead=0)
+        self._writer_checked = True
+        self.begin(state_dict)
         try:
             return dcp.save(state_dict, storage_writer=writer, planner=self, **dcp_kwargs)
         except CheckpointException as exc:  # DCP wraps this planner's refusals: raised here as the one line
@@ -138,10 +138,10 @@ class BudgetSavePlanner(DefaultSavePlanner):
         finally:
             self.end()
 
-    def async_save_kwargs(self, dcp_kwargs: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    def async_save_kwargs(self, dcp_kwargs: dict[str, Any]) -> dict[str, Any]:
         """``dcp.async_save``'s arguments of a checkpointer's save through this planner (none of the caller's) and
         its writer (DCP's ``FileSystemWriter`` without copy-ahead for a ``checkpoint_id``; a ``storage_writer`` must
-        write in the order the fills follow, :func:`refuse_writer`), and the writer's thread count."""
+        write in the order the fills follow, :func:`refuse_writer`)."""
         if dcp_kwargs.get("planner") is not None:
             raise ValueError(
                 f"{_NAME}: a save within the budget plans with this planner, not {dcp_kwargs['planner']!r}"
@@ -150,14 +150,16 @@ class BudgetSavePlanner(DefaultSavePlanner):
         if writer is None and "://" not in str(dcp_kwargs.get("checkpoint_id")):
             writer = FileSystemWriter(dcp_kwargs["checkpoint_id"], per_thread_copy_ahead=0)
         refuse_writer(writer)
-        return {**dcp_kwargs, "storage_writer": writer, "planner": self}, writer.thread_count
+        self._writer_checked = True
+        return {**dcp_kwargs, "storage_writer": writer, "planner": self}
 
-    def begin(self, state_dict: Any, thread_count: int | None) -> Future:
-        """A save of ``state_dict`` (exported inside :meth:`exporting`) by a writer of ``thread_count`` threads
-        starts: its fills will wait for the work queued so far on the current CUDA streams, and the optimizer's
-        ``step()`` waits for them. Returns the Future done once every fill is (or the save has ended). ``None``
-        threads: a save that a checkpointer of its own did not start (its writer unknown), refused."""
-        if thread_count is None:
+    def begin(self, state_dict: Any) -> Future:
+        """A save of ``state_dict`` (exported inside :meth:`exporting`) starts: its fills will wait for the work
+        queued so far on the current CUDA streams, and the optimizer's ``step()`` waits for them. Returns the
+        Future done once every fill is (or the save has ended). Refused unless :meth:`save` or
+        :meth:`async_save_kwargs` built or checked the writer just before."""
+        checked, self._writer_checked = self._writer_checked, False
+        if not checked:
             raise ValueError(
                 f"{_NAME}: a save within state_dict_offload_host_budget starts with its checkpointer's save "
                 "(AsyncSaveStager.async_save, planner.save), which builds its writer"
@@ -169,13 +171,6 @@ class BudgetSavePlanner(DefaultSavePlanner):
         if self._steps is not None and _steps(self.optimizer) != self._steps:
             raise ValueError(f"{_NAME}: the optimizer stepped since the export; export again")
         self._early = self._copy_early(state_dict) if self.copy_host_tensors else {}
-        early = self._early_bytes()
-        if early > self.limit:
-            self._early = {}
-            raise ValueError(
-                f"{_NAME}: the tensors the optimizer's step() does not change (buffers, other states) take {early} "
-                f"bytes, more than the budget of {self.limit}"
-            )
         devices = {t.device for t in local_tensors(state_dict) if t.is_cuda}
         devices |= {local_tensor(item.source).device for item in self._items if item.source.is_cuda}
         for device in devices:
@@ -183,22 +178,30 @@ class BudgetSavePlanner(DefaultSavePlanner):
             if side is None:
                 side = self._streams[device] = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))  # the states are final here
-        self._threads, self._saving, self._filled = max(1, thread_count), True, Future()
+        self._saving, self._filled = True, Future()
         self.optimizer.state_exporter.hold(self._filled)
         return self._filled
 
     def _copy_early(self, state_dict: Any) -> dict[int, torch.Tensor]:
         """An async save's host copies, made now, of the tensors that the optimizer's ``step()`` does not change
         (a buffer, the next forward may change; another optimizer's state; a trainer's tensor): only the
-        optimizer's parameters and states are filled later, and ``step()`` waits for those fills. By the tensor's
-        identity (the local tensor of a DTensor)."""
+        optimizer's parameters and states are filled later, and ``step()`` waits for those fills. By the identity
+        of the local tensor (a DTensor's ``_local_tensor``: the object the planner finds again), refused before any
+        copy when they exceed the budget."""
         params = self.optimizer.param_groups
         stepped = {local_tensor(p).untyped_storage().data_ptr() for g in params for p in g["params"]}
-        return {
-            id(t): t.detach().to("cpu", copy=True)
-            for t in local_tensors(state_dict)
+        early = {
+            id(t): t
+            for t in (local_tensor(v) for _, v in leaves(state_dict) if isinstance(v, torch.Tensor))
             if not t.is_meta and t.untyped_storage().data_ptr() not in stepped
         }
+        nbytes = sum(t.numel() * t.element_size() for t in early.values())
+        if nbytes > self.limit:
+            raise ValueError(
+                f"state_dict_offload_host_budget={self.limit}: the tensors the optimizer's step() does not change "
+                f"(buffers, other states), copied when the save starts, take {nbytes} bytes"
+            )
+        return {key: t.detach().to("cpu", copy=True) for key, t in early.items()}
 
     def _early_bytes(self) -> int:
         """Bytes of the copies made at the save's start, held until it ends (counted in the budget)."""
@@ -249,29 +252,25 @@ class BudgetSavePlanner(DefaultSavePlanner):
             )
 
     def create_local_plan(self) -> Any:
-        """DCP's local plan, refused when its writer threads could hold more than the budget: each holds the item
-        it writes (the largest ones at worst)."""
+        """DCP's local plan, refused when the writer could hold more than the budget: the tensor it writes (the
+        largest at worst) and the copies made at the save's start."""
         self._check_saving()
         plan = super().create_local_plan()
-        sizes = sorted((_item_bytes(i) for i in plan.items if i.index.fqn in self._sources), reverse=True)
-        worst = sum(sizes[: self._threads]) + self._early_bytes()
-        if worst > self.limit:
+        largest = max((_item_bytes(i) for i in plan.items if i.index.fqn in self._sources), default=0)
+        early = self._early_bytes()
+        if largest + early > self.limit:
             raise ValueError(
-                f"{_NAME}: {self._threads} writer thread(s) may hold {worst} bytes at once (the largest items, and "
-                f"the copies made at the save's start), more than the budget of {self.limit}: fewer writer threads "
-                "or a larger budget"
+                f"state_dict_offload_host_budget={self.limit}: the save holds the tensor it writes ({largest} bytes, "
+                f"the largest) and the copies made at its start ({early}): a budget of at least {largest + early}"
             )
         return plan
 
     def finish_plan(self, new_plan: Any) -> Any:
-        """The final plan: its fills, in the order the writer threads will ask for them."""
+        """The final plan: its fills, in the order the writer asks for them (the plan's)."""
         plan = super().finish_plan(new_plan)
-        sequences = [
-            [self._fill(i) for i in seq if i.index.fqn in self._sources]
-            for seq in write_order(plan.items, self._threads)
-        ]
+        order = [self._fill(i) for i in plan.items if i.type != WriteItemType.BYTE_IO and i.index.fqn in self._sources]
         exporter, chunk = self.optimizer.state_exporter, self.optimizer.export_options.chunk_bytes
-        self._fills = SaveFills(sequences, self.limit - self._early_bytes(), exporter, chunk, self._streams)
+        self._fills = SaveFills(order, self.limit - self._early_bytes(), exporter, chunk, self._streams)
         self._fills.done.add_done_callback(lambda _: _complete(self._filled))
         return plan
 
@@ -303,29 +302,18 @@ class BudgetSavePlanner(DefaultSavePlanner):
         )
 
 
-def write_order(items: list[Any], threads: int) -> list[list[Any]]:
-    """The tensor items of a final plan in the order each of DCP's ``FileSystemWriter`` threads (one file per
-    thread, no copy-ahead) asks for them: one thread, the plan's order; several, the largest first, each to the
-    thread with the fewest bytes so far (DCP's own split)."""
-    tensors = [i for i in items if i.type != WriteItemType.BYTE_IO]
-    if threads == 1:
-        return [tensors]
-    sequences: list[list[Any]] = [[] for _ in range(threads)]
-    sizes = [0] * threads
-    for item in sorted(tensors, key=_item_bytes, reverse=True):
-        least = sizes.index(min(sizes))
-        sequences[least].append(item)
-        sizes[least] += _item_bytes(item)
-    return sequences
-
-
 def refuse_writer(writer: Any) -> None:
-    """A ``ValueError`` unless ``writer`` writes in the order :func:`write_order` says: DCP's ``FileSystemWriter``
-    (or a subclass) with one file per thread and no copy-ahead (whose loader asks for items before writing)."""
-    if not (isinstance(writer, FileSystemWriter) and writer.per_thread_copy_ahead == 0 and writer.single_file_per_rank):
+    """A ``ValueError`` unless ``writer`` asks for the plan's tensors in its order, one after the other: DCP's
+    ``FileSystemWriter`` (or a subclass) with one thread, one file and no copy-ahead (whose loader asks ahead)."""
+    if not (
+        isinstance(writer, FileSystemWriter)
+        and writer.per_thread_copy_ahead == 0
+        and writer.single_file_per_rank
+        and writer.thread_count == 1
+    ):
         raise ValueError(
             f"{_NAME}: a save within the budget writes through DCP's FileSystemWriter(..., per_thread_copy_ahead=0) "
-            f"with one file per thread; got {writer!r}"
+            f"with one thread and one file; got {writer!r}"
         )
 
 
@@ -333,7 +321,8 @@ def one_line_refusal(exc: CheckpointException) -> BaseException:
     """This planner's refusal that DCP wrapped in its multi-line ``CheckpointException``, as the one-line
     ``ValueError``; any other failure as it is."""
     causes = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]  # (exception, traceback)
-    refusal = next((c for c in causes if isinstance(c, ValueError) and str(c).startswith(_NAME)), None)
+    mine = (_NAME, "state_dict_offload_host_budget=")
+    refusal = next((c for c in causes if isinstance(c, ValueError) and str(c).startswith(mine)), None)
     return exc if refusal is None else ValueError(str(refusal))
 
 

@@ -1,7 +1,7 @@
 """``SaveFills``: the fills of one save within a host budget (``optim_factory.budget``). Each tensor DCP's writer
-writes is filled into fresh host memory on one thread of its own, ahead of the writer and in the order its threads
-ask for them, while the bytes filled and not yet given back fit the budget; a writer thread's previous tensor is
-given back (``MADV_DONTNEED``) when it asks for its next one. See docs/export.md, "Saves within a host budget".
+writes is filled into fresh host memory on one thread of its own, ahead of the writer and in the order it asks for
+them, while the bytes filled and not yet given back fit the budget; the writer's previous tensor is given back
+(``MADV_DONTNEED``) when it asks for its next one. See docs/export.md, "Saves within a host budget".
 
 The fills run through the optimizer's exporter (``StateExporter.stream``: on CUDA, through its pinned staging ring
 and at most two chunks of GPU memory), several states per call up to :data:`FILL_BATCH_BYTES`, on a side stream
@@ -11,7 +11,6 @@ that waits only for the work queued before the save: training's kernels queued m
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -52,14 +51,15 @@ class _Closed(Exception):
 
 
 class SaveFills:
-    """The fills of one save: ``sequences`` are the writer threads' orders (each thread writes one sequence, in
-    order); ``limit``: the budget in bytes. :meth:`take` is the writer threads' ``resolve_data``; :meth:`close`
-    ends the save's fills and gives back everything still held; ``done`` completes when every fill is done (or
-    failed, or the save ended), never with an exception."""
+    """The fills of one save: ``order``: the order the writer (one thread) asks for them; ``limit``: the budget in
+    bytes. :meth:`take` is the writer's ``resolve_data``; :meth:`close` ends the save's fills and gives back
+    everything still held; ``done`` completes when every fill is done (or failed, or the save ended), never with an
+    exception. One writer thread: a thread of several whose write failed would leave its fills holding the budget
+    while the others wait for theirs."""
 
     def __init__(
         self,
-        sequences: list[list[Fill]],
+        order: list[Fill],
         limit: int,
         exporter: StateExporter,
         chunk_bytes: int,
@@ -69,11 +69,10 @@ class SaveFills:
         self.limit, self.held, self.peak = limit, 0, 0
         self.done: Future = Future()
         self._exporter, self._chunk_bytes, self._streams = exporter, chunk_bytes, streams
-        self._where = {f.fqn: (s, pos) for s, seq in enumerate(sequences) for pos, f in enumerate(seq)}
-        self._fills = {f.fqn: f for seq in sequences for f in seq}
-        self._next = [0] * len(sequences)  # per sequence: the position its writer thread asks for next
-        self._order = _merged(sequences)
-        self._taken: dict[int, torch.Tensor] = {}  # writer thread -> the tensor it was given last
+        self._order = order
+        self._where = {f.fqn: pos for pos, f in enumerate(order)}
+        self._next = 0  # the position the writer asks for next
+        self._taken: torch.Tensor | None = None  # the tensor the writer was given last
         self._cond = threading.Condition()
         self._closed = False
         self._error: BaseException | None = None
@@ -88,18 +87,19 @@ class SaveFills:
         self._thread.start()
 
     def take(self, fqn: str) -> torch.Tensor:
-        """The filled host tensor of ``fqn``, once filled; the calling thread's previous one is given back first (a
-        writer thread asks for its next tensor once it has written the previous one)."""
-        self._give_back(self._taken.pop(threading.get_ident(), None))
-        fill = self._fills[fqn]
+        """The filled host tensor of ``fqn``, once filled; the previous one is given back first (the writer asks for
+        its next tensor once it has written the previous one)."""
+        taken, self._taken = self._taken, None
+        self._give_back(taken)
         with self._cond:
-            sequence, position = self._where[fqn]
-            if self._next[sequence] != position:
+            position = self._where[fqn]
+            if self._next != position:
                 raise ValueError(
-                    f"BudgetSavePlanner: DCP's writer asked for {fqn} out of the order the budget fills in (writer "
-                    f"thread {sequence}, item {position}, expected {self._next[sequence]}): nothing more is filled"
+                    f"BudgetSavePlanner: DCP's writer asked for {fqn} out of the order the budget fills in (item "
+                    f"{position}, expected {self._next}): nothing more is filled"
                 )
-            self._next[sequence] += 1
+            self._next += 1
+        fill = self._order[position]
         self.start()
         with self._cond:
             while not fill.ready and self._error is None and not self._closed:
@@ -107,7 +107,7 @@ class SaveFills:
             if not fill.ready:
                 raise RuntimeError(f"the fill of {fqn} failed: {self._error or 'the save ended'}") from self._error
             host, fill.host = fill.host, None
-            self._taken[threading.get_ident()] = host
+            self._taken = host
         return host
 
     def close(self) -> None:
@@ -118,9 +118,9 @@ class SaveFills:
             thread = self._thread
         if thread is not None:
             thread.join()
-        held = list(self._taken.values()) + [f.host for f in self._fills.values() if f.host is not None]
-        self._taken = {}
-        for f in self._fills.values():
+        held = [t for t in (self._taken, *(f.host for f in self._order)) if t is not None]
+        self._taken = None
+        for f in self._order:
             f.host = None
         for host in held:
             self._give_back(host)
@@ -186,13 +186,3 @@ class SaveFills:
         with self._cond:
             self.held -= host.numel() * host.element_size()
             self._cond.notify_all()
-
-
-def _merged(sequences: list[list[Fill]]) -> list[Fill]:
-    """The sequences merged in the order their threads, writing at the same rate, reach each tensor (each
-    sequence's own order kept): by the bytes before it in its sequence."""
-    keyed = []
-    for s, seq in enumerate(sequences):
-        offsets = itertools.accumulate((f.nbytes for f in seq), initial=0)
-        keyed += [(offset, s, pos, f) for pos, (offset, f) in enumerate(zip(offsets, seq))]
-    return [f for *_, f in sorted(keyed, key=lambda k: k[:3])]

@@ -5,9 +5,9 @@
 the wait for an async save, the manifest with every file's checksum, ``keep_last``, and the report.
 
 An async save of a background export into pooled buffers is *deferred*: the save returns before the export is
-filled, the stager completes it on a thread of its own (the copies, the export's outcome, the NaN/inf check agreed by
-every rank), the loop calls :meth:`Saver.wait_export` before the next ``optimizer.step()``, and a failed or
-non-finite export refuses the checkpoint on every rank before DCP writes anything (:meth:`Saver.wait` raises it).
+filled, the stager completes it (the copies, the export's outcome, the NaN/inf check agreed by every rank), the loop
+calls :meth:`Saver.wait_export` before the next ``step()``, and a failed or non-finite export refuses the checkpoint
+on every rank before DCP writes anything (:meth:`Saver.wait` raises it).
 """
 
 from __future__ import annotations
@@ -95,8 +95,7 @@ class Saver:
         waits_before_step: bool,
         on_report: Callable[[ExportReport], None] | None,
     ):
-        """``save_group``: the gloo group of async saves' collectives (None: the default group); ``run_config``:
-        stored in every manifest; ``waits_before_step``: see :meth:`defers`."""
+        """``save_group``: the async saves' gloo group (None: the default group); ``run_config``: in every manifest."""
         self.cfg, self.rank, self.device, self.options = cfg, rank, device, options
         self.root = Path(cfg.dir)
         self.write_threads, self.save_group = write_threads, save_group
@@ -186,8 +185,9 @@ class Saver:
         self._clear_in_the_way(step, path)
         nbytes = state_bytes(osd)
         t0 = time.perf_counter()
-        budget = {"per_thread_copy_ahead": 0} if host_budget(optimizer) else {}  # the order a budget fills in
-        writer = ChecksumFileSystemWriter(path, thread_count=self.write_threads, **budget)
+        one = {"thread_count": 1, "per_thread_copy_ahead": 0}  # within a budget: the order its fills follow
+        threads = one if host_budget(optimizer) else {"thread_count": self.write_threads}
+        writer = ChecksumFileSystemWriter(path, **threads)
         pending = InFlight(step, path, writer, held_since, deferred) if self.cfg.async_save else None
         self._write({"model": msd, "optim": osd, "trainer": trainer_state}, path, writer, optimizer, pending)
         save_s = time.perf_counter() - t0

@@ -4,18 +4,23 @@ state saved as it was when the save started although ``step()`` is called at onc
 
 from __future__ import annotations
 
+import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_module, distribute_tensor
 
 from optim_factory import PortableFusedAdam
 from optim_factory.async_save import AsyncSaveStager, SaveRefused
 from optim_factory.fills import Fill, SaveFills
 from optim_factory.optimizers.export.stream import StateExporter, StreamItem
+from tests.distributed.launch import spawn
 from tests.unit.test_budget import CHUNK, OPTIONS, STATE, _data_files, _peak_added, _trained, train
 
 
@@ -106,7 +111,7 @@ def test_a_writer_thread_asking_out_of_the_planned_order_is_refused_not_waited_f
         )
         for i in range(3)
     ]
-    save = SaveFills([fills], limit=32, exporter=StateExporter(), chunk_bytes=64, streams={})
+    save = SaveFills(fills, limit=32, exporter=StateExporter(), chunk_bytes=64, streams={})
     assert torch.equal(save.take("t0"), torch.zeros(4))
     with pytest.raises(
         ValueError, match=r"^BudgetSavePlanner: DCP's writer asked for t2 out of the order .* expected 1"
@@ -129,26 +134,67 @@ class HeldWriter(FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-def test_tensors_step_does_not_change_are_copied_when_the_async_save_starts(tmp_path):
+def saves_what_step_does_not_change_as_at_the_start(tmp_path: Path, mesh=None) -> None:
     """A buffer (BatchNorm's running statistics), which the next forward changes before step(), and a trainer's
-    tensor are saved as they were when the save started; the optimizer's parameters and states are filled later."""
+    tensor are saved as they were when the save started; the optimizer's parameters and states are filled later.
+    ``mesh``: the model's tensors as DTensors replicated over it (``distribute_module``), saved with gloo, a step
+    from DTensor gradients and the next forward's change of the statistics made through ``to_local()``."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.BatchNorm1d(1024))
+    if mesh is not None:
+        model = distribute_module(model, mesh)
     opt = PortableFusedAdam(model.parameters(), **OPTIONS, state_dict_offload_host_budget=2 * STATE)
-    train(model, opt)
+    if mesh is None:
+        train(model, opt)
+    else:
+        for p in model.parameters():
+            p.grad = distribute_tensor(torch.randn(p.shape), mesh, p.placements)
+        opt.step()
+    local = {} if mesh is not None else {"no_dist": True}
     msd, osd = get_state_dict(model, opt)
     trainer = {"rng": torch.arange(8.0)}
     writer = FileSystemWriter(tmp_path / "plain", per_thread_copy_ahead=0)
-    dcp.save({"model": msd, "optim": osd, "trainer": trainer}, storage_writer=writer, no_dist=True)
+    dcp.save({"model": msd, "optim": osd, "trainer": trainer}, storage_writer=writer, **local)
     stager = AsyncSaveStager(opt)
     with stager.exporting():
         msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd, "trainer": trainer}
     writer = HeldWriter(tmp_path / "within", per_thread_copy_ahead=0)  # no fill before the forward below
-    response = stager.async_save(state, storage_writer=writer, no_dist=True)
-    model(torch.randn(4, 1024))  # the next forward changes the running statistics
+    response = stager.async_save(state, storage_writer=writer, **local)
+    if mesh is None:
+        model(torch.randn(4, 1024))  # the next forward changes the running statistics
+    else:
+        model[1].running_mean.to_local().add_(1)  # as a forward would (to_local(): a view of the local tensor)
     trainer["rng"].add_(1)
     writer.release.set()
     response.upload_completion.result()
     assert _data_files(tmp_path / "within") == _data_files(tmp_path / "plain")
     stager.close()
+
+
+def test_tensors_step_does_not_change_are_copied_when_the_async_save_starts(tmp_path):
+    saves_what_step_does_not_change_as_at_the_start(tmp_path)
+
+
+def _one_rank(rank: int, world: int, folder: str) -> None:
+    saves_what_step_does_not_change_as_at_the_start(Path(folder), init_device_mesh("cpu", (world,)))
+
+
+@pytest.mark.slow  # a forked gloo rank
+def test_dtensor_buffers_are_copied_when_the_async_save_starts(tmp_path):
+    """The same with DTensors (``to_local()`` makes a new view each call: the copies are found by the local tensor
+    the planner sees)."""
+    spawn(_one_rank, 1, str(tmp_path))
+
+
+def test_the_docs_budget_loop_runs_as_written_within_its_budget(tmp_path, monkeypatch):
+    """docs/export.md's plain DCP loop within a host budget, on one process: both checkpoints written, at most the
+    budget held by the fills."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
+    block = re.search(r"<!-- budget-save-loop -->\n```python\n(.*?)```", text, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    scope = {"__name__": "__main__"}
+    exec(compile(block, "docs/export.md budget-save-loop", "exec"), scope)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000003", "step_00000006"]
+    assert all((p / ".metadata").is_file() for p in (tmp_path / "checkpoints").iterdir())
+    assert 0 < scope["stager"].budget_peak_bytes <= 8 << 20
