@@ -123,6 +123,7 @@ class AsyncSaveStager(AsyncStager):
         self._save: _Save | None = None
         self._closed = False
         self._gate_next = False  # async_save's staging: the write waits at a GatedWriter for the verdict
+        self._budget_save = False  # inside async_save: a budgeted save's planner and writer are the stager's
         self._join_ranks()
 
     # ------------------------------------------------------------------ DCP's protocol
@@ -142,7 +143,7 @@ class AsyncSaveStager(AsyncStager):
         finite = filling = None
         try:
             if self._budget is not None:  # filled within the budget while it is written (optim_factory.fills)
-                filling = self._budget.begin(state_dict)
+                filling = self._budget.begin(state_dict, writer_checked=self._budget_save)
                 filling.add_done_callback(lambda _: save.filled.set_result(None))
                 staged, copied = state_dict, lambda: None
             else:
@@ -201,7 +202,7 @@ class AsyncSaveStager(AsyncStager):
             raise ValueError("AsyncSaveStager.async_save: give checkpoint_id= (or storage_writer=), where it writes")
         # gated or not from the arguments alone, the same on every rank (DCP's writer for a path built here)
         if self._budget is not None:  # its planner, and a writer in the order it fills
-            dcp_kwargs = self._budget.async_save_kwargs(dcp_kwargs)
+            dcp_kwargs, self._budget_save = self._budget.async_save_kwargs(dcp_kwargs), True
         writer, ckpt = dcp_kwargs.get("storage_writer"), str(dcp_kwargs.get("checkpoint_id"))
         writer = FileSystemWriter(ckpt) if writer is None and "://" not in ckpt else writer
         previous = self._save
@@ -219,7 +220,7 @@ class AsyncSaveStager(AsyncStager):
                 self._give_back(self._save)
             raise
         finally:
-            self._gate_next = False
+            self._gate_next = self._budget_save = False
         save = self._save
         save.upload = Future()
         response.upload_completion.add_done_callback(lambda done: self._uploaded(save, done))

@@ -95,7 +95,6 @@ class BudgetSavePlanner(DefaultSavePlanner):
         super().__init__()
         self.optimizer, self.limit, self.copy_host_tensors = optimizer, budget, copy_host_tensors
         self.peak_bytes = 0  # the most bytes this planner's saves held at once
-        self._writer_checked = False  # a writer of the budget's order was built or checked for the next save
         self._saving = False
         self._items: list = []  # the last export's streamed states (their placeholders' stream items)
         self._steps: list[Any] | None = None  # each group's step count after that export
@@ -129,8 +128,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         copy-ahead) and this planner; ``dcp_kwargs``: ``dcp.save``'s others (``process_group``, ``no_dist``). Gives
         back what it filled, however it ends."""
         writer = FileSystemWriter(checkpoint_id, per_thread_copy_ahead=0)
-        self._writer_checked = True
-        self.begin(state_dict)
+        self.begin(state_dict, writer_checked=True)
         try:
             return dcp.save(state_dict, storage_writer=writer, planner=self, **dcp_kwargs)
         except CheckpointException as exc:  # DCP wraps this planner's refusals: raised here as the one line
@@ -150,16 +148,14 @@ class BudgetSavePlanner(DefaultSavePlanner):
         if writer is None and "://" not in str(dcp_kwargs.get("checkpoint_id")):
             writer = FileSystemWriter(dcp_kwargs["checkpoint_id"], per_thread_copy_ahead=0)
         refuse_writer(writer)
-        self._writer_checked = True
         return {**dcp_kwargs, "storage_writer": writer, "planner": self}
 
-    def begin(self, state_dict: Any) -> Future:
+    def begin(self, state_dict: Any, writer_checked: bool) -> Future:
         """A save of ``state_dict`` (exported inside :meth:`exporting`) starts: its fills will wait for the work
         queued so far on the current CUDA streams, and the optimizer's ``step()`` waits for them. Returns the
-        Future done once every fill is (or the save has ended). Refused unless :meth:`save` or
-        :meth:`async_save_kwargs` built or checked the writer just before."""
-        checked, self._writer_checked = self._writer_checked, False
-        if not checked:
+        Future done once every fill is (or the save has ended). ``writer_checked``: its caller built the writer
+        (:meth:`save`) or checked it (:meth:`async_save_kwargs`) for this save; else refused."""
+        if not writer_checked:
             raise ValueError(
                 f"{_NAME}: a save within state_dict_offload_host_budget starts with its checkpointer's save "
                 "(AsyncSaveStager.async_save, planner.save), which builds its writer"

@@ -92,11 +92,17 @@ def test_misuses_of_a_budget_with_the_stager_are_one_line(tmp_path):
         msd, osd = get_state_dict(model, opt)
     with pytest.raises(ValueError, match=r"^BudgetSavePlanner: a save within the budget writes through DCP's FileSys"):
         stager.async_save({"optim": osd}, storage_writer=FileSystemWriter(tmp_path / "ahead"), no_dist=True)
+    broken = Optim(model, opt)
+    broken.state_dict = lambda: 1 / 0  # DCP's export of a Stateful fails inside the stager's save, before staging
+    with pytest.raises(ZeroDivisionError):
+        stager.async_save({"optim": broken}, checkpoint_id=str(tmp_path / "failed"), no_dist=True)
+    # then DCP's own async_save with the stager (its planner and writer are not the budget's): refused
     response = dcp.async_save({"optim": osd}, checkpoint_id=str(tmp_path / "direct"), async_stager=stager, no_dist=True)
     with pytest.raises(
         SaveRefused, match="a save within state_dict_offload_host_budget starts with its checkpointer.s save"
     ):
         response.upload_completion.result()
+    train(model, opt)  # nothing holds the optimizer's step()
     assert not list(tmp_path.glob("*/*.distcp"))
     stager.close()
 
