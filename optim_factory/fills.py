@@ -143,7 +143,7 @@ class SaveFills:
                     self._fill(batch)
         except _Closed:
             pass
-        except BaseException as exc:  # noqa: BLE001  (the writer threads waiting raise it)
+        except BaseException as exc:  # noqa: BLE001  (the writer waiting for a fill raises it)
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
