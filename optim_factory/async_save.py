@@ -32,9 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
-
-# torch >= 2.9: a stager may return a Future, and async_save then returns both completions
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse  # torch >= 2.9
 
 from optim_factory.budget import budget_planner, one_line_refusal
 from optim_factory.checkpoint import export_buffer_test, export_failure, release_export
@@ -171,7 +169,8 @@ class AsyncSaveStager(AsyncStager):
     def close(self) -> None:
         """Wait for a save :meth:`async_save` started (its failure is its response's), give every buffer back and
         free the host copies; the stager saves nothing more. A save started by ``dcp.async_save`` directly must
-        have been waited for by its caller."""
+        have been waited for by its caller. Its own group is destroyed and let go: its gloo threads end with the last
+        reference, not in the interpreter's exit (where one still releasing a collective's tensors aborts it)."""
         if self._closed:
             return
         self._end_previous()
@@ -179,6 +178,7 @@ class AsyncSaveStager(AsyncStager):
         self._copies.close()
         if self._own_group and dist.is_initialized():
             dist.destroy_process_group(self._group)
+        self._group, self._own_group = None, False
 
     # ------------------------------------------------------------------ the save's lifecycle
     def async_save(self, state_dict: dict[str, Any], **dcp_kwargs: Any) -> AsyncSaveResponse:

@@ -5,6 +5,7 @@ rank with nothing written and the previous checkpoint intact (2 forked gloo rank
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -375,6 +376,42 @@ def one_rank_refuses(rank: int, world: int, tmp: str, built_first: bool) -> None
     dist.barrier()
     assert not Path(tmp, "bad").exists() and Path(tmp, "good", ".metadata").is_file()
     stager.close()
+
+
+def close_ends_its_group(rank: int, world: int, tmp: str) -> None:
+    """close() destroys the stager's own gloo group and lets it go: its threads end now, not in the interpreter's
+    exit, where one still releasing a collective's tensors aborts the process ("terminate called without an active
+    exception", one run in several of the docs loop under torchrun)."""
+    model = make_model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    stager = AsyncSaveStager(opt)
+    for step in (1, 2):
+        train(model, opt, 1)
+        stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/step{step}")
+    stager.wait()
+    running = _gloo_threads()
+    stager.close()
+    for _ in range(1000):  # the group's destructor joins its threads
+        if _gloo_threads() < running:
+            break
+        threading.Event().wait(0.01)
+    else:
+        raise AssertionError(f"rank {rank}: the stager's gloo group still runs after close()")
+    assert stager.process_group is None
+
+
+def _gloo_threads() -> int:
+    """The live threads of this process's gloo groups (Linux: /proc names them)."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            names.append((task / "comm").read_text().strip())
+    return names.count("pt_gloo_runloop")
+
+
+@pytest.mark.slow
+def test_close_ends_the_stager_s_own_group_and_its_threads(tmp_path):
+    spawn(close_ends_its_group, 2, str(tmp_path))
 
 
 @pytest.mark.slow
