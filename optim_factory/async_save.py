@@ -263,8 +263,8 @@ class AsyncSaveStager(AsyncStager):
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of the host copies kept for the next save (the export buffers are the optimizers')."""
-        return self._copies.nbytes()
+        """Bytes of the host copies (and a budgeted save's buffers) kept for the next save (not the exports')."""
+        return self._copies.nbytes() + (0 if self._budget is None else self._budget.kept_bytes)
 
     # ------------------------------------------------------------------ inside
     def _check_open(self) -> None:

@@ -1,7 +1,8 @@
 """A save within a host-memory budget: ``BudgetSavePlanner``, DCP's save planner that exports each optimizer state
 (and copies each CUDA tensor) into fresh host memory ahead of DCP's writer and gives that memory back once written,
-so that a save holds at most the budget, plus the staging of the fills (a ring of at most 128 MiB). See
-docs/export.md, "Saves within a host budget".
+so that a save holds at most the budget, plus the staging of the fills (a ring of at most 128 MiB). A save that fits
+the budget whole fills host buffers kept for the next save instead, pinned once written (``optim_factory.fills``).
+See docs/export.md, "Saves within a host budget".
 
 An optimizer's chunked export made inside :meth:`BudgetSavePlanner.exporting` returns a meta tensor in place of each
 streamed state (``unfilled_state_dict``): no memory; a reader that copies its data out (``.cpu()``, a plain
@@ -31,6 +32,8 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from optim_factory.fills import Fill, SaveFills
 from optim_factory.optimizers.export import local_tensor
+from optim_factory.optimizers.export.host_memory import HostBufferPool
+from optim_factory.optimizers.export.options import Pinning
 from optim_factory.optimizers.export.stream import StreamItem
 from optim_factory.tree import leaves, local_tensors
 
@@ -105,6 +108,8 @@ class BudgetSavePlanner(DefaultSavePlanner):
         self._fills: SaveFills | None = None
         self._filled: Future | None = None
         self._streams: dict[torch.device, Any] = {}  # the fills' side stream per device, kept from save to save
+        self._kept = HostBufferPool()  # the buffers of the last save, when it fit the budget whole
+        self._kept_layout: list | None = None  # that save's (key, shape, dtype) of each tensor it filled
 
     @contextlib.contextmanager
     def exporting(self) -> Iterator[None]:
@@ -266,9 +271,19 @@ class BudgetSavePlanner(DefaultSavePlanner):
         plan = super().finish_plan(new_plan)
         order = [self._fill(i) for i in plan.items if i.type != WriteItemType.BYTE_IO and i.index.fqn in self._sources]
         exporter, chunk = self.optimizer.state_exporter, self.optimizer.export_options.chunk_bytes
-        self._fills = SaveFills(order, self.limit - self._early_bytes(), exporter, chunk, self._streams)
+        fits = sum(f.nbytes for f in order) + self._early_bytes() <= self.limit
+        layout = [(f.fqn, f.shape, f.dtype) for f in order] if fits else None
+        if layout != self._kept_layout:  # buffers other than those kept: the kept ones are freed (and unpinned)
+            self._kept, self._kept_layout = HostBufferPool(), layout
+        kept = self._kept if fits else None
+        self._fills = SaveFills(order, self.limit - self._early_bytes(), exporter, chunk, self._streams, kept)
         self._fills.done.add_done_callback(lambda _: _complete(self._filled))
         return plan
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of host buffers kept for the next save (those of the last, when it fit the budget whole)."""
+        return self._kept.free_bytes()
 
     def resolve_data(self, write_item: Any) -> Any:
         self._check_saving()
@@ -282,20 +297,18 @@ class BudgetSavePlanner(DefaultSavePlanner):
             raise ValueError(f"{_NAME}: save with planner.save(...), which builds the writer it needs")
 
     def _fill(self, write_item: Any) -> Fill:
-        source = self._sources[write_item.index.fqn]
-        if isinstance(source, StreamItem):
-            return Fill(
-                write_item.index.fqn,
-                source.dst.shape,
-                source.dst.dtype,
-                lambda host, s=source: dataclasses.replace(s, dst=host, result=host),
-            )
-        return Fill(
-            write_item.index.fqn,
-            source.shape,
-            source.dtype,
-            lambda host, s=source: StreamItem(s.reshape(-1), None, host, host, staged=s.is_cuda),
-        )
+        fqn, source = write_item.index.fqn, self._sources[write_item.index.fqn]
+        exported = isinstance(source, StreamItem)
+        cuda = (source.source if exported else source).is_cuda
+        pinning = self.optimizer.export_options.pinning if cuda else Pinning.none
+
+        def item(host: torch.Tensor, direct: bool) -> StreamItem:
+            if exported:  # a fresh destination is staged, on the host too (as a fresh export's: plan.py)
+                return dataclasses.replace(source, dst=host, result=host, staged=not direct)
+            return StreamItem(source.reshape(-1), None, host, host, staged=cuda and not direct)
+
+        layout = source.dst if exported else source
+        return Fill(fqn, layout.shape, layout.dtype, item, cuda, pinning)
 
 
 def refuse_writer(writer: Any) -> None:

@@ -1,7 +1,9 @@
 """``SaveFills``: the fills of one save within a host budget (``optim_factory.budget``). Each tensor DCP's writer
 writes is filled into fresh host memory on one thread of its own, ahead of the writer and in the order it asks for
 them, while the bytes filled and not yet given back fit the budget; the writer's previous tensor is given back
-(``MADV_DONTNEED``) when it asks for its next one. See docs/export.md, "Saves within a host budget".
+(``MADV_DONTNEED``) when it asks for its next one. A save that fits the budget whole fills buffers of a
+``HostBufferPool`` instead, kept for the next save and pinned once released (the device copies into them directly).
+See docs/export.md, "Saves within a host budget".
 
 The fills run through the optimizer's exporter (``StateExporter.stream``: on CUDA, through its pinned staging ring
 and at most two chunks of GPU memory), several states per call up to :data:`FILL_BATCH_BYTES`, on a side stream
@@ -19,7 +21,8 @@ from typing import Any
 
 import torch
 
-from optim_factory.optimizers.export.host_memory import give_pages_back, host_empty
+from optim_factory.optimizers.export.host_memory import HostBufferPool, Slot, give_pages_back, host_empty
+from optim_factory.optimizers.export.options import Pinning
 from optim_factory.optimizers.export.stream import StateExporter, StreamItem
 
 __all__ = ["Fill", "SaveFills", "FILL_BATCH_BYTES"]
@@ -32,12 +35,16 @@ for a whole call's states before it writes the first of them."""
 @dataclass
 class Fill:
     """One tensor to fill: its key in the flattened state dict, its host layout, and how a host tensor of that
-    layout is filled (the stream item that copies or exports into it)."""
+    layout is filled (the stream item that copies or exports into it; ``item(host, direct)``: ``direct``, the
+    device may copy into ``host`` without staging it); ``cuda``: its source is on a GPU; ``pinning``: how a kept
+    buffer for it is pinned."""
 
     fqn: str
     shape: torch.Size
     dtype: torch.dtype
-    item: Callable[[torch.Tensor], StreamItem]
+    item: Callable[[torch.Tensor, bool], StreamItem]
+    cuda: bool = False
+    pinning: Pinning = Pinning.none
     host: torch.Tensor | None = None  # filled, not yet taken by a writer thread
     ready: bool = False
 
@@ -52,10 +59,11 @@ class _Closed(Exception):
 
 class SaveFills:
     """The fills of one save: ``order``: the order the writer (one thread) asks for them; ``limit``: the budget in
-    bytes. :meth:`take` is the writer's ``resolve_data``; :meth:`close` ends the save's fills and gives back
-    everything still held; ``done`` completes when every fill is done (or failed, or the save ended), never with an
-    exception. One writer thread: a thread of several whose write failed would leave its fills holding the budget
-    while the others wait for theirs."""
+    bytes; ``kept``: the pool whose buffers a save that fits the budget whole fills (None: fresh memory, given back
+    once written). :meth:`take` is the writer's ``resolve_data``; :meth:`close` ends the save's fills and gives back
+    everything still held (a kept buffer to its pool); ``done`` completes when every fill is done (or failed, or the
+    save ended), never with an exception. One writer thread: a thread of several whose write failed would leave its
+    fills holding the budget while the others wait for theirs."""
 
     def __init__(
         self,
@@ -64,9 +72,11 @@ class SaveFills:
         exporter: StateExporter,
         chunk_bytes: int,
         streams: dict[torch.device, Any],
+        kept: HostBufferPool | None = None,
     ) -> None:
         """``streams``: the side stream per CUDA device that the fills run on (waiting for the save's point)."""
         self.limit, self.held, self.peak = limit, 0, 0
+        self._kept, self._leased = kept, []  # the kept buffers this save filled, back to the pool at close()
         self.done: Future = Future()
         self._exporter, self._chunk_bytes, self._streams = exporter, chunk_bytes, streams
         self._order = order
@@ -124,6 +134,9 @@ class SaveFills:
             f.host = None
         for host in held:
             self._give_back(host)
+        if self._kept is not None:
+            self._kept.release(self._leased)
+            self._leased = []
         if not self.done.done():
             self.done.set_result(None)
 
@@ -137,7 +150,6 @@ class SaveFills:
                         self._fill(batch)  # never wait for room while holding states the writer may wait for
                         batch = []
                     self._reserve(fill)
-                    fill.host = host_empty(fill.shape, fill.dtype)
                     batch.append(fill)
                 if batch:
                     self._fill(batch)
@@ -172,15 +184,27 @@ class SaveFills:
             self.peak = max(self.peak, self.held)
 
     def _fill(self, batch: list[Fill]) -> None:
+        items = [self._item(f) for f in batch]
         # the staging ring of at most two chunks: the bytes a save holds beyond the budget
-        self._exporter.stream([f.item(f.host) for f in batch], self._chunk_bytes, ring_bytes=2 * self._chunk_bytes)
+        self._exporter.stream(items, self._chunk_bytes, ring_bytes=2 * self._chunk_bytes)
         with self._cond:
             for f in batch:
                 f.ready = True
             self._cond.notify_all()
 
+    def _item(self, fill: Fill) -> StreamItem:
+        """The stream item of ``fill`` into its host tensor: fresh memory, or the pool's buffer (copied into
+        directly where pinned, or the state is on the host)."""
+        if self._kept is None:
+            fill.host = host_empty(fill.shape, fill.dtype)
+            return fill.item(fill.host, False)
+        fill.host = self._kept.take(Slot(fill.fqn, tuple(fill.shape), fill.dtype, fill.pinning))
+        with self._cond:
+            self._leased.append(fill.host)
+        return fill.item(fill.host, not fill.cuda or self._kept.is_pinned(fill.host))
+
     def _give_back(self, host: torch.Tensor | None) -> None:
-        if host is None:
+        if host is None or self._kept is not None:  # a kept buffer stays held, for the next save
             return
         give_pages_back(host)
         with self._cond:

@@ -4,6 +4,8 @@ same data files as a plain save of the state at its start, although ``step()`` i
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -13,19 +15,19 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from optim_factory import PortableFusedAdam
 from optim_factory.async_save import AsyncSaveStager
 from optim_factory.budget import BudgetSavePlanner
-from tests.unit.test_budget import _data_files
+from tests.unit.test_budget import Recording, _data_files
 
 pytestmark = pytest.mark.cuda_only
 CHUNK = 1 << 20
 
 
-def _trained():
+def _trained(budget: int = 8 << 20):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)]).cuda().to(torch.bfloat16)
     opt = PortableFusedAdam(
         model.parameters(), lr=1e-3, master_weights=True, exp_avg_dtype=torch.bfloat16,
         exp_avg_sq_dtype=torch.bfloat16, state_dict_cpu_offload=True, state_dict_offload_chunk_bytes=CHUNK,
-        state_dict_offload_host_budget=8 << 20,
+        state_dict_offload_host_budget=budget,
     )  # fmt: skip
     _train(model, opt)
     return model, opt
@@ -57,3 +59,25 @@ def test_saves_within_the_budget_on_cuda_write_the_plain_save_s_files(tmp_path):
     for name in ("sync", "async"):
         assert _data_files(tmp_path / name) == _data_files(tmp_path / "plain"), name
     stager.close()
+
+
+def test_a_save_that_fits_the_budget_whole_fills_pinned_buffers_kept_for_the_next(tmp_path):
+    model, opt = _trained(budget=1 << 30)
+    planner = Recording(opt)
+    for name in ("first", "second"):
+        if name == "second":  # the kept buffers are pinned on a thread once written: the device copies into them
+            for _ in range(3000):
+                if all(t.is_pinned() for t in planner.given[0]):
+                    break
+                torch.cuda.synchronize()
+                threading.Event().wait(0.01)
+            assert all(t.is_pinned() for t in planner.given[0])
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / f"{name}_plain", no_dist=True)
+        del msd, osd
+        with planner.exporting():
+            msd, osd = get_state_dict(model, opt)
+        planner.save({"model": msd, "optim": osd}, tmp_path / name, no_dist=True)
+        assert _data_files(tmp_path / name) == _data_files(tmp_path / f"{name}_plain"), name
+        _train(model, opt)
+    assert planner.given[1] and all(a is b for a, b in zip(*planner.given))

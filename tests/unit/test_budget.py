@@ -90,6 +90,45 @@ def test_a_save_within_the_budget_writes_the_same_files_and_holds_at_most_the_bu
     shutil.rmtree(plain)
 
 
+class Recording(BudgetSavePlanner):
+    """The planner, keeping each save's host states that DCP's writer was given (alive: two saves' are told apart
+    by identity)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.given: list[list[torch.Tensor]] = []
+
+    def begin(self, *args, **kwargs):
+        self.given.append([])
+        return super().begin(*args, **kwargs)
+
+    def resolve_data(self, write_item):
+        data = super().resolve_data(write_item)
+        if isinstance(data, torch.Tensor) and data.numel() > 1:  # a state (not a step count)
+            self.given[-1].append(data)
+        return data
+
+
+def test_a_save_that_fits_the_budget_whole_keeps_its_buffers_for_the_next_and_writes_the_same_files(tmp_path):
+    whole = 12 * 2 * (1024 * 1024 + 1024) * 4  # exp_avg and exp_avg_sq of every parameter, FP32
+    model, opt = _trained(whole)
+    planner = Recording(opt)
+    for name in ("first", "second"):
+        train(model, opt)
+        dcp.save({"optim": get_state_dict(model, opt)[1]}, checkpoint_id=tmp_path / f"{name}_plain", no_dist=True)
+        with planner.exporting():
+            osd = get_state_dict(model, opt)[1]
+        planner.save({"optim": osd}, tmp_path / name, no_dist=True)
+        assert _data_files(tmp_path / name) == _data_files(tmp_path / f"{name}_plain")
+        assert planner.kept_bytes == whole
+    assert len(planner.given[1]) == 48 and all(a is b for a, b in zip(*planner.given))
+    planner.save({"optim": osd, "again": osd}, tmp_path / "twice", no_dist=True)  # twice the budget: streamed
+    assert planner.kept_bytes == 0
+    assert not any(a is b for a, b in zip(planner.given[1], planner.given[2]))
+    planner.save({"optim": osd}, tmp_path / "third", no_dist=True)
+    assert planner.kept_bytes == whole and _data_files(tmp_path / "third") == _data_files(tmp_path / "second")
+
+
 @pytest.mark.parametrize(
     "value, reason",
     [

@@ -66,6 +66,22 @@ def test_an_async_save_within_the_budget_saves_the_state_of_its_start_and_holds_
     stager.close()
 
 
+def test_an_async_save_that_fits_the_budget_whole_keeps_its_buffers_and_saves_the_state_of_its_start(tmp_path):
+    model, opt = _trained(1 << 30)
+    stager = AsyncSaveStager(opt)
+    for name in ("first", "second"):
+        save_plain(model, opt, tmp_path / f"{name}_plain")
+        with stager.exporting():
+            msd, osd = get_state_dict(model, opt)
+        response = stager.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / name), no_dist=True)
+        train(model, opt)  # at once: it waits for the fills, the second save's into the first one's buffers
+        response.upload_completion.result()
+        assert _data_files(tmp_path / name) == _data_files(tmp_path / f"{name}_plain"), name
+        # kept for the next save: the parameters and their two states (FP32), counted with the stager's copies
+        assert stager.host_bytes == 3 * sum(p.numel() * 4 for p in model.parameters())
+    stager.close()
+
+
 def test_a_stateful_optimizer_is_exported_within_the_budget_by_the_save(tmp_path):
     model, opt = _trained(2 * STATE)
     save_plain(model, opt, tmp_path / "plain")
@@ -113,7 +129,7 @@ def test_a_writer_thread_asking_out_of_the_planned_order_is_refused_not_waited_f
             f"t{i}",
             torch.Size([4]),
             torch.float32,
-            lambda host, i=i: StreamItem(torch.full([4], i), None, host, host, False),
+            lambda host, direct, i=i: StreamItem(torch.full([4], i), None, host, host, False),
         )
         for i in range(3)
     ]

@@ -259,6 +259,10 @@ class HostBufferPool:
         record = self._buffers[id(buf)]
         return record.slot.pinning is Pinning.alloc or record.registered
 
+    def free_bytes(self) -> int:
+        """Bytes of the released buffers the pool keeps for the next :meth:`take`."""
+        return sum(b.numel() * b.element_size() for free in self._free.values() for b in free)
+
     def is_leased(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (or a DTensor's local tensor) is one of this pool's buffers, not yet released."""
         if isinstance(tensor, DTensor):
