@@ -1,6 +1,6 @@
-"""The recipe's saves within a host budget (``optim.state_dict_offload_host_budget``): sync and async checkpoints
-equal an unbudgeted run's bitwise, and kill -9 inside a streamed save leaves the previous checkpoint for an exact
-resume (``tests/fault/fault_injection.py``)."""
+"""The recipe's saves within a host budget (``optim.state_dict_offload_host_budget``): sync and async checkpoints,
+streamed or of saves that fit the budget whole, equal an unbudgeted run's bitwise, and kill -9 inside a streamed
+save leaves the previous checkpoint for an exact resume (``tests/fault/fault_injection.py``)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ BUDGET = [
     "optim.state_dict_offload_chunk_bytes=65536",
     "optim.state_dict_offload_host_budget=512KiB",
 ]
+WHOLE = [*BUDGET[:2], "optim.state_dict_offload_host_budget=64MiB"]  # every save fits: its buffers kept
 
 
 def test_checkpoints_within_the_budget_equal_unbudgeted_ones_bitwise(tmp_path):
@@ -27,13 +28,15 @@ def test_checkpoints_within_the_budget_equal_unbudgeted_ones_bitwise(tmp_path):
         "plain": ["optim.state_dict_cpu_offload=true"],
         "sync": BUDGET,
         "async": [*BUDGET, "checkpoint.async_save=true"],
+        "sync-whole": WHOLE,
+        "async-whole": [*WHOLE, "checkpoint.async_save=true"],
     }
     for name, options in runs.items():
         train(compose_config([*QUICK, f"run_dir={tmp_path / name}", "trainer.max_steps=20", *options]))
     for step in (10, 20):
         plain = read_checkpoint(tmp_path / "plain" / "checkpoints" / f"step_{step:08d}", tmp_path)
         assert sum(1 for k in plain if k.startswith("optim.") and isinstance(plain[k], torch.Tensor)) > 0
-        for name in ("sync", "async"):
+        for name in ("sync", "async", "sync-whole", "async-whole"):
             within = read_checkpoint(tmp_path / name / "checkpoints" / f"step_{step:08d}", tmp_path)
             assert within.keys() == plain.keys(), name
             for key, value in plain.items():
