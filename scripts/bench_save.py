@@ -84,7 +84,7 @@ from scripts.dcp_stagers import EMULATION, KeptStager, stager_reusable
 
 # the host budget of a *-budget-<b> mode, from the FP32 export's bytes S, the model's M and the chunk C
 BUDGETS = {
-    "all": lambda s, m, c: s + m,
+    "all": lambda s, m, c: s + m + c,  # everything, a chunk spare for the save's small tensors (the recipe's RNG)
     "full": lambda s, m, c: s,
     "half": lambda s, m, c: s // 2,
     "quarter": lambda s, m, c: s // 4,
