@@ -56,8 +56,7 @@ _OWN_OPTIONS = {"refuse_non_finite", "check", "pinned", "export_timeout_s"}  # t
 
 @dataclass
 class _Save:
-    """One staged save: the caller's state dict (its pooled export buffers go back once written), the staging's
-    completions and DCP's upload."""
+    """One staged save: the caller's state dict (its export buffers go back once written), completions, upload."""
 
     state_dict: dict[str, Any]
     filled: Future = field(default_factory=Future)  # the copies are done and the exports filled (or failed)
@@ -168,14 +167,16 @@ class AsyncSaveStager(AsyncStager):
 
     def close(self) -> None:
         """Wait for a save :meth:`async_save` started (its failure is its response's), give every buffer back and
-        free the host copies; the stager saves nothing more. A save started by ``dcp.async_save`` directly must
-        have been waited for by its caller. Its own group is destroyed and let go: its gloo threads end with the last
-        reference, not in the interpreter's exit (where one still releasing a collective's tensors aborts it)."""
+        free the host copies (and a budget's kept buffers); the stager saves nothing more. A save started by
+        ``dcp.async_save`` directly must have been waited for by its caller. Its own group is destroyed and let go:
+        its threads end with the last reference, not in the interpreter's exit (where one can abort it)."""
         if self._closed:
             return
         self._end_previous()
         self._closed = True
         self._copies.close()
+        if self._budget is not None:
+            self._budget.drop_kept()
         if self._own_group and dist.is_initialized():
             dist.destroy_process_group(self._group)
         self._group, self._own_group = None, False
@@ -251,9 +252,8 @@ class AsyncSaveStager(AsyncStager):
 
     @property
     def process_group(self) -> Any:
-        """The gloo group the ranks agree on, and :meth:`async_save` runs DCP's collectives on (``None`` on one
-        process): pass it as ``process_group=`` to a ``dcp.async_save(..., async_stager=self)`` of your own, whose
-        collectives would otherwise run on the default group beside training's and can hang there."""
+        """The gloo group the ranks agree on and :meth:`async_save` runs DCP's collectives on (``None`` on one process):
+        ``process_group=`` of your own ``dcp.async_save(..., async_stager=self)``, else beside training's (a hang)."""
         self._join_ranks()
         return self._group
 

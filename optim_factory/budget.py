@@ -197,6 +197,8 @@ class BudgetSavePlanner(DefaultSavePlanner):
             if not t.is_meta and t.untyped_storage().data_ptr() not in stepped
         }
         nbytes = sum(t.numel() * t.element_size() for t in early.values())
+        if nbytes + self.kept_bytes > self.limit:  # the last save's buffers go first
+            self.drop_kept()
         if nbytes > self.limit:
             raise ValueError(
                 f"state_dict_offload_host_budget={self.limit}: the tensors the optimizer's step() does not change "
@@ -272,9 +274,10 @@ class BudgetSavePlanner(DefaultSavePlanner):
         order = [self._fill(i) for i in plan.items if i.type != WriteItemType.BYTE_IO and i.index.fqn in self._sources]
         exporter, chunk = self.optimizer.state_exporter, self.optimizer.export_options.chunk_bytes
         fits = sum(f.nbytes for f in order) + self._early_bytes() <= self.limit
-        layout = [(f.fqn, f.shape, f.dtype) for f in order] if fits else None
+        layout = [(f.fqn, f.shape, f.dtype, f.pinning) for f in order] if fits else None
         if layout != self._kept_layout:  # buffers other than those kept: the kept ones are freed (and unpinned)
-            self._kept, self._kept_layout = HostBufferPool(), layout
+            self.drop_kept()
+            self._kept_layout = layout
         kept = self._kept if fits else None
         self._fills = SaveFills(order, self.limit - self._early_bytes(), exporter, chunk, self._streams, kept)
         self._fills.done.add_done_callback(lambda _: _complete(self._filled))
@@ -284,6 +287,12 @@ class BudgetSavePlanner(DefaultSavePlanner):
     def kept_bytes(self) -> int:
         """Bytes of host buffers kept for the next save (those of the last, when it fit the budget whole)."""
         return self._kept.free_bytes()
+
+    def drop_kept(self) -> None:
+        """Free the buffers kept for the next save (once the pool's thread has pinned them: it holds them till)."""
+        if self._kept_layout is not None:
+            self._kept.prepare([]).result()
+        self._kept, self._kept_layout = HostBufferPool(next(iter(self._streams), None)), None
 
     def resolve_data(self, write_item: Any) -> Any:
         self._check_saving()

@@ -121,10 +121,13 @@ def test_a_save_that_fits_the_budget_whole_keeps_its_buffers_for_the_next_and_wr
         planner.save({"optim": osd}, tmp_path / name, no_dist=True)
         assert _data_files(tmp_path / name) == _data_files(tmp_path / f"{name}_plain")
         assert planner.kept_bytes == whole
+        assert all(t.count_nonzero() for t in planner.given[-1])  # kept with their values: no page given back
     assert len(planner.given[1]) == 48 and all(a is b for a, b in zip(*planner.given))
+    planner.save({"moved": osd}, tmp_path / "moved", no_dist=True)  # another layout that fits: only its buffers
+    assert planner.kept_bytes == whole and not any(a is b for a, b in zip(planner.given[1], planner.given[2]))
     planner.save({"optim": osd, "again": osd}, tmp_path / "twice", no_dist=True)  # twice the budget: streamed
     assert planner.kept_bytes == 0
-    assert not any(a is b for a, b in zip(planner.given[1], planner.given[2]))
+    assert not any(a is b for a, b in zip(planner.given[2], planner.given[3]))
     planner.save({"optim": osd}, tmp_path / "third", no_dist=True)
     assert planner.kept_bytes == whole and _data_files(tmp_path / "third") == _data_files(tmp_path / "second")
 

@@ -19,6 +19,7 @@ from torch.distributed.tensor import distribute_module, distribute_tensor
 from optim_factory import PortableFusedAdam
 from optim_factory.async_save import AsyncSaveStager, SaveRefused
 from optim_factory.fills import Fill, SaveFills
+from optim_factory.optimizers.export.host_memory import HostBufferPool
 from optim_factory.optimizers.export.stream import StateExporter, StreamItem
 from tests.distributed.launch import spawn
 from tests.unit.test_budget import CHUNK, OPTIONS, STATE, _data_files, _peak_added, _trained, train
@@ -67,7 +68,8 @@ def test_an_async_save_within_the_budget_saves_the_state_of_its_start_and_holds_
 
 
 def test_an_async_save_that_fits_the_budget_whole_keeps_its_buffers_and_saves_the_state_of_its_start(tmp_path):
-    model, opt = _trained(1 << 30)
+    whole = 3 * 12 * (1024 * 1024 + 1024) * 4  # the parameters and their two states, FP32
+    model, opt = _trained(whole)
     stager = AsyncSaveStager(opt)
     for name in ("first", "second"):
         save_plain(model, opt, tmp_path / f"{name}_plain")
@@ -77,9 +79,24 @@ def test_an_async_save_that_fits_the_budget_whole_keeps_its_buffers_and_saves_th
         train(model, opt)  # at once: it waits for the fills, the second save's into the first one's buffers
         response.upload_completion.result()
         assert _data_files(tmp_path / name) == _data_files(tmp_path / f"{name}_plain"), name
-        # kept for the next save: the parameters and their two states (FP32), counted with the stager's copies
-        assert stager.host_bytes == 3 * sum(p.numel() * 4 for p in model.parameters())
-    stager.close()
+        assert stager.host_bytes == whole  # kept for the next save, counted with the stager's copies
+    extra = torch.ones(whole // 3 // 4)  # copied when the save starts: the kept buffers are freed first
+
+    def save_more():
+        with stager.exporting():
+            msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd, "extra": extra}
+        stager.async_save(state, checkpoint_id=str(tmp_path / "more"), no_dist=True).upload_completion.result()
+
+    # the budget less what was kept, the fills' staging ring, and DCP's, the threads' and Python's own
+    assert _peak_added(save_more) <= whole - whole + 2 * CHUNK + (1 << 20)
+    assert stager.host_bytes == 0  # it streamed: nothing kept
+    save_plain(model, opt, tmp_path / "third_plain")
+    with stager.exporting():
+        msd, osd = get_state_dict(model, opt)
+    stager.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "third"), no_dist=True)
+    stager.close()  # the save written, the kept buffers freed
+    assert stager.host_bytes == 0 and _data_files(tmp_path / "third") == _data_files(tmp_path / "third_plain")
 
 
 def test_a_stateful_optimizer_is_exported_within_the_budget_by_the_save(tmp_path):
@@ -141,6 +158,43 @@ def test_a_writer_thread_asking_out_of_the_planned_order_is_refused_not_waited_f
         save.take("t2")
     save.close()
     assert save.held == 0 and save.done.done()
+
+
+class _Pool(HostBufferPool):
+    """A pool whose buffers are pinned, or not, as the test says (pinning needs CUDA)."""
+
+    def __init__(self, pinned: bool) -> None:
+        super().__init__()
+        self.pinned = pinned
+
+    def is_pinned(self, buf: torch.Tensor) -> bool:
+        return self.pinned
+
+
+class _Recording(StateExporter):
+    """The exporter, recording whether each item it streams is staged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.staged: list[bool] = []
+
+    def stream(self, items, *args, **kwargs) -> None:
+        self.staged += [item.staged for item in items]
+        super().stream(items, *args, **kwargs)
+
+
+@pytest.mark.parametrize("pinned, staged", [(None, True), (False, True), (True, False)], ids=["fresh", "kept", "pin"])
+def test_a_gpu_tensor_is_copied_directly_only_into_a_pinned_kept_buffer(pinned, staged):
+    def item(host: torch.Tensor, direct: bool) -> StreamItem:
+        return StreamItem(torch.ones(4), None, host, host, staged=not direct)
+
+    fill = Fill("t", torch.Size([4]), torch.float32, item, cuda=True)  # its source on a GPU (a CPU tensor here)
+    exporter = _Recording()
+    kept = None if pinned is None else _Pool(pinned)
+    save = SaveFills([fill], limit=64, exporter=exporter, chunk_bytes=64, streams={}, kept=kept)
+    assert torch.equal(save.take("t"), torch.ones(4))
+    save.close()
+    assert exporter.staged == [staged]
 
 
 class HeldWriter(FileSystemWriter):

@@ -230,7 +230,10 @@ class HostBufferPool:
     * ``none``: pageable buffers, always filled through the staging buffers.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        """``device``: the CUDA device its pinning thread makes current (default: the current device of the thread
+        that starts it, which on a thread that never set one is GPU 0)."""
+        self._device = device
         self._free: dict[Slot, list[torch.Tensor]] = {}
         self._leased: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._buffers: dict[int, _Buffer] = {}  # id(tensor) -> record, dropped when the tensor is freed
@@ -297,8 +300,10 @@ class HostBufferPool:
         self._buffers[id(buf)].registered = True
 
     def _background(self, fn, *args) -> Future:
-        # the first caller's current device (the exporter's: the rank's GPU where the job set it)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
+        # the pool's device, else the first caller's current one (the exporter's: the rank's GPU where the job set it)
+        device = self._device
+        if device is None and torch.cuda.is_initialized():
+            device = torch.device("cuda", torch.cuda.current_device())
         return self._pinner.submit(device, fn, *args)
 
     def prepare(self, slots: Iterable[Slot]) -> Future:
