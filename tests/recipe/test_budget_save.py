@@ -4,6 +4,7 @@ save leaves the previous checkpoint for an exact resume (``tests/fault/fault_inj
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -23,7 +24,7 @@ BUDGET = [
 WHOLE = [*BUDGET[:2], "optim.state_dict_offload_host_budget=64MiB"]  # every save fits: its buffers kept
 
 
-def test_checkpoints_within_the_budget_equal_unbudgeted_ones_bitwise(tmp_path):
+def test_checkpoints_within_the_budget_equal_unbudgeted_ones_bitwise(tmp_path, caplog):
     runs = {
         "plain": ["optim.state_dict_cpu_offload=true"],
         "sync": BUDGET,
@@ -32,7 +33,11 @@ def test_checkpoints_within_the_budget_equal_unbudgeted_ones_bitwise(tmp_path):
         "async-whole": [*WHOLE, "checkpoint.async_save=true"],
     }
     for name, options in runs.items():
-        train(compose_config([*QUICK, f"run_dir={tmp_path / name}", "trainer.max_steps=20", *options]))
+        with caplog.at_level(logging.INFO, logger="recipes.train"):
+            train(compose_config([*QUICK, f"run_dir={tmp_path / name}", "trainer.max_steps=20", *options]))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoints: ")]
+    assert len(said) == 5 and all(line.startswith("checkpoints: 1 writer thread(s)") for line in said[1:]), said
+    assert all(line.endswith("; one within optim.state_dict_offload_host_budget)") for line in said[1:]), said
     for step in (10, 20):
         plain = read_checkpoint(tmp_path / "plain" / "checkpoints" / f"step_{step:08d}", tmp_path)
         assert sum(1 for k in plain if k.startswith("optim.") and isinstance(plain[k], torch.Tensor)) > 0
