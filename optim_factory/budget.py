@@ -109,7 +109,8 @@ class BudgetSavePlanner(DefaultSavePlanner):
         self._filled: Future | None = None
         self._streams: dict[torch.device, Any] = {}  # the fills' side stream per device, kept from save to save
         self._kept = HostBufferPool()  # the buffers of the last save, when it fit the budget whole
-        self._kept_layout: list | None = None  # that save's (key, shape, dtype) of each tensor it filled
+        self._kept_layout: list | None = None  # that save's (key, shape, dtype, pinning) of each tensor it filled
+        self._device: torch.device | None = None  # the last save's GPU: where the kept buffers' thread pins them
 
     @contextlib.contextmanager
     def exporting(self) -> Iterator[None]:
@@ -174,6 +175,8 @@ class BudgetSavePlanner(DefaultSavePlanner):
         self._early = self._copy_early(state_dict) if self.copy_host_tensors else {}
         devices = {t.device for t in local_tensors(state_dict) if t.is_cuda}
         devices |= {local_tensor(item.source).device for item in self._items if item.source.is_cuda}
+        current = torch.device("cuda", torch.cuda.current_device()) if devices else None  # the caller's
+        self._device = current if current in devices else min(devices, key=lambda d: d.index, default=None)
         for device in devices:
             side = self._streams.get(device)
             if side is None:
@@ -285,14 +288,14 @@ class BudgetSavePlanner(DefaultSavePlanner):
 
     @property
     def kept_bytes(self) -> int:
-        """Bytes of host buffers kept for the next save (those of the last, when it fit the budget whole)."""
+        """Bytes of host buffers kept for the next save (those of the last, when it fit the budget whole; during a
+        save that fills them, 0)."""
         return self._kept.free_bytes()
 
     def drop_kept(self) -> None:
-        """Free the buffers kept for the next save (once the pool's thread has pinned them: it holds them till)."""
-        if self._kept_layout is not None:
-            self._kept.prepare([]).result()
-        self._kept, self._kept_layout = HostBufferPool(next(iter(self._streams), None)), None
+        """Free the buffers kept for the next save (``HostBufferPool.clear``: on its thread, on the save's GPU)."""
+        self._kept.clear()
+        self._kept, self._kept_layout = HostBufferPool(self._device), None
 
     def resolve_data(self, write_item: Any) -> Any:
         self._check_saving()

@@ -4,6 +4,7 @@ that never overwrites an export still read by an in-flight async DCP save."""
 from __future__ import annotations
 
 import threading
+import weakref
 
 import pytest
 import torch
@@ -16,11 +17,13 @@ from optim_factory.optimizers.export import (
     DEFAULT_CHUNK_BYTES,
     ExportPlan,
     HostBufferPool,
+    Pinning,
     StateExporter,
     export_state,
     host_memory,
     plan_chunks,
 )
+from optim_factory.optimizers.export.host_memory import Slot
 from recipes.checkpoint import CheckpointManager, read_checkpoint
 from recipes.config import CheckpointConfig
 from tests.helpers import (
@@ -278,6 +281,22 @@ def test_prepare_readies_the_buffers_of_the_next_export(monkeypatch):
     assert opt.release_state_dict(sd) == sum(len(st) for st in sd["state"].values())
     assert not any(opt.is_leased_export_buffer(t) for t in allocated)  # all the prepared bytes are free again
     assert_state_dicts_bitwise(sd, export_state(opt, cpu_offload=True), "export into prepared buffers")
+
+
+def test_a_pool_s_released_buffers_are_freed_on_its_own_thread():
+    """``HostBufferPool.clear``: a released buffer is freed (a pinned one unpinned) on the pool's thread, which
+    makes the pool's device current, not on the caller's (whose CUDA device may be GPU 0 of another rank)."""
+    pool = HostBufferPool()
+    slot = Slot("state", (4096,), torch.float32, Pinning.none)
+    pool.prepare([slot]).result()  # the pool's thread started, the buffer allocated there
+    freed_on = []
+    buf = pool.take(slot)
+    weakref.finalize(buf, lambda: freed_on.append(threading.current_thread().name))
+    pool.release(buf)
+    del buf
+    assert pool.free_bytes() == 4096 * 4
+    pool.clear()
+    assert pool.free_bytes() == 0 and len(freed_on) == 1 and freed_on[0].startswith("export-pin"), freed_on
 
 
 def test_waiting_for_pinning_keeps_a_failed_preparation_and_starts_no_thread(monkeypatch):

@@ -263,8 +263,15 @@ class HostBufferPool:
         return record.slot.pinning is Pinning.alloc or record.registered
 
     def free_bytes(self) -> int:
-        """Bytes of the released buffers the pool keeps for the next :meth:`take`."""
-        return sum(b.numel() * b.element_size() for free in self._free.values() for b in free)
+        """Bytes of the released buffers the pool keeps for the next :meth:`take` (leased ones aside)."""
+        return sum(b.numel() * b.element_size() for free in list(self._free.values()) for b in list(free))
+
+    def clear(self) -> None:
+        """Free the released buffers: on the pool's thread, once it has pinned those released before, as a pinned
+        buffer is unpinned where it is freed (there, on the pool's device; not on a thread whose device is GPU 0)."""
+        if self._pinner.started:
+            self._background(self._free.clear).result()
+        self._free.clear()
 
     def is_leased(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (or a DTensor's local tensor) is one of this pool's buffers, not yet released."""
