@@ -88,8 +88,10 @@ def test_an_async_save_that_fits_the_budget_whole_keeps_its_buffers_and_saves_th
         state = {"model": msd, "optim": osd, "extra": extra}
         stager.async_save(state, checkpoint_id=str(tmp_path / "more"), no_dist=True).upload_completion.result()
 
-    # the budget less what was kept, the fills' staging ring, and DCP's, the threads' and Python's own
-    assert _peak_added(save_more) <= whole - whole + 2 * CHUNK + (1 << 20)
+    # what the save adds to the kept bytes held before it: the budget less those, the fills' staging ring, and DCP's,
+    # the threads' and Python's own
+    kept, budget = stager.host_bytes, whole
+    assert _peak_added(save_more) <= budget - kept + 2 * CHUNK + (1 << 20)
     assert stager.host_bytes == 0  # it streamed: nothing kept
     save_plain(model, opt, tmp_path / "third_plain")
     with stager.exporting():
