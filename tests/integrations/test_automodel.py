@@ -431,25 +431,28 @@ def test_async_checkpointer_refuses_remote_storage():
 
 @needs_checkpointer
 @pytest.mark.parametrize("is_async", [False, True])
-def test_an_optimizer_with_a_host_budget_saves_within_it_and_loads_bitwise(tmp_path, is_async):
+@pytest.mark.parametrize("budget", [1024, 1 << 16], ids=["below-the-state", "whole-save"])
+def test_an_optimizer_with_a_host_budget_saves_within_it_and_loads_bitwise(tmp_path, is_async, budget):
     """Sync or async, the optimizer's save goes through the stager, which fills each state as DCP writes it (a
-    budget of 16 chunks, a third of the state); the optimizer loads back bitwise, the next step the same."""
+    budget of 16 chunks, a third of the state; or one the whole save fits, into kept buffers); the optimizer loads
+    back bitwise, the next step the same."""
     from nemo_automodel.components.checkpoint.config import CheckpointingConfig
 
     from optim_factory.integrations.automodel import Checkpointer
 
-    budget = ["--optimizer.state_dict_cpu_offload=true", "--optimizer.state_dict_offload_chunk_bytes=64"]
-    budget.append("--optimizer.state_dict_offload_host_budget=1024")
+    options = ["--optimizer.state_dict_cpu_offload=true", "--optimizer.state_dict_offload_chunk_bytes=64"]
+    options.append(f"--optimizer.state_dict_offload_host_budget={budget}")
     m1, m2 = model(), model(seed=1)
-    (o1,) = optimizer_config(tmp_path, *budget).build(m1, device_mesh=None)
-    (o2,) = optimizer_config(tmp_path, *budget).build(m2, device_mesh=None)
+    (o1,) = optimizer_config(tmp_path, *options).build(m1, device_mesh=None)
+    (o2,) = optimizer_config(tmp_path, *options).build(m2, device_mesh=None)
     train(m1, o1, range(2))
     config = CheckpointingConfig(checkpoint_dir=str(tmp_path / "ck"), save_consolidated=False, is_async=is_async)
     checkpointer = Checkpointer(config, dp_rank=0, tp_rank=0, pp_rank=0)
     checkpointer.save_optimizer(o1, m1, str(tmp_path / "ck" / "step_2"))
     checkpointer.maybe_wait_for_staging()
     checkpointer.async_wait()
-    assert 0 < checkpointer.stagers["optim"].budget_peak_bytes <= 1024
+    assert 0 < checkpointer.stagers["optim"].budget_peak_bytes <= budget
+    assert (checkpointer.stagers["optim"].host_bytes > 0) == (budget > 1024)  # the whole save's buffers kept
     m2.load_state_dict(m1.state_dict())
     checkpointer.load_optimizer(o2, m2, str(tmp_path / "ck" / "step_2"))
     assert_same(m1, o1, m2, o2, "after the load")

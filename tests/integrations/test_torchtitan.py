@@ -47,6 +47,7 @@ BACKGROUND = {**OPTIONS, "state_dict_offload_background": True, "state_dict_offl
 ASYNC_MODES = ("async", "async_with_pinned_mem")
 # a host budget below the state: 4 chunks of 64 bytes, with the largest item (w0's FP32 master, 96 bytes) in it
 BUDGETED = {**OPTIONS, "state_dict_offload_chunk_bytes": 64, "state_dict_offload_host_budget": 256}
+WHOLE = {**BUDGETED, "state_dict_offload_host_budget": 1 << 16}  # every save fits: filled into kept buffers
 TE_ON_CUDA = TE_AVAILABLE and torch.cuda.is_available()
 pytestmark = pytest.mark.filterwarnings("ignore:state_dict_cpu_offload=True has no memory effect")  # CPU params
 DOC_OPTIONS = {k: v for k, v in OPTIONS.items() if k != "master_weight_dtype"}  # the docs' (FP32 master: default)
@@ -198,6 +199,8 @@ def two_rank_folders(tmp_path_factory):
     for mode in ("disabled", "async_with_pinned_mem"):  # within a host budget: filled as written, through the stager
         budget_folder = str(tmp_path_factory.mktemp(f"budget-{mode}"))
         checks.append((f"budget: {mode}", roundtrip_two_ranks, (budget_folder, mode, "PortableFusedAdam", BUDGETED)))
+        whole_folder = str(tmp_path_factory.mktemp(f"whole-{mode}"))
+        checks.append((f"whole: {mode}", roundtrip_two_ranks, (whole_folder, mode, "PortableFusedAdam", WHOLE)))
     for mode in ASYNC_MODES:
         checks.append((f"ours: {mode}", saves_through_one_stager, (str(tmp_path_factory.mktemp(f"ours-{mode}")), mode)))
     return folders, spawn_checks(2, checks, tmp_path_factory.mktemp("titan-done"))
@@ -220,9 +223,10 @@ def test_checkpoint_manager_round_trip_on_two_ranks_is_bitwise(two_rank_folders,
 
 @pytest.mark.slow  # forked ranks
 @pytest.mark.parametrize("async_mode", ["disabled", "async_with_pinned_mem"])
-def test_an_optimizer_with_a_host_budget_saves_within_it_and_resumes_bitwise(two_rank_folders, async_mode):
+@pytest.mark.parametrize("budget", ["budget", "whole"], ids=["below-the-state", "whole-save"])
+def test_an_optimizer_with_a_host_budget_saves_within_it_and_resumes_bitwise(two_rank_folders, async_mode, budget):
     _, outcome = two_rank_folders
-    assert outcome[f"budget: {async_mode}"] is None, outcome[f"budget: {async_mode}"]
+    assert outcome[f"{budget}: {async_mode}"] is None, outcome[f"{budget}: {async_mode}"]
 
 
 @pytest.mark.slow
