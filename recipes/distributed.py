@@ -84,10 +84,15 @@ def _expand_one(name: str, whole: str) -> list[str]:
     return [f"{head}{v}{t}" for v in values for t in _expand_one(tail, whole)]
 
 
+# the ports a job's id picks from, below Linux's default ephemeral range (32768-60999), where the system takes the
+# local port of an outgoing connection (another job's, a test's): a listener there can find its port in use
+_JOB_PORTS = range(20000, 32768)
+
+
 def _port_from_job(env: Mapping[str, str], job_key: str) -> int:
     if "MASTER_PORT" in env:
         return _int(env, "MASTER_PORT")
-    return 20000 + _int(env, job_key) % 20000 if job_key in env else 29500
+    return _JOB_PORTS[_int(env, job_key) % len(_JOB_PORTS)] if job_key in env else 29500
 
 
 def _checked(env: DistEnv) -> DistEnv:

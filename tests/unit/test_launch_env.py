@@ -64,7 +64,7 @@ def test_srun_one_task_per_gpu():
         "SLURM_JOB_ID": "123456",
     }
     got = resolve_dist_env(env)
-    assert got == DistEnv(9, 16, 1, "node01", 20000 + 123456 % 20000, "srun")
+    assert got == DistEnv(9, 16, 1, "node01", 20000 + 123456 % 12768, "srun")  # below the ephemeral ports
     assert resolve_dist_env({**env, "MASTER_PORT": "4242", "MASTER_ADDR": "10.1.1.1"}).master_port == 4242
     assert resolve_dist_env({**env, "MASTER_ADDR": "10.1.1.1"}).master_addr == "10.1.1.1"
 
@@ -83,6 +83,10 @@ def test_submitit_local():
         "SUBMITIT_LOCAL_JOB_ID": "4321",
     }
     assert resolve_dist_env(env) == DistEnv(1, 2, 1, "127.0.0.1", 20000 + 4321, "submitit-local")
+    # every job's port lies below Linux's ephemeral ports (32768-60999), which outgoing connections take: one job's
+    # listener found its port (34704, from job 14704) in use beside a test's connections
+    ports = {resolve_dist_env({**env, "SUBMITIT_LOCAL_JOB_ID": str(job)}).master_port for job in range(0, 60000, 7)}
+    assert min(ports) == 20000 and max(ports) <= 32767
 
 
 @pytest.mark.parametrize(
