@@ -89,9 +89,10 @@ def test_an_async_save_that_fits_the_budget_whole_keeps_its_buffers_and_saves_th
         stager.async_save(state, checkpoint_id=str(tmp_path / "more"), no_dist=True).upload_completion.result()
 
     # what the save adds to the kept bytes held before it: the budget less those, the fills' staging ring, and DCP's,
-    # the threads' and Python's own
+    # the threads' and Python's own: -2.3 to +0.3 MB beyond the ring measured alone, +2.4 MB once in the full suite
+    # (a worker whose earlier tests' threads run on); the copies beside the kept buffers would add 50 MB
     kept, budget = stager.host_bytes, whole
-    assert _peak_added(save_more) <= budget - kept + 2 * CHUNK + (1 << 20)
+    assert _peak_added(save_more) <= budget - kept + 2 * CHUNK + (4 << 20)
     assert stager.host_bytes == 0  # it streamed: nothing kept
     save_plain(model, opt, tmp_path / "third_plain")
     with stager.exporting():
