@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from optim_factory.fills import Fill, SaveFills
 from optim_factory.optimizers.export import local_tensor
 from optim_factory.optimizers.export.host_memory import HostBufferPool
-from optim_factory.optimizers.export.options import Pinning
 from optim_factory.optimizers.export.stream import StreamItem
 from optim_factory.tree import leaves, local_tensors
 
@@ -312,7 +311,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         fqn, source = write_item.index.fqn, self._sources[write_item.index.fqn]
         exported = isinstance(source, StreamItem)
         cuda = (source.source if exported else source).is_cuda
-        pinning = self.optimizer.export_options.pinning if cuda else Pinning.none
+        pinning = self.optimizer.export_options.pinning_on("cuda" if cuda else "cpu")
 
         def item(host: torch.Tensor, direct: bool) -> StreamItem:
             if exported:  # a fresh destination is staged, on the host too (as a fresh export's: plan.py)

@@ -32,6 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 from optim_factory.budget import host_budget
 from optim_factory.factory import ConfigError, ValidatedOptim, build_optimizer
 from recipes.checkpoint import CheckpointError, CheckpointManager, Saver, first_save_bytes
+from recipes.checkpoint.checksums import writer_options
 from recipes.checkpoint.resume import log_changes, no_room, nothing_to_do
 from recipes.command_line import command_line_error, config_error_line, keys_set, shared_run_dir_error
 from recipes.config import register_configs
@@ -161,10 +162,9 @@ def _setup(cfg: DictConfig, env, device, mesh, optim: ValidatedOptim, saver_cls,
     world, where = env.world_size, Path(cfg.run_dir).resolve()
     log.info("launcher=%s world_size=%d device=%s run_dir=%s", env.launcher, world, device, where)
     if cfg.checkpoint.enabled:
-        given, threads = cfg.checkpoint.write_threads, ckpt.write_threads
+        given, threads = cfg.checkpoint.write_threads, writer_options(optimizer, ckpt.write_threads)["thread_count"]
         how = "0: min(4, the CPUs of this rank)" if given == 0 else str(given)
-        if host_budget(optimizer) is not None:  # the writer follows the fills, one tensor after the other
-            threads, how = 1, f"{how}; one within optim.state_dict_offload_host_budget"
+        how += "; one within optim.state_dict_offload_host_budget" if host_budget(optimizer) is not None else ""
         log.info("checkpoints: %d writer thread(s) per rank (checkpoint.write_threads=%s)", threads, how)
     if cfg.trainer.warmup_steps > cfg.trainer.max_steps and env.rank == 0:
         warmup, steps = cfg.trainer.warmup_steps, cfg.trainer.max_steps

@@ -26,6 +26,7 @@ import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from optim_factory.budget import host_budget
 from optim_factory.checkpoint import cpus_per_rank
 
 ALGORITHM = "xxh3_64"  # the manifest's key for each file's hash (hex digest)
@@ -170,6 +171,15 @@ def writer_threads(write_threads: int) -> int:
     its affinity shared among the ranks on its host): one thread leaves a fast disk idle while it serializes, and
     more threads than CPUs compete with each other (docs/design.md, "Measured figures behind the defaults")."""
     return write_threads or min(4, cpus_per_rank())
+
+
+def writer_options(optimizer: Any, write_threads: int) -> dict[str, int]:
+    """DCP's ``FileSystemWriter`` options of a save of ``optimizer``: ``write_threads`` threads; within a host budget,
+    one thread without copy-ahead, which asks for the tensors in the order the budget fills them
+    (``optim_factory.budget``)."""
+    if host_budget(optimizer) is not None:
+        return {"thread_count": 1, "per_thread_copy_ahead": 0}
+    return {"thread_count": write_threads}
 
 
 def file_hash(path: Path) -> tuple[int, str]:

@@ -33,7 +33,7 @@ from optim_factory.checkpoint import deferred_export, defers_export, export_fail
 from optim_factory.errors import first_line
 from optim_factory.optimizers.export import all_finite
 from optim_factory.tree import local_tensors, state_bytes
-from recipes.checkpoint.checksums import ALGORITHM, ChecksumFileSystemWriter, seal_manifest
+from recipes.checkpoint.checksums import ALGORITHM, ChecksumFileSystemWriter, seal_manifest, writer_options
 from recipes.checkpoint.layout import (
     DCP_ERRORS,
     MARKER,
@@ -185,9 +185,7 @@ class Saver:
         self._clear_in_the_way(step, path)
         nbytes = state_bytes(osd)
         t0 = time.perf_counter()
-        one = {"thread_count": 1, "per_thread_copy_ahead": 0}  # within a budget: the order its fills follow
-        threads = one if host_budget(optimizer) else {"thread_count": self.write_threads}
-        writer = ChecksumFileSystemWriter(path, **threads)
+        writer = ChecksumFileSystemWriter(path, **writer_options(optimizer, self.write_threads))
         pending = InFlight(step, path, writer, held_since, deferred) if self.cfg.async_save else None
         self._write({"model": msd, "optim": osd, "trainer": trainer_state}, path, writer, optimizer, pending)
         save_s = time.perf_counter() - t0

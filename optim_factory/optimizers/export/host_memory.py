@@ -271,7 +271,8 @@ class HostBufferPool:
         buffer is unpinned where it is freed (there, on the pool's device; not on a thread whose device is GPU 0)."""
         if self._pinner.started:
             self._background(self._free.clear).result()
-        self._free.clear()
+        else:
+            self._free.clear()
 
     def is_leased(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (or a DTensor's local tensor) is one of this pool's buffers, not yet released."""

@@ -59,6 +59,11 @@ class ExportOptions:
         object.__setattr__(self, "pinning", pinning)
         object.__setattr__(self, "host_budget", budget)
 
+    def pinning_on(self, device_type: str) -> Pinning:
+        """How a pooled host buffer of a state on a device of ``device_type`` is pinned: :attr:`pinning` for a
+        GPU's (``"cuda"``), none for the host's."""
+        return self.pinning if device_type == "cuda" else Pinning.none
+
     def describe(self) -> str:
         """What ``state_dict()`` does, in a few words (the factory logs it)."""
         if not self.cpu_offload:

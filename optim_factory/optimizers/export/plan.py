@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from optim_factory.optimizers.export.contract import param_index_map
 from optim_factory.optimizers.export.host_memory import Slot, host_empty
-from optim_factory.optimizers.export.options import ExportOptions, Pinning
+from optim_factory.optimizers.export.options import ExportOptions
 from optim_factory.optimizers.export.stream import StateExporter, StreamItem
 from optim_factory.optimizers.export.tensors import aliases, local_tensor, wrap_host_local, wrap_like
 
@@ -174,7 +174,7 @@ class ExportPlan:
         bf16 = source.dtype == torch.bfloat16 and scale is None
         kept = source.dtype == torch.int16 or (self.options.keep_bf16 and bf16)
         dtype = source.dtype if kept else torch.float32  # int16 remainders, kept BF16: copied as they are
-        pinning = self.options.pinning if source.device.type == "cuda" else Pinning.none
+        pinning = self.options.pinning_on(source.device.type)
         return source, scale, Slot((key, name), tuple(local_tensor(live).shape), dtype, pinning)
 
     def item(self, optimizer: Any, param: torch.Tensor, key: Any, name: str, meta: bool = False) -> StreamItem | None:
