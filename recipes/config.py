@@ -118,6 +118,7 @@ class CheckpointConfig:
     resume: str = "auto"  # auto (newest complete checkpoint) | never | <path of a step_* directory>
     fallback: bool = False  # resume=auto: if the newest complete checkpoint fails to load, try older ones
     write_threads: int = 0  # DCP writer threads per rank, one file each; 0: recipes.checkpoint.checksums.writer_threads
+    key_env: str = ""  # the environment variable holding a key that signs checkpoints and verifies them before a load
     enabled: bool = True
 
     def __post_init__(self) -> None:

@@ -15,7 +15,15 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from optim_factory.factory import ConfigError, validate_optim_config
-from recipes.checkpoint import METADATA, STEP_DIR, CheckpointError, is_complete, read_manifest, step_dirs
+from recipes.checkpoint import (
+    METADATA,
+    STEP_DIR,
+    CheckpointError,
+    checkpoint_key,
+    is_complete,
+    read_manifest,
+    step_dirs,
+)
 from recipes.config import CheckpointConfig, TrainConfig, check_config
 from recipes.data import build_data
 from recipes.distributed import pick_device, resolve_dist_env
@@ -66,6 +74,7 @@ def check_checkpoint_config(cfg: CheckpointConfig, rank: int = 0) -> None:
     CheckpointError; the rules of the config alone: :class:`recipes.config.CheckpointConfig`)."""
     if not cfg.enabled:  # an earlier launch's run_dir is refused by the recipe (its launches/, read by rank 0)
         return
+    checkpoint_key(cfg)  # checkpoint.key_env names a variable that holds a key
     root = Path(cfg.dir)
     if cfg.resume not in ("auto", "never"):
         path = Path(cfg.resume)

@@ -42,7 +42,13 @@ import torch.distributed.checkpoint as dcp
 
 from optim_factory.async_save import AsyncSaveStager
 from optim_factory.budget import host_budget
-from optim_factory.checkpoint import ExactLoadPlanner, deferred_export, defers_export
+from optim_factory.checkpoint import (
+    ExactLoadPlanner,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    deferred_export,
+    defers_export,
+)
 from optim_factory.integrations import framework_import_error
 
 try:
@@ -154,18 +160,20 @@ class Checkpointer(AutomodelCheckpointer):
         return stager
 
     def _do_load(self, state_dict: dict[str, Any], path: str, storage_reader=None, is_init_step: bool = False):
-        # Automodel's one DCP read, for the model and the optimizer; only the optimizer's folder is changed: read
-        # through the caller's storage reader where one is given (any path), else from a local folder
+        # Automodel's one DCP read, for the model and the optimizer. A local DCP folder is read as data
+        # (SafeFileSystemReader, SafeLoadPlanner: nothing in it runs); the optimizer's states in their saved dtypes
+        # (ExactLoadPlanner), through the caller's storage reader where one is given (any path). The model's
+        # safetensors (a caller's HF reader, PEFT adapters: data already) and remote folders are Automodel's.
         local = "://" not in str(path)
         optimizer = os.path.basename(os.path.normpath(path)) == OPTIM_DIR
-        if not optimizer or (storage_reader is None and not local):
+        peft = self.config.is_peft and not is_init_step
+        if (storage_reader is None and not local) or (not optimizer and (storage_reader is not None or peft)):
             return super()._do_load(state_dict, path, storage_reader, is_init_step)
         group = getattr(self, "process_group", None)
         dcp.load(
             state_dict,
-            checkpoint_id=path,
-            storage_reader=storage_reader,
-            planner=ExactLoadPlanner(),
+            storage_reader=storage_reader or SafeFileSystemReader(path),
+            planner=ExactLoadPlanner() if optimizer else SafeLoadPlanner(),
             **({"process_group": group} if group is not None else {}),
         )
         return state_dict

@@ -60,7 +60,7 @@ import torch.distributed.checkpoint as dcp
 import optim_factory
 from optim_factory.async_save import AsyncSaveStager
 from optim_factory.budget import host_budget
-from optim_factory.checkpoint import ExactLoadPlanner, deferred_export, defers_export
+from optim_factory.checkpoint import ExactLoadPlanner, SafeFileSystemReader, deferred_export, defers_export
 from optim_factory.integrations import framework_import_error
 
 try:  # names torchtitan 0.3 and its main branch both provide (0.3's components.checkpoint is main's checkpointer)
@@ -179,7 +179,8 @@ class CheckpointManager(TitanCheckpointManager):
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         if from_hf:  # safetensors of the model: no optimizer state
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
-        dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=ExactLoadPlanner())
+        # read as data (nothing in the checkpoint runs); the optimizer's states in their saved dtypes
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(checkpoint_id), planner=ExactLoadPlanner())
         if MODEL in self.states:  # torchtitan flattens the model's states into state_dict and loads them itself
             self.states[MODEL].load_state_dict(state_dict)
 

@@ -7,6 +7,11 @@ docs/design.md, "Measured figures behind the defaults"). Each rank's writer know
 it wrote (rank 0 also of ``.metadata``); the checkpoint manager (recipes/checkpoint/save.py) gathers them into the
 checkpoint's manifest. :func:`file_problem` reads a file back and says what is wrong with it, if anything.
 
+These find damage, not a deliberate change: anyone can recompute an XXH3. With ``checkpoint.key_env`` (a key in an
+environment variable, never in the run folder) every file also gets a keyed digest (HMAC-SHA256, beside XXH3 on its
+way to the file) and the manifest a MAC over its content (:func:`seal_manifest`); a load with the key checks those
+instead (docs/reliability.md, "Trust").
+
 Only public DCP classes are subclassed (``FileSystemWriter``, ``FileSystem``): the writer's ``fs`` attribute,
 and ``FileSystem.create_stream`` / ``rename``, which the writer uses for every data file and for ``.metadata``
 (torch 2.11-2.14). The manager checks after each save that every file in the checkpoint has a checksum, so a
@@ -15,6 +20,8 @@ torch that wrote around them would fail the save loudly instead of writing unver
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import threading
 from contextlib import contextmanager
@@ -31,12 +38,18 @@ from optim_factory.checkpoint import cpus_per_rank
 
 ALGORITHM = "xxh3_64"  # the manifest's key for each file's hash (hex digest)
 MANIFEST_DIGEST = "manifest_xxh3_64"  # the manifest's hash of its own other keys (sorted JSON)
+KEYED = "hmac_sha256"  # with checkpoint.key_env's key: each file's keyed digest (hex HMAC-SHA256)
+MANIFEST_MAC = "manifest_hmac_sha256"  # with that key: the MAC of the manifest's other keys but its digest
 READ_CHUNK = 16 * 2**20
 HASH_CHUNK = 2**20  # fits in L2: the write's copy reads what the hash just read
 
 
 def new_hasher():
     return xxhash.xxh3_64()
+
+
+def new_keyed(key: bytes):
+    return hmac.new(key, digestmod=hashlib.sha256)
 
 
 class _ChecksumStream:
@@ -46,9 +59,10 @@ class _ChecksumStream:
     is the file's. There is no ``seek``: a writer that seeks back would fail here instead of being miscounted.
     """
 
-    def __init__(self, raw):
+    def __init__(self, raw, key: bytes | None):
         self.raw = raw
         self.hasher = new_hasher()
+        self.keyed = new_keyed(key) if key else None  # beside XXH3, with checkpoint.key_env's key
         self.size = 0
 
     def write(self, data) -> int:
@@ -56,6 +70,8 @@ class _ChecksumStream:
         for start in range(0, len(view), HASH_CHUNK):  # hash a piece, then write it while it is still in cache
             piece = view[start : start + HASH_CHUNK]
             self.hasher.update(piece)
+            if self.keyed is not None:
+                self.keyed.update(piece)
             written = self.raw.write(piece)
             if written is not None and written != len(piece):
                 raise OSError(f"short write ({written} of {len(piece)} bytes)")
@@ -106,8 +122,9 @@ CRC32_PER_THREAD = _crc32_per_thread()
 class ChecksumFileSystem(FileSystem):
     """DCP's local file system, recording ``{file name: {"size", "xxh3_64"}}`` of every file written through it."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: bytes | None = None) -> None:
         super().__init__()
+        self.key = key  # checkpoint.key_env's: each file's keyed digest too
         self.records: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()  # DCP may write files from several threads (thread_count > 1)
 
@@ -129,12 +146,15 @@ class ChecksumFileSystem(FileSystem):
         torch.serialization.set_crc32_options(crc32 and not CRC32_PER_THREAD)
         try:
             with super().create_stream(path, mode) as stream:
-                counted = _ChecksumStream(stream)
+                counted = _ChecksumStream(stream, self.key)
                 yield counted
         finally:
             torch.serialization.set_crc32_options(crc32)
         with self._lock:  # only a stream that was written and closed without an error is recorded
-            self.records[Path(path).name] = {"size": counted.size, ALGORITHM: counted.hasher.hexdigest()}
+            record = {"size": counted.size, ALGORITHM: counted.hasher.hexdigest()}
+            if counted.keyed is not None:
+                record[KEYED] = counted.keyed.hexdigest()
+            self.records[Path(path).name] = record
 
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)
@@ -145,15 +165,16 @@ class ChecksumFileSystem(FileSystem):
 
 
 class ChecksumFileSystemWriter(FileSystemWriter):
-    """``FileSystemWriter`` whose files get a size and hash as they are written (see :meth:`checksums`)."""
+    """``FileSystemWriter`` whose files get a size and hash as they are written (see :meth:`checksums`); with
+    ``key`` (``checkpoint.key_env``'s), a keyed digest too."""
 
-    def __init__(self, path, **kwargs: Any) -> None:
+    def __init__(self, path, *, key: bytes | None = None, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         if not isinstance(getattr(self, "fs", None), FileSystem):
             raise RuntimeError(
                 f"torch {torch.__version__}: FileSystemWriter has no local `fs` to checksum files through"
             )
-        self.fs = ChecksumFileSystem()
+        self.fs = ChecksumFileSystem(key)
 
     def reset(self, checkpoint_id=None) -> None:
         super().reset(checkpoint_id)
@@ -161,7 +182,8 @@ class ChecksumFileSystemWriter(FileSystemWriter):
             self.fs.records.clear()
 
     def checksums(self) -> dict[str, dict[str, Any]]:
-        """``{file name: {"size": bytes, "xxh3_64": hex}}`` of the files this rank wrote in the last save."""
+        """``{file name: {"size": bytes, "xxh3_64": hex[, "hmac_sha256": hex]}}`` of the files this rank wrote in the
+        last save."""
         with self.fs._lock:
             return {k: dict(v) for k, v in self.fs.records.items()}
 
@@ -182,9 +204,9 @@ def writer_options(optimizer: Any, write_threads: int) -> dict[str, int]:
     return {"thread_count": write_threads}
 
 
-def file_hash(path: Path) -> tuple[int, str]:
-    """(size, hex hash) of a file, read in 16 MiB chunks."""
-    hasher, size = new_hasher(), 0
+def file_hash(path: Path, hasher=None) -> tuple[int, str]:
+    """(size, hex digest) of a file, read in 16 MiB chunks: XXH3, or ``hasher`` (a keyed one)."""
+    hasher, size = hasher or new_hasher(), 0
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(READ_CHUNK)
         view = memoryview(buf)
@@ -194,8 +216,9 @@ def file_hash(path: Path) -> tuple[int, str]:
     return size, hasher.hexdigest()
 
 
-def file_problem(directory: Path, name: str, record: dict[str, Any]) -> str | None:
-    """What is wrong with ``directory/name`` against its manifest ``record`` (None: it verifies)."""
+def file_problem(directory: Path, name: str, record: dict[str, Any], key: bytes | None = None) -> str | None:
+    """What is wrong with ``directory/name`` against its manifest ``record`` (None: it verifies). With ``key``, the
+    file's keyed digest is checked (a file changed by someone without the key is found), else its XXH3."""
     path = Path(directory) / name
     if not path.is_file():
         return f"{name}: missing"
@@ -204,30 +227,54 @@ def file_problem(directory: Path, name: str, record: dict[str, Any]) -> str | No
         return f"{name}: truncated ({size} of {record['size']} bytes)"
     if size > record["size"]:
         return f"{name}: {size} bytes, {record['size']} recorded"
+    if key is not None:
+        if KEYED not in record:
+            return f"{name}: no keyed digest recorded (not signed with checkpoint.key_env's key)"
+        _, digest = file_hash(path, new_keyed(key))
+        if not hmac.compare_digest(digest, str(record[KEYED])):
+            return f"{name}: keyed digest mismatch (changed without checkpoint.key_env's key, or signed with another)"
+        return None
     _, digest = file_hash(path)
     if digest != record.get(ALGORITHM):
         return f"{name}: checksum mismatch ({ALGORITHM} {digest}, {record.get(ALGORITHM)} recorded)"
     return None
 
 
+def _body(manifest: dict[str, Any], *without: str) -> bytes:
+    return json.dumps({k: v for k, v in manifest.items() if k not in without}, sort_keys=True).encode()
+
+
 def _manifest_digest(manifest: dict[str, Any]) -> str:
     """The hash of a manifest's keys but :data:`MANIFEST_DIGEST` (their sorted JSON)."""
-    body = {k: v for k, v in manifest.items() if k != MANIFEST_DIGEST}
-    return xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True).encode())
+    return xxhash.xxh3_64_hexdigest(_body(manifest, MANIFEST_DIGEST))
 
 
-def seal_manifest(manifest: dict[str, Any]) -> str:
+def _manifest_mac(manifest: dict[str, Any], key: bytes) -> str:
+    """The MAC of a manifest's keys but :data:`MANIFEST_DIGEST` and :data:`MANIFEST_MAC` (their sorted JSON)."""
+    return hmac.new(key, _body(manifest, MANIFEST_DIGEST, MANIFEST_MAC), hashlib.sha256).hexdigest()
+
+
+def seal_manifest(manifest: dict[str, Any], key: bytes | None = None) -> str:
     """The text of a manifest with a hash of its own content (:data:`MANIFEST_DIGEST`), so that a changed byte in
-    ``COMPLETE.json`` (its config, its step) is found before anything trusts it, like a changed byte in a file."""
+    ``COMPLETE.json`` (its config, its step) is found before anything trusts it, like a changed byte in a file; with
+    ``key``, also its MAC (:data:`MANIFEST_MAC`), which only a holder of the key can recompute."""
+    if key is not None:
+        manifest = {**manifest, MANIFEST_MAC: _manifest_mac(manifest, key)}
     return json.dumps({**manifest, MANIFEST_DIGEST: _manifest_digest(manifest)}, sort_keys=True)
 
 
-def manifest_problem(manifest: dict[str, Any]) -> str | None:
+def manifest_problem(manifest: dict[str, Any], key: bytes | None = None) -> str | None:
     """What is wrong with a read manifest's own hash, if anything (``None`` also for a manifest written before
-    manifests were hashed, which has none; its files' checksums still verify the data)."""
+    manifests were hashed, which has none; its files' checksums still verify the data). With ``key``, its MAC must
+    be there and verify: the hash alone can be recomputed by anyone who changes the manifest."""
     digest = manifest.get(MANIFEST_DIGEST)
-    if digest is None:
-        return None
-    if _manifest_digest(manifest) != digest:
+    if digest is not None and _manifest_digest(manifest) != digest:
         return "its own checksum does not match (changed after it was written)"
+    if key is None:
+        return None
+    mac = manifest.get(MANIFEST_MAC)
+    if mac is None:
+        return "it is not signed (checkpoint.key_env is set: only a checkpoint signed with its key loads)"
+    if not hmac.compare_digest(str(mac), _manifest_mac(manifest, key)):
+        return "its MAC does not verify with checkpoint.key_env's key (changed without the key, or signed with another)"
     return None

@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from optim_factory.checkpoint import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpoint
 from optim_factory.errors import first_line
-from optim_factory.tree import leaves, local_tensors, state_bytes
+from optim_factory.tree import local_tensors, state_bytes
 from recipes.checkpoint.checksums import manifest_problem
 
 log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the package
@@ -46,6 +48,22 @@ class DamagedCheckpoint(CheckpointError):
     """A checkpoint whose files or manifest fail verification: bytes on disk, not the environment, are wrong."""
 
 
+def checkpoint_key(cfg) -> bytes | None:
+    """The key that signs and verifies this run's checkpoints: the value of the environment variable that
+    ``checkpoint.key_env`` names (None without one). A missing or empty variable is one ``CheckpointError`` line
+    (``recipes.preflight`` asks before anything runs)."""
+    name = cfg.key_env
+    if not name:
+        return None
+    value = os.environ.get(name, "")
+    if not value:
+        raise CheckpointError(
+            f"checkpoint.key_env={name}: the environment variable {name} is not set or empty (it holds the key "
+            "that signs and verifies checkpoints; set it on every rank, or drop checkpoint.key_env)"
+        )
+    return value.encode()
+
+
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
     """(step, path) of every ``step_*`` directory in ``root``, by step (none if ``root`` does not exist)."""
     if not root.is_dir():
@@ -61,10 +79,11 @@ def complete(root: Path) -> list[tuple[int, Path]]:
     return [(s, p) for s, p in step_dirs(root) if is_complete(p)]
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: Path, key: bytes | None = None) -> dict[str, Any]:
     """The manifest (``COMPLETE.json``) of checkpoint ``path``: step, export report, ``files`` (name -> size and
     hash; absent in checkpoints written before checksums were recorded) and ``config`` (the resolved run
-    config). A missing or unreadable manifest is a one-line CheckpointError."""
+    config). A missing or unreadable manifest is a one-line CheckpointError; so is one whose own hash, or with
+    ``key`` (``checkpoint.key_env``'s) whose MAC, does not verify."""
     marker = Path(path) / MARKER
     try:
         manifest = json.loads(marker.read_text())
@@ -79,19 +98,27 @@ def read_manifest(path: Path) -> dict[str, Any]:
         ) from None
     if not isinstance(manifest, dict):
         raise CheckpointError(f"checkpoint {path}: {MARKER} is not a JSON object; {FALLBACK_HINT}")
-    problem = manifest_problem(manifest)
+    problem = manifest_problem(manifest, key)
     if problem:
         raise DamagedCheckpoint(f"checkpoint {path} is damaged: {MARKER}: {problem}; {FALLBACK_HINT}")
     return manifest
 
 
-def read_checkpoint(path: Path, scratch: Path) -> dict[str, Any]:
-    """A checkpoint's contents as one flat ``{"model.<fqn>": tensor, "optim...": ..., "trainer.step": ...}``
-    dictionary, read on CPU without a process group (through a ``torch.save`` file written into ``scratch``)."""
-    target = Path(scratch) / f"{Path(path).parent.parent.name}-{Path(path).name}.pt"
-    dcp_to_torch_save(str(path), str(target))
-    tree = torch.load(target, weights_only=False)
-    return {".".join(map(str, keys)): v for keys, v in leaves(tree, dicts_only=True)}
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint's contents as one flat dictionary keyed as DCP flattens them (``"model.<fqn>"``,
+    ``"optim.state.<fqn>.exp_avg"``, ``"optim.param_groups.0.lr"``, ``"trainer.step"`` ...), read on CPU without a
+    process group, as data (``optim_factory.checkpoint.SafeFileSystemReader``: nothing in it runs)."""
+    reader = SafeFileSystemReader(str(path))
+    try:
+        metadata = reader.read_metadata()
+    except FileNotFoundError:  # saved with use_collectives=False: rank 0's own metadata, as DCP's load reads it
+        metadata = reader.read_metadata(rank=0)
+    template = {
+        fqn: torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else None
+        for fqn, meta in metadata.state_dict_metadata.items()
+    }
+    dcp.load(template, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    return template
 
 
 def _raised(exc: BaseException) -> list[BaseException]:
@@ -108,6 +135,12 @@ def _raised(exc: BaseException) -> list[BaseException]:
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
         todo += [c for c in (e.__cause__, e.__context__) if c is not None]
     return seen
+
+
+def unsafe_refusal(exc: BaseException) -> UnsafeCheckpoint | None:
+    """The refusal of a checkpoint that a load read as data (``optim_factory.checkpoint.UnsafeCheckpoint``) in
+    ``exc``'s chain or DCP's per-rank failures, if any."""
+    return next((e for e in _raised(exc) if isinstance(e, UnsafeCheckpoint)), None)
 
 
 def disk_full(exc: BaseException) -> bool:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from optim_factory.checkpoint import ExactLoadPlanner, finish_load, prepare_load
+from optim_factory.checkpoint import ExactLoadPlanner, SafeFileSystemReader, finish_load, prepare_load
 from optim_factory.errors import first_line
 from optim_factory.host_copies import HostCopies
 from recipes.checkpoint import resume
@@ -33,10 +33,12 @@ from recipes.checkpoint.layout import (
     STEP_DIR,
     CheckpointError,
     DamagedCheckpoint,
+    checkpoint_key,
     is_complete,
     read_manifest,
     set_aside,
     step_dirs,
+    unsafe_refusal,
 )
 from recipes.distributed import all_ranks, world_size
 
@@ -51,6 +53,7 @@ class Loader:
         ``run_config``: the run's resolved config, checked against a checkpoint's (recipes/checkpoint/resume.py)."""
         self.cfg, self.rank, self.options, self.run_config = cfg, rank, options, run_config
         self.root = Path(cfg.dir)
+        self.key = checkpoint_key(cfg)  # checkpoint.key_env's: a checkpoint must be signed with it to load
         self.resume_changes: list = []  # resume.Change: how the run's config differs from the last loaded one's
 
     def candidates(self) -> list[Path]:
@@ -125,7 +128,7 @@ class Loader:
         them by ``initialize_states()`` (zeros, the master from the parameter, step 0) before the template; for
         another optimizer DCP creates them by a step on zero gradients.
         """
-        changes = resume.check_config(path, self.run_config)  # a refused change: one line, nothing read yet
+        changes = resume.check_config(path, self.run_config, self.key)  # a refused change: one line, nothing read yet
         self.verify(path)
         prepare_load(optimizer)  # else DCP's template makes the states by a step on zero gradients (allocated)
         msd, osd = get_state_dict(model, optimizer, options=self.options)
@@ -134,9 +137,12 @@ class Loader:
         copied()
         del msd, osd
         hyperparameters = capture_hyperparameters(optimizer)
-        try:  # the optimizer's states in their saved dtypes: the optimizer converts them, exactly
-            dcp.load(state, checkpoint_id=str(path), planner=ExactLoadPlanner())
+        try:  # read as data (nothing in it runs); the optimizer's states in their saved dtypes, converted exactly
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=ExactLoadPlanner())
         except DCP_ERRORS as exc:  # DCP's errors are long: name the checkpoint and the first rank's error
+            refusal = unsafe_refusal(exc)
+            if refusal is not None:  # its bytes are not what this recipe writes: an older checkpoint may load
+                raise DamagedCheckpoint(f"checkpoint {path} is refused: {refusal}; {FALLBACK_HINT}") from exc
             line = first_line(exc, named=True)
             raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {line}") from exc
         set_state_dict(
@@ -155,13 +161,15 @@ class Loader:
         (one collective), so all ranks raise the same CheckpointError or none does. A checkpoint
         written before checksums were recorded (no ``files`` in its manifest) is loaded with a warning.
         """
-        manifest = read_manifest(path)
+        manifest = read_manifest(path, self.key)
         files = manifest.get("files")
         problem = None
         named = STEP_DIR.match(Path(path).name)
         if named is not None and int(named.group(1)) != manifest.get("step"):
             # renamed: resume=auto and keep_last go by the name, the run by the manifest's step
             problem = f"its name says step {int(named.group(1))}, its {MARKER} step {manifest.get('step')} (renamed?)"
+        elif files is None and self.key is not None:
+            problem = "it records no checksums, so nothing in it is signed (checkpoint.key_env is set)"
         elif files is None:
             if self.rank == 0:
                 log.warning(
@@ -170,7 +178,7 @@ class Loader:
         else:
             for name in sorted(files)[self.rank :: world_size()]:
                 try:
-                    problem = file_problem(Path(path), name, files[name])
+                    problem = file_problem(Path(path), name, files[name], self.key)
                 except OSError as exc:
                     problem = f"{name}: unreadable ({exc.strerror or exc})"
                 if problem:

@@ -185,12 +185,13 @@ def compare(saved: dict[str, Any], run: dict[str, Any]) -> list[Change]:
     return changes
 
 
-def check_config(path: Path, run_config: dict[str, Any] | None) -> list[Change]:
+def check_config(path: Path, run_config: dict[str, Any] | None, key: bytes | None = None) -> list[Change]:
     """Compare ``run_config`` with the config in checkpoint ``path``'s manifest: raise one :class:`ResumeRefused`
-    line for a refused change, else return the changes (not yet logged). Reads only the manifest."""
+    line for a refused change, else return the changes (not yet logged). Reads only the manifest (with ``key``,
+    ``checkpoint.key_env``'s, only once its MAC verifies)."""
     if run_config is None:
         return []
-    saved = read_manifest(path).get("config")
+    saved = read_manifest(path, key).get("config")
     if not isinstance(saved, dict):
         log.warning(
             "checkpoint %s has no config in its manifest (written before it was recorded): resuming "

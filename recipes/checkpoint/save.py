@@ -39,6 +39,7 @@ from recipes.checkpoint.layout import (
     MARKER,
     METADATA,
     CheckpointError,
+    checkpoint_key,
     disk_full,
     free_bytes,
     interrupted,
@@ -101,6 +102,7 @@ class Saver:
         self.write_threads, self.save_group = write_threads, save_group
         self.run_config, self.waits_before_step = run_config, waits_before_step
         self.on_report = on_report
+        self.key = checkpoint_key(cfg)  # checkpoint.key_env's: every file and the manifest signed with it
         self.reports: list[ExportReport] = []
         # the newest checkpoint known good: the last saved, or the one the manager loaded; never deleted
         self.verified: Path | None = None
@@ -185,7 +187,7 @@ class Saver:
         self._clear_in_the_way(step, path)
         nbytes = state_bytes(osd)
         t0 = time.perf_counter()
-        writer = ChecksumFileSystemWriter(path, **writer_options(optimizer, self.write_threads))
+        writer = ChecksumFileSystemWriter(path, key=self.key, **writer_options(optimizer, self.write_threads))
         pending = InFlight(step, path, writer, held_since, deferred) if self.cfg.async_save else None
         self._write({"model": msd, "optim": osd, "trainer": trainer_state}, path, writer, optimizer, pending)
         save_s = time.perf_counter() - t0
@@ -354,7 +356,7 @@ class Saver:
             manifest = {"step": step, "time": time.time(), **record}
             manifest.update(checksum=ALGORITHM, files=files, config=self.run_config)
             tmp = path / (MARKER + ".tmp")
-            tmp.write_text(seal_manifest(manifest))
+            tmp.write_text(seal_manifest(manifest, self.key))
             os.replace(tmp, path / MARKER)
         self.verified = path
         if self.rank == 0:

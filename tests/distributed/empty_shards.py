@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from optim_factory import PortableFusedAdam, build_optimizer
+from optim_factory.checkpoint import SafeFileSystemReader, SafeLoadPlanner
 from optim_factory.optimizers.export import export_state
 from tests.helpers import (
     LIFECYCLE_CONFIGS,
@@ -94,7 +95,7 @@ def load_dcp(mesh, dtype, kw, backend, via, path):
     model, opt = sharded(mesh, dtype, kw, backend, via, seed=99)
     msd, osd = get_state_dict(model, opt, options=FLAT)
     loaded = {"model": msd, "optim": osd}
-    dcp.load(loaded, checkpoint_id=path)
+    dcp.load(loaded, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
     set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"], options=FLAT)
     return model, opt
 

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from optim_factory import build_optimizer
 from optim_factory.async_save import AsyncSaveStager
+from optim_factory.checkpoint import SafeFileSystemReader, SafeLoadPlanner
 from optim_factory.optimizers.export import export_state
 from recipes.checkpoint import CheckpointError, CheckpointManager, state_bytes
 from recipes.config import CheckpointConfig
@@ -109,7 +110,7 @@ def load_fresh(mesh, cfg: str, path: str, options: StateDictOptions, **build_kw)
     model, opt = build(mesh, cfg, seed=99, **build_kw)
     msd, osd = get_state_dict(model, opt, options=options)
     loaded = {"model": msd, "optim": osd}
-    dcp.load(loaded, checkpoint_id=path)
+    dcp.load(loaded, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
     set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"], options=options)
     return model, opt
 
@@ -295,7 +296,9 @@ def load_resharded(rank: int, world: int, cfg: str, tmp: str, saved_world: int) 
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     msd, osd = get_state_dict(model, opt, options=options)
     loaded = {"model": msd, "optim": osd}
-    dcp.load(loaded, checkpoint_id=f"{tmp}/reshard-{cfg}-w{saved_world}")
+    dcp.load(
+        loaded, storage_reader=SafeFileSystemReader(f"{tmp}/reshard-{cfg}-w{saved_world}"), planner=SafeLoadPlanner()
+    )
     set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"], options=options)
     run_steps(opt, list(model.parameters()), 3, 1)
     expected = torch.load(f"{tmp}/after-step-{cfg}-w{saved_world}.pt")

@@ -81,8 +81,8 @@ def launch(run_dir: Path, mode: str, kill_at: str | None = None):
     return proc, Path(f"{stem}.stderr")
 
 
-def final_state(run_dir: Path, scratch: Path) -> dict:
-    return read_checkpoint(run_dir / "checkpoints" / f"step_{STEPS:08d}", scratch)
+def final_state(run_dir: Path) -> dict:
+    return read_checkpoint(run_dir / "checkpoints" / f"step_{STEPS:08d}")
 
 
 def equal(a: dict, b: dict) -> str:
@@ -135,7 +135,7 @@ def run_trial(mode: str, index: int, rng: random.Random, work: Path, reference: 
     else:
         trial.problem = "did not finish in 6 launches"
         return trial
-    trial.problem = equal(final_state(run_dir, work), reference)
+    trial.problem = equal(final_state(run_dir), reference)
     trial.ok = not trial.problem
     return trial
 
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             ref_dir = work / f"{mode}-reference"  # uninterrupted, in this process (one thread, as the launches)
             train(compose_config(overrides(ref_dir, mode)))
-            reference = final_state(ref_dir, work)
+            reference = final_state(ref_dir)
             for i in range(args.trials):
                 trial = run_trial(mode, i, rng, work, reference)
                 trials.append(trial)

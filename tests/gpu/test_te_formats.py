@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from optim_factory.checkpoint import ExactLoadPlanner, prepare_load
+from optim_factory.checkpoint import ExactLoadPlanner, SafeFileSystemReader, prepare_load
 from tests.helpers import assert_bitwise, deep_clone, make_params, run_steps
 from tests.unit.test_formats import FLAT, MASTERS, MOMENTS, PARAMS, keys, save  # the same configurations, on CUDA
 
@@ -55,7 +55,7 @@ def load(model, opt, path) -> None:
     prepare_load(opt)
     msd, osd = get_state_dict(model, opt, options=FLAT)
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=str(path), planner=ExactLoadPlanner())
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=ExactLoadPlanner())
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=FLAT)
 
 

@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: E402
 
 from optim_factory import PortableFusedAdam  # noqa: E402
-from optim_factory.checkpoint import ExactLoadPlanner  # noqa: E402
+from optim_factory.checkpoint import ExactLoadPlanner, SafeFileSystemReader, SafeLoadPlanner  # noqa: E402
 from optim_factory.optimizers.export import join_bf16_remainder  # noqa: E402
 from tests.distributed.launch import spawn_checks  # noqa: E402
 from tests.helpers import drop_in_block  # noqa: E402
@@ -211,7 +211,7 @@ class Run:
             assert self.manager.load(step=step)
         elif self.framework == "automodel":  # the model first, as Automodel's recipes load
             state = {"model": get_model_state_dict(self.model)}
-            dcp.load(state, checkpoint_id=f"{where}/model_dcp")
+            dcp.load(state, storage_reader=SafeFileSystemReader(f"{where}/model_dcp"), planner=SafeLoadPlanner())
             set_model_state_dict(self.model, state["model"])
             self.manager.load_optimizer(self.optimizer, self.model, where)
         else:  # the README's loop (set_state_dict loads the optimizer, then the model)
@@ -219,7 +219,7 @@ class Run:
             if self.path == "dcp, copies":
                 msd = {k: v.detach().clone() for k, v in msd.items()}
             state = {"model": msd, "optim": osd}
-            dcp.load(state, checkpoint_id=where, planner=ExactLoadPlanner())
+            dcp.load(state, storage_reader=SafeFileSystemReader(where), planner=ExactLoadPlanner())
             optim = state["optim"]
             set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=optim, options=FLAT)
 

@@ -79,8 +79,8 @@ def test_the_deferred_checkpoints_equal_synchronous_ones_bitwise(tmp_path):
     train(compose_config([*QUICK, f"run_dir={tmp_path / 'sync'}", *sync]))
     for step in (10, 20):
         name = f"step_{step:08d}"
-        a = read_checkpoint(tmp_path / "bg" / "checkpoints" / name, tmp_path)
-        b = read_checkpoint(tmp_path / "sync" / "checkpoints" / name, tmp_path)
+        a = read_checkpoint(tmp_path / "bg" / "checkpoints" / name)
+        b = read_checkpoint(tmp_path / "sync" / "checkpoints" / name)
         assert a.keys() == b.keys()
         assert sum(1 for k in a if k.startswith("optim.") and isinstance(a[k], torch.Tensor)) > 0
         for key, value in a.items():
@@ -135,7 +135,7 @@ def test_a_step_without_wait_export_never_changes_a_state_being_exported(tmp_pat
     manager.close()
     names = {id(p): n for n, p in model.named_parameters()}
     for step, sd in expected.items():
-        written = read_checkpoint(tmp_path / "ck" / f"step_{step:08d}", tmp_path)
+        written = read_checkpoint(tmp_path / "ck" / f"step_{step:08d}")
         for k, st in sd["state"].items():
             for name, v in st.items():
                 assert_bitwise(written[f"optim.state.{names[id(params[k])]}.{name}"], v, f"step {step} {k}.{name}")

@@ -39,10 +39,10 @@ def test_checkpoints_within_the_budget_equal_unbudgeted_ones_bitwise(tmp_path, c
     assert len(said) == 5 and all(line.startswith("checkpoints: 1 writer thread(s)") for line in said[1:]), said
     assert all(line.endswith("; one within optim.state_dict_offload_host_budget)") for line in said[1:]), said
     for step in (10, 20):
-        plain = read_checkpoint(tmp_path / "plain" / "checkpoints" / f"step_{step:08d}", tmp_path)
+        plain = read_checkpoint(tmp_path / "plain" / "checkpoints" / f"step_{step:08d}")
         assert sum(1 for k in plain if k.startswith("optim.") and isinstance(plain[k], torch.Tensor)) > 0
         for name in ("sync", "async", "sync-whole", "async-whole"):
-            within = read_checkpoint(tmp_path / name / "checkpoints" / f"step_{step:08d}", tmp_path)
+            within = read_checkpoint(tmp_path / name / "checkpoints" / f"step_{step:08d}")
             assert within.keys() == plain.keys(), name
             for key, value in plain.items():
                 same = torch.equal(value, within[key]) if isinstance(value, torch.Tensor) else value == within[key]
@@ -58,7 +58,7 @@ def test_kill_9_inside_a_streamed_save_resumes_from_the_previous_checkpoint_bitw
     monkeypatch.setattr(fault_injection, "OVERRIDES", BUDGET)
     reference_dir = tmp_path / f"{mode}-reference"
     train(compose_config(fault_injection.overrides(reference_dir, mode)))
-    reference = fault_injection.final_state(reference_dir, tmp_path)
+    reference = fault_injection.final_state(reference_dir)
     trial = fault_injection.run_trial(mode, 3, random.Random(0), tmp_path, reference)
     assert trial.fault.startswith("kill in save: write of step"), trial
     assert trial.ok and trial.killed_in_save and trial.resumed_from, trial

@@ -54,7 +54,7 @@ def save(tmp_path_factory):
             runs[overrides] = tmp_path_factory.mktemp("saved") / "run"
             train(compose_config([*QUICK, f"run_dir={runs[overrides]}", "trainer.stop_at=10", *overrides]))
         shutil.copytree(runs[overrides], run_dir, dirs_exist_ok=True)
-        return read_checkpoint(run_dir / "checkpoints" / STEP10, run_dir)
+        return read_checkpoint(run_dir / "checkpoints" / STEP10)
 
     return save
 

@@ -31,8 +31,8 @@ def test_n_plus_resume_plus_n_is_bitwise_equal_to_2n(extra, tmp_path):
     train(compose_config([*QUICK, *extra, f"run_dir={resumed}", "trainer.stop_at=10"]))
     summary = train(compose_config([*QUICK, *extra, f"run_dir={resumed}"]))
     assert summary["start_step"] == 10
-    a = read_checkpoint(straight / "checkpoints" / "step_00000020", tmp_path)
-    b = read_checkpoint(resumed / "checkpoints" / "step_00000020", tmp_path)
+    a = read_checkpoint(straight / "checkpoints" / "step_00000020")
+    b = read_checkpoint(resumed / "checkpoints" / "step_00000020")
     assert a.keys() == b.keys()
     tensors = [k for k in a if isinstance(a[k], torch.Tensor)]
     assert any(k.startswith("model.") for k in tensors) and any(k.startswith("optim.") for k in tensors)

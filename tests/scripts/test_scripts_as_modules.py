@@ -313,6 +313,23 @@ def test_bench_write_measures_the_recipe_s_own_checkpoints(tmp_path, monkeypatch
     assert all(r["bytes"] > 0 for r in rows)
 
 
+def test_bench_trust_saves_and_verifies_each_state_with_and_without_a_key(tmp_path, monkeypatch, capsys):
+    args = ["--gb", "0.01", "--repeats", "1", "--scratch", str(tmp_path / "s"), "--out", str(tmp_path)]
+    code, err = run_script("bench_trust", args, monkeypatch, capsys)
+    assert code is None, err[-3000:]
+    rows = [json.loads(ln) for ln in (tmp_path / "bench_trust.jsonl").read_text().splitlines()[1:]]
+    assert [(r["state"], r["mode"]) for r in rows] == [
+        ("default job", "xxh3"),
+        ("default job", "keyed"),
+        ("0.01 GB", "xxh3"),
+        ("0.01 GB", "keyed"),
+    ]
+    assert rows[0]["bytes"] == rows[1]["bytes"] > 0 and rows[2]["bytes"] == rows[3]["bytes"] > 10**7
+    assert all(r["save_s"] > 0 and r["verify_s"] > 0 for r in rows)
+    assert "| default job |" in (tmp_path / "bench_trust.md").read_text()
+    assert list((tmp_path / "s").iterdir()) == []  # the run and every checkpoint deleted
+
+
 def test_bench_resume_loads_every_state_bitwise_on_cpu(tmp_path, monkeypatch, capsys):
     args = ["--device", "cpu", "--width", "32", "--layers", "2", "--out", str(tmp_path), "--scratch", str(tmp_path)]
     code, err = run_script("bench_resume", args, monkeypatch, capsys)
@@ -331,7 +348,7 @@ def test_bench_resume_loads_every_state_bitwise_on_cpu(tmp_path, monkeypatch, ca
 def test_every_script_imports_as_a_module_from_the_root_without_pythonpath():
     code = "import scripts.bench_export, tests.fault.fault_injection, tests.fault.fault_train, scripts.bench_save, "
     code += "scripts.plot_bench_save, scripts.compare_backends, scripts.bench_write, scripts.bench_resume, "
-    code += "scripts.bench_save_frameworks, scripts.dcp_stagers"
+    code += "scripts.bench_save_frameworks, scripts.dcp_stagers, scripts.bench_trust"
     env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -380,6 +397,7 @@ BAD_ARGUMENTS = [
     ("compare_backends", ["--device", "cpu"], "--against te needs Transformer Engine, which does not import here"),
     ("bench_write", ["--scratch", "{tmp}/s", "--out", "{tmp}/o", "--threads", "0"], "expected positive integers"),
     ("bench_resume", ["--out", "{tmp}/o", "--cases", "ours,bogus"], "--cases='ours,bogus': cases from te,"),
+    ("bench_trust", ["--scratch", "{tmp}/s", "--out", "{tmp}/o", "--gb", "0"], "argument --gb: "),
 ]
 
 

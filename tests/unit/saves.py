@@ -53,8 +53,8 @@ def expected_tensors(model, opt) -> dict[str, torch.Tensor]:
     return flat
 
 
-def assert_checkpoint(path: Path, expected: dict[str, torch.Tensor], tmp: Path) -> None:
-    written = read_checkpoint(path, tmp)
+def assert_checkpoint(path: Path, expected: dict[str, torch.Tensor]) -> None:
+    written = read_checkpoint(path)
     for key, value in expected.items():
         assert_bitwise(written[key], value, f"{path.name} {key}")
 

@@ -81,7 +81,7 @@ def test_a_plain_dcp_async_loop_saves_bitwise_with_the_export_uncopied_and_its_b
         assert staged[-1]["model"]["0.weight"].data_ptr() != model[0].weight.data_ptr(), "the model was not"
         assert not _leased(opt, state), "the export's buffers were not given back once written"
         seen.append({t.data_ptr() for t in buffers})
-        assert_checkpoint(tmp_path / f"s{save}", expected, tmp_path)
+        assert_checkpoint(tmp_path / f"s{save}", expected)
     assert seen[0] == seen[1] == seen[2], "the next export did not reuse the buffers the last save gave back"
     stager.close()
 
@@ -101,10 +101,10 @@ def test_a_changed_state_dict_is_planned_anew_beside_another_stager_s_saves(tmp_
         stager.wait()
         other.async_save({"x": torch.full((3,), float(save))}, checkpoint_id=str(tmp_path / f"o{save}"))
         other.wait()
-        written = read_checkpoint(tmp_path / f"s{save}", tmp_path)
+        written = read_checkpoint(tmp_path / f"s{save}")
         assert ("extra" in written) == bool(extra), f"s{save}: keys {sorted(written)}"
-        assert_checkpoint(tmp_path / f"s{save}", expected, tmp_path)
-        assert_bitwise(read_checkpoint(tmp_path / f"o{save}", tmp_path)["x"], torch.full((3,), float(save)), "o")
+        assert_checkpoint(tmp_path / f"s{save}", expected)
+        assert_bitwise(read_checkpoint(tmp_path / f"o{save}")["x"], torch.full((3,), float(save)), "o")
     stager.close()
     other.close()
 
@@ -127,7 +127,7 @@ def test_any_other_optimizer_is_staged_as_dcp_stages_it(tmp_path):
     train(model, opt, 1)  # changes the live tensors in place: the checkpoint holds the staged copies
     gate.set()
     stager.wait()
-    assert_checkpoint(tmp_path / "adamw", expected, tmp_path)
+    assert_checkpoint(tmp_path / "adamw", expected)
     stager.close()
 
 
@@ -163,7 +163,7 @@ def test_a_failing_export_refuses_the_save_in_one_line_and_writes_nothing(tmp_pa
     assert line.startswith("not saved, nothing was written: the optimizer's background export failed"), line
     assert "(rank 0)" in line and "\n" not in line
     assert not (tmp_path / "bad").exists()
-    assert_checkpoint(tmp_path / "good", expected, tmp_path)
+    assert_checkpoint(tmp_path / "good", expected)
     state.untyped_storage().resize_(nbytes)
     train(model, opt, 1)  # the optimizer goes on once the cause is gone, and so do the saves
     stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "next"))
@@ -182,7 +182,7 @@ def test_a_failing_write_gives_the_buffers_back_and_leaves_the_previous_checkpoi
     assert "\n" not in str(info.value)
     assert not _leased(opt, state), "a failed write kept the export's buffers"
     assert not (tmp_path / "bad" / ".metadata").exists()
-    assert_checkpoint(tmp_path / "good", expected, tmp_path)
+    assert_checkpoint(tmp_path / "good", expected)
     stager.close()
 
 
@@ -208,7 +208,7 @@ def test_a_save_started_while_the_previous_one_writes_waits_for_it(tmp_path):
     assert not second.is_alive(), "the second save never started"
     stager.wait()
     assert first_done == [False, True], "the second save staged while the first one still wrote"
-    assert_checkpoint(tmp_path / "first", expected, tmp_path)
+    assert_checkpoint(tmp_path / "first", expected)
     assert (tmp_path / "second" / ".metadata").is_file()
     stager.close()
 
@@ -226,7 +226,7 @@ def test_close_with_a_save_in_flight_finishes_it_and_releases_everything(tmp_pat
     threading.Timer(0.05, gate.set).start()  # the write ends while close() waits for it
     stager.close()
     assert not _leased(opt, state) and stager.host_bytes == 0
-    assert_checkpoint(tmp_path / "ck", expected, tmp_path)
+    assert_checkpoint(tmp_path / "ck", expected)
     with pytest.raises(RuntimeError, match="^AsyncSaveStager: closed; build a new one for further saves$"):
         stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "after"))
     opt.wait_state_dict()
@@ -244,7 +244,7 @@ def test_an_export_that_never_fills_refuses_the_save_after_the_timeout(tmp_path,
     assert "\n" not in str(info.value)
     assert not (tmp_path / "stuck").exists()
     assert _leased(opt, stuck), "buffers the stuck export still writes were given back"
-    assert_checkpoint(tmp_path / "good", expected, tmp_path)
+    assert_checkpoint(tmp_path / "good", expected)
     gate.set()
     opt.wait_state_dict()  # the export finishes once unblocked; the optimizer goes on
     train(model, opt, 1)
@@ -270,7 +270,7 @@ def test_dcp_plans_while_the_export_fills_and_writes_once_it_is_filled(tmp_path,
     response.staging_completion.result()
     train(model, opt, 1)
     stager.wait()
-    assert_checkpoint(tmp_path / "ck", expected, tmp_path)
+    assert_checkpoint(tmp_path / "ck", expected)
     stager.close()
 
 

@@ -197,7 +197,7 @@ def test_dcp_async_save_through_the_stager_gets_finished_tensors(tmp_path):
         {"optim": sd}, checkpoint_id=str(tmp_path / "ck"), async_stager=AsyncSaveStager(opt)
     ).upload_completion.result()
     opt.release_state_dict(sd)
-    written = read_checkpoint(tmp_path / "ck", tmp_path)
+    written = read_checkpoint(tmp_path / "ck")
     for k, st in reference["state"].items():
         for name, v in st.items():
             assert_bitwise(written[f"optim.state.{k}.{name}"], v, f"written {k}.{name}")
@@ -221,7 +221,7 @@ def test_recipe_saves_with_background_export_round_trip_flattened(tmp_path, asyn
     manager.close()
     names = {id(p): n for n, p in model.named_parameters()}
     for step, sd in expected.items():
-        written = read_checkpoint(tmp_path / "ck" / f"step_{step:08d}", tmp_path)
+        written = read_checkpoint(tmp_path / "ck" / f"step_{step:08d}")
         for k, st in sd["state"].items():
             fqn = names[id(params[k])]
             for name, v in st.items():
@@ -250,7 +250,7 @@ def test_a_plain_reader_never_gets_unfilled_tensors(tmp_path):
     torch.save(sd, tmp_path / "opt.pt")
     assert_state_dicts_bitwise(torch.load(tmp_path / "opt.pt"), reference, "torch.save of state_dict()")
     dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(tmp_path / "ck"))
-    written = read_checkpoint(tmp_path / "ck", tmp_path)
+    written = read_checkpoint(tmp_path / "ck")
     names = {id(p): n for n, p in model.named_parameters()}
     params = list(model.parameters())
     for k, st in reference["state"].items():

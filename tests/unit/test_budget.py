@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from optim_factory import PortableFusedAdam
 from optim_factory.async_save import AsyncSaveStager
 from optim_factory.budget import BudgetSavePlanner
+from optim_factory.checkpoint import SafeFileSystemReader, SafeLoadPlanner
 from optim_factory.errors import ConfigError
 from tests.recipe.runs import QUICK, cli, refused
 
@@ -225,7 +226,9 @@ def test_the_export_saves_again_and_under_two_keys_with_the_same_files(tmp_path)
     planner.save({"optim": osd}, tmp_path / "after_step", no_dist=True)
     planner.save({"optim": osd, "again": osd}, tmp_path / "twice", no_dist=True)
     loaded = {"optim": get_state_dict(model, opt)[1], "again": get_state_dict(model, opt)[1]}
-    dcp.load(loaded, checkpoint_id=str(tmp_path / "twice"), no_dist=True)
+    dcp.load(
+        loaded, storage_reader=SafeFileSystemReader(str(tmp_path / "twice")), planner=SafeLoadPlanner(), no_dist=True
+    )
     for key in ("optim", "again"):
         for idx, states in loaded[key]["state"].items():
             for name, t in states.items():

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from optim_factory import PortableFusedAdam
-from optim_factory.checkpoint import ExactLoadPlanner, finish_load, prepare_load
+from optim_factory.checkpoint import ExactLoadPlanner, SafeFileSystemReader, finish_load, prepare_load
 from optim_factory.optimizers.export import join_bf16_remainder, split_bf16_remainder
 from optim_factory.optimizers.updates import f32, group_scalars
 from tests.helpers import LiveSnapshot, assert_bitwise, clone_params, deep_clone, make_params, run_steps
@@ -57,7 +57,7 @@ def load(model, opt, path, planner=None) -> None:
     """The README's loop, in one process."""
     msd, osd = get_state_dict(model, opt, options=FLAT)
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=str(path), planner=planner)
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=planner)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=FLAT)
 
 

@@ -48,7 +48,7 @@ def test_a_save_that_is_not_gated_is_planned_after_the_fill_and_written(tmp_path
         stuck.gate.set()
     stager.wait()
     assert planner.planned.is_set()
-    assert_checkpoint(where, expected, tmp_path)
+    assert_checkpoint(where, expected)
     stager.close()
 
 

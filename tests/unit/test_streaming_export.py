@@ -229,7 +229,7 @@ def test_buffers_read_by_an_in_flight_async_save_are_never_overwritten(tmp_path)
     finally:
         gate.set()
     future.upload_completion.result()
-    written = read_checkpoint(tmp_path / "in-flight", tmp_path)
+    written = read_checkpoint(tmp_path / "in-flight")
     for k, st in expected["state"].items():
         for state_name, v in st.items():
             assert_bitwise(written[f"optim.state.{k}.{state_name}"], v, f"checkpoint {k}.{state_name}")
@@ -256,7 +256,7 @@ def test_checkpoint_manager_releases_export_buffers_only_after_the_save(tmp_path
             assert not all(opt.is_leased_export_buffer(t) for t in allocated)  # the save is over: back in the pool
     manager.close()
     for step, sd in expected.items():
-        written = read_checkpoint(tmp_path / "ck" / f"step_{step:08d}", tmp_path)
+        written = read_checkpoint(tmp_path / "ck" / f"step_{step:08d}")
         names = {id(p): n for n, p in model.named_parameters()}
         for k, st in sd["state"].items():
             fqn = names[id(opt.param_groups[0]["params"][k])]

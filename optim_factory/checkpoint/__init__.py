@@ -10,6 +10,9 @@ calls them without asking which optimizer it holds.
   planner copies a saved tensor into the template's dtype: int16 remainders into an FP32 master become masters of
   about 3e4, an FP32 master into int16 remainders loses its low bits; TE's class trains on both, ours refuses
   them in one line: ``formats.check_not_cast``).
+* :class:`SafeFileSystemReader`, :class:`SafeLoadPlanner`: a load that reads a checkpoint as data (``.metadata``
+  through an allow-list of DCP's types, items through ``torch.load(weights_only=True)``, storage paths inside the
+  folder); anything else is refused by :class:`UnsafeCheckpoint` before it runs (docs/reliability.md, "Trust").
 * :func:`prepare_load`: the states before the template a checkpoint is read into, without a step;
   :func:`finish_load`: the masters from the loaded parameters, for a caller that reads ``optimizer.state`` at once.
 * :func:`deferred_export`, :func:`defers_export`, :func:`export_failure`, :func:`export_buffer_test`,
@@ -24,10 +27,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from optim_factory.checkpoint._safe_read import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpoint
 from optim_factory.optimizers.export.formats import MASTER
 from optim_factory.optimizers.export.mixin import OffloadedStateDict
 from optim_factory.optimizers.export.staging import cpus_per_rank
@@ -35,6 +38,9 @@ from optim_factory.optimizers.export.tensors import local_tensor, wrap_host_loca
 
 __all__ = [
     "ExactLoadPlanner",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "UnsafeCheckpoint",
     "STATE_NAMES",
     "prepare_load",
     "finish_load",
@@ -57,8 +63,9 @@ def _is_state(fqn: str) -> bool:
     return parts[-1] in STATE_NAMES and "state" in parts[:-2]
 
 
-class ExactLoadPlanner(DefaultLoadPlanner):
-    """DCP's ``DefaultLoadPlanner``, except that an optimizer state saved in another dtype than the template's is
+class ExactLoadPlanner(SafeLoadPlanner):
+    """:class:`SafeLoadPlanner` (DCP's ``DefaultLoadPlanner`` reading items as data), except that an optimizer
+    state saved in another dtype than the template's is
     read as saved, into a new template tensor of the saved dtype put in its place, and a ``master_param`` the
     checkpoint lacks (saved without master weights) is left out of the read. The optimizer's ``load_state_dict``
     then sees what the checkpoint holds and converts it exactly
@@ -67,7 +74,8 @@ class ExactLoadPlanner(DefaultLoadPlanner):
 
     ``dcp.load({"optim": osd}, checkpoint_id=path, planner=ExactLoadPlanner())`` with ``osd`` from
     ``get_optimizer_state_dict``: ``osd`` then holds the saved dtypes (the same dictionary object: pass it on to
-    ``set_optimizer_state_dict``). The arguments are ``DefaultLoadPlanner``'s.
+    ``set_optimizer_state_dict``); with ``storage_reader=SafeFileSystemReader(path)`` nothing of the checkpoint
+    runs as code. The arguments are ``DefaultLoadPlanner``'s.
     """
 
     def set_up_planner(
