@@ -98,6 +98,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         self.optimizer, self.limit, self.copy_host_tensors = optimizer, budget, copy_host_tensors
         self.peak_bytes = 0  # the most bytes this planner's saves held at once
         self._saving = False
+        self._refused: str | None = None  # the last save's refusal at its start (begin), raised by its planning
         self._items: list = []  # the last export's streamed states (their placeholders' stream items)
         self._steps: list[Any] | None = None  # each group's step count after that export
         self._current: list | None = None  # inside exporting(): the streamed states exported so far
@@ -171,7 +172,12 @@ class BudgetSavePlanner(DefaultSavePlanner):
             raise ValueError(f"{_NAME}: nothing was exported inside planner.exporting()")
         if self._steps is not None and _steps(self.optimizer) != self._steps:
             raise ValueError(f"{_NAME}: the optimizer stepped since the export; export again")
-        self._early = self._copy_early(state_dict) if self.copy_host_tensors else {}
+        self._refused = None
+        try:
+            self._early = self._copy_early(state_dict) if self.copy_host_tensors else {}
+        except ValueError as exc:  # DCP still plans this save (a gated one): its planning raises this line
+            self._refused = str(exc)
+            raise
         devices = {t.device for t in local_tensors(state_dict) if t.is_cuda}
         devices |= {local_tensor(item.source).device for item in self._items if item.source.is_cuda}
         current = torch.device("cuda", torch.cuda.current_device()) if devices else None  # the caller's
@@ -202,9 +208,11 @@ class BudgetSavePlanner(DefaultSavePlanner):
         if nbytes + self.kept_bytes > self.limit:  # the last save's buffers go first
             self.drop_kept()
         if nbytes > self.limit:
+            largest = max((math.prod(i.dst.shape) * i.dst.dtype.itemsize for i in self._items), default=0)
             raise ValueError(
                 f"state_dict_offload_host_budget={self.limit}: the tensors the optimizer's step() does not change "
-                f"(buffers, other states), copied when the save starts, take {nbytes} bytes"
+                f"(buffers, other states), copied when the save starts, take {nbytes} bytes, and the largest state "
+                f"{largest}: a budget of at least {nbytes + largest}"
             )
         return {key: t.detach().to("cpu", copy=True) for key, t in early.items()}
 
@@ -304,6 +312,8 @@ class BudgetSavePlanner(DefaultSavePlanner):
         return self._early_by_fqn.get(fqn) if fqn in self._early_by_fqn else super().resolve_data(write_item)
 
     def _check_saving(self) -> None:
+        if self._refused is not None:  # the save's start refused it (begin): that line, not a misuse
+            raise ValueError(self._refused)
         if not self._saving:
             raise ValueError(f"{_NAME}: save with planner.save(...), which builds the writer it needs")
 

@@ -4,6 +4,7 @@ config's line; ``first_line``: the one place an error is shortened to one line."
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
@@ -49,7 +50,20 @@ class ConfigError(ValueError, RuntimeError):
         if self.key is None:
             return self
         value = self.value.value if isinstance(self.value, Enum) else self.value
-        return ConfigError(prefix + self.key, value, self.allowed, shown=self.shown)
+        return ConfigError(prefix + self.key, value, _as_overrides(self.allowed, prefix), shown=self.shown)
+
+
+_KEY_IN_TEXT = re.compile(r"(?<![\w.])(state_dict_[a-z0-9_]+)(=True|=False)?\b")
+
+
+def _as_overrides(allowed: str, prefix: str) -> str:
+    """The optimizer keys an ``allowed`` text names (``state_dict_cpu_offload=True``), as the overrides that set
+    them under ``prefix`` (``optim.state_dict_cpu_offload=true``): the refusal names the fix as it is typed."""
+
+    def one(m: re.Match) -> str:
+        return prefix + m[1] + (m[2] or "").lower()
+
+    return _KEY_IN_TEXT.sub(one, allowed)
 
 
 @contextmanager

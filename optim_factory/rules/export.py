@@ -115,13 +115,17 @@ def _check_budget(value: Any, chunk: int, reuse_buffers: bool, background: bool)
         raise ConfigError(key, value, "expected null (no cap), bytes as an int or a size like 512MiB")
     budget = parse_bytes(value, key)
     if not chunk:
-        raise ConfigError(key, value, "needs a chunked export (state_dict_cpu_offload=True, chunk bytes != 0)")
+        raise ConfigError(
+            key, value, "needs a chunked export (state_dict_cpu_offload=True, state_dict_offload_chunk_bytes != 0)"
+        )
     if reuse_buffers or background:
         other = "reuse_buffers" if reuse_buffers else "background"
         why = "keeps a whole export on the host" if reuse_buffers else "fills the whole export at once"
         raise ConfigError(key, value, f"cannot be combined with state_dict_offload_{other}=True, which {why}")
     if budget < 2 * chunk:
-        raise ConfigError(key, value, f"expected at least two chunks ({2 * chunk} bytes)")
+        raise ConfigError(
+            key, value, f"expected at least two chunks of state_dict_offload_chunk_bytes={chunk} ({2 * chunk} bytes)"
+        )
     return budget
 
 

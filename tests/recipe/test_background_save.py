@@ -19,6 +19,7 @@ from recipes.train import compose_config, train
 from tests.distributed.launch import recipe_ranks
 from tests.helpers import assert_bitwise, run_steps
 from tests.recipe.runs import BACKGROUND, QUICK, complete_steps, stopped
+from tests.unit.saves import StuckExport
 
 
 class HeldRecorder(Saver):
@@ -29,12 +30,15 @@ class HeldRecorder(Saver):
     export_waits: list[float] = []
     filling_after_save: list[bool | None] = []
     current: int | None = None
+    gate = None  # StuckExport's gate: each save's export is held unfilled until its save call is about to return
 
     def on_phase(self, phase, step, path):
         if phase == "write":  # the save is in flight, the save call is about to return to the loop
             HeldRecorder.filling_after_save.append(self.export_filling)
+            HeldRecorder.gate.set()
 
     def save(self, step, *args, **kwargs):
+        HeldRecorder.gate.clear()
         t0, self.inner = time.perf_counter(), 0.0
         report = super().save(step, *args, **kwargs)
         HeldRecorder.held[step] = time.perf_counter() - t0 - self.inner
@@ -59,8 +63,11 @@ class HeldRecorder(Saver):
         HeldRecorder.current = None
 
 
-def test_the_loop_resumes_before_the_export_is_filled_and_blocking_counts_the_wait(tmp_path):
+def test_the_loop_resumes_before_the_export_is_filled_and_blocking_counts_the_wait(tmp_path, monkeypatch):
+    """Each export is held unfilled until its save call returns (a loaded machine could fill it before), so the
+    call returning first is the recipe's doing; the loop's wait for the fill then counts in ``blocking_s``."""
     HeldRecorder.held, HeldRecorder.export_waits, HeldRecorder.filling_after_save = {}, [], []
+    HeldRecorder.gate = StuckExport(monkeypatch).gate
     cfg = compose_config([*QUICK, f"run_dir={tmp_path}", "trainer.max_steps=30", *BACKGROUND])
     summary = train(cfg, saver_cls=HeldRecorder)
     # every save call returned to the loop while its export was still being filled

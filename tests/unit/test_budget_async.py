@@ -67,7 +67,8 @@ def test_an_async_save_within_the_budget_saves_the_state_of_its_start_and_holds_
     stager.close()
 
 
-def test_an_async_save_that_fits_the_budget_whole_keeps_its_buffers_and_saves_the_state_of_its_start(tmp_path):
+def _fits_whole(rank: int, world: int, folder: str) -> None:
+    tmp_path = Path(folder)
     whole = 3 * 12 * (1024 * 1024 + 1024) * 4  # the parameters and their two states, FP32
     model, opt = _trained(whole)
     stager = AsyncSaveStager(opt)
@@ -89,10 +90,10 @@ def test_an_async_save_that_fits_the_budget_whole_keeps_its_buffers_and_saves_th
         stager.async_save(state, checkpoint_id=str(tmp_path / "more"), no_dist=True).upload_completion.result()
 
     # what the save adds to the kept bytes held before it: the budget less those, the fills' staging ring, and DCP's,
-    # the threads' and Python's own: -2.3 to +0.3 MB beyond the ring measured alone, +2.4 MB once in the full suite
-    # (a worker whose earlier tests' threads run on); the copies beside the kept buffers would add 50 MB
+    # the threads' and Python's own: -0.06 to +0.27 MB beyond the ring, measured in the forked process; the copies
+    # beside the kept buffers would add 50 MB
     kept, budget = stager.host_bytes, whole
-    assert _peak_added(save_more) <= budget - kept + 2 * CHUNK + (4 << 20)
+    assert _peak_added(save_more) <= budget - kept + 2 * CHUNK + (1 << 20)
     assert stager.host_bytes == 0  # it streamed: nothing kept
     save_plain(model, opt, tmp_path / "third_plain")
     with stager.exporting():
@@ -100,6 +101,13 @@ def test_an_async_save_that_fits_the_budget_whole_keeps_its_buffers_and_saves_th
     stager.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "third"), no_dist=True)
     stager.close()  # the save written, the kept buffers freed
     assert stager.host_bytes == 0 and _data_files(tmp_path / "third") == _data_files(tmp_path / "third_plain")
+
+
+@pytest.mark.slow  # a forked process: its resident memory holds nothing of the tests before it
+def test_an_async_save_that_fits_the_budget_whole_keeps_its_buffers_and_saves_the_state_of_its_start(tmp_path):
+    """The peak resident memory of a process that ran other tests depends on them (their threads, their freed
+    memory): the save is measured in a process forked for it."""
+    spawn(_fits_whole, 1, str(tmp_path))
 
 
 def test_a_stateful_optimizer_is_exported_within_the_budget_by_the_save(tmp_path):

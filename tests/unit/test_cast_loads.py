@@ -1,7 +1,8 @@
 """Loads through DCP's default planner, which reads each saved tensor into the template's dtype (the README's loop
 without ``ExactLoadPlanner``), in one process: a changed master format is refused in one line naming the state, the
 saved and the stored format and the fix, and the optimizer is left as it was; an unchanged format, and a changed
-moment dtype (which DCP rounds as ``set_scaled_state`` does), load as through ``ExactLoadPlanner``, bitwise.
+moment dtype (which DCP rounds as ``set_scaled_state`` does), load as through ``ExactLoadPlanner``, bitwise. The
+check's edges: one master of whole numbers beside trained ones loads; remainders reaching -32768 are refused.
 Through torchtitan's and Automodel's own checkpointers, on 1 and 2 ranks: tests/integrations/test_cast_loads.py."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from optim_factory import PortableFusedAdam
 from optim_factory.checkpoint import ExactLoadPlanner
 from tests.helpers import LiveSnapshot, assert_bitwise, run_steps
 from tests.unit.test_formats import MASTERS, build, load, save
@@ -102,3 +104,51 @@ MOMENTS = {
 def test_a_changed_moment_dtype_through_dcp_s_default_planner_is_the_exact_load(saved, live, tmp_path):
     trained(tmp_path, **MASTERS["remainders"], **saved)
     assert_same_resume(tmp_path, **MASTERS["remainders"], **live)
+
+
+def _with_a_layer_norm(seed: int, **options):
+    """A BF16 model of a trained weight and a LayerNorm's weight of ones that no step changes (no gradient, no
+    weight decay): its FP32 master holds only whole numbers, as a cast one would."""
+    torch.manual_seed(seed)
+    weight = torch.nn.Parameter(torch.randn(64, 64).to(torch.bfloat16))
+    norm = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    model = torch.nn.Module()
+    model.weight, model.norm = weight, norm
+    groups = [{"params": [weight], "weight_decay": 0.1}, {"params": [norm], "weight_decay": 0.0}]
+    return model, PortableFusedAdam(groups, lr=1e-2, state_dict_cpu_offload=True, **options)
+
+
+def test_one_untrained_master_among_trained_ones_loads_through_dcp_s_default_planner(tmp_path):
+    """The cast refusal needs every master to look cast: a LayerNorm whose master stayed at whole numbers beside a
+    trained weight is a good checkpoint, loaded as ExactLoadPlanner loads it."""
+    model, opt = _with_a_layer_norm(0, **MASTERS["fp32 master"])
+    for step in range(3):
+        model.weight.grad = torch.randn(64, 64, generator=torch.Generator().manual_seed(step)).bfloat16()
+        model.norm.grad = torch.zeros(64, dtype=torch.bfloat16)
+        opt.step()
+    save(model, opt, tmp_path)
+    loaded = {}
+    for planner in (None, ExactLoadPlanner()):
+        live, live_opt = _with_a_layer_norm(1, **MASTERS["fp32 master"])
+        load(live, live_opt, tmp_path, planner)
+        loaded[planner is None] = live_opt.state_dict()["state"]
+    for key, states in loaded[False].items():
+        for name, value in states.items():
+            assert_bitwise(loaded[True][key][name], value, f"{key}.{name}")
+
+
+def test_int16_remainders_of_32768_read_into_an_fp32_master_are_refused(tmp_path):
+    """A trained weight's int16 remainders reach -32768 (the int16 range's end): read into an FP32 master they are
+    whole numbers of magnitude 32768 at most, the cast the check refuses."""
+    model, opt = build(torch.bfloat16, **MASTERS["remainders"])
+    run_steps(opt, list(model.parameters()), 0, 3)
+    for state in opt.state.values():
+        state["master_param"].view(-1)[0] = -32768
+    save(model, opt, tmp_path)
+    live, live_opt = build(torch.bfloat16, 1, state_dict_cpu_offload=True, **MASTERS["fp32 master"])
+    run_steps(live_opt, list(live.parameters()), 0, 1)
+    before = LiveSnapshot.take(live_opt)
+    with pytest.raises(ValueError) as info:
+        load(live, live_opt, tmp_path)
+    assert str(info.value) == REFUSED["remainders", "fp32 master"], str(info.value)
+    LiveSnapshot.take(live_opt).assert_same(before)

@@ -269,11 +269,14 @@ MALFORMED = [
     ({"state_dict_cpu_offload": "sometimes"}, "state_dict_cpu_offload"),
     ({"state_dict_cpu_offload": True, "state_dict_offload_chunk_bytes": "64 MB"}, "chunk_bytes='64 MB'"),
     ({"state_dict_cpu_offload": True, "state_dict_offload_chunk_bytes": 8}, "optim.state_dict_offload_chunk_bytes=8: "),
-    ({"state_dict_offload_chunk_bytes": "64MiB"}, "needs state_dict_cpu_offload=True"),
-    ({"state_dict_offload_reuse_buffers": True}, "optim.state_dict_offload_reuse_buffers=True: needs state_dict_cpu"),
+    ({"state_dict_offload_chunk_bytes": "64MiB"}, "needs optim.state_dict_cpu_offload=true"),
+    (
+        {"state_dict_offload_reuse_buffers": True},
+        "optim.state_dict_offload_reuse_buffers=True: needs optim.state_dict_cpu",
+    ),
     (
         {"state_dict_cpu_offload": True, "state_dict_offload_chunk_bytes": 0, "state_dict_offload_background": True},
-        "optim.state_dict_offload_background=True: needs state_dict_offload_chunk_bytes != 0",
+        "optim.state_dict_offload_background=True: needs optim.state_dict_offload_chunk_bytes != 0",
     ),
     ({"param_groups": {"no_decay": ["("]}}, "optim.param_groups.no_decay[0]='('"),
     ({"param_groups": {"no_decay": [""]}}, "optim.param_groups.no_decay[0]=''"),

@@ -66,17 +66,23 @@ def test_a_non_finite_value_refuses_the_save_in_one_line_naming_it_and_writes_no
     stager.close()
 
 
-def test_what_the_next_step_writes_after_the_staging_completed_is_not_checked(tmp_path):
-    """The check reads the state of the save's moment: a NaN the loop writes into the model and the optimizer once
+def test_what_the_loop_writes_after_the_save_started_is_not_checked(tmp_path, monkeypatch):
+    """The check reads the state of the save's moment, the staged copies: a NaN written into the live model after
+    the save started (its export held unfilled, so the check has not run yet) and into the optimizer once
     ``staging_completion`` is done is neither saved nor refused."""
+    stuck = StuckExport(monkeypatch)
     model = make_model()
     opt = _ours(model)
     stager = AsyncSaveStager(opt, refuse_non_finite=True)
     train(model, opt, 1)
     expected = expected_tensors(model, opt)
-    response = stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "ck"))
+    stuck.gate.clear()
+    try:
+        response = stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "ck"))
+        _poison_model(model, opt, math.nan)  # the model's copy is made; the host check waits for the export
+    finally:
+        stuck.gate.set()
     response.staging_completion.result()
-    _poison_model(model, opt, math.nan)
     _poison_optimizer(model, opt, math.nan)
     stager.wait()
     assert_checkpoint(tmp_path / "ck", expected)
