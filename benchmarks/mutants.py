@@ -104,7 +104,7 @@ MUTANTS = [
     ),
     (
         "defers_export says yes for a background export into fresh buffers (reuse off)",
-        "optim_factory/checkpoint.py",
+        "optim_factory/checkpoint/_deferral.py",
         "        and optimizer.state_dict_offload_background\n        and optimizer.state_dict_offload_reuse_buffers",
         "        and optimizer.state_dict_offload_background",
     ),

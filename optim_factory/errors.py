@@ -1,5 +1,5 @@
 """``ConfigError``: the one exception of a refused value (a rule's, or a config's); ``SaveRefused``: a save refused on
-every rank (``optim_factory.async_save``); ``optim_keys``: the one place a rule's refusal becomes the optimizer
+every rank (``optim_factory.checkpoint``); ``optim_keys``: the one place a rule's refusal becomes the optimizer
 config's line; ``first_line``: the one place an error is shortened to one line."""
 
 from __future__ import annotations

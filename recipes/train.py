@@ -29,7 +29,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from optim_factory.budget import host_budget
+from optim_factory.checkpoint import host_budget
 from optim_factory.factory import ConfigError, ValidatedOptim, build_optimizer
 from recipes.checkpoint import CheckpointError, CheckpointManager, Saver, first_save_bytes
 from recipes.checkpoint.checksums import writer_options

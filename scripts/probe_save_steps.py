@@ -27,7 +27,7 @@ import time
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from optim_factory.async_save import AsyncSaveStager
+from optim_factory.checkpoint import AsyncSaveStager
 from scripts import bench_save
 
 WRITERS = {"fs1": ("dcp", 1), "fs4": ("dcp", 4), "csum4": ("checksums", 4)}

@@ -1,6 +1,6 @@
 """NeMo Automodel 0.7 integration: its ``Checkpointer``, loading the optimizer through
 :class:`optim_factory.checkpoint.ExactLoadPlanner` and saving asynchronously through
-:class:`optim_factory.async_save.AsyncSaveStager`.
+:class:`optim_factory.checkpoint.AsyncSaveStager`.
 
 Automodel's ``Checkpointer.load_optimizer`` reads ``<weights_path>/optim`` with DCP's default planner, which copies
 each saved tensor into the template's dtype: a checkpoint saved with int16 remainders and resumed with an FP32
@@ -24,7 +24,7 @@ accelerator (Automodel's stager refuses a machine without one). Its async saves 
 writer, DCP's default save planner); an ``msc://`` checkpoint directory with ``is_async`` is refused in one line.
 
 An optimizer with ``state_dict_offload_host_budget`` saves within it, async or not (a sync save through the stager,
-waited for): the stager fills each state as DCP's writer reaches it (``optim_factory.budget``). Everything else
+waited for): the stager fills each state as DCP's writer reaches it (``optim_factory.checkpoint``). Everything else
 (other sync saves, the model's HF and PEFT formats) is Automodel's. Importing this module imports
 Automodel's checkpoint package (and transformers); the rest of optim_factory never does.
 """
@@ -40,14 +40,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from optim_factory.async_save import AsyncSaveStager
-from optim_factory.budget import host_budget
 from optim_factory.checkpoint import (
+    AsyncSaveStager,
     ExactLoadPlanner,
     SafeFileSystemReader,
     SafeLoadPlanner,
     deferred_export,
     defers_export,
+    host_budget,
 )
 from optim_factory.integrations import framework_import_error
 

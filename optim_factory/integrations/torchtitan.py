@@ -31,7 +31,7 @@ exactly; torchtitan's own reads each state into the template's dtype. Select it 
 
       checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", ...),
 
-Its async modes save through :class:`optim_factory.async_save.AsyncSaveStager`, built once (on torchtitan's
+Its async modes save through :class:`optim_factory.checkpoint.AsyncSaveStager`, built once (on torchtitan's
 gloo group of async saves) and closed when torchtitan closes the manager: the optimizers' pooled export buffers
 (``state_dict_offload_reuse_buffers``) go to DCP's writer uncopied and back to the optimizer once written, the
 model's CUDA tensors into pinned host copies kept from save to save in ``async_with_pinned_mem`` (fresh copies in
@@ -42,7 +42,7 @@ nothing written.
 (``state_dict_offload_background``) is deferred: it fills beside the next forward and backward. ``async`` keeps
 torchtitan's too, staged when the save returns, so its export is filled before ``state_dict()`` returns.
 An optimizer with ``state_dict_offload_host_budget`` saves within it in every mode (a sync save through the stager,
-waited for): the stager fills each state as DCP's writer reaches it (``optim_factory.budget``).
+waited for): the stager fills each state as DCP's writer reaches it (``optim_factory.checkpoint``).
 
 Importing this module imports torchtitan; the rest of optim_factory never does.
 """
@@ -58,9 +58,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import optim_factory
-from optim_factory.async_save import AsyncSaveStager
-from optim_factory.budget import host_budget
-from optim_factory.checkpoint import ExactLoadPlanner, SafeFileSystemReader, deferred_export, defers_export
+from optim_factory.checkpoint import (
+    AsyncSaveStager,
+    ExactLoadPlanner,
+    SafeFileSystemReader,
+    deferred_export,
+    defers_export,
+    host_budget,
+)
 from optim_factory.integrations import framework_import_error
 
 try:  # names torchtitan 0.3 and its main branch both provide (0.3's components.checkpoint is main's checkpointer)
@@ -134,7 +139,7 @@ class CheckpointManager(TitanCheckpointManager):
     """torchtitan's ``CheckpointManager`` whose DCP loads read the optimizer's states in their saved dtypes
     (:class:`~optim_factory.checkpoint.ExactLoadPlanner`): our classes convert a changed master format exactly,
     any other optimizer loads as it does with torchtitan's. Its async modes save through an
-    :class:`~optim_factory.async_save.AsyncSaveStager` kept in ``stager`` (the module docstring). Sync saves, HF
+    :class:`~optim_factory.checkpoint.AsyncSaveStager` kept in ``stager`` (the module docstring). Sync saves, HF
     loads and saves, retention: torchtitan's."""
 
     @dataclass(kw_only=True, slots=True)

@@ -78,7 +78,7 @@ class PortableFusedAdam(OffloadedStateDict, CheckedParamGroups, torch.optim.Opti
         state_dict_offload_pinning: how pooled buffers of CUDA states are pinned: ``register`` | ``alloc`` | ``none``.
         state_dict_keep_bf16: export BF16 states as BF16 instead of FP32 (half the bytes; TE's class cannot load it).
         state_dict_offload_background: with chunks, fill the export on a background thread (``step()`` waits).
-        state_dict_offload_host_budget: the most host bytes a save through ``optim_factory.budget`` holds.
+        state_dict_offload_host_budget: the most host bytes a save through ``optim_factory.checkpoint`` holds.
     """
 
     def __init__(

@@ -50,7 +50,7 @@ class FusedAdam(OffloadedStateDict, CheckedParamGroups, _TEFusedAdam):  # type: 
     ``state_dict_offload_reuse_buffers`` exports into pooled host buffers that ``release_state_dict()`` gives
     back, pinned as ``state_dict_offload_pinning`` says; ``state_dict_offload_background`` fills a chunked export
     on a background thread, which ``step()`` waits for (see :mod:`optim_factory.optimizers.export`);
-    ``state_dict_offload_host_budget`` bounds the host bytes of a save through :mod:`optim_factory.budget`.
+    ``state_dict_offload_host_budget`` bounds the host bytes of a save through :mod:`optim_factory.checkpoint`.
     Everything else, including the CUDA kernels of ``step()``, is TE's.
 
     The constructor also takes dtypes as strings (``bf16``, ``torch.bfloat16``, ``fp8`` ...) and sizes as

@@ -21,7 +21,7 @@ The modules, one job each (none imports a module that imports it):
 - ``report.py``: what a save cost;
 - ``save.py``: :class:`~recipes.checkpoint.save.Saver`, every save from its export to its sealed manifest and
   ``keep_last`` (an async save in flight is its ``InFlight``; its staging is the library's
-  :class:`optim_factory.async_save.AsyncSaveStager`);
+  :class:`optim_factory.checkpoint.AsyncSaveStager`);
 - ``load.py``: :class:`~recipes.checkpoint.load.Loader`, the resume (candidates, config check, verification, read);
 - ``manager.py``: :class:`CheckpointManager`, a saver and a loader given their inputs, the run's one interface.
 """

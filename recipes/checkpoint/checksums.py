@@ -33,8 +33,7 @@ import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from optim_factory.budget import host_budget
-from optim_factory.checkpoint import cpus_per_rank
+from optim_factory.checkpoint import cpus_per_rank, host_budget
 
 ALGORITHM = "xxh3_64"  # the manifest's key for each file's hash (hex digest)
 MANIFEST_DIGEST = "manifest_xxh3_64"  # the manifest's hash of its own other keys (sorted JSON)
@@ -198,7 +197,7 @@ def writer_threads(write_threads: int) -> int:
 def writer_options(optimizer: Any, write_threads: int) -> dict[str, int]:
     """DCP's ``FileSystemWriter`` options of a save of ``optimizer``: ``write_threads`` threads; within a host budget,
     one thread without copy-ahead, which asks for the tensors in the order the budget fills them
-    (``optim_factory.budget``)."""
+    (``optim_factory.checkpoint``)."""
     if host_budget(optimizer) is not None:
         return {"thread_count": 1, "per_thread_copy_ahead": 0}
     return {"thread_count": write_threads}

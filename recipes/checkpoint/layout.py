@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from optim_factory.checkpoint import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpoint
 from optim_factory.errors import first_line
 from optim_factory.tree import local_tensors, state_bytes
-from recipes.checkpoint.checksums import manifest_problem
+from recipes.checkpoint.checksums import manifest_problem, seal_manifest
 
 log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the package
 
@@ -77,6 +77,26 @@ def is_complete(path: Path) -> bool:
 
 def complete(root: Path) -> list[tuple[int, Path]]:
     return [(s, p) for s, p in step_dirs(root) if is_complete(p)]
+
+
+def recorded_files(path: Path, parts: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Every rank's file records of a finished save of ``path`` (``ChecksumFileSystemWriter.checksums``), merged;
+    a ``.metadata`` or ``.distcp`` file on disk without one (a torch that wrote around the checksumming file system)
+    fails the save loudly, never an unverifiable checkpoint."""
+    files = {name: record for part in parts for name, record in part.items()}
+    on_disk = {p.name for p in path.iterdir() if p.name == METADATA or p.suffix == ".distcp"}
+    unrecorded = sorted(on_disk - set(files))
+    if unrecorded:
+        raise CheckpointError(f"saving {path} failed: no checksum was recorded for {', '.join(unrecorded)}")
+    return files
+
+
+def write_manifest(path: Path, manifest: dict[str, Any], key: bytes | None) -> None:
+    """Seal ``manifest`` (its own hash; with ``key``, its MAC) and write it as ``path``'s ``COMPLETE.json``,
+    atomically: a checkpoint counts once it is there."""
+    tmp = path / (MARKER + ".tmp")
+    tmp.write_text(seal_manifest(manifest, key))
+    os.replace(tmp, path / MARKER)
 
 
 def read_manifest(path: Path, key: bytes | None = None) -> dict[str, Any]:
@@ -135,6 +155,18 @@ def _raised(exc: BaseException) -> list[BaseException]:
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
         todo += [c for c in (e.__cause__, e.__context__) if c is not None]
     return seen
+
+
+def write_failure(what: str, path: Path, root: Path, rank: int, exc: BaseException) -> str:
+    """The line of a failed write of the checkpoint ``path`` into ``root``; out of space, rank 0 first removes the
+    save's partial files (they hold the space an older checkpoint's next save or the user needs; older checkpoints
+    are untouched)."""
+    if not disk_full(exc):
+        return f"{what}: {first_line(exc, named=True)}"
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    line = first_line(exc, named=True)
+    return f"disk full: {what}, its partial files removed ({free_bytes(root)} bytes free in {root}): {line}"
 
 
 def unsafe_refusal(exc: BaseException) -> UnsafeCheckpoint | None:

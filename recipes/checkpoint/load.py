@@ -20,9 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from optim_factory.checkpoint import ExactLoadPlanner, SafeFileSystemReader, finish_load, prepare_load
+from optim_factory.checkpoint import ExactLoadPlanner, HostCopies, SafeFileSystemReader, finish_load, prepare_load
 from optim_factory.errors import first_line
-from optim_factory.host_copies import HostCopies
 from recipes.checkpoint import resume
 from recipes.checkpoint.checksums import file_problem
 from recipes.checkpoint.layout import (

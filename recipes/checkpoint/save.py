@@ -1,7 +1,7 @@
 """A save of a checkpoint, owned from its export to its sealed manifest by one :class:`Saver` (docs/design.md,
 "Checkpoints"): the export (timed; on CUDA its GPU peak), the checks agreed by all ranks before anything is written
 (NaN/inf, a failed background export, free space), DCP's write (sync, or async through the library's
-:class:`~optim_factory.async_save.AsyncSaveStager` on a gloo group of its own, as is a save within a host budget),
+:class:`~optim_factory.checkpoint.AsyncSaveStager` on a gloo group of its own, as is a save within a host budget),
 the wait for an async save, the manifest with every file's checksum, ``keep_last``, and the report.
 
 An async save of a background export into pooled buffers is *deferred*: the save returns before the export is
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -27,25 +26,33 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from optim_factory.async_save import EXPORT_FAILED_LINE, NON_FINITE_LINE, AsyncSaveStager, SaveRefused
-from optim_factory.budget import host_budget
-from optim_factory.checkpoint import deferred_export, defers_export, export_failure, release_export
+from optim_factory.checkpoint import (
+    EXPORT_FAILED_LINE,
+    NON_FINITE_LINE,
+    AsyncSaveStager,
+    SaveRefused,
+    deferred_export,
+    defers_export,
+    export_failure,
+    host_budget,
+    release_export,
+)
 from optim_factory.errors import first_line
 from optim_factory.optimizers.export import all_finite
 from optim_factory.tree import local_tensors, state_bytes
-from recipes.checkpoint.checksums import ALGORITHM, ChecksumFileSystemWriter, seal_manifest, writer_options
+from recipes.checkpoint.checksums import ALGORITHM, ChecksumFileSystemWriter, writer_options
 from recipes.checkpoint.layout import (
     DCP_ERRORS,
-    MARKER,
-    METADATA,
     CheckpointError,
     checkpoint_key,
-    disk_full,
     free_bytes,
     interrupted,
     is_complete,
+    recorded_files,
     retain,
     step_dirs,
+    write_failure,
+    write_manifest,
 )
 from recipes.checkpoint.report import ExportReport
 from recipes.distributed import all_ranks, world_size
@@ -240,7 +247,7 @@ class Saver:
         except DCP_ERRORS as exc:  # the previous checkpoint is complete and untouched; this one gets no marker
             if interrupted(exc):  # a second Ctrl-C during the write: the stop at once it asks for
                 raise KeyboardInterrupt from exc
-            raise CheckpointError(self._write_failure(f"saving {path} failed", path, exc)) from exc
+            raise CheckpointError(write_failure(f"saving {path} failed", path, self.root, self.rank, exc)) from exc
         finally:
             if pending is None or pending.upload is None:  # written (sync) or never started
                 if pending is not None and pending.deferred:
@@ -306,17 +313,6 @@ class Saver:
         refused here trains no interval for a save known not to fit (one ``all_ranks``)."""
         return all_ranks(self._space_problem({}, {}, estimate) if self.rank == 0 else None)[0]
 
-    def _write_failure(self, what: str, path: Path, exc: BaseException) -> str:
-        """The line of a failed write; out of space, rank 0 first removes this save's partial files (they hold
-        the space an older checkpoint's next save or the user needs; older checkpoints are untouched)."""
-        if not disk_full(exc):
-            return f"{what}: {first_line(exc, named=True)}"
-        if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-        free = free_bytes(self.root)
-        line = first_line(exc, named=True)
-        return f"disk full: {what}, its partial files removed ({free} bytes free in {self.root}): {line}"
-
     def _agree(self, step: int, verdict: int, export_error: str | None, space: str | None = None) -> None:
         """All ranks agree on the worst ``verdict`` (one collective); unless all are FINITE every rank raises the
         same one-line CheckpointError."""
@@ -345,19 +341,12 @@ class Saver:
         parts = all_ranks(writer.checksums())  # merged on rank 0, which writes the manifest
         self.on_phase("marker", step, path)
         if self.rank == 0:
-            files = {name: record for part in parts for name, record in part.items()}
-            on_disk = {p.name for p in path.iterdir() if p.name == METADATA or p.suffix == ".distcp"}
-            unrecorded = sorted(on_disk - set(files))
-            if unrecorded:  # a torch that writes around ChecksumFileSystem: fail loudly, never unverifiable
-                raise CheckpointError(f"saving {path} failed: no checksum was recorded for {', '.join(unrecorded)}")
+            files = recorded_files(path, parts)
             report.written_bytes = sum(int(r["size"]) for r in files.values())
             record = asdict(report)
             del record["blocking_s"]  # not known yet: it ends after the marker and keep_last (metrics.jsonl has it)
-            manifest = {"step": step, "time": time.time(), **record}
-            manifest.update(checksum=ALGORITHM, files=files, config=self.run_config)
-            tmp = path / (MARKER + ".tmp")
-            tmp.write_text(seal_manifest(manifest, self.key))
-            os.replace(tmp, path / MARKER)
+            manifest = {"step": step, "time": time.time(), **record, "checksum": ALGORITHM, "files": files}
+            write_manifest(path, {**manifest, "config": self.run_config}, self.key)
         self.verified = path
         if self.rank == 0:
             retain(self.root, self.cfg.keep_last, self.verified)
@@ -384,7 +373,8 @@ class Saver:
                 f"{self.verified or 'none'}"
             ) from exc
         except DCP_ERRORS as exc:
-            raise CheckpointError(self._write_failure(f"async save of {p.path} failed", p.path, exc)) from exc
+            line = write_failure(f"async save of {p.path} failed", p.path, self.root, self.rank, exc)
+            raise CheckpointError(line) from exc
         if p.deferred:
             p.report.export_s = p.filled_at - p.export_t0  # from the export call until its tensors were filled
             p.report.export_gbps = p.report.export_bytes / p.report.export_s / 1e9 if p.report.export_s > 0 else 0.0

@@ -21,8 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from optim_factory import build_optimizer
-from optim_factory.async_save import AsyncSaveStager
-from optim_factory.checkpoint import SafeFileSystemReader, SafeLoadPlanner
+from optim_factory.checkpoint import AsyncSaveStager, SafeFileSystemReader, SafeLoadPlanner
 from optim_factory.optimizers.export import export_state
 from recipes.checkpoint import CheckpointError, CheckpointManager, state_bytes
 from recipes.config import CheckpointConfig

@@ -13,8 +13,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory import PortableFusedAdam
-from optim_factory.async_save import AsyncSaveStager
-from optim_factory.budget import BudgetSavePlanner
+from optim_factory.checkpoint import AsyncSaveStager, BudgetSavePlanner
 from tests.unit.test_budget import Recording, _data_files
 
 pytestmark = pytest.mark.cuda_only

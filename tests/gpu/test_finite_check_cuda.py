@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from optim_factory import PortableFusedAdam
-from optim_factory.async_save import NON_FINITE_LINE, AsyncSaveStager, SaveRefused
-from optim_factory.finite_check import FiniteCheck
-from optim_factory.host_copies import HostCopies
+from optim_factory.checkpoint import NON_FINITE_LINE, AsyncSaveStager, HostCopies, SaveRefused
+from optim_factory.checkpoint._finite_check import FiniteCheck
 from tests.helpers import FP8
 from tests.unit.saves import OURS, export_deferred
 

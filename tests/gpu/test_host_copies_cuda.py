@@ -1,11 +1,11 @@
-"""optim_factory.host_copies on CUDA: pinned buffers, a side stream, reused from one copy to the next."""
+"""optim_factory.checkpoint's HostCopies on CUDA: pinned buffers, a side stream, reused from one copy to the next."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from optim_factory.host_copies import HostCopies
+from optim_factory.checkpoint import HostCopies
 
 
 @pytest.mark.cuda_only

@@ -28,7 +28,7 @@ from torchtitan.components.optimizer import (  # noqa: E402
 from torchtitan.config import ConfigManager, Configurable, OverrideConfig, apply_overrides  # noqa: E402
 
 import optim_factory  # noqa: E402
-from optim_factory.async_save import AsyncSaveStager, SaveRefused  # noqa: E402
+from optim_factory.checkpoint import AsyncSaveStager, SaveRefused  # noqa: E402
 from optim_factory.integrations import torchtitan as integration  # noqa: E402
 from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE  # noqa: E402
 from tests.distributed.launch import spawn, spawn_checks  # noqa: E402

@@ -1,4 +1,4 @@
-"""optim_factory.async_save.AsyncSaveStager through plain DCP: the export's buffers go to the writer uncopied and
+"""optim_factory.checkpoint.AsyncSaveStager through plain DCP: the export's buffers go to the writer uncopied and
 back once written, a background export completes beside training, any other optimizer is staged as DCP stages
 it, and every failure (the export's, the write's, an export that never fills, one rank's) is one line on every
 rank with nothing written and the previous checkpoint intact (2 forked gloo ranks for the last)."""
@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory import PortableFusedAdam
-from optim_factory.async_save import AsyncSaveStager, SaveRefused
+from optim_factory.checkpoint import AsyncSaveStager, SaveRefused
 from recipes.checkpoint import read_checkpoint
 from tests.distributed.launch import spawn
 from tests.helpers import assert_bitwise

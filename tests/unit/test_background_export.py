@@ -14,8 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from optim_factory import PortableFusedAdam
-from optim_factory.async_save import AsyncSaveStager
-from optim_factory.checkpoint import deferred_export, defers_export, export_buffer_test, release_export
+from optim_factory.checkpoint import AsyncSaveStager, deferred_export, defers_export, export_buffer_test, release_export
 from optim_factory.optimizers.export import StateExporter, export_state
 from recipes.checkpoint import CheckpointError, CheckpointManager, read_checkpoint
 from recipes.config import CheckpointConfig

@@ -1,4 +1,4 @@
-"""optim_factory.budget.BudgetSavePlanner: a plain DCP save of a chunked export within a host budget writes the
+"""optim_factory.checkpoint.BudgetSavePlanner: a plain DCP save of a chunked export within a host budget writes the
 same data files as the save without it and holds at most the budget on the host (measured: the process's peak
 resident memory, reset before each save); bad budgets, and checkpointers that would export whole, are one line."""
 
@@ -16,9 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory import PortableFusedAdam
-from optim_factory.async_save import AsyncSaveStager
-from optim_factory.budget import BudgetSavePlanner
-from optim_factory.checkpoint import SafeFileSystemReader, SafeLoadPlanner
+from optim_factory.checkpoint import AsyncSaveStager, BudgetSavePlanner, SafeFileSystemReader, SafeLoadPlanner
 from optim_factory.errors import ConfigError
 from tests.recipe.runs import QUICK, cli, refused
 

@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_module, distribute_tensor
 
 from optim_factory import PortableFusedAdam
-from optim_factory.async_save import AsyncSaveStager, SaveRefused
-from optim_factory.fills import Fill, SaveFills
+from optim_factory.checkpoint import AsyncSaveStager, SaveRefused
+from optim_factory.checkpoint._fills import Fill, SaveFills
 from optim_factory.optimizers.export.host_memory import HostBufferPool
 from optim_factory.optimizers.export.stream import StateExporter, StreamItem
 from tests.distributed.launch import spawn

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from optim_factory import PortableFusedAdam
-from optim_factory.async_save import NON_FINITE_LINE, AsyncSaveStager, SaveRefused
-from optim_factory.finite_check import FiniteCheck
+from optim_factory.checkpoint import NON_FINITE_LINE, AsyncSaveStager, SaveRefused
+from optim_factory.checkpoint._finite_check import FiniteCheck
 from tests.unit.saves import OURS, StuckExport, assert_checkpoint, expected_tensors, export_deferred, make_model, train
 
 

@@ -1,5 +1,5 @@
 """The saved <-> live formats (optim_factory/optimizers/export/formats.py) and the checkpoint contract
-(optim_factory/checkpoint.py) at the library's level, in one process: keys that survive any number of DCP resumes
+(optim_factory/checkpoint/) at the library's level, in one process: keys that survive any number of DCP resumes
 for every configuration the constructor accepts, the remainder rounding at ties, the conversions that need the
 loaded parameter, ``ExactLoadPlanner``, and exports that never alias live state."""
 

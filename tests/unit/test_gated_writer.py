@@ -1,4 +1,4 @@
-"""Which async saves ``AsyncSaveStager.async_save`` gates (optim_factory.gated_writer): DCP plans a gated save while
+"""Which async saves ``AsyncSaveStager.async_save`` gates (its GatedWriter): DCP plans a gated save while
 its export fills; a save it does not gate (``use_collectives=False``, a ``checkpoint_id`` with ``://``, whose writer
 DCP picks) is planned once the export is filled and its ranks agreed, and is written the same. A refused gated save
 removes every local directory its planning made, and only those."""
@@ -11,7 +11,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from optim_factory import PortableFusedAdam
-from optim_factory.async_save import AsyncSaveStager, SaveRefused
+from optim_factory.checkpoint import AsyncSaveStager, SaveRefused
 from tests.unit.saves import (
     OURS,
     PlanWatcher,

@@ -1,10 +1,10 @@
-"""optim_factory.host_copies.HostCopies: host copies of a nested state dict (CPU here; CUDA in tests/gpu)."""
+"""optim_factory.checkpoint.HostCopies: host copies of a nested state dict (CPU here; CUDA in tests/gpu)."""
 
 from __future__ import annotations
 
 import torch
 
-from optim_factory.host_copies import HostCopies
+from optim_factory.checkpoint import HostCopies
 
 
 def test_copies_nested_tensors_and_passes_kept_ones_through():

@@ -13,8 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory import PortableFusedAdam
-from optim_factory.async_save import AsyncSaveStager, SaveRefused
-from optim_factory.checkpoint import deferred_export
+from optim_factory.checkpoint import AsyncSaveStager, SaveRefused, deferred_export
 from tests.unit.saves import OURS, make_model, train
 from tests.unit.test_budget import STATE, _trained
 from tests.unit.test_budget import train as one_step

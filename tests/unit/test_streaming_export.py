@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from optim_factory import PortableFusedAdam
-from optim_factory.async_save import AsyncSaveStager
+from optim_factory.checkpoint import AsyncSaveStager
 from optim_factory.optimizers.export import (
     DEFAULT_CHUNK_BYTES,
     ExportPlan,

@@ -168,7 +168,7 @@ class OffloadedStateDict:
         """``with opt.deferred_state_dict(): sd = get_optimizer_state_dict(model, opt)``: a background export
         (``state_dict_offload_background``) started inside returns unfilled, so that the caller's next forward and
         backward overlap it; the caller promises to wait (:meth:`wait_state_dict`, or ``step()``) before reading
-        the tensors. ``optim_factory.async_save.AsyncSaveStager`` does. Re-entrant."""
+        the tensors. ``optim_factory.checkpoint.AsyncSaveStager`` does. Re-entrant."""
         self._deferring += 1
         try:
             yield
@@ -181,7 +181,7 @@ class OffloadedStateDict:
         started inside returns a meta tensor in place of each streamed state (no memory; a reader that copies its
         data out fails, ``torch.save`` stores it without data) and appends each state's item to ``items``, for a
         caller that streams each into memory of its own just before writing it
-        (``optim_factory.budget.BudgetSavePlanner``)."""
+        (``optim_factory.checkpoint.BudgetSavePlanner``)."""
         if self._unfilled is not None:
             raise RuntimeError("unfilled_state_dict: already inside one")
         self._unfilled = items = []

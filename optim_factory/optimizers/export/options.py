@@ -42,7 +42,7 @@ class ExportOptions:
             background thread fills them (side streams on CUDA); ``step()``, ``load_state_dict()`` and the next
             ``state_dict()`` wait for it, ``wait_state_dict()`` waits and re-raises its failure.
         host_budget: with a chunked export into fresh memory, the most bytes of host memory a save through
-            ``optim_factory.budget.BudgetSavePlanner`` holds at once (at least two chunks); ``None``: no cap.
+            ``optim_factory.checkpoint.BudgetSavePlanner`` holds at once (at least two chunks); ``None``: no cap.
     """
 
     cpu_offload: bool = _option("state_dict_cpu_offload", False)
@@ -78,7 +78,7 @@ class ExportOptions:
         how += ["BF16 kept"] if self.keep_bf16 else []
         how += ["in the background"] if self.background else []
         how += (
-            [f"budgeted saves (optim_factory.budget) within {self.host_budget / (1 << 20):g} MiB"]
+            [f"budgeted saves (optim_factory.checkpoint) within {self.host_budget / (1 << 20):g} MiB"]
             if self.host_budget
             else []
         )

@@ -104,7 +104,7 @@ class ExportPlan:
         """``{"state": {index: {name: tensor}}, "param_groups": [...]}`` like ``torch.optim.Optimizer``, exported
         (see the module docstring for the contract). ``unfilled``: the streamed states' items are appended to it
         and not streamed, each state a meta tensor in the dictionary (any reader fails loudly): the caller streams
-        each into memory of its own (a save within a host budget, ``optim_factory.budget``)."""
+        each into memory of its own (a save within a host budget, ``optim_factory.checkpoint``)."""
         o = self.options
         if (o.reuse_buffers or o.background) and self.exporter is None:
             raise ValueError(

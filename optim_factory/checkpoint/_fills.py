@@ -1,4 +1,4 @@
-"""``SaveFills``: the fills of one save within a host budget (``optim_factory.budget``). Each tensor DCP's writer
+"""``SaveFills``: the fills of one save within a host budget (``optim_factory.checkpoint``). Each tensor DCP's writer
 writes is filled into fresh host memory on one thread of its own, ahead of the writer and in the order it asks for
 them, while the bytes filled and not yet given back fit the budget; the writer's previous tensor is given back
 (``MADV_DONTNEED``) when it asks for its next one. A save that fits the budget whole fills buffers of a

@@ -1,14 +1,14 @@
 """A save within a host-memory budget: ``BudgetSavePlanner``, DCP's save planner that exports each optimizer state
 (and copies each CUDA tensor) into fresh host memory ahead of DCP's writer and gives that memory back once written,
 so that a save holds at most the budget, plus the staging of the fills (a ring of at most 128 MiB). A save that fits
-the budget whole fills host buffers kept for the next save instead, pinned once written (``optim_factory.fills``).
+the budget whole fills host buffers kept for the next save instead, pinned once written (``_fills.py``).
 See docs/export.md, "Saves within a host budget".
 
 An optimizer's chunked export made inside :meth:`BudgetSavePlanner.exporting` returns a meta tensor in place of each
 streamed state (``unfilled_state_dict``): no memory; a reader that copies its data out (``.cpu()``, a plain
 ``dcp.save``) fails loudly, while pickling it (``torch.save``) stores a tensor without data. The planner knows each
 placeholder's key in the flattened state dict; once DCP's plan is final it fills every tensor it writes on a thread
-of its own, in the order the writer's threads ask for them (``optim_factory.fills``), and a writer thread's previous
+of its own, in the order the writer's threads ask for them (``_fills.py``), and a writer thread's previous
 tensor, written once it asks for the next, is given back (``MADV_DONTNEED``) although DCP still references it.
 That order is that of DCP's ``FileSystemWriter`` without copy-ahead (whose overlapping loader asks ahead), which
 :meth:`BudgetSavePlanner.save` builds; a save with the planner that builds no writer of its own is refused.
@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from optim_factory.fills import Fill, SaveFills
+from optim_factory.checkpoint._fills import Fill, SaveFills
 from optim_factory.optimizers.export import local_tensor
 from optim_factory.optimizers.export.host_memory import HostBufferPool
 from optim_factory.optimizers.export.stream import StreamItem
@@ -79,7 +79,7 @@ def _item_bytes(item: Any) -> int:
 
 class BudgetSavePlanner(DefaultSavePlanner):
     """DCP's default save planner that fills what a save of ``optimizer``'s export writes item by item, within its
-    ``state_dict_offload_host_budget`` bytes of host memory (``optim_factory.fills``).
+    ``state_dict_offload_host_budget`` bytes of host memory (``_fills.py``).
 
     ``planner = BudgetSavePlanner(opt)``; ``with planner.exporting(): sd = {"model": ..., "optim":
     get_optimizer_state_dict(model, opt)}``; ``planner.save(sd, path)`` (again for another copy, until the next

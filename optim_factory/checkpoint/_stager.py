@@ -1,0 +1,400 @@
+"""``AsyncSaveStager``: the async save's staging, kept across saves, for any checkpointer that calls
+``dcp.async_save`` (docs/export.md, "Async saves"; docs/design.md, "The async-save stager").
+
+DCP's own stagers copy every tensor into host memory of their own when a save starts: for our optimizers' exports, a
+second copy of what is already on the host. This stager passes the export's pooled buffers to DCP's writer uncopied
+and gives them back once written, copies the rest (the model's tensors) into pinned host buffers kept from save to
+save, and completes a background export (``state_dict_offload_background``) on a thread of its own while training
+goes on. With any other optimizer it stages as DCP's stager does. An optimizer with ``state_dict_offload_host_budget``
+is saved within it: nothing is copied when the save starts; its planner fills each tensor as the writer reaches it
+(``optim_factory.checkpoint``), and the staging completes once what is left fits the budget.
+
+A save is refused on every rank, before DCP writes anything, when an export failed or did not fill within
+``export_timeout_s``, the state holds NaN or inf (``refuse_non_finite``), or ``check`` refuses it:
+``upload_completion`` raises :class:`SaveRefused` in one line and the checkpoint directory is not written (nor, a
+local one, left behind). DCP plans a save :meth:`AsyncSaveStager.async_save` starts at once; its writer waits for the
+ranks' verdict (``optim_factory/checkpoint/_gated_writer.py``; docs/design.md says which saves).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse  # torch >= 2.9
+
+from optim_factory.checkpoint._budget import budget_planner, one_line_refusal
+from optim_factory.checkpoint._deferral import export_buffer_test, export_failure, release_export
+from optim_factory.checkpoint._finite_check import NON_FINITE_LINE, FiniteCheck
+from optim_factory.checkpoint._gated_writer import GatedWriter
+from optim_factory.checkpoint._host_copies import HostCopies
+from optim_factory.errors import SaveRefused, first_line
+
+__all__ = ["AsyncSaveStager", "SaveRefused", "DEFAULT_EXPORT_TIMEOUT_S", "EXPORT_FAILED_LINE", "NON_FINITE_LINE"]
+
+DEFAULT_EXPORT_TIMEOUT_S = 600.0
+"""How long a staged save waits for an optimizer's background export to fill (torch's default collective
+timeout): an export that never fills refuses the save instead of holding the writer forever."""
+
+EXPORT_FAILED_LINE = "the optimizer's background export failed"
+"""The start of a refusal whose cause is an export's failure (the recipe words its own refusals so too)."""
+
+Check = Callable[[dict[str, Any]], "str | None"]
+_OWN_OPTIONS = {"refuse_non_finite", "check", "pinned", "export_timeout_s"}  # the constructor's, never DCP's
+
+
+@dataclass
+class _Save:
+    """One staged save: the caller's state dict (its export buffers go back once written), completions, upload."""
+
+    state_dict: dict[str, Any]
+    filled: Future = field(default_factory=Future)  # the copies are done and the exports filled (or failed)
+    staged: Future = field(default_factory=Future)  # handed to DCP: the staged dict, or SaveRefused on every rank
+    verdict: Future = field(default_factory=Future)  # this rank's refusal line, or None (GatedWriter's gate waits)
+    refused: SaveRefused | None = None  # gated: the ranks' refusal, raised by the write
+    upload: Future | None = None  # DCP's upload, when the save was started by AsyncSaveStager.async_save
+    over: threading.Event = field(default_factory=threading.Event)  # written or failed, and its buffers given back
+    stuck: bool = False  # an export did not fill in time: its buffers stay with it
+
+
+class AsyncSaveStager(AsyncStager):
+    """DCP's ``AsyncStager`` for async saves of our optimizers' exports, kept across saves; ``close()`` frees it.
+
+    ``optimizers``: the optimizer (or optimizers) whose exports the saved state dicts hold; any optimizer works, at
+    most one with a host budget. ``refuse_non_finite``: refuse a save whose state holds NaN or inf
+    (:data:`NON_FINITE_LINE`), each value read where it lives (``_finite_check.py``). ``check``: called on
+    the completion thread with the filled staged state dict; a returned line refuses the save. Neither with a budget.
+    ``process_group``: the gloo group on which the ranks agree on a refusal (default: one of its own over the
+    default group's ranks, made here or at the first save, so every rank builds and first uses its stager in the
+    same order; none on a single process). ``pinned``: the model's host copies of CUDA tensors in pinned memory.
+
+    Start a save with :meth:`async_save` (``dcp.async_save``'s arguments): at most one save is in flight, and its
+    export buffers go back to the optimizer when its write is done. ``dcp.async_save(..., async_stager=stager)``
+    works too (not with a budget); its buffers go back when the next save is staged (its caller has waited for the
+    previous ``upload_completion`` by then, DCP's rule for any stager that reuses memory), the export in between
+    taking a second set. Before the next ``optimizer.step()``, wait for the response's ``staging_completion`` (or
+    :meth:`wait_staged`): the model's copies and a background export read what ``step()`` changes (our
+    optimizers' ``step()`` waits for their own export and a budget's fills).
+    """
+
+    _synchronize_after_execute = False  # staging completes through the Future stage() returns
+
+    def __init__(
+        self,
+        optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (),
+        *,
+        refuse_non_finite: bool = False,
+        check: Check | None = None,
+        process_group: Any = None,
+        pinned: bool = True,
+        export_timeout_s: float = DEFAULT_EXPORT_TIMEOUT_S,
+    ) -> None:
+        given = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
+        self.optimizers = list(given) if isinstance(given, Iterable) else [given]
+        stray = [type(o).__name__ for o in self.optimizers if not isinstance(o, torch.optim.Optimizer)]
+        if stray:
+            raise TypeError(f"AsyncSaveStager(optimizers=...): expected torch optimizers, got {', '.join(stray)}")
+        self._budget = budget_planner(self.optimizers, "AsyncSaveStager", refuse_non_finite or check is not None)
+        for name, flag in (("refuse_non_finite", refuse_non_finite), ("pinned", pinned)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"AsyncSaveStager({name}=...): expected True or False, got {flag!r}")
+        if check is not None and not callable(check):
+            raise TypeError(f"AsyncSaveStager(check=...): expected a function of the staged dict, got {check!r}")
+        self.check, self.refuse_non_finite = check, refuse_non_finite
+        self.export_timeout_s = export_timeout_s
+        self._copies = HostCopies(pinned=pinned)
+        self._check_streams: dict[torch.device, Any] = {}  # the finite check's side stream per device
+        self._group = process_group
+        self._own_group = False
+        self._save: _Save | None = None
+        self._closed = False
+        self._gate_next = False  # async_save's staging: the write waits at a GatedWriter for the verdict
+        self._budget_save = False  # inside async_save: a budgeted save's planner and writer are the stager's
+        self._join_ranks()
+
+    # ------------------------------------------------------------------ DCP's protocol
+    def stage(self, state_dict: dict[str, Any]) -> Future:
+        """Host copies of ``state_dict`` for DCP's writer: pooled export buffers passed through, every other tensor
+        copied into the stager's buffers. Returns the Future DCP's upload waits for (see the module docstring)."""
+        self._check_open()
+        self._join_ranks()
+        self._end_previous()
+        gated, self._gate_next = self._gate_next, False
+        save = self._save = _Save(state_dict)
+        tests = [(opt, test) for opt, test in zip(self.optimizers, map(export_buffer_test, self.optimizers)) if test]
+
+        def exported_by(t: torch.Tensor) -> torch.optim.Optimizer | None:
+            return next((opt for opt, test in tests if test(t)), None)
+
+        finite = filling = None
+        try:
+            if self._budget is not None:  # filled within the budget while it is written (_fills.py)
+                filling = self._budget.begin(state_dict, writer_checked=self._budget_save)
+                filling.add_done_callback(lambda _: save.filled.set_result(None))
+                staged, copied = state_dict, lambda: None
+            else:
+                staged, copied = self._copies.copy(state_dict, keep=lambda t: exported_by(t) is not None)
+            finite = (
+                FiniteCheck(state_dict, staged, exported_by, self._check_streams) if self.refuse_non_finite else None
+            )
+        except Exception as exc:  # noqa: BLE001  (this rank's refusal must reach every rank's agreement)
+            staged, copied = exc, None
+        # the caller's GPU on the thread: a new thread's is 0, and its first CUDA call would create a context there
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        threading.Thread(
+            target=self._complete,
+            args=(save, staged, copied, finite, device, gated, filling is None),
+            name="optim-factory-staging",
+            daemon=True,
+        ).start()
+        if gated:  # DCP plans now, from the tensors' metadata (a failed copy's rank plans its own dict, refused later)
+            save.staged.set_result(state_dict if isinstance(staged, Exception) else staged)
+        return save.staged
+
+    def synchronize_staging(self) -> None:
+        self.wait_staged()  # the last staged save's copies and exports filled
+
+    def close(self) -> None:
+        """Wait for a save :meth:`async_save` started (its failure is its response's), give every buffer back and
+        free the host copies (and a budget's kept buffers); the stager saves nothing more. A save started by
+        ``dcp.async_save`` directly must have been waited for by its caller. Its own group is destroyed and let go:
+        its threads end with the last reference, not in the interpreter's exit (where one can abort it)."""
+        if self._closed:
+            return
+        self._end_previous()
+        self._closed = True
+        self._copies.close()
+        if self._budget is not None:
+            self._budget.drop_kept()
+        if self._own_group and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+        self._group, self._own_group = None, False
+
+    # ------------------------------------------------------------------ the save's lifecycle
+    def async_save(self, state_dict: dict[str, Any], **dcp_kwargs: Any) -> AsyncSaveResponse:
+        """``dcp.async_save(state_dict, async_stager=self, **dcp_kwargs)`` on a writer thread, once the previous
+        save is over (:meth:`stage` waits for it); DCP plans it at once and its writer (``storage_writer``, or DCP's
+        ``FileSystemWriter`` for a ``checkpoint_id`` without ``://``) waits for the filled state (docs/design.md);
+        the export buffers go back when its write is done.
+        Returns DCP's ``AsyncSaveResponse``: ``staging_completion`` once the copies and exports are filled (the
+        next ``step()`` may run), ``upload_completion`` once written (it raises :class:`SaveRefused` or DCP's write
+        failure). DCP's collectives run on the stager's gloo group unless ``process_group`` is given."""
+        self._check_open()
+        mine = sorted(set(dcp_kwargs) & _OWN_OPTIONS)
+        if mine:
+            raise TypeError(
+                f"AsyncSaveStager.async_save({mine[0]}=...): an option of AsyncSaveStager(...), not the save's"
+            )
+        self._join_ranks()
+        if self._group is not None and dcp_kwargs.get("process_group") is None:
+            dcp_kwargs["process_group"] = self._group  # DCP's collectives off the default group training uses
+        if dcp_kwargs.get("checkpoint_id") is None and dcp_kwargs.get("storage_writer") is None:
+            raise ValueError("AsyncSaveStager.async_save: give checkpoint_id= (or storage_writer=), where it writes")
+        # gated or not from the arguments alone, the same on every rank (DCP's writer for a path built here)
+        if self._budget is not None:  # its planner, and a writer in the order it fills
+            dcp_kwargs, self._budget_save = self._budget.async_save_kwargs(dcp_kwargs), True
+        writer, ckpt = dcp_kwargs.get("storage_writer"), str(dcp_kwargs.get("checkpoint_id"))
+        writer = FileSystemWriter(ckpt) if writer is None and "://" not in ckpt else writer
+        previous = self._save
+        try:  # gated: each rank's planning alone (use_collectives=False) could leave the others at the gate
+            self._gate_next = writer is not None and dcp_kwargs.get("use_collectives", True) is not False
+            self._gate_next = self._gate_next and not dcp_kwargs.get("no_dist", False)
+            if self._gate_next:
+                dcp_kwargs["storage_writer"] = GatedWriter(writer, self._open_gate)
+            with self.exporting():  # DCP exports a Stateful optimizer inside
+                response = dcp.async_save(
+                    state_dict, async_stager=self, async_checkpointer_type=AsyncCheckpointerType.THREAD, **dcp_kwargs
+                )
+        except BaseException:
+            if self._save is not previous:  # staged, never written: nothing reads its buffers
+                self._give_back(self._save)
+            raise
+        finally:
+            self._gate_next = self._budget_save = False
+        save = self._save
+        save.upload = Future()
+        response.upload_completion.add_done_callback(lambda done: self._uploaded(save, done))
+        return AsyncSaveResponse(staging_completion=save.filled, upload_completion=save.upload)
+
+    def exporting(self) -> contextlib.AbstractContextManager:
+        """``with stager.exporting(): sd = get_state_dict(model, opt)``: an export within the optimizer's host budget,
+        filled as the save writes it (:meth:`async_save` exports a ``Stateful`` inside it itself); else no effect."""
+        return contextlib.nullcontext() if self._budget is None else self._budget.exporting()
+
+    def wait_staged(self) -> None:
+        """Block until the last staged save's copies are done and its exports filled; the next ``step()`` may run."""
+        if self._save is not None:
+            self._save.filled.result()
+
+    def wait(self) -> None:
+        """Block until the save in flight (started by :meth:`async_save`) is written and its buffers given back;
+        raise its failure (:class:`SaveRefused`, or DCP's) in one line. Returns at once when none is in flight."""
+        save = self._save
+        if save is None or save.upload is None:
+            return
+        save.over.wait()
+        failure = save.upload.exception()
+        if isinstance(failure, SaveRefused):
+            raise failure
+        if failure is not None:
+            raise RuntimeError(f"the async save failed: {first_line(failure, named=True)}") from failure
+
+    @property
+    def process_group(self) -> Any:
+        """The gloo group the ranks agree on and :meth:`async_save` runs DCP's collectives on (``None`` on one process):
+        ``process_group=`` of your own ``dcp.async_save(..., async_stager=self)``, else beside training's (a hang)."""
+        self._join_ranks()
+        return self._group
+
+    @property
+    def budget_peak_bytes(self) -> int | None:
+        return None if self._budget is None else self._budget.peak_bytes  # the most a budgeted save held at once
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host copies (and a budgeted save's buffers) kept for the next save (not the exports')."""
+        return self._copies.nbytes() + (0 if self._budget is None else self._budget.kept_bytes)
+
+    # ------------------------------------------------------------------ inside
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("AsyncSaveStager: closed; build a new one for further saves")
+
+    def _join_ranks(self) -> None:
+        """The stager's own gloo group over the default group's ranks, made once that group exists with more than
+        one rank (at construction or at the first save: collective), unless ``process_group`` was given."""
+        if self._group is None and not self._closed and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")
+            self._own_group = True
+
+    def _end_previous(self) -> None:
+        """The previous save over: waited for (:meth:`async_save`'s), else its buffers given back."""
+        save = self._save
+        if save is None:
+            return
+        if save.upload is not None:
+            save.over.wait()
+        elif save.staged.done():
+            self._give_back(save)
+
+    def _uploaded(self, save: _Save, done: Future) -> None:
+        """DCP's upload is over (a gated one may fail in planning, before the fill): once this rank's verdict is in,
+        the buffers go back (not those of an export that never filled), then ``upload_completion`` completes with
+        DCP's outcome (a gated refusal as :class:`SaveRefused`, not the ``CheckpointException`` DCP wraps it in)."""
+        save.verdict.add_done_callback(lambda _: self._upload_over(save, done))
+
+    def _upload_over(self, save: _Save, done: Future) -> None:
+        self._give_back(save)
+        failure = done.exception()
+        if isinstance(failure, CheckpointException):  # a budget's refusal as its one line
+            failure = one_line_refusal(failure)
+        if failure is None:
+            save.upload.set_result(done.result())
+        else:
+            save.upload.set_exception(save.refused or failure)
+
+    def _open_gate(self) -> None:
+        """At every rank's ``write_data`` of the save in flight (DCP's upload thread, :class:`GatedWriter`): this
+        rank's verdict, then every rank's; a refusal raises :class:`SaveRefused` on every rank."""
+        save = self._save
+        try:
+            refusals = self._agree(save.verdict.result())
+        except BaseException as exc:  # noqa: BLE001
+            refusals = [f"{first_line(exc, named=True)} (rank {self._rank()})"]
+        if refusals:
+            save.refused = SaveRefused(refusals)
+            raise save.refused
+
+    def _give_back(self, save: _Save) -> None:
+        if not save.over.is_set():
+            if self._budget is not None:
+                self._budget.end()
+            if not save.stuck:
+                for opt in self.optimizers:
+                    release_export(opt, save.state_dict)
+            save.over.set()
+
+    def _complete(
+        self,
+        save: _Save,
+        staged: dict,
+        copied: Callable[[], None],
+        finite: FiniteCheck | None,
+        device: int | None,
+        gated: bool,
+        fills: bool,
+    ) -> None:
+        """The staging's completion, on a thread of its own: the GPU's finite check, the copies, every export
+        filled, the host's finite check, ``check``, then the ranks' agreement (``gated``: the gate's, on DCP's upload
+        thread). It never raises: every rank reaches the agreement, so a refusal is every rank's."""
+        failure = on_device = None
+        try:
+            if isinstance(staged, Exception):
+                raise staged
+            if device is not None:
+                torch.cuda.set_device(device)
+            on_device = None if finite is None else finite.device_refusal()  # before step() changes what it reads
+            copied()
+            failure = self._export_failure(save) if fills else None  # a budget has no background export
+        except BaseException as exc:  # noqa: BLE001  (one rank's failure must reach the agreement, not end it)
+            failure = first_line(exc, named=True)
+        finally:
+            if fills:  # else the budget's fills complete it
+                save.filled.set_result(None)
+        try:
+            if failure is None and finite is not None:
+                failure = finite.refusal(on_device)
+            if failure is None and self.check is not None:
+                failure = self.check(staged)
+            if failure is not None and not isinstance(failure, str):
+                failure = f"AsyncSaveStager's check returned {failure!r}: a refusal line (str) or None saves"
+        except BaseException as exc:  # noqa: BLE001
+            failure = first_line(exc, named=True)
+        finally:
+            if finite is not None:
+                finite.release()
+        save.verdict.set_result(failure)
+        if gated:
+            return
+        try:
+            refusals = self._agree(failure)
+        except BaseException as exc:  # noqa: BLE001
+            refusals = [f"{first_line(exc, named=True)} (rank {self._rank()})"]
+        if refusals:
+            save.staged.set_exception(SaveRefused(refusals))
+        else:
+            save.staged.set_result(staged)
+
+    def _export_failure(self, save: _Save) -> str | None:
+        for opt in self.optimizers:
+            try:
+                exc = export_failure(opt, timeout=self.export_timeout_s)
+            except concurrent.futures.TimeoutError:
+                save.stuck = True
+                return f"the optimizer's background export did not fill within {self.export_timeout_s:g} s"
+            if exc is not None:
+                return f"{EXPORT_FAILED_LINE}: {first_line(exc, named=True)}"
+        return None
+
+    def _agree(self, failure: str | None) -> list[str]:
+        """Every rank's refusal (``line (rank N)``), gathered on the stager's group; empty when none refused."""
+        if self._group is None:  # one process (_join_ranks made a group wherever there are more)
+            return [] if failure is None else [f"{failure} (rank {self._rank()})"]
+        lines: list[str | None] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(lines, failure, group=self._group)
+        return [f"{line} (rank {rank})" for rank, line in enumerate(lines) if line is not None]
+
+    def _rank(self) -> int:
+        """This process's rank in the agreement's group (the ranks the refusal names)."""
+        return dist.get_rank(self._group) if dist.is_initialized() else 0
