@@ -21,7 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +35,13 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse  # torch >= 2.9
 
 from optim_factory.checkpoint._budget import budget_planner, one_line_refusal
-from optim_factory.checkpoint._deferral import export_buffer_test, export_failure, release_export
+from optim_factory.checkpoint._deferral import (
+    deferred_export,
+    defers_export,
+    export_buffer_test,
+    export_failure,
+    release_export,
+)
 from optim_factory.checkpoint._finite_check import NON_FINITE_LINE, FiniteCheck
 from optim_factory.checkpoint._gated_writer import GatedWriter
 from optim_factory.checkpoint._host_copies import HostCopies
@@ -212,7 +218,7 @@ class AsyncSaveStager(AsyncStager):
             self._gate_next = self._gate_next and not dcp_kwargs.get("no_dist", False)
             if self._gate_next:
                 dcp_kwargs["storage_writer"] = GatedWriter(writer, self._open_gate)
-            with self.exporting():  # DCP exports a Stateful optimizer inside
+            with self.exporting(defer=False):  # DCP exports a Stateful optimizer inside
                 response = dcp.async_save(
                     state_dict, async_stager=self, async_checkpointer_type=AsyncCheckpointerType.THREAD, **dcp_kwargs
                 )
@@ -227,10 +233,21 @@ class AsyncSaveStager(AsyncStager):
         response.upload_completion.add_done_callback(lambda done: self._uploaded(save, done))
         return AsyncSaveResponse(staging_completion=save.filled, upload_completion=save.upload)
 
-    def exporting(self) -> contextlib.AbstractContextManager:
-        """``with stager.exporting(): sd = get_state_dict(model, opt)``: an export within the optimizer's host budget,
-        filled as the save writes it (:meth:`async_save` exports a ``Stateful`` inside it itself); else no effect."""
-        return contextlib.nullcontext() if self._budget is None else self._budget.exporting()
+    @contextlib.contextmanager
+    def exporting(self, *, defer: bool = True) -> Iterator[None]:
+        """``with stager.exporting(): sd = get_state_dict(model, opt)``: the export of a save through this stager,
+        the one block a checkpointer writes around it. A background export into pooled buffers (``defers_export``)
+        returns unfilled, so that the next forward and backward overlap it (``defer=False``: it is filled when the
+        export returns); the staging's completion and the next ``step()`` wait for it. An export within the host
+        budget holds placeholders, filled as the save writes them. :meth:`async_save` exports a ``Stateful`` inside
+        it itself (within the budget; deferred only inside the caller's block)."""
+        with contextlib.ExitStack() as stack:
+            if self._budget is not None:
+                stack.enter_context(self._budget.exporting())
+            for opt in self.optimizers if defer else ():
+                if defers_export(opt):
+                    stack.enter_context(deferred_export(opt))
+            yield
 
     def wait_staged(self) -> None:
         """Block until the last staged save's copies are done and its exports filled; the next ``step()`` may run."""

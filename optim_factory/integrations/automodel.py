@@ -31,7 +31,6 @@ Automodel's checkpoint package (and transformers); the rest of optim_factory nev
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 from typing import Any
@@ -45,8 +44,6 @@ from optim_factory.checkpoint import (
     ExactLoadPlanner,
     SafeFileSystemReader,
     SafeLoadPlanner,
-    deferred_export,
-    defers_export,
     host_budget,
 )
 from optim_factory.integrations import framework_import_error
@@ -111,11 +108,7 @@ class Checkpointer(AutomodelCheckpointer):
         if not (self.config.is_async or self._budgeted):
             return super().save_optimizer(optimizer, model, weights_path, *args, **kwargs)
         stager = self._stager(OPTIM_DIR, optimizers)
-        with contextlib.ExitStack() as deferred:  # waited for by maybe_wait_for_staging() (and by step())
-            deferred.enter_context(stager.exporting())  # within a host budget: the stager fills what it writes
-            for opt in optimizers:
-                if defers_export(opt):
-                    deferred.enter_context(deferred_export(opt))
+        with stager.exporting():  # deferred: waited for by maybe_wait_for_staging() (and by step())
             super().save_optimizer(optimizer, model, weights_path, *args, **kwargs)
 
     def _do_save(self, state_dict: dict[str, Any], path: str, storage_writer=None):

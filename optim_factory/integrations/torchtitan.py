@@ -49,7 +49,6 @@ Importing this module imports torchtitan; the rest of optim_factory never does.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -62,8 +61,6 @@ from optim_factory.checkpoint import (
     AsyncSaveStager,
     ExactLoadPlanner,
     SafeFileSystemReader,
-    deferred_export,
-    defers_export,
     host_budget,
 )
 from optim_factory.integrations import framework_import_error
@@ -171,10 +168,7 @@ class CheckpointManager(TitanCheckpointManager):
             response.upload_completion.result()
             return None
         staged_later = async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM  # the caller waits before the next step
-        with contextlib.ExitStack() as deferred:
-            for opt in self.stager.optimizers:
-                if staged_later and defers_export(opt):
-                    deferred.enter_context(deferred_export(opt))
+        with self.stager.exporting(defer=staged_later):
             response = self.stager.async_save(state_dict, checkpoint_id=checkpoint_id, process_group=self.pg)
         if staged_later:
             return response  # torchtitan keeps both completions: maybe_wait_for_staging, maybe_wait_for_saving

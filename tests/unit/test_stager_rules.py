@@ -120,3 +120,26 @@ def test_copies_at_the_start_beyond_the_budget_are_refused_in_one_line_naming_th
     one_step(model, opt)
     assert not list(tmp_path.glob("ck/*.distcp"))
     stager.close()
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_the_stager_s_exporting_block_defers_a_background_export_into_pooled_buffers(tmp_path, defer):
+    """``with stager.exporting():`` is the one block around a save's export: a background export into pooled
+    buffers returns unfilled there (``defer=False``: filled when it returns), and the save writes what the export
+    holds, the same either way."""
+    from tests.helpers import record_exports
+    from tests.unit.saves import assert_checkpoint, expected_tensors
+
+    model = make_model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    stager = AsyncSaveStager(opt)
+    train(model, opt, 1)
+    expected = expected_tensors(model, opt)
+    exports = record_exports(opt)
+    with stager.exporting(defer=defer):
+        msd, osd = get_state_dict(model, opt)
+    assert [pending for _, pending in exports] == [defer]
+    stager.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    stager.wait()
+    assert_checkpoint(tmp_path / "ck", expected)
+    stager.close()
