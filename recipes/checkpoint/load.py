@@ -120,15 +120,17 @@ class Loader:
     def load(self, path: Path, model, optimizer, trainer_state: dict[str, Any]) -> dict[str, Any]:
         """Load ``path`` into model, optimizer and a copy of ``trainer_state``; return the loaded trainer state.
 
-        A config change that ``recipes.checkpoint.resume.RESUME_RULES`` refuses raises first (one line); the
-        checkpoint is then verified (:meth:`verify`). DCP reads into host copies of the state dicts; only a
+        The manifest is read once (its own hash, with ``checkpoint.key_env`` its MAC, checked); a config change that
+        ``recipes.checkpoint.resume.RESUME_RULES`` refuses raises first (one line); the checkpoint is then verified
+        against it (:meth:`verify`). DCP reads into host copies of the state dicts; only a
         complete read is set into the live model and optimizer, so a damaged or mismatched checkpoint leaves the
         model and the optimizer's values untouched. The optimizer's states exist from here on: our classes create
         them by ``initialize_states()`` (zeros, the master from the parameter, step 0) before the template; for
         another optimizer DCP creates them by a step on zero gradients.
         """
-        changes = resume.check_config(path, self.run_config, self.key)  # a refused change: one line, nothing read yet
-        self.verify(path)
+        manifest = read_manifest(path, self.key)
+        changes = resume.check_config(path, manifest, self.run_config)  # a refused change: one line, nothing read yet
+        self.verify(path, manifest)
         prepare_load(optimizer)  # else DCP's template makes the states by a step on zero gradients (allocated)
         msd, osd = get_state_dict(model, optimizer, options=self.options)
         copies = HostCopies(pinned=False)  # DCP reads into these; the live state is written after a complete read
@@ -152,15 +154,14 @@ class Loader:
         self.resume_changes = changes  # logged by the caller once it accepts them (resume.log_changes)
         return state["trainer"]
 
-    def verify(self, path: Path) -> None:
-        """Check ``path`` against its manifest: every file present, with the recorded size and hash.
+    def verify(self, path: Path, manifest: dict[str, Any]) -> None:
+        """Check ``path`` against its ``manifest``: every file present, with the recorded size and hash.
 
         The files (sorted by name) are dealt out to the ranks round-robin, so each byte is read once by one
         rank whatever the world size (the checkpoint's files do not depend on it); the verdicts are shared
         (one collective), so all ranks raise the same CheckpointError or none does. A checkpoint
         written before checksums were recorded (no ``files`` in its manifest) is loaded with a warning.
         """
-        manifest = read_manifest(path, self.key)
         files = manifest.get("files")
         problem = None
         named = STEP_DIR.match(Path(path).name)

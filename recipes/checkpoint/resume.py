@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from optim_factory.tree import leaves
-from recipes.checkpoint.layout import CheckpointError, read_manifest
+from recipes.checkpoint.layout import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -185,13 +185,12 @@ def compare(saved: dict[str, Any], run: dict[str, Any]) -> list[Change]:
     return changes
 
 
-def check_config(path: Path, run_config: dict[str, Any] | None, key: bytes | None = None) -> list[Change]:
-    """Compare ``run_config`` with the config in checkpoint ``path``'s manifest: raise one :class:`ResumeRefused`
-    line for a refused change, else return the changes (not yet logged). Reads only the manifest (with ``key``,
-    ``checkpoint.key_env``'s, only once its MAC verifies)."""
+def check_config(path: Path, manifest: dict[str, Any], run_config: dict[str, Any] | None) -> list[Change]:
+    """Compare ``run_config`` with the config in checkpoint ``path``'s ``manifest`` (``layout.read_manifest``'s):
+    raise one :class:`ResumeRefused` line for a refused change, else return the changes (not yet logged)."""
     if run_config is None:
         return []
-    saved = read_manifest(path, key).get("config")
+    saved = manifest.get("config")
     if not isinstance(saved, dict):
         log.warning(
             "checkpoint %s has no config in its manifest (written before it was recorded): resuming "

@@ -399,3 +399,14 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
         _run(tmp_path, "optim.lr=1e39", "checkpoint.every_steps=1", "trainer.max_steps=5")
     assert str(info.value).startswith("not saving step 1: the model or optimizer state holds non-finite values")
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [".lock"]  # the run's lock only
+
+
+def test_a_resume_reads_each_candidate_s_manifest_once(run_dir, monkeypatch):
+    """The config check and the verification share the manifest the load read (its hash checked once)."""
+    from recipes.checkpoint import load
+
+    reads = []
+    real = load.read_manifest
+    monkeypatch.setattr(load, "read_manifest", lambda path, key=None: reads.append(path) or real(path, key))
+    _run(run_dir, "trainer.max_steps=25")
+    assert reads == [run_dir / "checkpoints" / STEP20]
