@@ -237,6 +237,8 @@ def _loop(cfg: DictConfig, env, model, optimizer, data, device, base_lrs, ckpt, 
             if ckpt.due(done, end) or (stopping and cfg.checkpoint.enabled):
                 state = {"step": done, "data_position": done, "world_size": world, "rng_state": torch.get_rng_state()}
                 ckpt.saver.save(done, model, optimizer, state)
+                # a signal during the save: this save is the stop's checkpoint (no further step, no second save)
+                stopping = stopping or stop.should_stop(world)[0]
             if stopping and done < end:  # a stop at the last step is the end of the run
                 stopped_at = done
                 log.warning(
