@@ -53,6 +53,7 @@ def command_line_error(argv: list[str], conf_dir: str) -> str | None:
     - A key or config group given twice (Hydra keeps the last).
     - A schema's name (``optim=fused_adam_schema``) picked as a group's option: answered before Hydra composes,
       with the group's options.
+    - A ``-m`` launcher's required key left unset (:func:`missing_launcher_keys_error`).
 
     A malformed override is left to Hydra (:func:`config_error_line` words it).
     """
@@ -97,7 +98,7 @@ def command_line_error(argv: list[str], conf_dir: str) -> str | None:
                 return f"{override.input_line}: a config group cannot be removed; pick one of its options: {options}"
             if value is None or (isinstance(value, str) and value.endswith("_schema")):  # null: Hydra's traceback
                 return f"{override.input_line}: no such option; available: {options}"
-    return None
+    return missing_launcher_keys_error(args, conf_dir)
 
 
 def _optional_groups(conf_dir: str) -> set[str]:
@@ -225,3 +226,32 @@ def config_error_line(exc: BaseException, overrides: list[str] = ()) -> str:
         key = getattr(cause, "full_key", None)
         return another_optimizers_line(key, schema) or line
     return first_line(exc)
+
+
+def missing_launcher_keys_error(args: argparse.Namespace, conf_dir: str) -> str | None:
+    """For a ``-m`` sweep (``args``: Hydra's parsed command line): one line naming the keys that the chosen
+    launcher's file in ``conf/hydra/launcher/`` marks required (``???``: the partition and account of
+    ``slurm.yaml``) and that the composed launcher leaves unset, else None. The file's ``???`` does not make Hydra
+    refuse: merged over the plugin's own defaults (``null``) it leaves those, and the launcher would submit (on
+    Slurm: ``sbatch``'s multi-line traceback, or a job sent without an account). A command line that does not
+    compose here is left to Hydra, which reports it."""
+    from hydra import compose, initialize_config_dir
+
+    if not args.multirun or args.config_dir or args.config_name or args.config_path:
+        return None
+    chosen = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("hydra/launcher=")), None)
+    own = Path(conf_dir) / "hydra" / "launcher" / f"{chosen}.yaml"
+    if chosen is None or not own.is_file():
+        return None
+    marked = OmegaConf.load(own)
+    required = [key for key in marked if OmegaConf.is_missing(marked, key)]
+    try:
+        with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
+            launcher = compose("train", overrides=args.overrides, return_hydra_config=True).hydra.launcher
+    except Exception:  # noqa: BLE001  (not this check's to report: Hydra does)
+        return None
+    unset = [key for key in required if OmegaConf.is_missing(launcher, key) or launcher.get(key) is None]
+    if not unset:
+        return None
+    keys = ", ".join(f"hydra.launcher.{key}" for key in unset)
+    return f"hydra/launcher={chosen} requires {keys}: add " + " ".join(f"hydra.launcher.{k}=<{k}>" for k in unset)

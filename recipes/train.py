@@ -31,9 +31,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from optim_factory.checkpoint import host_budget
 from optim_factory.factory import ConfigError, ValidatedOptim, build_optimizer
-from recipes.checkpoint import CheckpointError, CheckpointManager, Saver, first_save_bytes
+from recipes.checkpoint import CheckpointError, CheckpointManager, Saver
 from recipes.checkpoint.checksums import writer_options
-from recipes.checkpoint.resume import log_changes, no_room, nothing_to_do
+from recipes.checkpoint.resume import log_changes, nothing_to_do
 from recipes.command_line import command_line_error, config_error_line, keys_set, shared_run_dir_error
 from recipes.config import register_configs
 from recipes.data import DataError
@@ -122,17 +122,16 @@ def _resume(cfg, ckpt, model, optimizer, end: int, limit: str, record: Path | No
     """(the step training starts at, the checkpoint it resumed from or None): the newest good checkpoint loaded
     into ``model`` and ``optimizer`` with the process RNG, its config changes logged and recorded; refused (and
     this launch's record removed) where a changed key would take effect in no step, or where the run's next save
-    cannot fit (a fresh run's: estimated from the model, ``first_save_bytes``), before the first step."""
+    cannot fit (a fresh run's: estimated from the model, ``first_save_bytes``) or exceeds the optimizer's host
+    budget (``CheckpointManager.check_first_save``), before the first step."""
     template = {"step": 0, "data_position": 0, "world_size": 0, "rng_state": torch.get_rng_state()}
     with _unrecorded_if_refused(record):
         path, state = ckpt.resume(model, optimizer, template) or (None, template)
         start = int(state["step"])
         if start >= end and ckpt.loader.resume_changes:  # keys that would change nothing: refused, nothing recorded
             raise ConfigError(nothing_to_do(start, end, str(path), ckpt.loader.resume_changes, limit))
-        check = start < end and cfg.checkpoint.enabled
-        space = ckpt.saver.first_save_space_problem(first_save_bytes(model)) if check else None
-        if space is not None:
-            raise CheckpointError(no_room(space, path))
+        if start < end and cfg.checkpoint.enabled:  # its space, its host budget
+            ckpt.check_first_save(model, optimizer, template, path)
     if path is None:
         return 0, None
     torch.set_rng_state(state["rng_state"])
@@ -238,6 +237,8 @@ def _loop(cfg: DictConfig, env, model, optimizer, data, device, base_lrs, ckpt, 
             if ckpt.due(done, end) or (stopping and cfg.checkpoint.enabled):
                 state = {"step": done, "data_position": done, "world_size": world, "rng_state": torch.get_rng_state()}
                 ckpt.saver.save(done, model, optimizer, state)
+                # a signal during the save: this save is the stop's checkpoint (no further step, no second save)
+                stopping = stopping or stop.should_stop(world)[0]
             if stopping and done < end:  # a stop at the last step is the end of the run
                 stopped_at = done
                 log.warning(

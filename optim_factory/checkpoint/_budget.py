@@ -30,6 +30,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import WriteItemType
 
+from optim_factory.checkpoint._budget_rule import LeastBudget, least_host_budget, start_copies
 from optim_factory.checkpoint._fills import Fill, SaveFills
 from optim_factory.optimizers.export import local_tensor
 from optim_factory.optimizers.export.host_memory import HostBufferPool
@@ -38,7 +39,9 @@ from optim_factory.tree import leaves, local_tensors
 
 __all__ = [
     "BudgetSavePlanner",
+    "LeastBudget",
     "budget_planner",
+    "least_host_budget",
     "host_budget",
     "refuse_writer",
     "one_line_refusal",
@@ -193,27 +196,14 @@ class BudgetSavePlanner(DefaultSavePlanner):
 
     def _copy_early(self, state_dict: Any) -> dict[int, torch.Tensor]:
         """An async save's host copies, made now, of the tensors that the optimizer's ``step()`` does not change
-        (a buffer, the next forward may change; another optimizer's state; a trainer's tensor): only the
-        optimizer's parameters and states are filled later, and ``step()`` waits for those fills. By the identity
-        of the local tensor (a DTensor's ``_local_tensor``: the object the planner finds again), refused before any
-        copy when they exceed the budget."""
-        params = self.optimizer.param_groups
-        stepped = {local_tensor(p).untyped_storage().data_ptr() for g in params for p in g["params"]}
-        early = {
-            id(t): t
-            for t in (local_tensor(v) for _, v in leaves(state_dict) if isinstance(v, torch.Tensor))
-            if not t.is_meta and t.untyped_storage().data_ptr() not in stepped
-        }
-        nbytes = sum(t.numel() * t.element_size() for t in early.values())
-        if nbytes + self.kept_bytes > self.limit:  # the last save's buffers go first
+        (:func:`least_host_budget`): refused before any copy when they and the largest tensor the save fills
+        exceed the budget."""
+        early, least = start_copies(self.optimizer, state_dict)
+        if least.early + self.kept_bytes > self.limit:  # the last save's buffers go first
             self.drop_kept()
-        if nbytes > self.limit:
-            largest = max((math.prod(i.dst.shape) * i.dst.dtype.itemsize for i in self._items), default=0)
-            raise ValueError(
-                f"state_dict_offload_host_budget={self.limit}: the tensors the optimizer's step() does not change "
-                f"(buffers, other states), copied when the save starts, take {nbytes} bytes, and the largest state "
-                f"{largest}: a budget of at least {nbytes + largest}"
-            )
+        refusal = least.refusal(self.limit)
+        if refusal is not None:
+            raise refusal
         return {key: t.detach().to("cpu", copy=True) for key, t in early.items()}
 
     def _early_bytes(self) -> int:

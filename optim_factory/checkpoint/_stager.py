@@ -23,7 +23,6 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse  # torch >= 2.9
 
+from optim_factory.checkpoint._agreement import agree, rank_in
 from optim_factory.checkpoint._budget import budget_planner, one_line_refusal
 from optim_factory.checkpoint._deferral import (
     deferred_export,
@@ -45,6 +45,7 @@ from optim_factory.checkpoint._deferral import (
 from optim_factory.checkpoint._finite_check import NON_FINITE_LINE, FiniteCheck
 from optim_factory.checkpoint._gated_writer import GatedWriter
 from optim_factory.checkpoint._host_copies import HostCopies
+from optim_factory.checkpoint._record import StagedSave
 from optim_factory.errors import SaveRefused, first_line
 
 __all__ = ["AsyncSaveStager", "SaveRefused", "DEFAULT_EXPORT_TIMEOUT_S", "EXPORT_FAILED_LINE", "NON_FINITE_LINE"]
@@ -58,20 +59,6 @@ EXPORT_FAILED_LINE = "the optimizer's background export failed"
 
 Check = Callable[[dict[str, Any]], "str | None"]
 _OWN_OPTIONS = {"refuse_non_finite", "check", "pinned", "export_timeout_s"}  # the constructor's, never DCP's
-
-
-@dataclass
-class _Save:
-    """One staged save: the caller's state dict (its export buffers go back once written), completions, upload."""
-
-    state_dict: dict[str, Any]
-    filled: Future = field(default_factory=Future)  # the copies are done and the exports filled (or failed)
-    staged: Future = field(default_factory=Future)  # handed to DCP: the staged dict, or SaveRefused on every rank
-    verdict: Future = field(default_factory=Future)  # this rank's refusal line, or None (GatedWriter's gate waits)
-    refused: SaveRefused | None = None  # gated: the ranks' refusal, raised by the write
-    upload: Future | None = None  # DCP's upload, when the save was started by AsyncSaveStager.async_save
-    over: threading.Event = field(default_factory=threading.Event)  # written or failed, and its buffers given back
-    stuck: bool = False  # an export did not fill in time: its buffers stay with it
 
 
 class AsyncSaveStager(AsyncStager):
@@ -123,7 +110,7 @@ class AsyncSaveStager(AsyncStager):
         self._check_streams: dict[torch.device, Any] = {}  # the finite check's side stream per device
         self._group = process_group
         self._own_group = False
-        self._save: _Save | None = None
+        self._save: StagedSave | None = None
         self._closed = False
         self._gate_next = False  # async_save's staging: the write waits at a GatedWriter for the verdict
         self._budget_save = False  # inside async_save: a budgeted save's planner and writer are the stager's
@@ -137,7 +124,7 @@ class AsyncSaveStager(AsyncStager):
         self._join_ranks()
         self._end_previous()
         gated, self._gate_next = self._gate_next, False
-        save = self._save = _Save(state_dict)
+        save = self._save = StagedSave(state_dict)
         tests = [(opt, test) for opt, test in zip(self.optimizers, map(export_buffer_test, self.optimizers)) if test]
 
         def exported_by(t: torch.Tensor) -> torch.optim.Optimizer | None:
@@ -305,13 +292,13 @@ class AsyncSaveStager(AsyncStager):
         elif save.staged.done():
             self._give_back(save)
 
-    def _uploaded(self, save: _Save, done: Future) -> None:
+    def _uploaded(self, save: StagedSave, done: Future) -> None:
         """DCP's upload is over (a gated one may fail in planning, before the fill): once this rank's verdict is in,
         the buffers go back (not those of an export that never filled), then ``upload_completion`` completes with
         DCP's outcome (a gated refusal as :class:`SaveRefused`, not the ``CheckpointException`` DCP wraps it in)."""
         save.verdict.add_done_callback(lambda _: self._upload_over(save, done))
 
-    def _upload_over(self, save: _Save, done: Future) -> None:
+    def _upload_over(self, save: StagedSave, done: Future) -> None:
         self._give_back(save)
         failure = done.exception()
         if isinstance(failure, CheckpointException):  # a budget's refusal as its one line
@@ -326,14 +313,14 @@ class AsyncSaveStager(AsyncStager):
         rank's verdict, then every rank's; a refusal raises :class:`SaveRefused` on every rank."""
         save = self._save
         try:
-            refusals = self._agree(save.verdict.result())
+            refusals = agree(save.verdict.result(), self._group)
         except BaseException as exc:  # noqa: BLE001
-            refusals = [f"{first_line(exc, named=True)} (rank {self._rank()})"]
+            refusals = [f"{first_line(exc, named=True)} (rank {rank_in(self._group)})"]
         if refusals:
             save.refused = SaveRefused(refusals)
             raise save.refused
 
-    def _give_back(self, save: _Save) -> None:
+    def _give_back(self, save: StagedSave) -> None:
         if not save.over.is_set():
             if self._budget is not None:
                 self._budget.end()
@@ -344,7 +331,7 @@ class AsyncSaveStager(AsyncStager):
 
     def _complete(
         self,
-        save: _Save,
+        save: StagedSave,
         staged: dict,
         copied: Callable[[], None],
         finite: FiniteCheck | None,
@@ -385,15 +372,15 @@ class AsyncSaveStager(AsyncStager):
         if gated:
             return
         try:
-            refusals = self._agree(failure)
+            refusals = agree(failure, self._group)
         except BaseException as exc:  # noqa: BLE001
-            refusals = [f"{first_line(exc, named=True)} (rank {self._rank()})"]
+            refusals = [f"{first_line(exc, named=True)} (rank {rank_in(self._group)})"]
         if refusals:
             save.staged.set_exception(SaveRefused(refusals))
         else:
             save.staged.set_result(staged)
 
-    def _export_failure(self, save: _Save) -> str | None:
+    def _export_failure(self, save: StagedSave) -> str | None:
         for opt in self.optimizers:
             try:
                 exc = export_failure(opt, timeout=self.export_timeout_s)
@@ -403,15 +390,3 @@ class AsyncSaveStager(AsyncStager):
             if exc is not None:
                 return f"{EXPORT_FAILED_LINE}: {first_line(exc, named=True)}"
         return None
-
-    def _agree(self, failure: str | None) -> list[str]:
-        """Every rank's refusal (``line (rank N)``), gathered on the stager's group; empty when none refused."""
-        if self._group is None:  # one process (_join_ranks made a group wherever there are more)
-            return [] if failure is None else [f"{failure} (rank {self._rank()})"]
-        lines: list[str | None] = [None] * dist.get_world_size(self._group)
-        dist.all_gather_object(lines, failure, group=self._group)
-        return [f"{line} (rank {rank})" for rank, line in enumerate(lines) if line is not None]
-
-    def _rank(self) -> int:
-        """This process's rank in the agreement's group (the ranks the refusal names)."""
-        return dist.get_rank(self._group) if dist.is_initialized() else 0

@@ -3,7 +3,8 @@
 ``keep_last``) and a :class:`~recipes.checkpoint.load.Loader` (``manager.loader``: the resume), each given its
 inputs; the checkpoint a load verified is handed to the saver (:meth:`CheckpointManager.resume`,
 :meth:`CheckpointManager.load`), which never deletes it and names it in its refusals. The run calls the saver and
-the loader directly; the manager only builds them, hands the loaded checkpoint over and closes."""
+the loader directly; the manager builds them, hands the loaded checkpoint over, checks the run's next save before
+its first step (:meth:`CheckpointManager.check_first_save`) and closes."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from optim_factory.checkpoint import host_budget, least_host_budget, release_export
 from recipes.checkpoint.checksums import writer_threads
-from recipes.checkpoint.layout import complete
+from recipes.checkpoint.layout import CheckpointError, complete, first_save_bytes
 from recipes.checkpoint.load import Loader
+from recipes.checkpoint.resume import no_room
 from recipes.checkpoint.save import Saver
+from recipes.distributed import all_ranks
 
 
 class CheckpointManager:
@@ -80,6 +84,29 @@ class CheckpointManager:
         state = self.loader.load(path, model, optimizer, trainer_state)
         self.saver.verified = Path(path)
         return state
+
+    def check_first_save(self, model, optimizer, trainer_state: dict[str, Any], resumed_from: Path | None) -> None:
+        """Every rank, before the first step of a run that saves: a ``CheckpointError`` when its next save cannot
+        fit in ``checkpoint.dir`` (``Saver.first_save_space_problem``), and the optimizer's ``ConfigError`` naming
+        ``optim.state_dict_offload_host_budget=<bytes>`` and the least budget when that budget is below what its
+        saves hold at their start (``optim_factory.checkpoint.least_host_budget`` of the save's own export,
+        the largest of every rank's). A fresh optimizer's states are created first (``initialize_states``: those
+        of its first ``step()``), which its export needs."""
+        space = self.saver.first_save_space_problem(first_save_bytes(model))
+        if space is not None:
+            raise CheckpointError(no_room(space, resumed_from))
+        limit = host_budget(optimizer)
+        if limit is None:
+            return
+        optimizer.initialize_states()
+        msd, osd, *_ = self.saver.export(model, optimizer, deferred=False)  # placeholders: no memory
+        try:
+            least = least_host_budget(optimizer, {"model": msd, "optim": osd, "trainer": trainer_state})
+        finally:
+            release_export(optimizer, osd)
+        refusal = max(all_ranks(least), key=lambda rank: rank.nbytes).refusal(limit)
+        if refusal is not None:
+            raise refusal.under("optim.")
 
     def complete(self) -> list[tuple[int, Path]]:
         """(step, path) of the complete checkpoints in ``checkpoint.dir``, by step."""

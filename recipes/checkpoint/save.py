@@ -150,7 +150,7 @@ class Saver:
         the same path (a rank with nothing to stream has no export pending)."""
         return self.waits_before_step and self.cfg.async_save and defers_export(optimizer)
 
-    def _export(self, model, optimizer, deferred: bool) -> tuple[dict, dict, float, float | None, str | None]:
+    def export(self, model, optimizer, deferred: bool) -> tuple[dict, dict, float, float | None, str | None]:
         """(model sd, optimizer sd, export seconds, GPU peak MiB, a background export's failure in one line or None);
         ``deferred``: the seconds and the peak of the export call, which returns before the export is filled."""
         on_cuda = self.device.type == "cuda"
@@ -181,7 +181,7 @@ class Saver:
         held_since = time.perf_counter()  # this checkpoint holds the loop from here (the wait above: the previous)
         path = self.root / f"step_{step:08d}"
         deferred = self.defers(optimizer)
-        msd, osd, export_s, peak, export_error = self._export(model, optimizer, deferred)
+        msd, osd, export_s, peak, export_error = self.export(model, optimizer, deferred)
         try:
             self.on_phase("export", step, path)
             live = list(optimizer.state.values()) if host_budget(optimizer) else []  # checked for placeholders

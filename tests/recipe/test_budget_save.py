@@ -1,6 +1,7 @@
 """The recipe's saves within a host budget (``optim.state_dict_offload_host_budget``): sync and async checkpoints,
 streamed or of saves that fit the budget whole, equal an unbudgeted run's bitwise, and kill -9 inside a streamed
-save leaves the previous checkpoint for an exact resume (``tests/fault/fault_injection.py``)."""
+save leaves the previous checkpoint for an exact resume (``tests/fault/fault_injection.py``); a budget below what
+a save holds at its start is refused before the first step, in one line naming the override and the least budget."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import random
 import pytest
 import torch
 
+from optim_factory.errors import ConfigError
 from recipes.checkpoint import read_checkpoint
 from recipes.train import compose_config, train
 from tests.fault import fault_injection
@@ -47,6 +49,24 @@ def test_checkpoints_within_the_budget_equal_unbudgeted_ones_bitwise(tmp_path, c
             for key, value in plain.items():
                 same = torch.equal(value, within[key]) if isinstance(value, torch.Tensor) else value == within[key]
                 assert same, (name, step, key)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_budget_below_the_copies_at_a_save_s_start_is_refused_before_the_first_step(tmp_path, mode):
+    """2 KiB (two chunks of 1 KiB: the config's own minimum) cannot hold the copies a save makes at its start (the
+    RNG state, 5056 bytes) and the largest tensor it fills: refused before any step, sync and async alike, in the
+    optimizer's line naming the override and the least budget; no checkpoint, no step record."""
+    small = [*BUDGET[:1], "optim.state_dict_offload_chunk_bytes=1KiB", "optim.state_dict_offload_host_budget=2KiB"]
+    run_dir = tmp_path / mode
+    with pytest.raises(ConfigError) as info:
+        train(compose_config([*QUICK, f"run_dir={run_dir}", *small, f"checkpoint.async_save={mode == 'async'}"]))
+    line = str(info.value)
+    assert line.startswith("optim.state_dict_offload_host_budget=2048: the tensors the optimizer's step() does not")
+    assert "take 5056 bytes, and the largest tensor it fills" in line and "\n" not in line, line
+    assert int(line.rsplit("a budget of at least ", 1)[1]) > 5056, line
+    assert not list((run_dir / "checkpoints").glob("step_*"))
+    metrics = run_dir / "metrics.jsonl"
+    assert not metrics.exists() or '"kind": "train"' not in metrics.read_text()
 
 
 @pytest.mark.slow  # forked trainers

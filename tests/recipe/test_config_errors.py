@@ -157,6 +157,26 @@ def test_every_config_error_is_one_line_with_exit_code_2(args, line, tmp_path):
 
 
 @pytest.mark.parametrize(
+    "given,unset",
+    [
+        ([], ["partition", "account"]),
+        (["hydra.launcher.partition=debug"], ["account"]),
+    ],
+    ids=["neither", "no-account"],
+)
+def test_a_slurm_sweep_without_the_keys_its_launcher_marks_required_is_refused_before_submitting(
+    given, unset, tmp_path
+):
+    """conf/hydra/launcher/slurm.yaml marks partition and account ``???``; Hydra merges them over the plugin's
+    ``null`` and would submit. Refused in one line naming the overrides to add, exit 2, before any submission."""
+    keys = ", ".join(f"hydra.launcher.{k}" for k in unset)
+    add = " ".join(f"hydra.launcher.{k}=<{k}>" for k in unset)
+    line = refused(cli("-m", "hydra/launcher=slurm", *given, *QUICK, f"run_dir={tmp_path / 'run'}"))
+    assert line == f"hydra/launcher=slurm requires {keys}: add {add}", line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
     "overrides,line",
     [
         (  # accepted, it would train without updating a weight (the loss stays where it starts, accuracy 0)

@@ -1,0 +1,24 @@
+"""One async save through ``AsyncSaveStager``: its record, from the staging to the buffers given back."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from optim_factory.errors import SaveRefused
+
+
+@dataclass
+class StagedSave:
+    """One staged save: the caller's state dict (its export buffers go back once written), completions, upload."""
+
+    state_dict: dict[str, Any]
+    filled: Future = field(default_factory=Future)  # the copies are done and the exports filled (or failed)
+    staged: Future = field(default_factory=Future)  # handed to DCP: the staged dict, or SaveRefused on every rank
+    verdict: Future = field(default_factory=Future)  # this rank's refusal line, or None (GatedWriter's gate waits)
+    refused: SaveRefused | None = None  # gated: the ranks' refusal, raised by the write
+    upload: Future | None = None  # DCP's upload, when the save was started by AsyncSaveStager.async_save
+    over: threading.Event = field(default_factory=threading.Event)  # written or failed, and its buffers given back
+    stuck: bool = False  # an export did not fill in time: its buffers stay with it
