@@ -30,7 +30,7 @@ from optim_factory.checkpoint._finite_check import NON_FINITE_LINE
 from optim_factory.checkpoint._host_copies import HostCopies
 from optim_factory.checkpoint._load_planner import STATE_NAMES, ExactLoadPlanner, finish_load, prepare_load
 from optim_factory.checkpoint._safe_read import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpoint
-from optim_factory.checkpoint._stager import EXPORT_FAILED_LINE, AsyncSaveStager
+from optim_factory.checkpoint._stager import DEFAULT_EXPORT_TIMEOUT_S, EXPORT_FAILED_LINE, AsyncSaveStager
 from optim_factory.errors import SaveRefused
 from optim_factory.optimizers.export.staging import cpus_per_rank
 
@@ -38,6 +38,7 @@ __all__ = [
     "AsyncSaveStager",
     "SaveRefused",
     "EXPORT_FAILED_LINE",
+    "DEFAULT_EXPORT_TIMEOUT_S",
     "NON_FINITE_LINE",
     "BudgetSavePlanner",
     "host_budget",

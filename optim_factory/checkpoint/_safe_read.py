@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import pathlib
 import pickle
 from typing import Any
@@ -46,9 +47,13 @@ ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),  # where an item lies in which file
     "torch.serialization": frozenset({"_get_layout"}),  # a layout by its name (torch.strided)
     "torch": frozenset({"Size"}),  # and every torch.dtype, torch.layout, torch.memory_format (_torch_constant)
-    "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}),
 }
 """The globals ``.metadata`` may name (module -> names): what DCP's ``FileSystemWriter`` pickles into it."""
+
+PATH_MODULES = ("pathlib", "pathlib._local")  # where a path's class lives (Python 3.13: pathlib._local)
+PATH_CLASSES = frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"})
+"""A path DCP pickles (``StorageMeta.checkpoint_id``) is read as its text: the class is never built, so no state a
+pickle sets on it can make its text differ from the path it names."""
 
 HOW_TO_ALLOW = (
     "to load it deliberately, allow that type with torch.serialization.add_safe_globals([...]) "
@@ -87,6 +92,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in ALLOWED_GLOBALS.get(module, ()) or (module == "torch" and _torch_constant(name)):
             return super().find_class(module, name)
+        if module in PATH_MODULES and name in PATH_CLASSES:
+            return _path_text
         allowed = _user_allowed(module, name)
         if allowed is not None:
             return allowed
@@ -94,6 +101,11 @@ class _MetadataUnpickler(pickle.Unpickler):
             f"{self.where} holds {module}.{name}, which is not one of DCP's metadata types: refused before it runs; "
             f"{HOW_TO_ALLOW}"
         )
+
+
+def _path_text(*parts: Any) -> str:
+    """A pickled path's parts joined as text (POSIX separators)."""
+    return str(pathlib.PurePosixPath(*(str(part) for part in parts)))
 
 
 def read_safe_metadata(path: str | pathlib.Path) -> Metadata:
@@ -107,27 +119,40 @@ def read_safe_metadata(path: str | pathlib.Path) -> Metadata:
 
 
 def _unpickle_metadata(stream, where: str) -> Metadata:
-    metadata = _MetadataUnpickler(stream, where).load()
+    try:
+        metadata = _MetadataUnpickler(stream, where).load()
+    except UnsafeCheckpoint:
+        raise
+    except Exception as exc:  # noqa: BLE001  (a pickle of allowed types that does not build: not DCP's metadata)
+        raise UnsafeCheckpoint(f"{where} is not DCP's metadata ({type(exc).__name__}: {exc}): refused") from None
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpoint(f"{where} holds a {type(metadata).__name__}, not DCP's Metadata")
     return metadata
 
 
-def _escapes(relative: Any) -> bool:
-    """Whether a storage path of the metadata leaves the checkpoint's folder (absolute, or through ``..``)."""
-    text = str(relative)
-    return (
-        pathlib.PurePosixPath(text).is_absolute()
-        or pathlib.PureWindowsPath(text).is_absolute()
-        or ".." in pathlib.PurePosixPath(text.replace("\\", "/")).parts
-    )
+def _escapes(relative: Any, folder: str) -> bool:
+    """Whether a storage path of the metadata leaves the checkpoint's folder: not text, absolute, through ``..``,
+    or (a local folder) a file whose real path, symbolic links followed, is outside the folder's."""
+    if type(relative) is not str:
+        return True
+    if pathlib.PurePosixPath(relative).is_absolute() or pathlib.PureWindowsPath(relative).is_absolute():
+        return True
+    if ".." in pathlib.PurePosixPath(relative.replace("\\", "/")).parts:
+        return True
+    if "://" in folder:
+        return False
+    real = os.path.realpath(folder)
+    return os.path.commonpath([real, os.path.realpath(os.path.join(folder, relative))]) != real
 
 
 def check_item(value: io.BytesIO, where: str) -> None:
     """Refuse a pickled item (DCP's ``BytesIO`` of a non-tensor value) whose unpickling would call a global that
     ``torch.load(weights_only=True)`` does not allow; leaves ``value`` at its start."""
     value.seek(0)
-    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(value)
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(value)
+    except Exception as exc:  # noqa: BLE001  (not a torch.save archive: nothing torch.load reads safely)
+        raise UnsafeCheckpoint(f"{where} is not a torch.save archive ({type(exc).__name__}: {exc}): refused") from None
     value.seek(0)
     if unsafe:
         raise UnsafeCheckpoint(
@@ -198,9 +223,8 @@ class SafeFileSystemReader(FileSystemReader):
         self._check_paths(metadata)
 
     def _check_paths(self, metadata: Metadata) -> None:
-        for stored in (metadata.storage_data or {}).values():
-            relative = getattr(stored, "relative_path", None)
-            if relative is not None and _escapes(relative):
+        for relative in {getattr(stored, "relative_path", None) for stored in (metadata.storage_data or {}).values()}:
+            if _escapes(relative, str(self.path)):
                 raise UnsafeCheckpoint(
                     f"{self.path}/{METADATA_FILE} names the storage path {relative!r}, outside the checkpoint's "
                     "folder: refused"

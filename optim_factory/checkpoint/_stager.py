@@ -42,13 +42,11 @@ from optim_factory.checkpoint._deferral import (
     export_failure,
     release_export,
 )
-from optim_factory.checkpoint._finite_check import NON_FINITE_LINE, FiniteCheck
+from optim_factory.checkpoint._finite_check import FiniteCheck
 from optim_factory.checkpoint._gated_writer import GatedWriter
 from optim_factory.checkpoint._host_copies import HostCopies
 from optim_factory.checkpoint._record import StagedSave
 from optim_factory.errors import SaveRefused, first_line
-
-__all__ = ["AsyncSaveStager", "SaveRefused", "DEFAULT_EXPORT_TIMEOUT_S", "EXPORT_FAILED_LINE", "NON_FINITE_LINE"]
 
 DEFAULT_EXPORT_TIMEOUT_S = 600.0
 """How long a staged save waits for an optimizer's background export to fill (torch's default collective

@@ -152,20 +152,30 @@ class Checkpointer(AutomodelCheckpointer):
             stager = self.stagers[kind] = AsyncSaveStager(optimizers or (), process_group=self._async_groups.get(kind))
         return stager
 
+    def _get_storage_reader(self, model_path: str, *args: Any, **kwargs: Any):
+        # the reader of a model's load: Automodel's for safetensors and HF bases, and for a local DCP folder, where
+        # it gives None (DCP's FileSystemReader, which unpickles .metadata: also its own metadata read,
+        # _get_checkpoint_metadata), ours, which reads it as data
+        reader = super()._get_storage_reader(model_path, *args, **kwargs)
+        return SafeFileSystemReader(model_path) if reader is None and "://" not in str(model_path) else reader
+
     def _do_load(self, state_dict: dict[str, Any], path: str, storage_reader=None, is_init_step: bool = False):
         # Automodel's one DCP read, for the model and the optimizer. A local DCP folder is read as data
         # (SafeFileSystemReader, SafeLoadPlanner: nothing in it runs); the optimizer's states in their saved dtypes
-        # (ExactLoadPlanner), through the caller's storage reader where one is given (any path). The model's
-        # safetensors (a caller's HF reader, PEFT adapters: data already) and remote folders are Automodel's.
-        local = "://" not in str(path)
+        # (ExactLoadPlanner), through the caller's storage reader where one is given (any path: the caller's
+        # reader reads its metadata). The model's safetensors (a caller's HF reader, PEFT adapters: data already)
+        # and remote folders are Automodel's.
+        if storage_reader is None and "://" not in str(path):
+            storage_reader = SafeFileSystemReader(path)
         optimizer = os.path.basename(os.path.normpath(path)) == OPTIM_DIR
         peft = self.config.is_peft and not is_init_step
-        if (storage_reader is None and not local) or (not optimizer and (storage_reader is not None or peft)):
+        ours = isinstance(storage_reader, SafeFileSystemReader)
+        if storage_reader is None or (not optimizer and (peft or not ours)):
             return super()._do_load(state_dict, path, storage_reader, is_init_step)
         group = getattr(self, "process_group", None)
         dcp.load(
             state_dict,
-            storage_reader=storage_reader or SafeFileSystemReader(path),
+            storage_reader=storage_reader,
             planner=ExactLoadPlanner() if optimizer else SafeLoadPlanner(),
             **({"process_group": group} if group is not None else {}),
         )

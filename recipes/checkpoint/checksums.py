@@ -230,7 +230,7 @@ def file_problem(directory: Path, name: str, record: dict[str, Any], key: bytes 
         if KEYED not in record:
             return f"{name}: no keyed digest recorded (not signed with checkpoint.key_env's key)"
         _, digest = file_hash(path, new_keyed(key))
-        if not hmac.compare_digest(digest, str(record[KEYED])):
+        if not hmac.compare_digest(digest.encode(), str(record[KEYED]).encode()):
             return f"{name}: keyed digest mismatch (changed without checkpoint.key_env's key, or signed with another)"
         return None
     _, digest = file_hash(path)
@@ -274,6 +274,6 @@ def manifest_problem(manifest: dict[str, Any], key: bytes | None = None) -> str 
     mac = manifest.get(MANIFEST_MAC)
     if mac is None:
         return "it is not signed (checkpoint.key_env is set: only a checkpoint signed with its key loads)"
-    if not hmac.compare_digest(str(mac), _manifest_mac(manifest, key)):
+    if not hmac.compare_digest(str(mac).encode(), _manifest_mac(manifest, key).encode()):
         return "its MAC does not verify with checkpoint.key_env's key (changed without the key, or signed with another)"
     return None

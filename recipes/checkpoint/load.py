@@ -181,6 +181,8 @@ class Loader:
                     problem = file_problem(Path(path), name, files[name], self.key)
                 except OSError as exc:
                     problem = f"{name}: unreadable ({exc.strerror or exc})"
+                except Exception as exc:  # noqa: BLE001  (a malformed record: every rank must reach the verdicts)
+                    problem = f"{name}: its record cannot be checked ({first_line(exc, named=True)})"
                 if problem:
                     break
         problem = next((v for v in all_ranks(problem) if v), None)

@@ -30,9 +30,20 @@ def assert_same(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
+class WithExtraState(torch.nn.Linear):
+    """A layer with an ``_extra_state`` key, as TE's modules have (Automodel reads the checkpoint's metadata itself
+    for a model with one)."""
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.zeros(1)
+
+    def set_extra_state(self, state) -> None:
+        pass
+
+
 def trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    model = torch.nn.Sequential(WithExtraState(4, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()

@@ -155,3 +155,21 @@ def test_a_key_env_without_its_variable_is_refused_in_one_line(tmp_path, monkeyp
         "that signs and verifies checkpoints; set it on every rank, or drop checkpoint.key_env)"
     )
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("forged", ["a MAC of non-ASCII text", "a file record of the wrong type"])
+def test_a_forged_manifest_is_a_one_line_refusal_not_a_crash(signed_run, forged):
+    """What anyone can write into ``COMPLETE.json`` (its unkeyed hash recomputed) is refused in one line, as damage."""
+    step_dir = signed_run / "checkpoints" / STEP20
+    manifest = json.loads((step_dir / MARKER).read_text())
+    manifest.pop(MANIFEST_DIGEST)
+    if forged == "a MAC of non-ASCII text":
+        manifest[MANIFEST_MAC] = "é" * 64
+        extra, want = [f"checkpoint.key_env={KEY_ENV}"], f"{MARKER}: its MAC does not verify"
+    else:
+        manifest.pop(MANIFEST_MAC)
+        manifest["files"]["__0_0.distcp"]["size"] = "many"
+        extra, want = [], "__0_0.distcp: its record cannot be checked (TypeError: "
+    (step_dir / MARKER).write_text(json.dumps({**manifest, MANIFEST_DIGEST: _digest(manifest)}, sort_keys=True))
+    msg = _refused(signed_run, *extra)
+    assert msg.startswith(f"checkpoint {step_dir} is damaged: {want}"), msg

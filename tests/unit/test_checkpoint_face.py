@@ -44,6 +44,6 @@ def test_the_old_async_save_path_warns_and_gives_the_same_objects():
         old = importlib.import_module("optim_factory.async_save")
     assert [str(w.message) for w in caught if w.category is DeprecationWarning] == [
         "optim_factory.async_save is deprecated and will be removed in the next release: "
-        "import AsyncSaveStager and SaveRefused from optim_factory.checkpoint"
+        "import its names (AsyncSaveStager, SaveRefused ...) from optim_factory.checkpoint"
     ]
-    assert old.AsyncSaveStager is face.AsyncSaveStager and old.SaveRefused is face.SaveRefused
+    assert old.__all__ and all(getattr(old, name) is getattr(face, name) for name in old.__all__)

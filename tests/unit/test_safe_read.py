@@ -153,10 +153,13 @@ def test_a_type_the_user_allows_loads(tmp_path):
     assert target["span"] == slice(1, 5) and torch.equal(target["t"], torch.ones(2))
 
 
-@pytest.mark.parametrize("relative", ["../other/__0_0.distcp", "/etc/passwd"])
+@pytest.mark.parametrize("relative", ["../other/__0_0.distcp", "/etc/passwd", "link.distcp"])
 def test_a_storage_path_outside_the_folder_is_refused(tmp_path, relative):
+    """Through ``..``, absolute, or a file of the folder that is a symbolic link to one outside it."""
     state = {"t": torch.ones(4)}
     save(tmp_path / "ckpt", state)
+    save(tmp_path / "other", state)
+    (tmp_path / "ckpt" / "link.distcp").symlink_to(tmp_path / "other" / "__0_0.distcp")
     move_storage(tmp_path / "ckpt", relative)
     target = {"t": torch.zeros(4)}
     with pytest.raises(UnsafeCheckpoint) as info:
@@ -165,3 +168,44 @@ def test_a_storage_path_outside_the_folder_is_refused(tmp_path, relative):
         f"{tmp_path / 'ckpt'}/.metadata names the storage path {relative!r}, outside the checkpoint's folder: refused"
     )
     assert torch.equal(target["t"], torch.zeros(4))
+
+
+class _ShownAs:
+    """Pickled as a ``PosixPath`` of ``parts`` whose state sets the text it shows: a path built from it would join
+    ``parts`` while ``str()`` shows ``shown``."""
+
+    def __init__(self, parts: tuple, shown: str) -> None:
+        self.parts, self.shown = parts, shown
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.PosixPath, self.parts, (None, {"_str": self.shown}))
+
+
+def test_a_pickled_path_is_read_as_its_text_never_built(tmp_path):
+    """A ``checkpoint_id`` that was a path loads (DCP records it), and a storage path pickled as a path whose state
+    would make its text differ from what it joins to is refused, the file outside the folder never read."""
+    import pathlib
+
+    state = {"t": torch.ones(4)}
+    save(pathlib.Path(tmp_path / "ckpt"), state)  # DCP records the Path in StorageMeta.checkpoint_id
+    target = {"t": torch.zeros(4)}
+    safe_load(target, tmp_path / "ckpt")
+    assert torch.equal(target["t"], torch.ones(4))
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "ckpt" / "__0_0.distcp").rename(tmp_path / "outside" / "__0_0.distcp")
+    move_storage(tmp_path / "ckpt", _ShownAs(("..", "outside", "__0_0.distcp"), "__0_0.distcp"))
+    target = {"t": torch.zeros(4)}
+    with pytest.raises(UnsafeCheckpoint, match=r"\.metadata is not DCP's metadata \(AttributeError: .*\): refused$"):
+        safe_load(target, tmp_path / "ckpt")
+    assert torch.equal(target["t"], torch.zeros(4))
+
+
+def test_an_item_that_is_not_a_torch_save_archive_is_refused(tmp_path):
+    import io
+
+    from optim_factory.checkpoint._safe_read import check_item
+
+    with pytest.raises(UnsafeCheckpoint, match=r"^item x is not a torch.save archive \("):
+        check_item(io.BytesIO(b"not a zip"), "item x")
