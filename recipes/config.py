@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +130,11 @@ class CheckpointConfig:
             raise CheckpointError(f"checkpoint.keep_last={self.keep_last}: must be >= 0 (0 keeps all)")
         if self.write_threads < 0:
             raise CheckpointError(f"checkpoint.write_threads={self.write_threads}: must be >= 0 (0: automatic)")
+        if self.key_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.key_env):  # never echo: it may be a key
+            raise CheckpointError(
+                "checkpoint.key_env: expected the name of an environment variable (letters, digits, _), which holds "
+                "the key: checkpoint.key_env=NAME, not its value"
+            )
         if not self.enabled and self.resume not in ("auto", "never"):  # nothing would read it
             raise CheckpointError(
                 f"checkpoint.resume={self.resume!r} with checkpoint.enabled=false: nothing would be loaded; "

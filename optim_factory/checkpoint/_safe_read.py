@@ -56,7 +56,7 @@ PATH_CLASSES = frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PureP
 pickle sets on it can make its text differ from the path it names."""
 
 HOW_TO_ALLOW = (
-    "to load it deliberately, allow that type with torch.serialization.add_safe_globals([...]) "
+    "a type of your own that you trust loads once you allow it with torch.serialization.add_safe_globals([...]) "
     '(docs/reliability.md, "Trust")'
 )
 

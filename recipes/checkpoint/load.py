@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from optim_factory.checkpoint import ExactLoadPlanner, HostCopies, SafeFileSystemReader, finish_load, prepare_load
 from optim_factory.errors import first_line
 from recipes.checkpoint import resume
-from recipes.checkpoint.checksums import file_problem
+from recipes.checkpoint.checksums import MANIFEST_MAC, file_problem
 from recipes.checkpoint.layout import (
     DCP_ERRORS,
     FALLBACK_HINT,
@@ -165,6 +165,10 @@ class Loader:
         files = manifest.get("files")
         problem = None
         named = STEP_DIR.match(Path(path).name)
+        if self.key is None and MANIFEST_MAC in manifest and self.rank == 0:
+            log.warning(
+                "checkpoint %s is signed, but checkpoint.key_env is not set: verified by its XXH3 checksums only", path
+            )
         if named is not None and int(named.group(1)) != manifest.get("step"):
             # renamed: resume=auto and keep_last go by the name, the run by the manifest's step
             problem = f"its name says step {int(named.group(1))}, its {MARKER} step {manifest.get('step')} (renamed?)"

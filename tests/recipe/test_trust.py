@@ -5,6 +5,7 @@ every unkeyed hash (the files' XXH3 and the manifest's own)."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import warnings
 
@@ -173,3 +174,21 @@ def test_a_forged_manifest_is_a_one_line_refusal_not_a_crash(signed_run, forged)
     (step_dir / MARKER).write_text(json.dumps({**manifest, MANIFEST_DIGEST: _digest(manifest)}, sort_keys=True))
     msg = _refused(signed_run, *extra)
     assert msg.startswith(f"checkpoint {step_dir} is damaged: {want}"), msg
+
+
+def test_a_signed_checkpoint_resumed_without_the_key_says_it_is_verified_by_checksums_only(signed_run, caplog):
+    with caplog.at_level(logging.WARNING, logger="recipes.checkpoint"):
+        _run(signed_run, "trainer.max_steps=25")
+    step_dir = signed_run / "checkpoints" / STEP20
+    assert f"checkpoint {step_dir} is signed, but checkpoint.key_env is not set: verified by its XXH3" in caplog.text
+
+
+@pytest.mark.parametrize("typed", ["$SECRET-VALUE", "my key", "a/b"])
+def test_a_key_env_that_is_not_a_variable_name_is_refused_without_echoing_it(tmp_path, typed):
+    """``checkpoint.key_env=$KEY`` unquoted puts the key itself on the command line: the refusal never repeats it."""
+    line = refused(cli(*QUICK, f"run_dir={tmp_path / 'run'}", f"checkpoint.key_env={typed!r}"))
+    assert line == (
+        "checkpoint.key_env: expected the name of an environment variable (letters, digits, _), which holds the key: "
+        "checkpoint.key_env=NAME, not its value"
+    )
+    assert typed not in line

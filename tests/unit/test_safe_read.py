@@ -18,7 +18,7 @@ from tests.planted import RunsACommand, move_storage, plant_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-HOW = "to load it deliberately, allow that type with torch.serialization.add_safe_globals"
+HOW = "a type of your own that you trust loads once you allow it with torch.serialization.add_safe_globals"
 
 
 def values() -> dict:
