@@ -6,8 +6,8 @@ DCP's ``FileSystemReader.read_metadata`` reads ``.metadata`` with ``pickle.load`
 reads every non-tensor item with ``torch.load(weights_only=False)``: whoever can write into a checkpoint's folder
 can make a load run their code. :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner` read the same files
 without running anything: a global that is not on the allow-list is refused, before it is called, by
-:class:`UnsafeCheckpoint`, one line naming the file (or item) and the type it holds. The reader checks every pickled
-item before it reads any tensor, so a refused checkpoint changes nothing of what it was loaded into.
+:class:`UnsafeCheckpoint`, one line naming the file (or item) and the type it holds. Each rank's reader checks every
+pickled item it reads before it reads any tensor, so a rank that refuses changes nothing of what it loads into.
 
 The allow-list of ``.metadata`` is DCP's metadata types (torch 2.11-2.15), ``torch.Size``, dtypes, layouts and
 paths; that of an item is ``torch.load``'s ``weights_only`` one. Both take the types a user allows deliberately
@@ -63,7 +63,7 @@ HOW_TO_ALLOW = (
 
 class UnsafeCheckpoint(ValueError):
     """A checkpoint refused because reading it would run code or reach outside its folder: one line naming the file
-    or item and what it holds. Nothing of it was called, and nothing was read into the state dict."""
+    or item and what it holds. Nothing of it was called, and the refusing rank read nothing into its state dict."""
 
 
 def _torch_constant(name: str) -> bool:
@@ -106,16 +106,6 @@ class _MetadataUnpickler(pickle.Unpickler):
 def _path_text(*parts: Any) -> str:
     """A pickled path's parts joined as text (POSIX separators)."""
     return str(pathlib.PurePosixPath(*(str(part) for part in parts)))
-
-
-def read_safe_metadata(path: str | pathlib.Path) -> Metadata:
-    """``.metadata`` of the checkpoint folder ``path`` (or that file itself) through the allow-list: DCP's
-    ``Metadata``, or :class:`UnsafeCheckpoint`."""
-    path = pathlib.Path(path)
-    if path.is_dir():
-        path = path / METADATA_FILE
-    with open(path, "rb") as stream:
-        return _unpickle_metadata(stream, str(path))
 
 
 def _unpickle_metadata(stream, where: str) -> Metadata:
