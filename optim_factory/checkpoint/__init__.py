@@ -5,20 +5,22 @@ what its name says, for another optimizer what DCP does without it), in one impo
   uncopied, the model into reused pinned copies, a background export completed, a failed or non-finite save
   refused on every rank before DCP writes: :class:`SaveRefused`, whose reasons start with
   :data:`EXPORT_FAILED_LINE` or :data:`NON_FINITE_LINE`); :class:`BudgetSavePlanner` and :func:`host_budget`, a
-  save within ``state_dict_offload_host_budget``, and :func:`least_host_budget` (:class:`LeastBudget`), the least budget
-  a save needs, for a check before training; :class:`HostCopies`, reusable host copies of a state dict.
+  save within ``state_dict_offload_host_budget`` (its refusals: :class:`BudgetRefused`), and
+  :func:`least_host_budget` (:class:`LeastBudget`), the least budget a save needs, for a check before training;
+  :class:`HostCopies`, reusable host copies of a state dict.
 * Loads: :class:`ExactLoadPlanner` (every optimizer state in its saved dtype, converted exactly),
   :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner` (a checkpoint read as data; refusals:
   :class:`UnsafeCheckpoint`), :func:`prepare_load` and :func:`finish_load` around a load.
 * The deferral of a hand-written async loop: :func:`deferred_export`, :func:`defers_export`,
   :func:`export_failure`, :func:`export_buffer_test`, :func:`release_export`; :func:`cpus_per_rank`.
 
-The modules behind this face are private (``_stager``, ``_budget``, ``_budget_rule``, ``_fills``, ``_gated_writer``,
-``_finite_check``, ``_host_copies``, ``_load_planner``, ``_deferral``, ``_safe_read``): import from here.
+The modules behind this face are private (``_stager``, ``_record``, ``_agreement``, ``_budget``, ``_budget_rule``,
+``_fills``, ``_gated_writer``, ``_finite_check``, ``_host_copies``, ``_load_planner``, ``_deferral``, ``_safe_read``):
+import from here.
 """
 
 from optim_factory.checkpoint._budget import BudgetSavePlanner, host_budget
-from optim_factory.checkpoint._budget_rule import LeastBudget, least_host_budget
+from optim_factory.checkpoint._budget_rule import BudgetRefused, LeastBudget, least_host_budget
 from optim_factory.checkpoint._deferral import (
     deferred_export,
     defers_export,
@@ -42,6 +44,7 @@ __all__ = [
     "NON_FINITE_LINE",
     "BudgetSavePlanner",
     "host_budget",
+    "BudgetRefused",
     "least_host_budget",
     "LeastBudget",
     "HostCopies",

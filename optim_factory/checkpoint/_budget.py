@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from optim_factory.checkpoint._budget_rule import LeastBudget, least_host_budget, start_copies
+from optim_factory.checkpoint._budget_rule import BudgetRefused, LeastBudget, least_host_budget, start_copies
 from optim_factory.checkpoint._fills import Fill, SaveFills
 from optim_factory.optimizers.export import local_tensor
 from optim_factory.optimizers.export.host_memory import HostBufferPool
@@ -52,15 +52,15 @@ _NAME = "BudgetSavePlanner"  # the start of this module's refusals
 
 def budget_planner(optimizers: Any, where: str, checked: bool = False) -> BudgetSavePlanner | None:
     """The planner of ``where``'s async saves (host tensors filled too) for the one optimizer of ``optimizers`` with a
-    host budget; None when none has one; a ``ValueError`` when several have, or with a check of the filled state
-    (``checked``: ``AsyncSaveStager``'s ``refuse_non_finite`` or ``check``)."""
+    host budget; None when none has one; a :class:`BudgetRefused` when several have, or with a check of the filled
+    state (``checked``: ``AsyncSaveStager``'s ``refuse_non_finite`` or ``check``)."""
     budgeted = [opt for opt in optimizers if host_budget(opt) is not None]
     if len(budgeted) > 1:
-        raise ValueError(
+        raise BudgetRefused(
             f"state_dict_offload_host_budget: {where} saves one optimizer within a budget, not {len(budgeted)}"
         )
     if budgeted and checked:
-        raise ValueError(
+        raise BudgetRefused(
             f"{where}(refuse_non_finite=..., check=...): not with state_dict_offload_host_budget, whose save is "
             "written while it is filled"
         )
@@ -94,9 +94,9 @@ class BudgetSavePlanner(DefaultSavePlanner):
     def __init__(self, optimizer: Any, *, copy_host_tensors: bool = False) -> None:
         budget = host_budget(optimizer)
         if budget is None:
-            raise ValueError(f"{_NAME}: the optimizer has no state_dict_offload_host_budget")
+            raise BudgetRefused(f"{_NAME}: the optimizer has no state_dict_offload_host_budget")
         if not sys.platform.startswith("linux"):
-            raise ValueError(f"{_NAME}: needs Linux (pages are given back with madvise)")
+            raise BudgetRefused(f"{_NAME}: needs Linux (pages are given back with madvise)")
         super().__init__()
         self.optimizer, self.limit, self.copy_host_tensors = optimizer, budget, copy_host_tensors
         self.peak_bytes = 0  # the most bytes this planner's saves held at once
@@ -150,7 +150,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         its writer (DCP's ``FileSystemWriter`` without copy-ahead for a ``checkpoint_id``; a ``storage_writer`` must
         write in the order the fills follow, :func:`refuse_writer`)."""
         if dcp_kwargs.get("planner") is not None:
-            raise ValueError(
+            raise BudgetRefused(
                 f"{_NAME}: a save within the budget plans with this planner, not {dcp_kwargs['planner']!r}"
             )
         writer = dcp_kwargs.get("storage_writer")
@@ -165,20 +165,20 @@ class BudgetSavePlanner(DefaultSavePlanner):
         Future done once every fill is (or the save has ended). ``writer_checked``: its caller built the writer
         (:meth:`save`) or checked it (:meth:`async_save_kwargs`) for this save; else refused."""
         if not writer_checked:
-            raise ValueError(
+            raise BudgetRefused(
                 f"{_NAME}: a save within state_dict_offload_host_budget starts with its checkpointer's save "
                 "(AsyncSaveStager.async_save, planner.save), which builds its writer"
             )
         if self._current:  # saved inside the block that exported it
             self._items, self._steps = list(self._current), None
         if not self._items:
-            raise ValueError(f"{_NAME}: nothing was exported inside planner.exporting()")
+            raise BudgetRefused(f"{_NAME}: nothing was exported inside planner.exporting()")
         if self._steps is not None and _steps(self.optimizer) != self._steps:
-            raise ValueError(f"{_NAME}: the optimizer stepped since the export; export again")
+            raise BudgetRefused(f"{_NAME}: the optimizer stepped since the export; export again")
         self._refused = None
         try:
             self._early = self._copy_early(state_dict) if self.copy_host_tensors else {}
-        except ValueError as exc:  # DCP still plans this save (a gated one): its planning raises this line
+        except BudgetRefused as exc:  # DCP still plans this save (a gated one): its planning raises this line
             self._refused = str(exc)
             raise
         devices = {t.device for t in local_tensors(state_dict) if t.is_cuda}
@@ -242,14 +242,14 @@ class BudgetSavePlanner(DefaultSavePlanner):
             and any(isinstance(leaf, torch.Tensor) and leaf.is_meta for _, leaf in leaves(value))
         ]
         if pickled:
-            raise ValueError(
+            raise BudgetRefused(
                 f"{_NAME}: {pickled[0]} holds a meta tensor (a placeholder) inside a value DCP pickles: it would be "
                 "saved without data"
             )
         saved = {id(s) for s in self._sources.values()}
         missing = sum(id(item) not in saved for item in self._items)
         if missing:
-            raise ValueError(
+            raise BudgetRefused(
                 f"{_NAME}: {missing} of the export's states are not values of the state dict saved (a copy of a "
                 "placeholder, or one inside a pickled value, holds no data): save the export itself"
             )
@@ -262,7 +262,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         largest = max((_item_bytes(i) for i in plan.items if i.index.fqn in self._sources), default=0)
         early = self._early_bytes()
         if largest + early > self.limit:
-            raise ValueError(
+            raise BudgetRefused(
                 f"state_dict_offload_host_budget={self.limit}: the save holds the tensor it writes ({largest} bytes, "
                 f"the largest) and the copies made at its start ({early}): a budget of at least {largest + early}"
             )
@@ -303,9 +303,9 @@ class BudgetSavePlanner(DefaultSavePlanner):
 
     def _check_saving(self) -> None:
         if self._refused is not None:  # the save's start refused it (begin): that line, not a misuse
-            raise ValueError(self._refused)
+            raise BudgetRefused(self._refused)
         if not self._saving:
-            raise ValueError(f"{_NAME}: save with planner.save(...), which builds the writer it needs")
+            raise BudgetRefused(f"{_NAME}: save with planner.save(...), which builds the writer it needs")
 
     def _fill(self, write_item: Any) -> Fill:
         fqn, source = write_item.index.fqn, self._sources[write_item.index.fqn]
@@ -323,7 +323,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
 
 
 def refuse_writer(writer: Any) -> None:
-    """A ``ValueError`` unless ``writer`` asks for the plan's tensors in its order, one after the other: DCP's
+    """A :class:`BudgetRefused` unless ``writer`` asks for the plan's tensors in its order, one after the other: DCP's
     ``FileSystemWriter`` (or a subclass) with one thread, one file and no copy-ahead (whose loader asks ahead)."""
     if not (
         isinstance(writer, FileSystemWriter)
@@ -331,7 +331,7 @@ def refuse_writer(writer: Any) -> None:
         and writer.single_file_per_rank
         and writer.thread_count == 1
     ):
-        raise ValueError(
+        raise BudgetRefused(
             f"{_NAME}: a save within the budget writes through DCP's FileSystemWriter(..., per_thread_copy_ahead=0) "
             f"with one thread and one file; got {writer!r}"
         )
@@ -339,11 +339,10 @@ def refuse_writer(writer: Any) -> None:
 
 def one_line_refusal(exc: CheckpointException) -> BaseException:
     """This planner's refusal that DCP wrapped in its multi-line ``CheckpointException``, as the one-line
-    ``ValueError``; any other failure as it is."""
+    :class:`BudgetRefused`; any other failure as it is."""
     causes = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]  # (exception, traceback)
-    mine = (_NAME, "state_dict_offload_host_budget=")
-    refusal = next((c for c in causes if isinstance(c, ValueError) and str(c).startswith(mine)), None)
-    return exc if refusal is None else ValueError(str(refusal))
+    refusal = next((c for c in causes if isinstance(c, BudgetRefused)), None)
+    return exc if refusal is None else BudgetRefused(str(refusal))
 
 
 def _complete(future: Future | None) -> None:

@@ -13,7 +13,14 @@ from optim_factory.errors import ConfigError
 from optim_factory.optimizers.export import local_tensor
 from optim_factory.tree import leaves
 
-__all__ = ["LeastBudget", "least_host_budget", "start_copies"]
+__all__ = ["BudgetRefused", "LeastBudget", "least_host_budget", "start_copies"]
+
+
+class BudgetRefused(ConfigError):
+    """A save within ``state_dict_offload_host_budget`` refused, in one line: a budget below what the save needs, a
+    writer or a use the budget cannot serve. Its type, not its words, tells a caller (and ``one_line_refusal``, which
+    finds it among DCP's gathered failures) that the budget refused; a ``ConfigError`` (a ``ValueError``), keyed
+    where one value is refused, so that ``ConfigError.under`` names the config's override."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,12 +37,12 @@ class LeastBudget:
         """The least ``state_dict_offload_host_budget`` of the save."""
         return self.early + self.largest
 
-    def refusal(self, limit: int) -> ConfigError | None:
+    def refusal(self, limit: int) -> BudgetRefused | None:
         """The one-line refusal of a budget of ``limit`` bytes below :attr:`nbytes` (its key
         ``state_dict_offload_host_budget``: ``ConfigError.under`` names the override), or None."""
         if self.nbytes <= limit:
             return None
-        return ConfigError(
+        return BudgetRefused(
             "state_dict_offload_host_budget",
             limit,
             f"the tensors the optimizer's step() does not change (buffers, other states), copied when the save "

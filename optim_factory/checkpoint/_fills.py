@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from optim_factory.checkpoint._budget_rule import BudgetRefused
 from optim_factory.optimizers.export.host_memory import HostBufferPool, Slot, give_pages_back, host_empty
 from optim_factory.optimizers.export.options import Pinning
 from optim_factory.optimizers.export.stream import StateExporter, StreamItem
@@ -104,7 +105,7 @@ class SaveFills:
         with self._cond:
             position = self._where[fqn]
             if self._next != position:
-                raise ValueError(
+                raise BudgetRefused(
                     f"BudgetSavePlanner: DCP's writer asked for {fqn} out of the order the budget fills in (item "
                     f"{position}, expected {self._next}): nothing more is filled"
                 )

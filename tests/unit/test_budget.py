@@ -16,7 +16,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory import PortableFusedAdam
-from optim_factory.checkpoint import AsyncSaveStager, BudgetSavePlanner, SafeFileSystemReader, SafeLoadPlanner
+from optim_factory.checkpoint import (
+    AsyncSaveStager,
+    BudgetRefused,
+    BudgetSavePlanner,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+)
 from optim_factory.errors import ConfigError
 from tests.recipe.runs import QUICK, cli, refused
 
@@ -173,7 +179,7 @@ def test_a_budget_below_the_largest_tensor_or_a_writer_of_several_threads_is_ref
         planner.save({"model": msd, "optim": osd}, tmp_path / "ck", no_dist=True)
     assert not list((tmp_path / "ck").glob("*.distcp"))
     stager = AsyncSaveStager(_trained(2 * STATE)[1])
-    with pytest.raises(ValueError, match="^BudgetSavePlanner: a save within the budget writes .* with one thread"):
+    with pytest.raises(BudgetRefused, match="^BudgetSavePlanner: a save within the budget writes .* with one thread"):
         stager.async_save({}, storage_writer=FileSystemWriter(tmp_path / "w", thread_count=2, per_thread_copy_ahead=0))
     stager.close()
 

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_module, distribute_tensor
 
 from optim_factory import PortableFusedAdam
-from optim_factory.checkpoint import AsyncSaveStager, SaveRefused
+from optim_factory.checkpoint import AsyncSaveStager, BudgetRefused, SaveRefused
 from optim_factory.checkpoint._fills import Fill, SaveFills
 from optim_factory.optimizers.export.host_memory import HostBufferPool
 from optim_factory.optimizers.export.stream import StateExporter, StreamItem
@@ -134,7 +134,8 @@ def test_misuses_of_a_budget_with_the_stager_are_one_line(tmp_path):
     stager = AsyncSaveStager(opt)
     with stager.exporting():
         msd, osd = get_state_dict(model, opt)
-    with pytest.raises(ValueError, match=r"^BudgetSavePlanner: a save within the budget writes through DCP's FileSys"):
+    # refused inside DCP's planning, found among its gathered failures by type (BudgetRefused), in one line
+    with pytest.raises(BudgetRefused, match=r"^BudgetSavePlanner: a save within the budget writes through DCP's FileS"):
         stager.async_save({"optim": osd}, storage_writer=FileSystemWriter(tmp_path / "ahead"), no_dist=True)
     broken = Optim(model, opt)
     broken.state_dict = lambda: 1 / 0  # DCP's export of a Stateful fails inside the stager's save, before staging

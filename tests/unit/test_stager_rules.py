@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory import PortableFusedAdam
-from optim_factory.checkpoint import AsyncSaveStager, SaveRefused, deferred_export, least_host_budget
+from optim_factory.checkpoint import AsyncSaveStager, BudgetRefused, SaveRefused, deferred_export, least_host_budget
 from tests.unit.saves import OURS, make_model, train
 from tests.unit.test_budget import STATE, _trained
 from tests.unit.test_budget import train as one_step
@@ -111,7 +111,7 @@ def test_copies_at_the_start_beyond_the_budget_are_refused_in_one_line_naming_th
         msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd, "extra": torch.ones(9 << 18)}
     response = stager.async_save(state, checkpoint_id=str(tmp_path / "ck"), **({} if gated else {"no_dist": True}))
-    with pytest.raises((ValueError, SaveRefused)) as info:
+    with pytest.raises((BudgetRefused, SaveRefused)) as info:
         response.upload_completion.result()
     line = str(info.value)
     least = f"take {9 << 20} bytes, and the largest tensor it fills {STATE}: a budget of at least {STATE + (9 << 20)}"
