@@ -3,6 +3,8 @@ A test that changes a run works on a copy (``shutil.copytree``)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from recipes.train import compose_config, train
@@ -15,6 +17,13 @@ def run_at_step_10(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("at_step_10")
     train(compose_config([*QUICK, f"run_dir={run_dir}", "trainer.max_steps=10"]))
     return run_dir
+
+
+@pytest.fixture
+def run_dir(two_checkpoints, tmp_path):
+    """A copy of :func:`two_checkpoints`'s run, for a test that changes it."""
+    shutil.copytree(two_checkpoints, tmp_path / "run")
+    return tmp_path / "run"
 
 
 @pytest.fixture(scope="session")

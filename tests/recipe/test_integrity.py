@@ -29,13 +29,6 @@ def _run(run_dir, *extra):
     return train(compose_config([*QUICK, f"run_dir={run_dir}", *extra]))
 
 
-@pytest.fixture
-def run_dir(two_checkpoints, tmp_path):
-    """A copy of the quick job's finished run with checkpoints at steps 10 and 20 (tests/recipe/conftest.py)."""
-    shutil.copytree(two_checkpoints, tmp_path / "run")
-    return tmp_path / "run"
-
-
 def _shard(run_dir, step_dir=STEP20, name="__0_0.distcp"):
     return run_dir / "checkpoints" / step_dir / name
 

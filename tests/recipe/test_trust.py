@@ -27,13 +27,6 @@ def _run(run_dir, *extra):
     return train(compose_config([*QUICK, f"run_dir={run_dir}", *extra]))
 
 
-@pytest.fixture
-def run_dir(two_checkpoints, tmp_path):
-    """A copy of the quick job's finished run with checkpoints at steps 10 and 20 (tests/recipe/conftest.py)."""
-    shutil.copytree(two_checkpoints, tmp_path / "run")
-    return tmp_path / "run"
-
-
 def reseal(step_dir, key: bytes | None = None) -> None:
     """What an attacker without the key does after changing files: every file's size and XXH3 recomputed, the
     manifest's own hash too (with ``key``: what a holder of the key would write)."""
