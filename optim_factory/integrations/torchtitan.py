@@ -28,7 +28,8 @@ reshards it with DCP like any optimizer's. This module's ``CheckpointManager`` i
 loads through :class:`optim_factory.checkpoint.ExactLoadPlanner`, so a checkpoint whose master or moments were
 saved in another format (int16 remainders and an FP32 master, with master weights turned on or off) converts
 exactly (torchtitan's own reads each state into the template's dtype), and through
-:class:`optim_factory.checkpoint.SafeFileSystemReader`, so nothing in a checkpoint runs as code. Select it in a config_registry function::
+:class:`optim_factory.checkpoint.SafeFileSystemReader`, so nothing in a checkpoint runs as code. Select it in a
+config_registry function::
 
       checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", ...),
 
