@@ -66,11 +66,11 @@ def test_a_save_within_a_host_budget_refuses_a_nan_in_the_live_optimizer_state(t
     saver.close()
 
 
-def _first_save_check(rank: int, world: int, run_dir: str) -> None:
-    """Every rank's share estimated at 3/4 of the free space: one fits, two do not."""
+def _first_save_check(rank: int, world: int, run_dir: str, estimate: int) -> None:
+    """Every rank's share estimated at 3/4 of the free space (the same on every rank: measured once, before the
+    ranks start, as the free space moves while other tests write): one fits, two do not."""
     saver = _saver(_checkpoint_cfg(Path(run_dir)), rank)
     saver.root.mkdir(parents=True, exist_ok=True)
-    estimate = free_bytes(saver.root) * 3 // 4
     line = saver.first_save_space_problem(estimate)
     assert line is not None and line.endswith(f"the save needs about {world * estimate}"), line
 
@@ -88,4 +88,4 @@ def test_only_rank_0_removes_an_incomplete_step_directory(tmp_path):
 
 @pytest.mark.slow  # forked gloo ranks
 def test_a_fresh_run_s_first_save_space_check_counts_every_rank_s_share(tmp_path):
-    spawn(_first_save_check, 2, str(tmp_path))
+    spawn(_first_save_check, 2, str(tmp_path), free_bytes(tmp_path) * 3 // 4)
