@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from optim_factory.checkpoint._budget_rule import BudgetRefused, LeastBudget, least_host_budget, start_copies
+from optim_factory.checkpoint._budget_rule import BudgetRefused, start_copies
 from optim_factory.checkpoint._fills import Fill, SaveFills
 from optim_factory.optimizers.export import local_tensor
 from optim_factory.optimizers.export.host_memory import HostBufferPool
@@ -39,9 +39,7 @@ from optim_factory.tree import leaves, local_tensors
 
 __all__ = [
     "BudgetSavePlanner",
-    "LeastBudget",
     "budget_planner",
-    "least_host_budget",
     "host_budget",
     "refuse_writer",
     "one_line_refusal",

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from optim_factory.checkpoint._safe_read import SafeLoadPlanner
+from optim_factory.checkpoint._safe_read import SafeLoadPlanner, container_at
 from optim_factory.optimizers.export.formats import MASTER
 from optim_factory.optimizers.export.mixin import OffloadedStateDict
 from optim_factory.optimizers.export.tensors import local_tensor, wrap_host_local
@@ -61,23 +61,17 @@ class ExactLoadPlanner(SafeLoadPlanner):
     def _replace(self, fqn: str, tensor: torch.Tensor) -> None:
         self.state_dict[fqn] = tensor
         *above, last = self._path(fqn)  # the caller's dictionary holds what DCP reads
-        _container(self.original_state_dict, above)[last] = tensor
+        container_at(self.original_state_dict, above)[last] = tensor
 
     def _drop(self, fqn: str) -> None:
         del self.state_dict[fqn]
         *above, last = self._path(fqn)
         self.mappings.pop(fqn, None)
-        del _container(self.original_state_dict, above)[last]
+        del container_at(self.original_state_dict, above)[last]
 
     def _path(self, fqn: str) -> tuple:
         """Where ``fqn`` is in the caller's dictionary (a flat one's key is the path itself)."""
         return tuple(self.mappings[fqn]) if self.flatten_state_dict else (fqn,)
-
-
-def _container(tree: Any, path: list) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
 
 
 def _empty_as(template: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -151,6 +151,14 @@ def check_item(value: io.BytesIO, where: str) -> None:
         )
 
 
+def container_at(tree: Any, path: list) -> Any:
+    """The dictionary or list of a nested state dict at ``path`` (keys and indices), where a flattened key's value
+    lives."""
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's ``DefaultLoadPlanner``, except that every non-tensor item is read with ``torch.load(weights_only=True)``
     after :func:`check_item` (DCP's reads it with ``weights_only=False``: an item can run code). Tensors are read as
@@ -162,11 +170,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         check_item(value, f"item {fqn}")
         loaded = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            container = self.original_state_dict
             *above, last = self.mappings[fqn]
-            for key in above:
-                container = container[key]
-            container[last] = loaded
+            container_at(self.original_state_dict, above)[last] = loaded
         else:
             self.state_dict[fqn] = loaded
 
