@@ -8,7 +8,9 @@ read back: the same tensors and items a save of it writes) and ``--gb`` GB of FP
 repeat by repeat, a save through the recipe's writer (``ChecksumFileSystemWriter``, one thread, files fsynced)
 without and with a key, and a verification of every file (``file_problem``, the loader's check: XXH3, or the keyed
 digest with a key) read back from the page cache. Each row is the median over ``--repeats``; the ratio is keyed
-over XXH3. Writes ``bench_trust.md`` and ``bench_trust.jsonl`` into ``--out``.
+over XXH3. After each save, a load of it through DCP's own reader and planner and through the safe pair
+(``SafeFileSystemReader``, ``SafeLoadPlanner``: ``.metadata`` allow-listed and read twice, the items checked
+first), alternating which goes first. Writes ``bench_trust.md`` and ``bench_trust.jsonl`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -51,8 +53,30 @@ def default_job_state(scratch: Path) -> dict:
     return state
 
 
-def save_and_verify(state: dict, path: Path, key: bytes | None) -> tuple[float, float, int]:
-    """(save seconds, verify seconds, bytes) of one save of ``state`` into ``path`` and the check of its files."""
+def load_seconds(state: dict, path: Path, safe: bool) -> float:
+    """Seconds of one ``dcp.load`` of the checkpoint ``path`` into a template of ``state`` (zeros, placeholders):
+    through DCP's ``FileSystemReader`` and ``DefaultLoadPlanner``, or (``safe``) ``SafeFileSystemReader`` and
+    ``SafeLoadPlanner``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
+    from optim_factory.checkpoint import SafeFileSystemReader, SafeLoadPlanner
+
+    template = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+    t0 = time.perf_counter()
+    reader = SafeFileSystemReader(str(path)) if safe else FileSystemReader(str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(
+            template, storage_reader=reader, planner=SafeLoadPlanner() if safe else DefaultLoadPlanner(), no_dist=True
+        )
+    return time.perf_counter() - t0
+
+
+def save_and_verify(state: dict, path: Path, key: bytes | None) -> tuple[float, float, int, float, float]:
+    """(save seconds, verify seconds, bytes, DCP's load seconds, the safe load's seconds) of one save of ``state``
+    into ``path``, the check of its files and its load through DCP's reader and through the safe one (alternating
+    which goes first)."""
     import torch.distributed.checkpoint as dcp
 
     from recipes.checkpoint.checksums import ChecksumFileSystemWriter, file_problem
@@ -70,8 +94,13 @@ def save_and_verify(state: dict, path: Path, key: bytes | None) -> tuple[float, 
     verify_s = time.perf_counter() - t0
     assert not any(problems), problems
     written = sum(int(r["size"]) for r in records.values())
+    first_safe = key is not None  # the two modes' saves alternate which load reads first
+    loads = {
+        first_safe: load_seconds(state, path, first_safe),
+        not first_safe: load_seconds(state, path, not first_safe),
+    }
     shutil.rmtree(path)
-    return save_s, verify_s, written
+    return save_s, verify_s, written, loads[False], loads[True]
 
 
 def measure(states: dict[str, dict], scratch: Path, repeats: int) -> list[dict]:
@@ -89,6 +118,8 @@ def measure(states: dict[str, dict], scratch: Path, repeats: int) -> list[dict]:
                 "bytes": runs[0][2],
                 "save_s": statistics.median(r[0] for r in runs),
                 "verify_s": statistics.median(r[1] for r in runs),
+                "load_dcp_s": statistics.median(r[3] for r in runs),
+                "load_safe_s": statistics.median(r[4] for r in runs),
             }
         )
     return rows
@@ -107,6 +138,16 @@ def table(rows: list[dict]) -> list[str]:
             f"{keyed['save_s'] / plain['save_s']:.2f}x | {plain['verify_s']:.4f} | {keyed['verify_s']:.4f} | "
             f"{keyed['verify_s'] / plain['verify_s']:.2f}x |"
         )
+    lines += [
+        "",
+        "| state | load, DCP's reader and planner (s) | load, SafeFileSystemReader and SafeLoadPlanner (s) | ratio |",
+    ]
+    lines.append("|---|---|---|---|")
+    for state in dict.fromkeys(r["state"] for r in rows):
+        runs = [r for r in rows if r["state"] == state]
+        dcp_s = statistics.median(r["load_dcp_s"] for r in runs)
+        safe_s = statistics.median(r["load_safe_s"] for r in runs)
+        lines.append(f"| {state} | {dcp_s:.4f} | {safe_s:.4f} | {safe_s / dcp_s:.2f}x |")
     return lines
 
 

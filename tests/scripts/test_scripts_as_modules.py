@@ -325,7 +325,7 @@ def test_bench_trust_saves_and_verifies_each_state_with_and_without_a_key(tmp_pa
         ("0.01 GB", "keyed"),
     ]
     assert rows[0]["bytes"] == rows[1]["bytes"] > 0 and rows[2]["bytes"] == rows[3]["bytes"] > 10**7
-    assert all(r["save_s"] > 0 and r["verify_s"] > 0 for r in rows)
+    assert all(r["save_s"] > 0 and r["verify_s"] > 0 and r["load_dcp_s"] > 0 and r["load_safe_s"] > 0 for r in rows)
     assert "| default job |" in (tmp_path / "bench_trust.md").read_text()
     assert list((tmp_path / "s").iterdir()) == []  # the run and every checkpoint deleted
 
