@@ -35,6 +35,12 @@ class StopSignal:
     terminal's Ctrl-C from it) stays ignored (:attr:`sigint_ignored`); SIGTERM still stops it cleanly.
     :meth:`restore` puts back every handler it replaced.
 
+    Two Ctrl-C that arrive while the main thread is inside one long C call (a backward, a copy) reach Python as one
+    handler call: CPython keeps one pending flag per signal. So the handler counts SIGINTs from the wakeup fd
+    (``signal.set_wakeup_fd``: the C-level handler writes one byte per signal received), and two of them are the
+    second Ctrl-C however close together they came. Where a wakeup fd is already set (an asyncio loop in the main
+    thread) it is left as it is, and close Ctrl-Cs may count as one.
+
     The loop checks after every step (:meth:`should_stop`); all ranks agree (a max all-reduce), save a checkpoint at
     that step, wait for in-flight saves and return. A requeued job then resumes from it. ``overlap=False`` makes
     every check wait for the all-reduce (for the step-overhead benchmark: a check that waits lines up the ranks'
@@ -68,11 +74,38 @@ class StopSignal:
                     self._previous[sig] = signal.signal(sig, self._handle)
                 except ValueError:  # not the main thread (e.g. some launchers): no handler, no stop
                     pass
+        self._wakeup = self._count_signals() if signal.SIGINT in self._previous else None
+
+    @staticmethod
+    def _count_signals() -> int | None:
+        """The read end of a pipe that now gets one byte per signal received (the class docstring), or None where
+        a wakeup fd was already set (left in place)."""
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        found = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        if found != -1:  # someone else's: theirs again
+            signal.set_wakeup_fd(found)
+            os.close(read)
+            os.close(write)
+            return None
+        return read
+
+    def _sigints(self) -> int:
+        """How many SIGINTs arrived since the last call (at least the one being handled)."""
+        count = 0
+        while self._wakeup is not None:
+            try:
+                got = os.read(self._wakeup, 4096)
+            except BlockingIOError:
+                break
+            count += got.count(signal.SIGINT.value)
+        return max(count, 1)
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if name == "SIGINT":
-            if self._interrupted:
+            if self._interrupted or self._sigints() > 1:
                 raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
             self._interrupted = True
             how = (
@@ -163,3 +196,8 @@ class StopSignal:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
+        if self._wakeup is not None:
+            write = signal.set_wakeup_fd(-1)
+            os.close(write)
+            os.close(self._wakeup)
+            self._wakeup = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 
 import pytest
 import torch
@@ -120,6 +121,31 @@ def test_a_second_ctrl_c_stops_at_once(terminal_sigint):
     finally:
         first.restore()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_two_ctrl_c_that_reach_python_as_one_handler_call_still_stop_at_once(terminal_sigint):
+    """Two SIGINTs that arrive before the main thread runs Python again (here: both delivered to another thread
+    while the main thread waits in ``join``, as two Ctrl-C during one long C call) reach Python as one handler
+    call; they are still the second Ctrl-C. Broken on purpose (the handler not counting the wakeup fd's bytes):
+    the pair is taken for one Ctrl-C and the run goes on to a checkpoint."""
+
+    def two_ctrl_c():
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+    stop = StopSignal()
+    try:
+        sender = threading.Thread(target=two_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            sender.start()
+            sender.join()
+            for _ in range(3):  # the handler runs at the main thread's next check, at the latest here
+                pass
+        sender.join()
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.set_wakeup_fd(-1) == -1  # the wakeup fd is given back too
 
 
 def test_a_sigint_found_ignored_stays_ignored_and_every_handler_is_put_back(ignored_sigint, caplog):
