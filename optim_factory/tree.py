@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["leaves", "local_tensors", "map_leaves", "state_bytes"]
+__all__ = ["host_storage_bytes", "leaves", "local_tensors", "map_leaves", "state_bytes"]
 
 
 def leaves(tree: Any, path: tuple = (), *, dicts_only: bool = False) -> Iterator[tuple[tuple, Any]]:
@@ -43,3 +43,17 @@ def local_tensors(tree: Any) -> Iterator[torch.Tensor]:
 def state_bytes(tree: Any) -> int:
     """Bytes of the (local shards of the) tensors in a nested state dict."""
     return sum(t.numel() * t.element_size() for t in local_tensors(tree))
+
+
+def host_storage_bytes(tree: Any, excluding: Any = ()) -> int:
+    """Bytes of host memory that the tensors of ``tree`` (local shards of DTensors) hold: each CPU storage once,
+    whole (views of one buffer share it), other than the storages of the tensors of ``excluding`` (a nested state
+    dict, or tensors: the training's own, which a save that writes them directly does not add)."""
+    live = {t.untyped_storage().data_ptr() for t in local_tensors(excluding) if t.device.type == "cpu"}
+    seen: dict[int, int] = {}
+    for t in local_tensors(tree):
+        if t.device.type == "cpu" and not t.is_meta:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in live:
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

@@ -98,6 +98,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         super().__init__()
         self.optimizer, self.limit, self.copy_host_tensors = optimizer, budget, copy_host_tensors
         self.peak_bytes = 0  # the most bytes this planner's saves held at once
+        self.last_save_bytes: int | None = None  # the most the last save held at once (its fills and early copies)
         self._saving = False
         self._refused: str | None = None  # the last save's refusal at its start (begin), raised by its planning
         self._items: list = []  # the last export's streamed states (their placeholders' stream items)
@@ -210,11 +211,13 @@ class BudgetSavePlanner(DefaultSavePlanner):
 
     def end(self) -> None:
         """The save is over: stop its fills and give back everything they hold."""
+        early = self._early_bytes()
         self._saving, self._early = False, {}
         fills, self._fills = self._fills, None
         if fills is not None:
             fills.close()
-            self.peak_bytes = max(self.peak_bytes, fills.peak)
+            self.last_save_bytes = fills.peak + early
+            self.peak_bytes = max(self.peak_bytes, self.last_save_bytes)
         _complete(self._filled)
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:

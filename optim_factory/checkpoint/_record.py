@@ -22,3 +22,4 @@ class StagedSave:
     upload: Future | None = None  # DCP's upload, when the save was started by AsyncSaveStager.async_save
     over: threading.Event = field(default_factory=threading.Event)  # written or failed, and its buffers given back
     stuck: bool = False  # an export did not fill in time: its buffers stay with it
+    host_bytes: int | None = None  # the host memory it held at its peak, once it is over (the stager's)

@@ -47,6 +47,7 @@ from optim_factory.checkpoint._gated_writer import GatedWriter
 from optim_factory.checkpoint._host_copies import HostCopies
 from optim_factory.checkpoint._record import StagedSave
 from optim_factory.errors import SaveRefused, first_line
+from optim_factory.tree import host_storage_bytes
 
 DEFAULT_EXPORT_TIMEOUT_S = 600.0
 """How long a staged save waits for an optimizer's background export to fill (torch's default collective
@@ -136,6 +137,7 @@ class AsyncSaveStager(AsyncStager):
                 staged, copied = state_dict, lambda: None
             else:
                 staged, copied = self._copies.copy(state_dict, keep=lambda t: exported_by(t) is not None)
+                save.host_bytes = host_storage_bytes(staged)  # its copies and the export's buffers, held until written
             finite = (
                 FiniteCheck(state_dict, staged, exported_by, self._check_streams) if self.refuse_non_finite else None
             )
@@ -264,6 +266,12 @@ class AsyncSaveStager(AsyncStager):
         return None if self._budget is None else self._budget.peak_bytes  # the most a budgeted save held at once
 
     @property
+    def save_host_bytes(self) -> int | None:
+        """The host memory the last save held at its peak: its copies and the export's buffers (within a budget:
+        the most its fills and the copies made at its start held at once, known once it is over); else None."""
+        return None if self._save is None else self._save.host_bytes
+
+    @property
     def host_bytes(self) -> int:
         """Bytes of the host copies (and a budgeted save's buffers) kept for the next save (not the exports')."""
         return self._copies.nbytes() + (0 if self._budget is None else self._budget.kept_bytes)
@@ -322,6 +330,7 @@ class AsyncSaveStager(AsyncStager):
         if not save.over.is_set():
             if self._budget is not None:
                 self._budget.end()
+                save.host_bytes = self._budget.last_save_bytes
             if not save.stuck:
                 for opt in self.optimizers:
                     release_export(opt, save.state_dict)

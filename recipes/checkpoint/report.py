@@ -26,18 +26,27 @@ class ExportReport:
     # written_bytes: the bytes of the files DCP wrote for it (all ranks' .distcp files and .metadata, as recorded
     # by the checksumming writer); rank 0 gathers them, other ranks report None.
     written_bytes: int | None = None
+    # host_bytes: the host memory the save held at its peak for what it wrote: the export's host buffers and the
+    # host copies made for the write (docs/recipe.md, "Export report"); the live states are not counted.
+    host_bytes: int | None = None
 
     def summary(self) -> dict[str, Any]:
         """The fields of the end-of-run summary's ``checkpoints`` list."""
-        return {"step": self.step, "blocking_s": self.blocking_s, "written_bytes": self.written_bytes}
+        return {
+            "step": self.step,
+            "blocking_s": self.blocking_s,
+            "written_bytes": self.written_bytes,
+            "host_bytes": self.host_bytes,
+        }
 
     def line(self) -> str:
         """The log line of a finished save."""
         peak = "n/a (CPU)" if self.gpu_peak_mib is None else f"{self.gpu_peak_mib:.1f} MiB"
         written = "" if self.written_bytes is None else f", wrote {self.written_bytes / 1e6:.2f} MB"
         staging = " (async staging)" if self.async_save else ""
+        host = "n/a" if self.host_bytes is None else f"{self.host_bytes / 1e6:.2f} MB"
         return (
             f"checkpoint step {self.step}: optimizer export {self.export_s:.3f} s, {self.export_bytes / 1e6:.2f} MB, "
-            f"{self.export_gbps:.3f} GB/s, GPU peak {peak}; save {self.save_s:.3f} s{staging}; "
+            f"{self.export_gbps:.3f} GB/s, GPU peak {peak}, host peak {host}; save {self.save_s:.3f} s{staging}; "
             f"blocked training {self.blocking_s:.3f} s{written} -> {self.path}"
         )

@@ -17,7 +17,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,9 @@ from optim_factory.checkpoint import (
 )
 from optim_factory.errors import first_line
 from optim_factory.optimizers.export import all_finite
-from optim_factory.tree import local_tensors, state_bytes
+from optim_factory.tree import host_storage_bytes, local_tensors, state_bytes
 from recipes.checkpoint.checksums import ALGORITHM, ChecksumFileSystemWriter, writer_options
+from recipes.checkpoint.in_flight import InFlight
 from recipes.checkpoint.layout import (
     DCP_ERRORS,
     CheckpointError,
@@ -61,23 +62,6 @@ log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the p
 
 SAVE_PHASES = ("export", "write", "marker")  # the points of a save at which Saver.on_phase runs
 FINITE, NO_SPACE, NON_FINITE, EXPORT_FAILED = 0, 1, 2, 3  # a save's verdict, agreed by all ranks (the worst wins)
-
-
-@dataclass
-class InFlight:
-    """An async save between its :meth:`Saver.save` call and its :meth:`Saver.wait`."""
-
-    step: int
-    path: Path
-    writer: ChecksumFileSystemWriter
-    export_t0: float  # when the save call started (its export first); a deferred export_s ends when filled
-    deferred: bool
-    staged: Any = None  # the stager's staging completion (the copies done, the export filled)
-    upload: Any = None  # DCP's upload (raises SaveRefused when the stager refused the save on every rank)
-    report: ExportReport | None = None
-    held_s: float = 0.0  # how long this checkpoint has held the loop so far
-    filled_at: float | None = None  # a deferred export: perf_counter() when the staging completed
-    export_waited: bool = False  # wait_export() ran (later calls return at once)
 
 
 def failure_line(optimizer) -> str | None:
@@ -196,7 +180,12 @@ class Saver:
         t0 = time.perf_counter()
         writer = ChecksumFileSystemWriter(path, key=self.key, **writer_options(optimizer, self.write_threads))
         pending = InFlight(step, path, writer, held_since, deferred) if self.cfg.async_save else None
-        self._write({"model": msd, "optim": osd, "trainer": trainer_state}, path, writer, optimizer, pending)
+        state = {"model": msd, "optim": osd, "trainer": trainer_state}
+        # the host memory a save that writes the state itself holds: the export's host buffers (the live states are
+        # written as they are); a save through the stager holds what the stager counts, read once the save is over
+        live = (list(model.state_dict().values()), optimizer.state)
+        held = None if self._through_stager(optimizer) else host_storage_bytes(state, excluding=live)
+        self._write(state, path, writer, optimizer, pending)
         save_s = time.perf_counter() - t0
         report = ExportReport(
             step=step,
@@ -208,6 +197,7 @@ class Saver:
             save_s=save_s,
             async_save=self.cfg.async_save,
             flatten=self.cfg.flatten_optimizer_state_dict,
+            host_bytes=held,
         )
         self.reports.append(report)
         if pending is not None:  # in flight from here (on_phase may look at it)
@@ -216,8 +206,14 @@ class Saver:
             pending.held_s = time.perf_counter() - held_since  # the save call's share; wait_export and wait add theirs
         else:
             self.on_phase("write", step, path)
+            if report.host_bytes is None:  # a sync save within a budget, the stager's
+                report.host_bytes = self._stager.save_host_bytes
             self._finalize(step, path, report, writer, held_since)
         return report
+
+    def _through_stager(self, optimizer) -> bool:
+        """Whether this run's saves go through the stager: async ones, and sync ones within a host budget."""
+        return self.cfg.async_save or host_budget(optimizer) is not None
 
     def _stager_for(self, optimizer) -> AsyncSaveStager:
         """The async saves' stager, kept from save to save (a new one for another optimizer)."""
@@ -233,7 +229,7 @@ class Saver:
         """``dcp.save`` (``pending`` None), or the stager's ``dcp.async_save``, whose upload ``pending`` holds from
         here on and which gives the export's buffers back once written. A sync save's buffers go back here."""
         try:
-            if pending is not None or host_budget(optimizer):  # a sync save within a budget: the stager's, waited
+            if self._through_stager(optimizer):  # a sync save within a budget: the stager's, waited for
                 response = self._stager_for(optimizer).async_save(
                     state, checkpoint_id=str(path), storage_writer=writer, process_group=self.save_group
                 )
@@ -378,6 +374,7 @@ class Saver:
         if p.deferred:
             p.report.export_s = p.filled_at - p.export_t0  # from the export call until its tensors were filled
             p.report.export_gbps = p.report.export_bytes / p.report.export_s / 1e9 if p.report.export_s > 0 else 0.0
+        p.report.host_bytes = self._stager.save_host_bytes
         self._finalize(p.step, p.path, p.report, p.writer, waited_since, p.held_s)
 
     def close(self) -> None:

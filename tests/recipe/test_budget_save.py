@@ -15,7 +15,7 @@ from optim_factory.errors import ConfigError
 from recipes.checkpoint import read_checkpoint
 from recipes.train import compose_config, train
 from tests.fault import fault_injection
-from tests.recipe.runs import QUICK
+from tests.recipe.runs import QUICK, metrics
 
 # chunks of 64 KiB and a budget of 512 KiB, a third of what a save writes (1.6 MB): every save streams
 BUDGET = [
@@ -40,6 +40,9 @@ def test_checkpoints_within_the_budget_equal_unbudgeted_ones_bitwise(tmp_path, c
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoints: ")]
     assert len(said) == 5 and all(line.startswith("checkpoints: 1 writer thread(s)") for line in said[1:]), said
     assert all(line.endswith("; one within optim.state_dict_offload_host_budget)") for line in said[1:]), said
+    held = {name: [r["host_bytes"] for r in metrics(tmp_path / name) if r["kind"] == "checkpoint"] for name in runs}
+    assert all(0 < b <= 512 << 10 for name in ("sync", "async") for b in held[name]), held  # within the budget
+    assert all(512 << 10 < b for name in ("plain", "sync-whole", "async-whole") for b in held[name]), held  # whole
     for step in (10, 20):
         plain = read_checkpoint(tmp_path / "plain" / "checkpoints" / f"step_{step:08d}")
         assert sum(1 for k in plain if k.startswith("optim.") and isinstance(plain[k], torch.Tensor)) > 0

@@ -88,12 +88,14 @@ def test_report_has_blocking_time_and_written_bytes(tmp_path, async_save, backgr
         # (background: export_s ends when the export was filled, which the next forward and backward overlap)
         held = MARKER_DELAY_S + r["save_s"] + (0 if background else r["export_s"])
         assert held < r["blocking_s"] <= bound, (r, bound)
+        # held on the host for the write: a sync save writes the live states as they are (only the trainer's
+        # tensors are made for it); an async save holds its copies and the export's host buffers
+        assert (r["host_bytes"] < r["export_bytes"]) if not async_save else (r["host_bytes"] > r["export_bytes"]), r
         line = f"checkpoint step {r['step']}: "
-        assert f"blocked training {r['blocking_s']:.3f} s, wrote {r['written_bytes'] / 1e6:.2f} MB" in next(
-            text for text in log_text.splitlines() if line in text
-        )
-    assert summary["checkpoints"] == [
-        {"step": r["step"], "blocking_s": r["blocking_s"], "written_bytes": r["written_bytes"]} for r in reports
-    ]
+        said = next(text for text in log_text.splitlines() if line in text)
+        assert f"blocked training {r['blocking_s']:.3f} s, wrote {r['written_bytes'] / 1e6:.2f} MB" in said
+        assert f", host peak {r['host_bytes'] / 1e6:.2f} MB; save " in said
+    keys = ("step", "blocking_s", "written_bytes", "host_bytes")
+    assert summary["checkpoints"] == [{k: r[k] for k in keys} for r in reports]
     recorded = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert recorded["kind"] == "summary" and recorded["checkpoints"] == summary["checkpoints"]

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory import PortableFusedAdam
 from optim_factory.checkpoint import AsyncSaveStager, SaveRefused
+from optim_factory.tree import state_bytes
 from recipes.checkpoint import read_checkpoint
 from tests.distributed.launch import spawn
 from tests.helpers import assert_bitwise
@@ -79,6 +80,8 @@ def test_a_plain_dcp_async_loop_saves_bitwise_with_the_export_uncopied_and_its_b
         written = [t for st in staged[-1]["optim"]["state"].values() for t in st.values()]
         assert {t.data_ptr() for t in written} == {t.data_ptr() for t in buffers}, "the export was copied"
         assert staged[-1]["model"]["0.weight"].data_ptr() != model[0].weight.data_ptr(), "the model was not"
+        # what it held: the model's copies and the export's pooled buffers, each storage once
+        assert stager.save_host_bytes == state_bytes(staged[-1]) > state_bytes(staged[-1]["optim"]), "host bytes"
         assert not _leased(opt, state), "the export's buffers were not given back once written"
         seen.append({t.data_ptr() for t in buffers})
         assert_checkpoint(tmp_path / f"s{save}", expected)
@@ -128,6 +131,7 @@ def test_any_other_optimizer_is_staged_as_dcp_stages_it(tmp_path):
     gate.set()
     stager.wait()
     assert_checkpoint(tmp_path / "adamw", expected)
+    assert stager.save_host_bytes == state_bytes({"model": msd, "optim": osd}), "a copy of every tensor is held"
     stager.close()
 
 

@@ -60,6 +60,7 @@ def test_an_async_save_within_the_budget_saves_the_state_of_its_start_and_holds_
     # measured beyond the first two (0-0.38 MB in the sync save's test)
     assert _peak_added(lambda: save_within(tmp_path / "within")) <= budget + 2 * CHUNK + (1 << 20)
     assert 0 < stager.budget_peak_bytes <= budget
+    assert stager.save_host_bytes == stager.budget_peak_bytes, "the one save's peak is the stager's"
     # a step at once: it waits for the fills, which wait for the writes of all but the budget
     save_within(tmp_path / "stepped", then=lambda: train(model, opt))
     for path in ("within", "stepped"):
