@@ -140,7 +140,7 @@ class FusedAdamConfig:
     state_dict_offload_pinning: Pinning = Pinning.register  # with reuse: register | alloc | none (CUDA states)
     state_dict_keep_bf16: bool = False  # export BF16 states as BF16 (half the bytes; TE's own class cannot load it)
     state_dict_offload_background: bool = False  # with chunks: fill the export in the background; step() waits
-    state_dict_offload_host_budget: Any = None  # null: no cap | bytes | "512MiB": the host bytes a save holds
+    state_dict_offload_host_budget: Any = None  # null: no cap | auto: a share of the host | bytes | "512MiB"
     param_groups: ParamGroupsConfig = field(default_factory=ParamGroupsConfig)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from optim_factory.errors import ConfigError
 from optim_factory.rules.adam import DTYPE_SPELLINGS, check_flags
+from optim_factory.rules.host import auto_host_budget
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -43,6 +44,7 @@ class Pinning(str, Enum):
     none = "none"
 
 
+AUTO = "auto"  # state_dict_offload_host_budget: this rank's share of the host (optim_factory.rules.host)
 _SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB)?\s*$")
 _UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
@@ -69,8 +71,9 @@ def check_export_options(options: Any) -> tuple[int, Pinning, int | None]:
     the background export only with a chunked export; a :class:`Pinning` choice, other than ``register`` only with
     reused buffers; a host budget ``None`` or a size (:func:`parse_bytes`) of at least two chunks, only with a
     chunked export into fresh memory that is not filled in the background (pooled buffers keep a whole export; a
-    background export fills all of it at once). Returns the chunk size in bytes (0: nothing chunked), the pinning
-    as a :class:`Pinning` and the budget in bytes."""
+    background export fills all of it at once), or ``"auto"``: this rank's share of the host (``rules/host.py``,
+    at least two chunks) in that mode, and no budget in the others. Returns the chunk size in bytes (0: nothing
+    chunked), the pinning as a :class:`Pinning` and the budget in bytes."""
     cpu_offload, chunk_bytes, reuse_buffers = options.cpu_offload, options.chunk_bytes, options.reuse_buffers
     pinning, background = options.pinning, options.background
     check_flags(state_dict_cpu_offload=cpu_offload)
@@ -107,12 +110,16 @@ def _check_budget(value: Any, chunk: int, reuse_buffers: bool, background: bool)
     key = "state_dict_offload_host_budget"
     if value is None:
         return None
+    if value == AUTO:  # this rank's share of the host (rules/host.py), where the export's mode has a budget
+        return max(2 * chunk, auto_host_budget()) if chunk and not (reuse_buffers or background) else None
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, str))
         or (isinstance(value, str) and not _SIZE.match(value))
     ):
-        raise ConfigError(key, value, "expected null (no cap), bytes as an int or a size like 512MiB")
+        raise ConfigError(
+            key, value, f"expected null (no cap), {AUTO} (a share of the host), bytes as an int or a size like 512MiB"
+        )
     budget = parse_bytes(value, key)
     if not chunk:
         raise ConfigError(

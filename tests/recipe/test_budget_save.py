@@ -72,6 +72,21 @@ def test_a_budget_below_the_copies_at_a_save_s_start_is_refused_before_the_first
     assert not metrics.exists() or '"kind": "train"' not in metrics.read_text()
 
 
+def test_the_offload_saves_within_the_rank_s_share_of_the_host_by_default_and_null_lifts_the_cap(tmp_path, monkeypatch):
+    """``optim.state_dict_cpu_offload=true`` alone saves within the rank's share of the host (``auto``,
+    conf/optim/fused_adam.yaml): with a share below what a save holds at its start (here a billion ranks per host:
+    two 1 KiB chunks) the launch is refused before its first step naming the override; ``=null`` lifts the cap.
+    Broken on purpose (the recipe's default left at null): the first launch trains."""
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", str(10**9))
+    offload = ["optim.state_dict_cpu_offload=true", "optim.state_dict_offload_chunk_bytes=1KiB"]
+    with pytest.raises(ConfigError) as info:
+        train(compose_config([*QUICK, f"run_dir={tmp_path / 'auto'}", *offload]))
+    assert str(info.value).startswith("optim.state_dict_offload_host_budget=2048: the tensors the optimizer's"), info
+    uncapped = [*offload, "optim.state_dict_offload_host_budget=null"]
+    train(compose_config([*QUICK, f"run_dir={tmp_path / 'null'}", "trainer.max_steps=10", *uncapped]))
+    assert [r["step"] for r in metrics(tmp_path / "null") if r["kind"] == "checkpoint"] == [10]
+
+
 @pytest.mark.slow  # forked trainers
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_kill_9_inside_a_streamed_save_resumes_from_the_previous_checkpoint_bitwise(tmp_path, monkeypatch, mode):

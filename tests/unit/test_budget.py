@@ -5,6 +5,7 @@ resident memory, reset before each save); bad budgets, and checkpointers that wo
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from optim_factory.checkpoint import (
     SafeLoadPlanner,
 )
 from optim_factory.errors import ConfigError
+from optim_factory.rules.host import AUTO_HOST_SHARE, auto_host_budget
 from tests.recipe.runs import QUICK, cli, refused
 
 CHUNK = 1 << 20
@@ -140,8 +142,8 @@ def test_a_save_that_fits_the_budget_whole_keeps_its_buffers_for_the_next_and_wr
 @pytest.mark.parametrize(
     "value, reason",
     [
-        ("lots", "expected null (no cap), bytes as an int or a size like 512MiB"),
-        (True, "expected null (no cap), bytes as an int or a size like 512MiB"),
+        ("lots", "expected null (no cap), auto (a share of the host), bytes as an int or a size like 512MiB"),
+        (True, "expected null (no cap), auto (a share of the host), bytes as an int or a size like 512MiB"),
         (CHUNK, "expected at least two chunks of state_dict_offload_chunk_bytes=1048576 (2097152 bytes)"),
     ],
 )
@@ -151,6 +153,29 @@ def test_a_budget_that_is_not_a_size_of_two_chunks_is_one_line(value, reason):
         match=f"^state_dict_offload_host_budget={value!r}: {reason}$".replace("(", r"\(").replace(")", r"\)"),
     ):
         PortableFusedAdam([torch.nn.Parameter(torch.zeros(4))], **OPTIONS, state_dict_offload_host_budget=value)
+
+
+def test_an_auto_budget_is_the_rank_s_share_of_the_host_where_the_export_has_a_budget(monkeypatch):
+    """``"auto"``: 60 % of the host's available memory split among its ranks, at least two chunks; no budget in a
+    mode that has none (reused buffers, the background export, no chunks) rather than a refusal. Broken on purpose
+    (the share not split among the ranks): four ranks get the host's whole share each."""
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    alone = PortableFusedAdam(params, **OPTIONS, state_dict_offload_host_budget="auto").export_options.host_budget
+    assert 2 * CHUNK < alone <= AUTO_HOST_SHARE * total, alone
+    assert auto_host_budget(available=10 << 30, ranks=4) == int(AUTO_HOST_SHARE * (10 << 30)) // 4
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")  # srun's, where torchrun's is unset
+    quarter = PortableFusedAdam(params, **OPTIONS, state_dict_offload_host_budget="auto").export_options.host_budget
+    assert quarter < alone / 2, (quarter, alone)  # the available memory moves a little between the two
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(10**9))  # torchrun's first; a share below two chunks is two chunks
+    tiny = PortableFusedAdam(params, **OPTIONS, state_dict_offload_host_budget="auto").export_options.host_budget
+    assert tiny == 2 * CHUNK
+    for mode in ({"state_dict_offload_reuse_buffers": True}, {"state_dict_offload_background": True}, {}):
+        options = {**OPTIONS, **mode} if mode else {}
+        opt = PortableFusedAdam(params, **options, state_dict_offload_host_budget="auto")
+        assert opt.export_options.host_budget is None, mode
 
 
 def test_a_budget_with_reused_buffers_or_without_chunks_is_one_line():
@@ -243,8 +268,8 @@ def test_a_planner_without_a_budget_and_a_recipe_budget_that_is_not_a_size_are_o
     with pytest.raises(ValueError, match="^BudgetSavePlanner: the optimizer has no state_dict_offload_host_budget$"):
         BudgetSavePlanner(_trained()[1])
     two_chunks = "expected at least two chunks of optim.state_dict_offload_chunk_bytes=67108864 (134217728 bytes)"
-    for value, reason in (("lots", "expected null (no cap), bytes as an int or a size like 512MiB"),
-                          ("1KiB", two_chunks)):  # fmt: skip
+    not_a_size = "expected null (no cap), auto (a share of the host), bytes as an int or a size like 512MiB"
+    for value, reason in (("lots", not_a_size), ("1KiB", two_chunks)):
         budget = ["optim.state_dict_cpu_offload=true", f"optim.state_dict_offload_host_budget={value}"]
         assert refused(cli(*QUICK, f"run_dir={tmp_path}", *budget)) == (
             f"optim.state_dict_offload_host_budget={value!r}: {reason}"

@@ -42,7 +42,10 @@ class ExportOptions:
             background thread fills them (side streams on CUDA); ``step()``, ``load_state_dict()`` and the next
             ``state_dict()`` wait for it, ``wait_state_dict()`` waits and re-raises its failure.
         host_budget: with a chunked export into fresh memory, the most bytes of host memory a save through
-            ``optim_factory.checkpoint.BudgetSavePlanner`` holds at once (at least two chunks); ``None``: no cap.
+            ``optim_factory.checkpoint.BudgetSavePlanner`` holds at once (at least two chunks); ``None``: no cap;
+            ``"auto"``: this rank's share of the host's available memory (:mod:`optim_factory.rules.host`), and
+            no cap where the export's mode has none (no chunks, reused buffers, the background export). After
+            construction bytes or ``None``.
     """
 
     cpu_offload: bool = _option("state_dict_cpu_offload", False)

@@ -23,6 +23,7 @@ from optim_factory.optimizers.export.host_memory import (
     unregister_host,
     worker_threads,
 )
+from optim_factory.rules.host import local_ranks as host_ranks
 
 __all__ = [
     *("STAGING_SLOTS", "SLOT_BYTES", "MIN_SLICE_BYTES", "MAX_UNSTAGE_THREADS"),
@@ -43,15 +44,10 @@ _PAGE = mmap.PAGESIZE
 
 def cpus_per_rank(cpus: int | None = None, local_ranks: int | None = None) -> int:
     """``cpus // local_ranks``, at least 1: ``cpus`` the CPUs this process may run on (its affinity), ``local_ranks``
-    the processes of the job on this host (``LOCAL_WORLD_SIZE``, set by torchrun; 1 without it)."""
+    the processes of the job on this host (:func:`optim_factory.rules.host.local_ranks`)."""
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if local_ranks is None:
-        raw = os.environ.get("LOCAL_WORLD_SIZE", "1")
-        if not raw.strip().isdigit() or int(raw) < 1:
-            raise ValueError(f"LOCAL_WORLD_SIZE={raw!r}: expected a positive integer (torchrun sets it)")
-        local_ranks = int(raw)
-    return max(1, cpus // local_ranks)
+    return max(1, cpus // (host_ranks() if local_ranks is None else local_ranks))
 
 
 def unstage_threads(cpus: int | None = None, local_ranks: int | None = None) -> int:
