@@ -4,6 +4,7 @@
 * :mod:`.adam`: the constructor's Adam options (dtype spellings, hyperparameters, flags, state dtypes);
 * :mod:`.groups`: a parameter group's (its keys and values by :mod:`.adam`'s rules, its parameters' dtypes);
 * :mod:`.export`: the export options' (sizes, pinning, what each option needs of the others);
+* :mod:`.host`: what a rank may take of its host (the ranks sharing it, the host budget ``"auto"``);
 * :mod:`.config`: those an optimizer config adds (``lr > 0``, the ``param_groups`` patterns and multipliers, no
   AMSGrad in FusedAdam, each override pattern matching parameters of its own).
 
