@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse  # torch >= 2.9
 
 from optim_factory.checkpoint._agreement import agree, rank_in
-from optim_factory.checkpoint._budget import budget_planner, one_line_refusal
+from optim_factory.checkpoint._budget import one_line_refusal
 from optim_factory.checkpoint._deferral import (
     deferred_export,
     defers_export,
@@ -42,12 +42,11 @@ from optim_factory.checkpoint._deferral import (
     export_failure,
     release_export,
 )
+from optim_factory.checkpoint._fillers import filler_for
 from optim_factory.checkpoint._finite_check import FiniteCheck
 from optim_factory.checkpoint._gated_writer import GatedWriter
-from optim_factory.checkpoint._host_copies import HostCopies
 from optim_factory.checkpoint._record import StagedSave
 from optim_factory.errors import SaveRefused, first_line
-from optim_factory.tree import host_storage_bytes
 
 DEFAULT_EXPORT_TIMEOUT_S = 600.0
 """How long a staged save waits for an optimizer's background export to fill (torch's default collective
@@ -97,7 +96,6 @@ class AsyncSaveStager(AsyncStager):
         stray = [type(o).__name__ for o in self.optimizers if not isinstance(o, torch.optim.Optimizer)]
         if stray:
             raise TypeError(f"AsyncSaveStager(optimizers=...): expected torch optimizers, got {', '.join(stray)}")
-        self._budget = budget_planner(self.optimizers, "AsyncSaveStager", refuse_non_finite or check is not None)
         for name, flag in (("refuse_non_finite", refuse_non_finite), ("pinned", pinned)):
             if not isinstance(flag, bool):
                 raise TypeError(f"AsyncSaveStager({name}=...): expected True or False, got {flag!r}")
@@ -105,14 +103,15 @@ class AsyncSaveStager(AsyncStager):
             raise TypeError(f"AsyncSaveStager(check=...): expected a function of the staged dict, got {check!r}")
         self.check, self.refuse_non_finite = check, refuse_non_finite
         self.export_timeout_s = export_timeout_s
-        self._copies = HostCopies(pinned=pinned)
+        # the one part that gives a save its host tensors: copies at its start, or fills within a budget
+        self._filler = filler_for(self.optimizers, pinned, refuse_non_finite or check is not None)
         self._check_streams: dict[torch.device, Any] = {}  # the finite check's side stream per device
         self._group = process_group
         self._own_group = False
         self._save: StagedSave | None = None
         self._closed = False
         self._gate_next = False  # async_save's staging: the write waits at a GatedWriter for the verdict
-        self._budget_save = False  # inside async_save: a budgeted save's planner and writer are the stager's
+        self._own_save = False  # inside async_save: the save's writer is built or checked here
         self._join_ranks()
 
     # ------------------------------------------------------------------ DCP's protocol
@@ -131,13 +130,11 @@ class AsyncSaveStager(AsyncStager):
 
         finite = filling = None
         try:
-            if self._budget is not None:  # filled within the budget while it is written (_fills.py)
-                filling = self._budget.begin(state_dict, writer_checked=self._budget_save)
+            keep = lambda t: exported_by(t) is not None  # noqa: E731  (the export's buffers, passed through)
+            staged, copied, filling = self._filler.begin(state_dict, keep, self._own_save)
+            save.host_bytes = self._filler.save_bytes
+            if filling is not None:  # the filler completes it as the save is written
                 filling.add_done_callback(lambda _: save.filled.set_result(None))
-                staged, copied = state_dict, lambda: None
-            else:
-                staged, copied = self._copies.copy(state_dict, keep=lambda t: exported_by(t) is not None)
-                save.host_bytes = host_storage_bytes(staged)  # its copies and the export's buffers, held until written
             finite = (
                 FiniteCheck(state_dict, staged, exported_by, self._check_streams) if self.refuse_non_finite else None
             )
@@ -167,9 +164,7 @@ class AsyncSaveStager(AsyncStager):
             return
         self._end_previous()
         self._closed = True
-        self._copies.close()
-        if self._budget is not None:
-            self._budget.drop_kept()
+        self._filler.close()
         if self._own_group and dist.is_initialized():
             dist.destroy_process_group(self._group)
         self._group, self._own_group = None, False
@@ -195,8 +190,7 @@ class AsyncSaveStager(AsyncStager):
         if dcp_kwargs.get("checkpoint_id") is None and dcp_kwargs.get("storage_writer") is None:
             raise ValueError("AsyncSaveStager.async_save: give checkpoint_id= (or storage_writer=), where it writes")
         # gated or not from the arguments alone, the same on every rank (DCP's writer for a path built here)
-        if self._budget is not None:  # its planner, and a writer in the order it fills
-            dcp_kwargs, self._budget_save = self._budget.async_save_kwargs(dcp_kwargs), True
+        dcp_kwargs, self._own_save = self._filler.save_kwargs(dcp_kwargs), True
         writer, ckpt = dcp_kwargs.get("storage_writer"), str(dcp_kwargs.get("checkpoint_id"))
         writer = FileSystemWriter(ckpt) if writer is None and "://" not in ckpt else writer
         previous = self._save
@@ -214,7 +208,7 @@ class AsyncSaveStager(AsyncStager):
                 self._give_back(self._save)
             raise
         finally:
-            self._gate_next = self._budget_save = False
+            self._gate_next = self._own_save = False
         save = self._save
         save.upload = Future()
         response.upload_completion.add_done_callback(lambda done: self._uploaded(save, done))
@@ -229,8 +223,7 @@ class AsyncSaveStager(AsyncStager):
         budget holds placeholders, filled as the save writes them. :meth:`async_save` exports a ``Stateful`` inside
         it itself (within the budget; deferred only inside the caller's block)."""
         with contextlib.ExitStack() as stack:
-            if self._budget is not None:
-                stack.enter_context(self._budget.exporting())
+            stack.enter_context(self._filler.exporting())
             for opt in self.optimizers if defer else ():
                 if defers_export(opt):
                     stack.enter_context(deferred_export(opt))
@@ -263,7 +256,7 @@ class AsyncSaveStager(AsyncStager):
 
     @property
     def budget_peak_bytes(self) -> int | None:
-        return None if self._budget is None else self._budget.peak_bytes  # the most a budgeted save held at once
+        return self._filler.budget_peak_bytes  # the most a budgeted save held at once; None without a budget
 
     @property
     def save_host_bytes(self) -> int | None:
@@ -274,7 +267,7 @@ class AsyncSaveStager(AsyncStager):
     @property
     def host_bytes(self) -> int:
         """Bytes of the host copies (and a budgeted save's buffers) kept for the next save (not the exports')."""
-        return self._copies.nbytes() + (0 if self._budget is None else self._budget.kept_bytes)
+        return self._filler.kept_bytes
 
     # ------------------------------------------------------------------ inside
     def _check_open(self) -> None:
@@ -328,9 +321,8 @@ class AsyncSaveStager(AsyncStager):
 
     def _give_back(self, save: StagedSave) -> None:
         if not save.over.is_set():
-            if self._budget is not None:
-                self._budget.end()
-                save.host_bytes = self._budget.last_save_bytes
+            self._filler.end()
+            save.host_bytes = self._filler.save_bytes
             if not save.stuck:
                 for opt in self.optimizers:
                     release_export(opt, save.state_dict)
@@ -357,11 +349,11 @@ class AsyncSaveStager(AsyncStager):
                 torch.cuda.set_device(device)
             on_device = None if finite is None else finite.device_refusal()  # before step() changes what it reads
             copied()
-            failure = self._export_failure(save) if fills else None  # a budget has no background export
+            failure = self._export_failure(save) if fills else None  # the filler's fills export (no background)
         except BaseException as exc:  # noqa: BLE001  (one rank's failure must reach the agreement, not end it)
             failure = first_line(exc, named=True)
         finally:
-            if fills:  # else the budget's fills complete it
+            if fills:  # else the filler's fills complete it
                 save.filled.set_result(None)
         try:
             if failure is None and finite is not None:

@@ -7,6 +7,7 @@ import pytest
 from recipes.checkpoint import is_complete
 from recipes.config import TrainerConfig
 from recipes.train import compose_config, train
+from scripts.readme_figures import figures
 from tests.recipe.runs import metrics, run_cli
 
 
@@ -38,6 +39,9 @@ def test_default_run_learns_checkpoints_and_resumes(tmp_path):
         f"{done[-1]}; to train on: the same command with trainer.max_steps above {steps} (the summary: the last "
         f"record of {run_dir / 'metrics.jsonl'})"
     ), last
+    # scripts/readme_figures.py reads the README's figures off this line
+    assert figures(last) == (str(steps), f"{summary['first_loss']:.4f}", f"{summary['last_loss']:.4f}",
+                             f"{evals[-1]['accuracy']:.3f}", str(steps)), last  # fmt: skip
 
     again = train(compose_config([f"run_dir={run_dir}", f"trainer.max_steps={steps + 20}"]))
     assert again["start_step"] == steps and again["resumed_from"].endswith(f"step_{steps:08d}")

@@ -413,3 +413,12 @@ def test_bad_arguments_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
     assert "Traceback" not in err and err.splitlines()[-1].startswith(f"{script}.py: error: ")
     assert ending.format(**fill) in err.splitlines()[-1], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing written
+
+
+def test_readme_figures_reads_the_readme_s_done_line():
+    """The README quotes the default job's done line where scripts/readme_figures.py finds it (its steps, losses and
+    accuracy); the script's run of the job compares with it (tests/recipe/test_default_run.py reads a real line)."""
+    from scripts.readme_figures import figures
+
+    steps, first, last, accuracy, at = figures((ROOT / "README.md").read_text())
+    assert steps == at and float(first) > float(last) and 0 < float(accuracy) <= 1

@@ -1,0 +1,104 @@
+"""Where a save through ``AsyncSaveStager`` gets the host tensors DCP's writer reads: the stager's one filler, chosen
+once for its optimizers (:func:`filler_for`), behind one interface (docs/design.md, "The async-save stager"):
+
+* :class:`CopyAtStart`: every tensor copied when the save starts, into host buffers kept from save to save
+  (``HostCopies``); the export's pooled buffers are passed through uncopied;
+* :class:`FillAsWritten`: within the optimizer's ``state_dict_offload_host_budget``, each tensor filled as the
+  writer reaches it (``BudgetSavePlanner``, whose planner and writer the save then uses).
+
+A save goes: :meth:`exporting` around its export, :meth:`save_kwargs` on ``dcp.async_save``'s arguments where the
+stager starts the save itself, :meth:`begin` when DCP stages it, :meth:`end` once it is written or failed.
+``save_bytes`` is what that save held on the host at its peak (within a budget, known at its end).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from optim_factory.checkpoint._budget import BudgetSavePlanner, budget_planner
+from optim_factory.checkpoint._host_copies import HostCopies
+from optim_factory.tree import host_storage_bytes
+
+__all__ = ["CopyAtStart", "FillAsWritten", "filler_for"]
+
+Staging = tuple[Any, Callable[[], None], "Future | None"]  # (the staged dict, wait for its copies, its fills)
+
+
+class CopyAtStart:
+    """Every tensor of a save copied when it starts (CUDA ones into pinned buffers kept for the next save), but
+    those ``keep`` passes through (the export's pooled buffers, given back once written)."""
+
+    budget_peak_bytes = None  # no budget
+
+    def __init__(self, pinned: bool) -> None:
+        self._copies = HostCopies(pinned=pinned)
+        self.save_bytes: int | None = None
+
+    def exporting(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def save_kwargs(self, dcp_kwargs: dict[str, Any]) -> dict[str, Any]:
+        return dcp_kwargs
+
+    def begin(self, state_dict: Any, keep: Callable[[torch.Tensor], bool], own_save: bool) -> Staging:
+        staged, copied = self._copies.copy(state_dict, keep=keep)
+        self.save_bytes = host_storage_bytes(staged)  # its copies and the export's buffers, held until written
+        return staged, copied, None
+
+    def end(self) -> None:
+        """Nothing to give back: the copies' buffers are kept for the next save."""
+
+    @property
+    def kept_bytes(self) -> int:
+        return self._copies.nbytes()
+
+    def close(self) -> None:
+        self._copies.close()
+
+
+class FillAsWritten:
+    """A save within the host budget of the planner's optimizer: nothing is copied when it starts but what
+    ``step()`` would not change; each tensor is filled as DCP's writer asks for it."""
+
+    def __init__(self, planner: BudgetSavePlanner) -> None:
+        self._planner = planner
+        self.save_bytes: int | None = None
+
+    def exporting(self) -> AbstractContextManager[None]:
+        return self._planner.exporting()  # the streamed states as placeholders
+
+    def save_kwargs(self, dcp_kwargs: dict[str, Any]) -> dict[str, Any]:
+        return self._planner.async_save_kwargs(dcp_kwargs)  # its planner, and a writer in the order it fills
+
+    def begin(self, state_dict: Any, keep: Callable[[torch.Tensor], bool], own_save: bool) -> Staging:
+        """``own_save``: the stager started the save (:meth:`save_kwargs` built or checked its writer)."""
+        self.save_bytes = None
+        return state_dict, lambda: None, self._planner.begin(state_dict, writer_checked=own_save)
+
+    def end(self) -> None:
+        self._planner.end()
+        self.save_bytes = self._planner.last_save_bytes
+
+    @property
+    def budget_peak_bytes(self) -> int:
+        return self._planner.peak_bytes  # the most a save held at once
+
+    @property
+    def kept_bytes(self) -> int:
+        return self._planner.kept_bytes
+
+    def close(self) -> None:
+        self._planner.drop_kept()
+
+
+def filler_for(optimizers: Iterable[Any], pinned: bool, checked: bool) -> CopyAtStart | FillAsWritten:
+    """:class:`FillAsWritten` for the one optimizer with a host budget (several, or ``checked``: the stager's
+    ``refuse_non_finite`` or ``check``, are refused: ``budget_planner``), else :class:`CopyAtStart`."""
+    planner = budget_planner(list(optimizers), "AsyncSaveStager", checked)
+    return CopyAtStart(pinned) if planner is None else FillAsWritten(planner)
