@@ -34,7 +34,7 @@ from optim_factory.checkpoint._load_planner import STATE_NAMES, ExactLoadPlanner
 from optim_factory.checkpoint._safe_read import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpoint
 from optim_factory.checkpoint._stager import DEFAULT_EXPORT_TIMEOUT_S, EXPORT_FAILED_LINE, AsyncSaveStager
 from optim_factory.errors import SaveRefused
-from optim_factory.optimizers.export.staging import cpus_per_rank
+from optim_factory.optimizers.export import cpus_per_rank
 
 __all__ = [
     "AsyncSaveStager",

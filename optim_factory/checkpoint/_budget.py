@@ -32,9 +32,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from optim_factory.checkpoint._budget_rule import BudgetRefused, start_copies
 from optim_factory.checkpoint._fills import Fill, SaveFills
-from optim_factory.optimizers.export import local_tensor
-from optim_factory.optimizers.export.host_memory import HostBufferPool
-from optim_factory.optimizers.export.stream import StreamItem
+from optim_factory.optimizers.export import HostBufferPool, StreamItem, local_tensor
 from optim_factory.tree import leaves, local_tensors
 
 __all__ = [

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from optim_factory.optimizers.export.mixin import OffloadedStateDict
+from optim_factory.optimizers.export import OffloadedStateDict
 
 
 def defers_export(optimizer: torch.optim.Optimizer) -> bool:

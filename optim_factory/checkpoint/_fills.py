@@ -22,9 +22,15 @@ from typing import Any
 import torch
 
 from optim_factory.checkpoint._budget_rule import BudgetRefused
-from optim_factory.optimizers.export.host_memory import HostBufferPool, Slot, give_pages_back, host_empty
-from optim_factory.optimizers.export.options import Pinning
-from optim_factory.optimizers.export.stream import StateExporter, StreamItem
+from optim_factory.optimizers.export import (
+    HostBufferPool,
+    Pinning,
+    Slot,
+    StateExporter,
+    StreamItem,
+    give_pages_back,
+    host_empty,
+)
 
 __all__ = ["Fill", "SaveFills", "FILL_BATCH_BYTES"]
 

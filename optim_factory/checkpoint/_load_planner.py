@@ -12,9 +12,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from optim_factory.checkpoint._safe_read import SafeLoadPlanner, container_at
-from optim_factory.optimizers.export.formats import MASTER
-from optim_factory.optimizers.export.mixin import OffloadedStateDict
-from optim_factory.optimizers.export.tensors import local_tensor, wrap_host_local
+from optim_factory.optimizers.export import MASTER, OffloadedStateDict, local_tensor, wrap_host_local
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq", MASTER)
 """The state names whose saved dtype :class:`ExactLoadPlanner` keeps (FusedAdam's; torch's Adam and AdamW use the

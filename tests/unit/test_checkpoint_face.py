@@ -47,3 +47,17 @@ def test_the_old_async_save_path_warns_and_gives_the_same_objects():
         "import its names (AsyncSaveStager, SaveRefused ...) from optim_factory.checkpoint"
     ]
     assert old.__all__ and all(getattr(old, name) is getattr(face, name) for name in old.__all__)
+
+
+def test_the_checkpoint_package_reaches_the_export_through_its_face():
+    """The export's hooks a save uses (its stream items, host buffers, pinning) are the export package's public names:
+    nothing in optim_factory.checkpoint imports one of its modules directly."""
+    modules = _modules()
+    reaching = [
+        f"{name}: {dep}"
+        for name, path in modules.items()
+        if name.startswith("optim_factory.checkpoint")
+        for dep, _ in _imports(name, path, modules)
+        if dep.startswith("optim_factory.optimizers.export.")
+    ]
+    assert reaching == []

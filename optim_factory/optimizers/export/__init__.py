@@ -5,14 +5,15 @@
 * :mod:`.formats`: a master's saved and live formats and the conversion between them (``load_master``);
 * :mod:`.options`: the frozen, validated export options (``ExportOptions``, ``Pinning``) and the names users
   spell them by (``OPTION_NAMES``);
-* :mod:`.stream`: chunk planning and the stream pipeline with its resources (``StateExporter``);
-* :mod:`.host_memory`: host memory and pinning (``host_empty``, ``HostBufferPool``);
+* :mod:`.stream`: chunk planning and the stream pipeline with its resources (``StateExporter``, ``StreamItem``);
+* :mod:`.host_memory`: host memory and pinning (``host_empty``, ``HostBufferPool``, ``Slot``, ``give_pages_back``);
 * :mod:`.tensors`: DTensor and BF16-remainder bit helpers, shared with the portable backend;
 * :mod:`.mixin`: ``OffloadedStateDict``, the ``state_dict`` family both optimizer classes inherit.
 """
 
 from optim_factory.optimizers.export.contract import load_exported_state, param_index_map
-from optim_factory.optimizers.export.host_memory import HostBufferPool, host_empty
+from optim_factory.optimizers.export.formats import MASTER
+from optim_factory.optimizers.export.host_memory import HostBufferPool, Slot, give_pages_back, host_empty
 from optim_factory.optimizers.export.mixin import OffloadedStateDict
 from optim_factory.optimizers.export.options import (
     DEFAULT_CHUNK_BYTES,
@@ -22,7 +23,8 @@ from optim_factory.optimizers.export.options import (
     Pinning,
 )
 from optim_factory.optimizers.export.plan import ExportPlan, export_state
-from optim_factory.optimizers.export.stream import StateExporter, plan_chunks
+from optim_factory.optimizers.export.staging import cpus_per_rank
+from optim_factory.optimizers.export.stream import StateExporter, StreamItem, plan_chunks
 from optim_factory.optimizers.export.tensors import (
     all_finite,
     join_bf16_remainder,
@@ -44,8 +46,11 @@ __all__ = [
     "MIN_CHUNK_BYTES",
     "OffloadedStateDict",
     "StateExporter",
+    "StreamItem",
     "plan_chunks",
     "HostBufferPool",
+    "Slot",
+    "give_pages_back",
     "host_empty",
     "local_tensor",
     "wrap_like",
@@ -53,4 +58,6 @@ __all__ = [
     "join_bf16_remainder",
     "split_bf16_remainder",
     "all_finite",
+    "MASTER",
+    "cpus_per_rank",
 ]
