@@ -155,3 +155,15 @@ def test_results_keep_at_most_12_runs_each_on_the_summary_page_and_the_readme_at
     assert [r for r in runs if f"]({r}/)" not in summary] == []
     assert "git show <commit>^:benchmarks/results/<folder>/README.md" in summary
     assert len((ROOT / "README.md").read_text().splitlines()) <= 125
+
+
+def test_the_slurm_scripts_cite_only_files_of_the_repository():
+    """A file path named in scripts/slurm/ (a README, a script, a config) is one a clone has, inside it (a file
+    beside the clone, such as ../shared/..., exists on one machine only)."""
+    cited = {
+        f"{script.name}: {name}"
+        for script in sorted((ROOT / "scripts" / "slurm").iterdir())
+        for name in re.findall(r"[\w./-]+\.(?:md|sh|py|yaml|sbatch)\b", script.read_text())
+        if "/" in name and not ((ROOT / name).is_file() and (ROOT / name).resolve().is_relative_to(ROOT))
+    }
+    assert not cited
