@@ -35,6 +35,7 @@ from optim_factory.checkpoint._fills import Fill, SaveFills
 from optim_factory.optimizers.export import local_tensor
 from optim_factory.optimizers.export.host_memory import HostBufferPool
 from optim_factory.optimizers.export.stream import StreamItem
+from optim_factory.rules.export import size_text
 from optim_factory.tree import leaves, local_tensors
 
 __all__ = [
@@ -262,7 +263,8 @@ class BudgetSavePlanner(DefaultSavePlanner):
         if largest + early > self.limit:
             raise BudgetRefused(
                 f"state_dict_offload_host_budget={self.limit}: the save holds the tensor it writes ({largest} bytes, "
-                f"the largest) and the copies made at its start ({early}): a budget of at least {largest + early}"
+                f"the largest) and the copies made at its start ({early}): a budget of at least "
+                f"{size_text(largest + early)} ({largest + early} bytes)"
             )
         return plan
 

@@ -62,6 +62,16 @@ def parse_bytes(value: Any, key: str) -> int | None:
     raise ConfigError(key, value, allowed)
 
 
+def size_text(nbytes: int) -> str:
+    """``nbytes`` as a size :func:`parse_bytes` reads back (``118MiB``), rounded up to a whole unit: the largest of
+    GiB, MiB, KiB whose rounding adds at most 1 % (else bytes, ``B``), so that a least size stays one when pasted."""
+    for unit in ("GiB", "MiB", "KiB"):
+        whole = -(-nbytes // _UNITS[unit])
+        if whole * _UNITS[unit] - nbytes <= nbytes / 100:
+            return f"{whole}{unit}"
+    return f"{nbytes}B"
+
+
 def check_export_options(options: Any) -> tuple[int, Pinning, int | None]:
     """The rules of ``options`` (an ``ExportOptions``; named as the constructors spell them, from each field's
     metadata), in order: the offload a ``bool``; a chunk size ``None``, 0 or an int >= :data:`MIN_CHUNK_BYTES`, and
