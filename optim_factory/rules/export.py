@@ -9,13 +9,13 @@ from __future__ import annotations
 import re
 import warnings
 from dataclasses import fields
-from enum import Enum
 from typing import Any
 
 import torch
 
 from optim_factory.errors import ConfigError
 from optim_factory.rules.adam import DTYPE_SPELLINGS, check_flags
+from optim_factory.rules.pinning import Pinning
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -28,19 +28,6 @@ __all__ = [
 
 DEFAULT_CHUNK_BYTES = 64 << 20  # the chunk of ``state_dict_cpu_offload=True`` alone: the GPU holds 2 (128 MiB)
 MIN_CHUNK_BYTES = 64  # one aligned piece; real budgets are MiBs
-
-
-class Pinning(str, Enum):
-    """How pooled host buffers of CUDA states become page-locked (see ``HostBufferPool``).
-
-    * ``register``: allocated pageable, pinned in place (``cudaHostRegister``) in the background once released;
-    * ``alloc``: allocated pinned (``cudaHostAlloc``; slow to allocate);
-    * ``none``: pageable, always filled through the pinned staging buffers.
-    """
-
-    register = "register"
-    alloc = "alloc"
-    none = "none"
 
 
 _SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB)?\s*$")

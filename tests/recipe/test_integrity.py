@@ -184,12 +184,12 @@ def test_checkpointing_off_after_an_earlier_launch_is_refused(tmp_path):
 def test_a_crash_of_a_one_process_run_completes_the_save_in_flight(tmp_path, monkeypatch):
     """An exception at step 7 finishes the async save of step 5 (written): without its marker the next launch
     would remove it and start at step 0. Broken on purpose (no finishing): step 5 is incomplete."""
-    import recipes.train
+    import recipes.job
 
     def fail(*args, **kwargs):
         raise RuntimeError("evaluation failed")
 
-    monkeypatch.setattr(recipes.train, "evaluate", fail)
+    monkeypatch.setattr(recipes.job, "evaluate", fail)
     with pytest.raises(RuntimeError, match="evaluation failed"):
         _run(tmp_path, "checkpoint.async_save=true", "checkpoint.every_steps=5", "trainer.eval_every=7")
     assert complete_steps(tmp_path) == [5]
