@@ -161,7 +161,9 @@ def _train(cfg: DictConfig, env, device, data, mesh, optim: ValidatedOptim, save
     end = min(max_steps, cfg.trainer.stop_at) if cfg.trainer.stop_at > 0 else max_steps
     limit = "trainer.stop_at" if end < max_steps else "trainer.max_steps"  # the key that ends this run
     start, resumed_from = _resume(cfg, ckpt, model, optimizer, end, limit, record, metrics, env.rank)
-    if start >= end:
+    if start >= end:  # a finished run relaunched: it changes nothing, and launches/ holds the launches that trained
+        if record is not None:
+            record.unlink(missing_ok=True)
         log.info(nothing_to_do(start, end, resumed_from, [], limit))
     run = _loop(cfg, env, model, optimizer, data, device, base_lrs, ckpt, metrics, start, end)
     return _summary(cfg, env.rank, ckpt, metrics, start, end, resumed_from, limit, *run)
