@@ -28,7 +28,7 @@ from recipes.logs import FILE_ONLY, MetricsWriter, StepLog, done_text, eval_post
 from recipes.model import build_model
 from recipes.preflight import preflight, run_dir_refusal
 from recipes.progress import progress_bar
-from recipes.run_lock import RunDirLock
+from recipes.run_lock import RunDirLock, missing_dirs
 from recipes.step import TrainStep, shard_model
 from recipes.stop_signal import StopSignal
 
@@ -56,6 +56,7 @@ def train(cfg: DictConfig, *, saver_cls: type[Saver] = Saver) -> dict[str, Any]:
     ``saver_cls``: the checkpoint manager's saver, a subclass of :class:`Saver` (e.g. one that overrides its
     :meth:`~Saver.on_phase`, as ``tests/fault/fault_train.py`` does).
     """
+    created = missing_dirs(cfg.checkpoint.dir) if cfg.checkpoint.enabled else []  # before preflight makes them
     env, device, data, optim = preflight(cfg)
     locks = [RunDirLock(cfg.run_dir)]  # one launch per run_dir and per checkpoint.dir at once (rank 0 holds them)
     if cfg.checkpoint.enabled and Path(cfg.checkpoint.dir).resolve() != Path(cfg.run_dir).resolve():
@@ -81,6 +82,10 @@ def train(cfg: DictConfig, *, saver_cls: type[Saver] = Saver) -> dict[str, Any]:
                 raise
         finally:
             shutdown()
+    except USER_ERRORS:
+        if env.rank == 0:  # a refusal (no room, a diverged run) before any checkpoint: checkpoint.dir as it was found
+            locks[-1].remove_created(created)
+        raise
     finally:
         for lock in locks:
             lock.release()
