@@ -56,7 +56,8 @@ def train(cfg: DictConfig, *, saver_cls: type[Saver] = Saver) -> dict[str, Any]:
     ``saver_cls``: the checkpoint manager's saver, a subclass of :class:`Saver` (e.g. one that overrides its
     :meth:`~Saver.on_phase`, as ``tests/fault/fault_train.py`` does).
     """
-    created = missing_dirs(cfg.checkpoint.dir) if cfg.checkpoint.enabled else []  # before preflight makes them
+    where = OmegaConf.select(cfg, "checkpoint.dir", throw_on_missing=False)  # None where missing: preflight says so
+    created = missing_dirs(where) if where else []  # before preflight makes them
     env, device, data, optim = preflight(cfg)
     locks = [RunDirLock(cfg.run_dir)]  # one launch per run_dir and per checkpoint.dir at once (rank 0 holds them)
     if cfg.checkpoint.enabled and Path(cfg.checkpoint.dir).resolve() != Path(cfg.run_dir).resolve():
