@@ -21,7 +21,7 @@ from omegaconf import MISSING
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from optim_factory.errors import ConfigError, first_line
-from optim_factory.rules.export import Pinning
+from optim_factory.rules.pinning import Pinning
 
 __all__ = [
     "Choice",

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["host_storage_bytes", "leaves", "local_tensors", "map_leaves", "state_bytes"]
 
@@ -35,6 +36,8 @@ def map_leaves(fn: Callable[[tuple, Any], Any], tree: Any, path: tuple = ()) -> 
 
 def local_tensors(tree: Any) -> Iterator[torch.Tensor]:
     """Every tensor of ``tree`` (the local shard of a DTensor), depth first."""
+    import torch  # here, not at the top: the command line walks configs with leaves() before torch is imported
+
     for _, v in leaves(tree):
         if isinstance(v, torch.Tensor):
             yield v.to_local() if hasattr(v, "to_local") else v

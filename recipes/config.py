@@ -13,6 +13,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -21,13 +22,22 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from optim_factory.config import OPTIM_SCHEMAS, Choice, schema_keys, unknown_key_line
 from optim_factory.config import register_configs as register_optim_configs
 from optim_factory.errors import ConfigError
-from recipes.checkpoint.layout import CheckpointError
 
 ADDITION_VOCAB = "0123456789+=\n"
 
 
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # conf/train.yaml and its groups
+
+
 class DataError(ValueError):
     """A bad data config or data file: one line saying what is wrong."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint problem, in one line naming the checkpoint (or key) and what is wrong (raised by the checkpoint
+    config's own rules here, and by ``recipes.checkpoint``)."""
+
+    older_may_load = True  # with checkpoint.fallback, an older checkpoint is tried (not for a refused config)
 
 
 class ModelDtype(Choice):

@@ -23,7 +23,7 @@ def record_config(cfg: DictConfig, run_dir: str, argv: list[str]) -> Path:
 
     A new file per launch, written only after every check passed: a later launch, rejected or not, never
     overwrites the record of an earlier one, also in the same process and second (``-<n>``: a Hydra sweep's
-    jobs, tests).
+    jobs, tests). The job removes it again where the resume refuses the launch or leaves it nothing to train.
     """
     folder = Path(run_dir) / LAUNCHES
     folder.mkdir(parents=True, exist_ok=True)

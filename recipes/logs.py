@@ -16,7 +16,7 @@ from recipes.checkpoint import ExportReport
 from recipes.progress import ConsoleHandler
 from recipes.step import StepResult
 
-log = logging.getLogger("recipes.train")  # the training loop's lines: train.py logs through this logger too
+log = logging.getLogger("recipes.train")  # the training loop's lines: recipes/job.py logs through this logger too
 
 FILE_ONLY = "file_only"  # a log record's attribute (``extra``): train.log only, not the console
 

@@ -29,6 +29,16 @@ LOCK_NAME = ".lock"
 _NO_FLOCK = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL}
 
 
+def missing_dirs(path: str) -> list[Path]:
+    """``path`` (absolute) and those of its parents that do not exist yet, deepest first: what creating it makes."""
+    missing = []
+    for directory in [Path(path).absolute(), *Path(path).absolute().parents]:
+        if directory.exists():
+            break
+        missing.append(directory)
+    return missing
+
+
 def _flock(fd: int) -> None:
     """Take the exclusive lock on ``fd`` without waiting (``BlockingIOError`` when another holds it)."""
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -76,6 +86,28 @@ class RunDirLock:
         if self._fd is not None:
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+
+    @property
+    def held(self) -> bool:
+        """Whether this process holds the lock."""
+        return self._fd is not None
+
+    def remove_created(self, created: list[Path]) -> None:
+        """A launch that ends refused leaves the directory it made as it found it: where ``created`` (the missing
+        directories the launch made, deepest first: :func:`missing_dirs`) starts with this lock's directory and that
+        holds nothing but the lock file, the file and those directories, deepest first, while any is empty. Only
+        while the lock is held: another launch's directory is not this one's to remove."""
+        folder = self.path.parent
+        if not self.held or not created or created[0] != folder.absolute():
+            return
+        if any(entry.name != LOCK_NAME for entry in folder.iterdir()):
+            return
+        self.path.unlink(missing_ok=True)
+        for directory in created:
+            try:
+                directory.rmdir()
+            except OSError:  # not empty (a run_dir with its train.log), or gone
+                return
 
     def release(self) -> None:
         """Unlock (closing the file drops the lock); the file stays. Idempotent."""

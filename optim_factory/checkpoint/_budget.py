@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from optim_factory.checkpoint._budget_rule import BudgetRefused, start_copies
 from optim_factory.checkpoint._fills import Fill, SaveFills
 from optim_factory.optimizers.export import HostBufferPool, StreamItem, local_tensor
+from optim_factory.rules.export import size_text
 from optim_factory.tree import leaves, local_tensors
 
 __all__ = [
@@ -263,7 +264,8 @@ class BudgetSavePlanner(DefaultSavePlanner):
         if largest + early > self.limit:
             raise BudgetRefused(
                 f"state_dict_offload_host_budget={self.limit}: the save holds the tensor it writes ({largest} bytes, "
-                f"the largest) and the copies made at its start ({early}): a budget of at least {largest + early}"
+                f"the largest) and the copies made at its start ({early}): a budget of at least "
+                f"{size_text(largest + early)} ({largest + early} bytes)"
             )
         return plan
 

@@ -11,6 +11,7 @@ import torch
 
 from optim_factory.errors import ConfigError
 from optim_factory.optimizers.export import local_tensor
+from optim_factory.rules.export import size_text
 from optim_factory.tree import leaves
 
 __all__ = ["BudgetRefused", "LeastBudget", "least_host_budget", "start_copies"]
@@ -47,7 +48,7 @@ class LeastBudget:
             limit,
             f"the tensors the optimizer's step() does not change (buffers, other states), copied when the save "
             f"starts, take {self.early} bytes, and the largest tensor it fills {self.largest}: a budget of at least "
-            f"{self.nbytes}",
+            f"{size_text(self.nbytes)} ({self.nbytes} bytes)",
         )
 
 

@@ -51,6 +51,7 @@ Importing this module imports torchtitan; the rest of optim_factory never does.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -73,6 +74,7 @@ try:  # names torchtitan 0.3 and its main branch both provide (0.3's components.
     from torchtitan.components.optimizer import OptimizersContainer as TitanOptimizersContainer
     from torchtitan.components.optimizer import ParamGroupConfig
     from torchtitan.config import derive, override
+    from torchtitan.tools.logging import logger as titan_logger
 except ImportError as exc:
     raise framework_import_error("torchtitan", exc) from exc
 from optim_factory.rules.groups import GROUP_KEYS
@@ -134,6 +136,32 @@ class OptimizersContainer(TitanOptimizersContainer):
         return TitanOptimizersContainer._resolve_optimizer_factory(name)
 
 
+class OncePerProcess(logging.Filter):
+    """A filter that lets each message through once per process, for the records logged inside :meth:`apply`."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self.logger, self.said = logger, set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.said:
+            return False
+        self.said.add(message)
+        return True
+
+    def apply(self, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)`` with this filter on the logger."""
+        self.logger.addFilter(self)
+        try:
+            return call(*args)
+        finally:
+            self.logger.removeFilter(self)
+
+
+TITAN_CHECK_WARNINGS = OncePerProcess(titan_logger)  # torchtitan logs on the root logger
+
+
 class CheckpointManager(TitanCheckpointManager):
     """torchtitan's ``CheckpointManager`` whose DCP loads read the optimizer's states in their saved dtypes
     (:class:`~optim_factory.checkpoint.ExactLoadPlanner`): our classes convert a changed master format exactly,
@@ -143,7 +171,14 @@ class CheckpointManager(TitanCheckpointManager):
 
     @dataclass(kw_only=True, slots=True)
     class Config(TitanCheckpointManager.Config):
-        """torchtitan's checkpoint config, unchanged; declared here so that ``config.build()`` builds this class."""
+        """torchtitan's checkpoint config, unchanged; declared here so that ``config.build()`` builds this class.
+
+        The warnings of torchtitan's checks (``initial_load_model_only=True has no effect without an
+        initial_load_path.``, on its default values) are logged once per process: ``build()`` copies the config
+        (``dataclasses.replace``), which runs the checks again, so each config built would say each one twice."""
+
+        def __post_init__(self) -> None:
+            TITAN_CHECK_WARNINGS.apply(TitanCheckpointManager.Config.__post_init__, self)  # (slots: no bare super())
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)

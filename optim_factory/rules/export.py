@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import warnings
 from dataclasses import fields
-from enum import Enum
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ import torch
 from optim_factory.errors import ConfigError
 from optim_factory.rules.adam import DTYPE_SPELLINGS, check_flags
 from optim_factory.rules.host import auto_host_budget
+from optim_factory.rules.pinning import Pinning
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -29,19 +29,6 @@ __all__ = [
 
 DEFAULT_CHUNK_BYTES = 64 << 20  # the chunk of ``state_dict_cpu_offload=True`` alone: the GPU holds 2 (128 MiB)
 MIN_CHUNK_BYTES = 64  # one aligned piece; real budgets are MiBs
-
-
-class Pinning(str, Enum):
-    """How pooled host buffers of CUDA states become page-locked (see ``HostBufferPool``).
-
-    * ``register``: allocated pageable, pinned in place (``cudaHostRegister``) in the background once released;
-    * ``alloc``: allocated pinned (``cudaHostAlloc``; slow to allocate);
-    * ``none``: pageable, always filled through the pinned staging buffers.
-    """
-
-    register = "register"
-    alloc = "alloc"
-    none = "none"
 
 
 AUTO = "auto"  # state_dict_offload_host_budget: this rank's share of the host (optim_factory.rules.host)
@@ -62,6 +49,16 @@ def parse_bytes(value: Any, key: str) -> int | None:
         f"expected null (the default: {default} chunks), 0 (one state at a time), bytes as an int or a size like 64MiB"
     )
     raise ConfigError(key, value, allowed)
+
+
+def size_text(nbytes: int) -> str:
+    """``nbytes`` as a size :func:`parse_bytes` reads back (``118MiB``), rounded up to a whole unit: the largest of
+    GiB, MiB, KiB whose rounding adds at most 1 % (else bytes, ``B``), so that a least size stays one when pasted."""
+    for unit in ("GiB", "MiB", "KiB"):
+        whole = -(-nbytes // _UNITS[unit])
+        if whole * _UNITS[unit] - nbytes <= nbytes / 100:
+            return f"{whole}{unit}"
+    return f"{nbytes}B"
 
 
 def check_export_options(options: Any) -> tuple[int, Pinning, int | None]:

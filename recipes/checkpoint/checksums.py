@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import json
 import threading
 from contextlib import contextmanager
@@ -100,6 +101,25 @@ class _ChecksumStream:
         return False
 
 
+class _Discarded(io.RawIOBase):
+    """A write stream that counts the bytes written to it and keeps none (:meth:`ChecksumFileSystem.create_stream`:
+    a data file that a failed writer thread could not open)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.position = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.position += memoryview(data).nbytes
+        return memoryview(data).nbytes
+
+    def tell(self) -> int:
+        return self.position
+
+
 def _crc32_per_thread() -> bool:
     """Whether ``torch.serialization.set_crc32_options`` in one thread leaves another thread's setting alone
     (per thread in torch 2.13; one for the process in 2.11, seen on an H200). Tried once at import, restored."""
@@ -126,6 +146,10 @@ class ChecksumFileSystem(FileSystem):
         self.key = key  # checkpoint.key_env's: each file's keyed digest too
         self.records: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()  # DCP may write files from several threads (thread_count > 1)
+        # the thread that called the writer's last write_data, and the first failure of a data file written by
+        # another (DCP's extra writer threads): ChecksumFileSystemWriter.write_data raises it in that thread
+        self.caller: int | None = None
+        self.failure: Exception | None = None
 
     @contextmanager
     def create_stream(self, path, mode: str):
@@ -143,10 +167,24 @@ class ChecksumFileSystem(FileSystem):
             raise RuntimeError(f"{path}: append-mode writes cannot be checksummed")
         crc32 = torch.serialization.get_crc32_options()
         torch.serialization.set_crc32_options(crc32 and not CRC32_PER_THREAD)
+        opened = False
         try:
             with super().create_stream(path, mode) as stream:
-                counted = _ChecksumStream(stream, self.key)
+                opened, counted = True, _ChecksumStream(stream, self.key)
                 yield counted
+        except Exception as exc:
+            if not str(path).endswith(".distcp") or self.caller in (None, threading.get_ident()):
+                raise
+            # a data file of one of DCP's extra writer threads, which run its write loop bare: raised there, the
+            # failure (a full disk's ENOSPC) would end the thread as an unhandled exception, a traceback on stderr,
+            # and the save would not see it. Kept for write_data, which raises it in its own thread once DCP has
+            # joined the threads (where the calling thread failed too, its own failure is the save's); a file that
+            # did not open takes the thread's bytes for it into nothing.
+            with self._lock:
+                self.failure = self.failure or exc
+            if not opened:
+                yield _Discarded()
+            return
         finally:
             torch.serialization.set_crc32_options(crc32)
         with self._lock:  # only a stream that was written and closed without an error is recorded
@@ -179,6 +217,16 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         super().reset(checkpoint_id)
         with self.fs._lock:
             self.fs.records.clear()
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        """DCP's ``write_data``, whose failure in any of its writer threads raises here, in the calling thread (a
+        failed file of another thread ends that thread's file early instead of raising there: ``create_stream``)."""
+        self.fs.caller, self.fs.failure = threading.get_ident(), None
+        written = super().write_data(plan, planner)  # DCP joins its writer threads before it returns
+        if self.fs.failure is not None:
+            failure, self.fs.failure = self.fs.failure, None
+            raise failure
+        return written
 
     def checksums(self) -> dict[str, dict[str, Any]]:
         """``{file name: {"size": bytes, "xxh3_64": hex[, "hmac_sha256": hex]}}`` of the files this rank wrote in the

@@ -27,6 +27,7 @@ from optim_factory.checkpoint import SafeFileSystemReader, SafeLoadPlanner, Unsa
 from optim_factory.errors import first_line
 from optim_factory.tree import local_tensors, state_bytes
 from recipes.checkpoint.checksums import manifest_problem, seal_manifest
+from recipes.config import CheckpointError
 
 log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the package
 
@@ -36,12 +37,6 @@ METADATA = ".metadata"
 FALLBACK_HINT = "checkpoint.fallback=true resumes from the newest checkpoint that verifies"
 DAMAGED_KEPT = 2  # set-aside checkpoints kept for inspection in a checkpoint.dir: the newest set aside
 DCP_ERRORS = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint problem, in one line naming the checkpoint (or key) and what is wrong."""
-
-    older_may_load = True  # with checkpoint.fallback, an older checkpoint is tried (not for a refused config)
 
 
 class DamagedCheckpoint(CheckpointError):

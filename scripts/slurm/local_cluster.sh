@@ -3,8 +3,12 @@
 #   bash scripts/slurm/local_cluster.sh install   # apt-get install slurmctld slurmd slurm-client munge
 #   bash scripts/slurm/local_cluster.sh start     # key, config, daemons; waits until the node is idle
 #   bash scripts/slurm/local_cluster.sh stop      # stops the daemons this script started
-# Steps as verified in ../shared/slurm/README.md (Slurm 22.05, munge 0.5). A requeued job starts again after
-# cred_expire (10 s; Slurm's default: 120) at the next pass of the main scheduler (sched_interval: 2 s; default 60).
+# Verified on Debian 12 with Slurm 22.05 and munge 0.5; the steps are the ones below: a munge key (1024 random
+# bytes, owner munge, mode 400) and munged run as the munge user (check: munge -n | unmunge), a slurm.conf with one
+# node (this host, its CPUs, 90 % of its memory) and one default partition, then slurmctld and slurmd, until sinfo
+# shows the node idle. slurmd's "mpi/pmix_v4 ... can not load PMIx library" at start is harmless.
+# A requeued job starts again after cred_expire (10 s; Slurm's default: 120) at the next pass of the main scheduler
+# (sched_interval: 2 s; default 60).
 set -euo pipefail
 state=/run/optim-factory-slurm
 case "${1:-}" in

@@ -397,3 +397,29 @@ def test_the_docs_script_for_the_checkpoint_manager_runs_its_ranks_in_one_group_
     assert done.returncode == 0, done.stderr[-3000:]
     files = sorted(p.name for p in (tmp_path / "outputs" / "checkpoint" / "step-3").iterdir())
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files
+
+
+def test_torchtitans_config_check_warnings_are_logged_once_per_process(caplog):
+    """torchtitan's checks warn on its own defaults (``initial_load_model_only`` without an ``initial_load_path``)
+    each time a config is made, and ``build()`` makes a copy (``dataclasses.replace``): docs/drop-in.md's script,
+    two configs built, printed the line 4 times. Once per process (none here where an earlier test said it)."""
+    import dataclasses
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            dataclasses.replace(integration.CheckpointManager.Config(enable=True, folder="checkpoint"))
+    said = [r for r in caplog.records if "initial_load_model_only" in r.getMessage()]
+    assert len(said) <= 1, [r.getMessage() for r in said]
+
+
+def test_the_once_per_process_filter_lets_each_message_through_once_and_only_inside_apply(caplog):
+    import logging
+
+    logger = logging.getLogger("tests.once")
+    once = integration.OncePerProcess(logger)
+    with caplog.at_level(logging.WARNING, logger="tests.once"):
+        once.apply(lambda: [logger.warning(m) for m in ("a", "b", "a", "b")])
+        once.apply(logger.warning, "a")
+        logger.warning("a")  # outside apply: the filter is off
+    assert [r.getMessage() for r in caplog.records] == ["a", "b", "a"]

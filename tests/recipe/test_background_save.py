@@ -103,7 +103,7 @@ def test_a_non_finite_deferred_export_is_refused_when_the_save_is_finalised(tmp_
     with pytest.raises(CheckpointError) as info:
         train(compose_config([*QUICK, f"run_dir={tmp_path}", "optim.lr=1e39", "checkpoint.every_steps=1", *BACKGROUND]))
     assert str(info.value).startswith("not saving step 1: the model or optimizer state holds non-finite values")
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [".lock"]  # the run's lock only
+    assert not (tmp_path / "checkpoints").exists()  # made by this launch, which saved nothing: removed again
 
 
 @pytest.mark.slow
@@ -113,7 +113,7 @@ def test_a_non_finite_deferred_export_is_refused_on_both_of_two_ranks(tmp_path):
     ranks = recipe_ranks(args, 2, tmp_path / "ranks")
     for rank in ranks:
         assert stopped(rank).startswith("not saving step 1: the model or optimizer state holds non-finite")
-    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [".lock"]  # the run's lock only
+    assert not (run_dir / "checkpoints").exists()  # made by this launch, which saved nothing: removed again
 
 
 @pytest.mark.parametrize("waits_before_step", [False, True], ids=["waits-in-save", "deferred"])

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 
 import pytest
 import torch
 
 from optim_factory.errors import ConfigError
+from optim_factory.rules.export import parse_bytes
 from recipes.checkpoint import read_checkpoint
 from recipes.train import compose_config, train
 from tests.fault import fault_injection
@@ -66,8 +68,9 @@ def test_a_budget_below_the_copies_at_a_save_s_start_is_refused_before_the_first
     line = str(info.value)
     assert line.startswith("optim.state_dict_offload_host_budget=2048: the tensors the optimizer's step() does not")
     assert "take 5056 bytes, and the largest tensor it fills" in line and "\n" not in line, line
-    assert int(line.rsplit("a budget of at least ", 1)[1]) > 5056, line
-    assert not list((run_dir / "checkpoints").glob("step_*"))
+    size, nbytes = re.search(r"a budget of at least (\S+) \((\d+) bytes\)$", line).groups()
+    assert parse_bytes(size, "budget") >= int(nbytes) > 5056, line  # a size to paste back, and the exact bytes
+    assert not (run_dir / "checkpoints").exists()  # the refused launch removes the checkpoint.dir it made
     metrics = run_dir / "metrics.jsonl"
     assert not metrics.exists() or '"kind": "train"' not in metrics.read_text()
 

@@ -496,3 +496,25 @@ def test_threads_0_is_torch_s_default_also_after_a_job_that_set_a_count(tmp_path
         assert torch.get_num_threads() == DEFAULT_THREADS
     finally:
         torch.set_num_threads(DEFAULT_THREADS)
+
+
+# ------------------------------------------------------------------ a config error is refused before torch is imported
+@pytest.mark.parametrize("override", ["optim.lr_typo=1", "trainer.max_step=5", "optim.exp_avg_dtype=bf17"])
+def test_a_config_error_is_refused_before_torch_or_the_job_is_imported(override):
+    """What a fresh interpreter imports is what is tested, so a process of its own: ``python recipes/train.py`` with
+    a typo refuses in its one line (exit 2) without importing torch (seconds, more under load) or ``recipes.job``
+    (whose imports are torch's); the line printed is the one the in-process entry point prints."""
+    import subprocess
+    import sys
+
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['recipes/train.py', {override!r}]\n"
+        "try:\n"
+        "    runpy.run_path('recipes/train.py', run_name='not_main')['main']()\n"
+        "except SystemExit as exc:\n"
+        "    print(exc.code, sorted(m for m in ('torch', 'recipes.job') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "2 []", (proc.stdout, proc.stderr[-3000:])
+    assert proc.stderr == cli(override).stderr and proc.stderr.count("\n") == 1, proc.stderr

@@ -74,7 +74,8 @@ def test_a_save_that_cannot_fit_is_refused_before_it_writes(async_save, small_fs
 def test_a_fresh_run_whose_first_save_cannot_fit_is_refused_before_its_first_step(small_fs, tmp_path):
     """1 MiB, under the first save's estimate (1.28 MB: the model's bytes and two FP32 moments per parameter
     element): refused in one line before the first step, nothing trained, nothing recorded. Broken on purpose (the
-    check on resume only): the run trains 10 steps and then its save is refused."""
+    check on resume only): the run trains 10 steps and then its save is refused. The checkpoint.dir it made is
+    removed again (the launch leaves the disk as it found it); one that was there stays."""
     ck = small_fs(1 << 20) / "checkpoints"
     run = tmp_path / "run"
     line = stopped(cli(*QUICK, f"run_dir={run}", f"checkpoint.dir={ck}"))
@@ -87,7 +88,11 @@ def test_a_fresh_run_whose_first_save_cannot_fit_is_refused_before_its_first_ste
     free, needed = map(int, numbers.groups())
     assert free < needed and needed > 1_000_000, line
     assert not (run / "metrics.jsonl").exists() and not list((run / "launches").iterdir())  # nothing trained
-    assert [p.name for p in ck.iterdir()] == [".lock"]
+    assert not ck.exists()  # the checkpoint.dir this launch made is removed: the disk as the launch found it
+    ck.mkdir()
+    (ck / "mine").write_text("kept")  # a checkpoint.dir that was there is left as it is, the lock file included
+    assert stopped(cli(*QUICK, f"run_dir={run}", f"checkpoint.dir={ck}")).startswith("not training: no room")
+    assert sorted(p.name for p in ck.iterdir()) == [".lock", "mine"]
 
 
 def test_a_write_that_runs_out_of_space_says_disk_full(small_fs, tmp_path):
@@ -98,7 +103,7 @@ def test_a_write_that_runs_out_of_space_says_disk_full(small_fs, tmp_path):
     line = stopped(proc)
     assert line.startswith(f"disk full: saving {ck / 'step_00000010'} failed, its partial files removed ("), line
     assert f"bytes free in {ck}): " in line, line
-    assert [p.name for p in ck.iterdir()] == [".lock"]
+    assert not ck.exists()  # made by this launch, which saved nothing
 
 
 def _raised(exc: BaseException, cause: BaseException | None = None) -> BaseException:

@@ -184,12 +184,12 @@ def test_checkpointing_off_after_an_earlier_launch_is_refused(tmp_path):
 def test_a_crash_of_a_one_process_run_completes_the_save_in_flight(tmp_path, monkeypatch):
     """An exception at step 7 finishes the async save of step 5 (written): without its marker the next launch
     would remove it and start at step 0. Broken on purpose (no finishing): step 5 is incomplete."""
-    import recipes.train
+    import recipes.job
 
     def fail(*args, **kwargs):
         raise RuntimeError("evaluation failed")
 
-    monkeypatch.setattr(recipes.train, "evaluate", fail)
+    monkeypatch.setattr(recipes.job, "evaluate", fail)
     with pytest.raises(RuntimeError, match="evaluation failed"):
         _run(tmp_path, "checkpoint.async_save=true", "checkpoint.every_steps=5", "trainer.eval_every=7")
     assert complete_steps(tmp_path) == [5]
@@ -391,7 +391,7 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
     with pytest.raises(CheckpointError) as info:
         _run(tmp_path, "optim.lr=1e39", "checkpoint.every_steps=1", "trainer.max_steps=5")
     assert str(info.value).startswith("not saving step 1: the model or optimizer state holds non-finite values")
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [".lock"]  # the run's lock only
+    assert not (tmp_path / "checkpoints").exists()  # made by this launch, which saved nothing: removed again
 
 
 def test_a_resume_reads_each_candidate_s_manifest_once(run_dir, monkeypatch):

@@ -4,6 +4,7 @@ tests/recipe/test_slurm.py)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -168,3 +169,14 @@ def test_hydra_submitit_local_launcher_runs_a_job(launcher, tmp_path):
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     assert complete_steps(run_dir) == [10, 20]
     assert [r for r in metrics(run_dir) if r["kind"] == "summary"][-1]["end_step"] == 20
+    # the terminal: where the job's log is, first; the job's outcome, last
+    logs = f"{tmp_path / 'sweep'}/.submitit/<job id>/<job id>_0_log.err"
+    lines = proc.stderr.splitlines()
+    assert lines[0] == f"-m: each job runs in a process of its own; its log: {logs} (and .out)", proc.stderr
+    assert re.fullmatch(r"-m job log .*_0_log\.err: done: steps 0-20, loss .*", lines[-1]), proc.stderr
+    if launcher == "laptop":  # the same sweep again: nothing to train, said in one line
+        again = cli(*args[:-1], f"hydra.sweep.dir={tmp_path / 'again'}")
+        assert again.returncode == 0 and again.stderr.count("\n") == 2, again.stderr
+        assert again.stderr.splitlines()[-1].endswith(
+            ": nothing to do: checkpoint step 20 >= 20 (to train on, raise trainer.max_steps)"
+        ), again.stderr

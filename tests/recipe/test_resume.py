@@ -415,7 +415,7 @@ def test_no_decay_patterns_change_across_a_resume(save, saved_cfg, resumed_cfg, 
 def test_a_finished_run_started_with_another_optimizer_config_is_refused(tmp_path, caplog, capsys):
     """Observation 4: the README's next command after the quick start resumes a finished run. A changed key
     would take effect in no step: refused (exit 2 on the command line), nothing recorded; the same config is
-    "nothing to do"."""
+    "nothing to do", and adds no launches/ record either (launches/ holds the launches that trained)."""
     train(compose_config([*QUICK, f"run_dir={tmp_path}"]))
     metrics = (tmp_path / "metrics.jsonl").read_text()
     launches = sorted((tmp_path / "launches").iterdir())
@@ -438,6 +438,7 @@ def test_a_finished_run_started_with_another_optimizer_config_is_refused(tmp_pat
     assert "nothing to do: checkpoint step 20 >= 20 (to train on, raise trainer.max_steps)" in [
         r.getMessage() for r in caplog.records
     ]
+    assert sorted((tmp_path / "launches").iterdir()) == launches  # a launch that trained nothing is not recorded
 
 
 def test_a_relaunch_of_a_finished_run_keeps_its_summary(run_at_step_10, tmp_path):

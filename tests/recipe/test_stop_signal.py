@@ -172,10 +172,10 @@ def test_a_run_started_with_sigint_ignored_stops_cleanly_on_sigterm(tmp_path, mo
     """The recipe in a process that inherited SIGINT ignored: a Ctrl-C's SIGINT changes nothing, SIGTERM stops it
     after the step with a checkpoint, and SIGINT is ignored again afterwards. Broken on purpose (a handler installed
     over SIG_IGN): the run stops on SIGINT."""
-    import recipes.train
+    import recipes.job
     from recipes.train import compose_config, train
 
-    real = recipes.train.evaluate
+    real = recipes.job.evaluate
 
     def evaluate_then_signals(*args):
         out = real(*args)
@@ -183,7 +183,7 @@ def test_a_run_started_with_sigint_ignored_stops_cleanly_on_sigterm(tmp_path, mo
         signal.raise_signal(signal.SIGTERM)
         return out
 
-    monkeypatch.setattr(recipes.train, "evaluate", evaluate_then_signals)
+    monkeypatch.setattr(recipes.job, "evaluate", evaluate_then_signals)
     over = [*QUICK, "trainer.max_steps=8", "trainer.eval_every=4", "checkpoint.every_steps=100"]
     summary = train(compose_config([*over, f"run_dir={tmp_path}"]))
     assert (summary["stopped_at"], summary["stopped_by"]) == (4, "SIGTERM")
@@ -205,17 +205,17 @@ def test_the_first_ctrl_c_says_what_the_stop_does(capfd, terminal_sigint):
 def test_a_ctrl_c_during_the_last_step_is_the_end_of_the_run(tmp_path, monkeypatch, terminal_sigint):
     """Every step is done: the run ends as finished, not reported as a stop ("a new launch resumes here", exit
     130)."""
-    import recipes.train
+    import recipes.job
     from recipes.train import compose_config, train
 
-    real = recipes.train.evaluate
+    real = recipes.job.evaluate
 
     def evaluate_then_ctrl_c(*args):
         out = real(*args)
         signal.raise_signal(signal.SIGINT)  # before the last step's stop check
         return out
 
-    monkeypatch.setattr(recipes.train, "evaluate", evaluate_then_ctrl_c)
+    monkeypatch.setattr(recipes.job, "evaluate", evaluate_then_ctrl_c)
     over = ["experiment=quick", "trainer.threads=1", "trainer.max_steps=4", "trainer.eval_every=4"]
     summary = train(compose_config([*over, f"run_dir={tmp_path}"]))  # its one evaluation: at the last step
     assert summary["end_step"] == 4 and summary["stopped_at"] is None and summary["stopped_by"] is None
@@ -224,12 +224,12 @@ def test_a_ctrl_c_during_the_last_step_is_the_end_of_the_run(tmp_path, monkeypat
 def test_a_ctrl_c_outside_the_loop_s_stop_is_one_line_and_exit_130(tmp_path, monkeypatch, terminal_sigint):
     """A Ctrl-C that raises KeyboardInterrupt (before the loop's handler is installed, as here, or a second one
     inside it): the entry point's one line and 130, no traceback."""
-    import recipes.train
+    import recipes.job
 
     def interrupted(cfg):
         signal.raise_signal(signal.SIGINT)  # Python's own handler: KeyboardInterrupt here
 
-    monkeypatch.setattr(recipes.train, "preflight", interrupted)
+    monkeypatch.setattr(recipes.job, "preflight", interrupted)
     proc = cli(*QUICK, f"run_dir={tmp_path}")
     assert (proc.returncode, proc.stderr) == (130, f"{INTERRUPTED_LINE}\n")
 

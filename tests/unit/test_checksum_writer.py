@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
+from torch.distributed.checkpoint.api import CheckpointException
 
 from recipes.checkpoint.checksums import CRC32_PER_THREAD, ChecksumFileSystem, ChecksumFileSystemWriter, writer_threads
 
@@ -92,3 +93,25 @@ def test_another_thread_s_torch_save_keeps_its_crc32_while_a_file_is_written_and
         with fs.create_stream(tmp_path / "b.distcp", "wb"):
             raise OSError("disk full")
     assert torch.serialization.get_crc32_options() is True
+
+
+@pytest.mark.parametrize("failing", [["__0_0.distcp", "__0_1.distcp"], ["__0_1.distcp"]], ids=["every", "one"])
+def test_a_file_failing_in_any_writer_thread_fails_the_save_in_its_caller_and_leaves_no_thread_exception(
+    tmp_path, monkeypatch, failing
+):
+    """DCP's extra writer threads run its write loop bare: a file failing there (a full disk) ended the thread with
+    an unhandled exception (a traceback on stderr in a user's run) and the save did not see it. Here the files
+    cannot be opened (a directory in their place); which thread takes which file is DCP's: whichever fails, the
+    save raises the OSError in the thread that called it, and no thread ends with an exception (with every file
+    failing, DCP's extra thread always fails one)."""
+    ended = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: ended.append(args.exc_value))
+    for name in failing:
+        (tmp_path / name).mkdir()
+    before = set(threading.enumerate())
+    with pytest.raises(CheckpointException) as info:  # a BaseException: DCP's own
+        _save(tmp_path, threads=2)
+    for thread in set(threading.enumerate()) - before:  # DCP's writer threads (not joined where its caller failed)
+        thread.join(60)
+    assert "IsADirectoryError" in str(info.value), info.value  # DCP's CheckpointException carries it
+    assert not ended, ended

@@ -6,11 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 import socket
+import subprocess
 import typing
 from enum import Enum
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 import yaml
 
@@ -155,3 +158,27 @@ def test_results_keep_at_most_12_runs_each_on_the_summary_page_and_the_readme_at
     assert [r for r in runs if f"]({r}/)" not in summary] == []
     assert "git show <commit>^:benchmarks/results/<folder>/README.md" in summary
     assert len((ROOT / "README.md").read_text().splitlines()) <= 125
+
+
+def test_the_slurm_scripts_cite_only_files_of_the_repository():
+    """A file path named in scripts/slurm/ (a README, a script, a config) is one a clone has, inside it (a file
+    beside the clone, such as ../shared/..., exists on one machine only)."""
+    cited = {
+        f"{script.name}: {name}"
+        for script in sorted((ROOT / "scripts" / "slurm").iterdir())
+        for name in re.findall(r"[\w./-]+\.(?:md|sh|py|yaml|sbatch)\b", script.read_text())
+        if "/" in name and not ((ROOT / name).is_file() and (ROOT / name).resolve().is_relative_to(ROOT))
+    }
+    assert not cited
+
+
+def test_the_sbatch_scripts_log_is_ignored_by_git():
+    """scripts/slurm/train.sbatch's ``--output`` file, which lands in the directory sbatch ran in (the repository,
+    as docs/multi-node.md shows it), is one git ignores: it does not show as an untracked file."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    output = re.search(r"^#SBATCH --output=(\S+)$", (ROOT / "scripts/slurm/train.sbatch").read_text(), re.M).group(1)
+    log = output.replace("%x", "optim-factory").replace("%j", "12345")
+    assert "/" not in log  # in the directory sbatch ran in
+    ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", log], cwd=ROOT)
+    assert ignored.returncode == 0, f"{log} is not ignored by .gitignore"

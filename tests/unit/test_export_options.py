@@ -13,6 +13,7 @@ import torch
 from optim_factory import PortableFusedAdam
 from optim_factory.optimizers import te_fused_adam
 from optim_factory.optimizers.export import ExportOptions, OffloadedStateDict, Pinning
+from optim_factory.rules.export import parse_bytes, size_text
 from tests.helpers import make_params, run_steps
 
 CONSTRUCTOR_NAMES = {
@@ -120,3 +121,12 @@ def test_the_constructor_warns_that_offload_saves_nothing_without_a_gpu(monkeypa
     with pytest.warns(UserWarning, match="state_dict_cpu_offload=True has no memory effect here") as record:
         PortableFusedAdam(make_params(torch.float32), state_dict_cpu_offload=True)
     assert len(record) == 1
+
+
+@pytest.mark.parametrize("nbytes", [1, 1000, 1024, 1025, 5056, 4 << 20, 123456789, 1 << 30, (1 << 30) + 1, 3 << 40])
+def test_a_size_text_reads_back_as_at_least_its_bytes_and_at_most_one_percent_more(nbytes):
+    """The refusals' least budgets (``a budget of at least 118MiB (123456789 bytes)``): a size the option's parser
+    reads, rounded up (a least budget pasted back is enough), in the largest unit within 1 %."""
+    text = size_text(nbytes)
+    assert nbytes <= parse_bytes(text, "optim.state_dict_offload_host_budget") <= nbytes * 1.01, text
+    assert size_text(123456789) == "118MiB" and size_text(4 << 20) == "4MiB" and size_text(1000) == "1000B"

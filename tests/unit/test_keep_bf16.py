@@ -100,7 +100,8 @@ def test_a_bf16_export_loads_into_other_configurations_as_the_fp32_export_does(t
 
 def test_keep_bf16_leaves_an_fp32_configuration_unchanged():
     params = make_params(torch.float32)
-    opt = PortableFusedAdam(params, **HP, state_dict_keep_bf16=True)
+    with pytest.warns(UserWarning, match=r"state_dict_keep_bf16=True has no effect: no optimizer state is BF16"):
+        opt = PortableFusedAdam(params, **HP, state_dict_keep_bf16=True)
     run_steps(opt, params, 0, 2)
     sd = opt.state_dict()
     assert_state_dicts_bitwise(sd, export_state(opt, cpu_offload=False), "FP32 states: the TE export")

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory import PortableFusedAdam
 from optim_factory.checkpoint import AsyncSaveStager, BudgetRefused, SaveRefused, deferred_export, least_host_budget
+from optim_factory.rules.export import size_text
 from tests.unit.saves import OURS, make_model, train
 from tests.unit.test_budget import STATE, _trained
 from tests.unit.test_budget import train as one_step
@@ -94,7 +95,7 @@ def test_a_budget_below_the_largest_tensor_and_the_copies_made_at_the_start_is_r
     line = str(outcome[0])
     assert isinstance(outcome[0], (ValueError, SaveRefused)) and "\n" not in line, repr(outcome[0])
     assert "state_dict_offload_host_budget=8388608: the tensors the optimizer's step() does not" in line, line
-    assert f"a budget of at least {STATE + (6 << 20)}" in line, line
+    assert f"a budget of at least {size_text(STATE + (6 << 20))} ({STATE + (6 << 20)} bytes)" in line, line
     one_step(model, opt)
     assert not list(tmp_path.glob("ck/*.distcp"))
     stager.close()
@@ -114,7 +115,8 @@ def test_copies_at_the_start_beyond_the_budget_are_refused_in_one_line_naming_th
     with pytest.raises((BudgetRefused, SaveRefused)) as info:
         response.upload_completion.result()
     line = str(info.value)
-    least = f"take {9 << 20} bytes, and the largest tensor it fills {STATE}: a budget of at least {STATE + (9 << 20)}"
+    least = f"take {9 << 20} bytes, and the largest tensor it fills {STATE}: a budget of at least "
+    least += f"{size_text(STATE + (9 << 20))} ({STATE + (9 << 20)} bytes)"
     assert "state_dict_offload_host_budget=8388608: the tensors the optimizer's step() does not" in line, line
     assert least in line and "\n" not in line, line
     one_step(model, opt)
@@ -162,7 +164,7 @@ def test_least_host_budget_is_the_budget_a_save_needs_to_the_byte(tmp_path, shor
     assert (least.early, least.largest) == (3 << 20, STATE)
     response = stager.async_save(state, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
     if short:
-        with pytest.raises((ValueError, SaveRefused), match=f"a budget of at least {least.nbytes}"):
+        with pytest.raises((ValueError, SaveRefused), match=rf"a budget of at least \S+ \({least.nbytes} bytes\)"):
             response.upload_completion.result()
     else:
         response.upload_completion.result()
