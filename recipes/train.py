@@ -8,10 +8,9 @@ Config: ``conf/train.yaml`` (groups optim, model, data, checkpoint, trainer; pre
 Every config value is checked before the process group, the model or a GPU allocation exists, and before
 anything is written: a config error is one line on stderr and exit code 2, and leaves the disk as it was.
 
-This module is the command line; the job itself is ``recipes/job.py``, imported once Hydra has composed the
-config: a config error Hydra finds (an unknown key, a bad value) is refused before torch is imported.
-``train``, ``USER_ERRORS``, ``TrainingDiverged``, ``DEFAULT_THREADS`` and ``shard_model`` are the job's, taken
-from here on first use (``from recipes.train import train``).
+This module is the command line (``main``, ``compose_config``); the job itself is ``recipes/job.py`` (``train``),
+imported once Hydra has composed the config: a config error Hydra finds (an unknown key, a bad value) is refused
+before torch is imported.
 """
 
 from __future__ import annotations
@@ -38,15 +37,6 @@ from recipes.config import CONFIG_DIR, register_configs
 EXIT_INTERRUPTED = 130  # a plain run stopped by Ctrl-C, as for any interrupted command
 # a Ctrl-C outside the loop's clean stop (before it, or a second one: recipes/stop_signal.py)
 INTERRUPTED_LINE = "interrupted by Ctrl-C: the step in progress is not saved; the complete checkpoints are as they were"
-JOB_NAMES = ("train", "USER_ERRORS", "TrainingDiverged", "DEFAULT_THREADS", "shard_model")
-
-
-def __getattr__(name: str):
-    if name in JOB_NAMES:  # the job's names, its imports (torch) run on first use
-        from recipes import job
-
-        return getattr(job, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def compose_config(overrides: list[str] | None = None) -> DictConfig:

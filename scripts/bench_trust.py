@@ -36,7 +36,8 @@ KEY = b"a key of the benchmark's"
 def default_job_state(scratch: Path) -> dict:
     """The default job's first checkpoint, read back as the flat state a save writes."""
     from recipes.checkpoint import read_checkpoint
-    from recipes.train import compose_config, train
+    from recipes.job import train
+    from recipes.train import compose_config
 
     run_dir = scratch / "default-job"
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -103,7 +103,8 @@ def synthetic_rate(state: dict[str, torch.Tensor], scratch: Path, threads: int, 
 
 def recipe_rates(overrides: list[str], scratch: Path, threads: int, every: int, count: int) -> list[tuple[float, int]]:
     """(GB/s, bytes) of each of ``count`` sync checkpoints of one recipe run with ``write_threads=threads``."""
-    from recipes.train import compose_config, train
+    from recipes.job import train
+    from recipes.train import compose_config
 
     run_dir = scratch / f"recipe_t{threads}"
     shutil.rmtree(run_dir, ignore_errors=True)

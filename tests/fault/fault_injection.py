@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from recipes.checkpoint import SAVE_PHASES, is_complete, read_checkpoint
-from recipes.train import compose_config, train
+from recipes.job import train
+from recipes.train import compose_config
 from scripts import cli_args
 from tests import forked
 from tests.fault import fault_train

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 from recipes.checkpoint import SAVE_PHASES, Saver
-from recipes.train import USER_ERRORS, compose_config, train
+from recipes.job import USER_ERRORS, train
+from recipes.train import compose_config
 
 
 def kill_point(text: str) -> tuple[str, int]:

@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from recipes.train import compose_config, train
+from recipes.job import train
+from recipes.train import compose_config
 from tests.recipe.runs import QUICK, complete_steps
 
 

@@ -15,7 +15,8 @@ from optim_factory import PortableFusedAdam
 from optim_factory.optimizers.export import export_state
 from recipes.checkpoint import CheckpointError, CheckpointManager, Saver, read_checkpoint
 from recipes.config import CheckpointConfig
-from recipes.train import compose_config, train
+from recipes.job import train
+from recipes.train import compose_config
 from tests.distributed.launch import recipe_ranks
 from tests.helpers import assert_bitwise, run_steps
 from tests.recipe.runs import BACKGROUND, QUICK, complete_steps, stopped

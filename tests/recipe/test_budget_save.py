@@ -15,7 +15,8 @@ import torch
 from optim_factory.errors import ConfigError
 from optim_factory.rules.export import parse_bytes
 from recipes.checkpoint import read_checkpoint
-from recipes.train import compose_config, train
+from recipes.job import train
+from recipes.train import compose_config
 from tests.fault import fault_injection
 from tests.recipe.runs import QUICK, metrics
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from recipes.checkpoint import MARKER, Saver, read_manifest
-from recipes.train import compose_config, train
+from recipes.job import train
+from recipes.train import compose_config
 from tests.recipe.runs import BACKGROUND, QUICK, metrics
 
 MARKER_DELAY_S = 0.3  # slept at the "marker" phase: inside the part of a save that holds the loop after the call

@@ -17,9 +17,10 @@ from omegaconf import OmegaConf
 
 from optim_factory import ConfigError
 from recipes.command_line import command_line_error, shared_run_dir_error
+from recipes.job import USER_ERRORS, train
 from recipes.launches import record_config
 from recipes.preflight import preflight
-from recipes.train import USER_ERRORS, compose_config, train
+from recipes.train import compose_config
 from tests.recipe.runs import QUICK, ROOT, cli, refused, snapshot
 
 CONF = ROOT / "conf"
@@ -485,7 +486,7 @@ def test_a_refusal_that_needs_the_model_leaves_no_launch_record(tmp_path):
 
 def test_threads_0_is_torch_s_default_also_after_a_job_that_set_a_count(tmp_path):
     """In a -m sweep (one process), trainer.threads=0 after a job that set a count is torch's default again."""
-    from recipes.train import DEFAULT_THREADS
+    from recipes.job import DEFAULT_THREADS
 
     over = [*QUICK, "trainer.max_steps=1", "trainer.progress=false", "checkpoint.enabled=false"]
     other = 2 if DEFAULT_THREADS == 1 else 1  # a count that is not torch's default here

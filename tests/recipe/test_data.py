@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from recipes.data import ADDITION_VOCAB, AdditionTask, DataError, TokenFile, build_data
-from recipes.train import compose_config, train
+from recipes.job import train
+from recipes.train import compose_config
 from tests.recipe.runs import QUICK, metrics, snapshot
 
 

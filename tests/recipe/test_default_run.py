@@ -6,7 +6,8 @@ import pytest
 
 from recipes.checkpoint import is_complete
 from recipes.config import TrainerConfig
-from recipes.train import compose_config, train
+from recipes.job import train
+from recipes.train import compose_config
 from scripts.readme_figures import figures
 from tests.recipe.runs import metrics, run_cli
 

@@ -16,8 +16,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from recipes.data import ADDITION_VOCAB, build_data
 from recipes.evaluate import evaluate
+from recipes.job import shard_model, train
 from recipes.model import build_model
-from recipes.train import compose_config, shard_model, train
+from recipes.train import compose_config
 from tests.distributed.launch import spawn
 from tests.recipe.runs import QUICK, cli, metrics
 

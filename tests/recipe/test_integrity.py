@@ -19,7 +19,8 @@ from optim_factory import ConfigError
 from recipes.checkpoint import FALLBACK_HINT, MARKER, CheckpointError, is_complete, read_checkpoint, read_manifest
 from recipes.checkpoint.checksums import MANIFEST_DIGEST, writer_threads
 from recipes.checkpoint.layout import DAMAGED_KEPT, set_aside
-from recipes.train import compose_config, train
+from recipes.job import train
+from recipes.train import compose_config
 from tests.recipe.runs import QUICK, cli, complete_steps, run_cli, snapshot, stopped
 
 STEP20 = "step_00000020"

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes.train import compose_config, train
+from recipes.job import train
+from recipes.train import compose_config
 from tests import forked
 from tests.distributed.launch import free_port, recipe_process
 from tests.recipe.runs import ENV, QUICK, ROOT, cli, complete_steps, metrics, run_cli

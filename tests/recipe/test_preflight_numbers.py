@@ -7,8 +7,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from optim_factory import ConfigError
+from recipes.job import USER_ERRORS
 from recipes.preflight import preflight
-from recipes.train import USER_ERRORS, compose_config
+from recipes.train import compose_config
 
 BAD = [
     (["model.n_heads=3"], "model.d_model=64: must be divisible by model.n_heads=3"),

@@ -13,8 +13,9 @@ import torch.distributed as dist
 from optim_factory import build_optimizer
 from recipes.checkpoint import FALLBACK_HINT, CheckpointError, CheckpointManager
 from recipes.distributed import DistEnv, init_distributed, shutdown
+from recipes.job import shard_model, train
 from recipes.model import build_model
-from recipes.train import compose_config, shard_model, train
+from recipes.train import compose_config
 from tests.fault import fault_injection
 from tests.recipe.runs import QUICK, complete_steps, snapshot
 

@@ -36,8 +36,9 @@ from recipes.checkpoint.resume import (
 )
 from recipes.command_line import keys_set
 from recipes.distributed import DistEnv, init_distributed, shutdown
+from recipes.job import shard_model, train
 from recipes.model import build_model
-from recipes.train import CONFIG_DIR, compose_config, shard_model, train
+from recipes.train import CONFIG_DIR, compose_config
 from tests.recipe.runs import QUICK, ROOT, cli, metrics, snapshot
 
 STEP10 = "step_00000010"

@@ -10,8 +10,9 @@ import os
 import pytest
 
 from optim_factory import ConfigError
+from recipes.job import train
 from recipes.run_lock import RunDirLock
-from recipes.train import compose_config, train
+from recipes.train import compose_config
 from tests.distributed.launch import recipe_ranks
 from tests.recipe.runs import QUICK, cli, refused, snapshot
 

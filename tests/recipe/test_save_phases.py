@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from recipes.checkpoint import MARKER, METADATA, SAVE_PHASES, Saver, is_complete
-from recipes.train import compose_config, train
+from recipes.job import train
+from recipes.train import compose_config
 from tests import forked
 from tests.fault import fault_injection
 from tests.fault.fault_train import main as fault_train_main

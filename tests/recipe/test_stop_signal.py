@@ -173,7 +173,8 @@ def test_a_run_started_with_sigint_ignored_stops_cleanly_on_sigterm(tmp_path, mo
     after the step with a checkpoint, and SIGINT is ignored again afterwards. Broken on purpose (a handler installed
     over SIG_IGN): the run stops on SIGINT."""
     import recipes.job
-    from recipes.train import compose_config, train
+    from recipes.job import train
+    from recipes.train import compose_config
 
     real = recipes.job.evaluate
 
@@ -206,7 +207,8 @@ def test_a_ctrl_c_during_the_last_step_is_the_end_of_the_run(tmp_path, monkeypat
     """Every step is done: the run ends as finished, not reported as a stop ("a new launch resumes here", exit
     130)."""
     import recipes.job
-    from recipes.train import compose_config, train
+    from recipes.job import train
+    from recipes.train import compose_config
 
     real = recipes.job.evaluate
 
@@ -238,7 +240,8 @@ def test_a_ctrl_c_during_a_save_stops_once_that_save_is_durable(tmp_path, termin
     """A first Ctrl-C while step 4's checkpoint is being written (sync and async): the run stops at step 4 once
     that checkpoint is complete, without a further step or a second save."""
     from recipes.checkpoint import Saver
-    from recipes.train import compose_config, train
+    from recipes.job import train
+    from recipes.train import compose_config
 
     class CtrlCInSave(Saver):
         def on_phase(self, phase: str, step: int, path) -> None:

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from recipes.checkpoint import CheckpointError, Saver, is_complete, read_checkpoint
 from recipes.data import DataError
-from recipes.train import compose_config, train
+from recipes.job import train
+from recipes.train import compose_config
 from tests.recipe.runs import QUICK, cli, metrics, run_cli, snapshot
 
 

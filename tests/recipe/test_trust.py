@@ -14,7 +14,8 @@ import torch.distributed.checkpoint as dcp
 
 from recipes.checkpoint import FALLBACK_HINT, MARKER, CheckpointError, read_checkpoint, read_manifest
 from recipes.checkpoint.checksums import ALGORITHM, KEYED, MANIFEST_DIGEST, MANIFEST_MAC, file_hash, seal_manifest
-from recipes.train import compose_config, train
+from recipes.job import train
+from recipes.train import compose_config
 from tests.planted import RunsACommand, plant_metadata
 from tests.recipe.runs import QUICK, cli, refused, snapshot
 

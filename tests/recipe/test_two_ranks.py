@@ -14,7 +14,8 @@ import pytest
 from recipes.checkpoint import CheckpointError, read_manifest
 from recipes.checkpoint.checksums import writer_threads
 from recipes.config import CheckpointConfig
-from recipes.train import compose_config, train
+from recipes.job import train
+from recipes.train import compose_config
 from tests.distributed.launch import recipe_ranks
 from tests.recipe.runs import QUICK, metrics, stopped
 
