@@ -1,4 +1,4 @@
-"""The NaN/inf check of an async save (``AsyncSaveStager(refuse_non_finite=True)``): each floating-point tensor the
+"""The NaN/inf check of an async save (``StagerOptions(refuse_non_finite=True)``): each floating-point tensor the
 save writes is read where it lives, so that a GPU state is read on the GPU, not on the host. See docs/design.md,
 "The async-save stager".
 

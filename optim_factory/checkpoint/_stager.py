@@ -45,30 +45,26 @@ from optim_factory.checkpoint._deferral import (
 from optim_factory.checkpoint._fillers import filler_for
 from optim_factory.checkpoint._finite_check import FiniteCheck
 from optim_factory.checkpoint._gated_writer import GatedWriter
+from optim_factory.checkpoint._options import StagerOptions, option_names
 from optim_factory.checkpoint._record import StagedSave
 from optim_factory.errors import SaveRefused, first_line
 
-DEFAULT_EXPORT_TIMEOUT_S = 600.0
 """How long a staged save waits for an optimizer's background export to fill (torch's default collective
 timeout): an export that never fills refuses the save instead of holding the writer forever."""
 
 EXPORT_FAILED_LINE = "the optimizer's background export failed"
 """The start of a refusal whose cause is an export's failure (the recipe words its own refusals so too)."""
 
-Check = Callable[[dict[str, Any]], "str | None"]
-_OWN_OPTIONS = {"refuse_non_finite", "check", "pinned", "export_timeout_s"}  # the constructor's, never DCP's
-
 
 class AsyncSaveStager(AsyncStager):
     """DCP's ``AsyncStager`` for async saves of our optimizers' exports, kept across saves; ``close()`` frees it.
 
     ``optimizers``: the optimizer (or optimizers) whose exports the saved state dicts hold; any optimizer works, at
-    most one with a host budget. ``refuse_non_finite``: refuse a save whose state holds NaN or inf
-    (:data:`NON_FINITE_LINE`), each value read where it lives (``_finite_check.py``). ``check``: called on
-    the completion thread with the filled staged state dict; a returned line refuses the save. Neither with a budget.
-    ``process_group``: the gloo group on which the ranks agree on a refusal (default: one of its own over the
-    default group's ranks, made here or at the first save, so every rank builds and first uses its stager in the
-    same order; none on a single process). ``pinned``: the model's host copies of CUDA tensors in pinned memory.
+    most one with a host budget. ``options``: a :class:`StagerOptions` (a NaN/inf refusal, a ``check`` of the
+    filled state, pinned copies, the background export's timeout; its defaults without). ``process_group``: the
+    gloo group on which the ranks agree on a refusal (default: one of its own over the default group's ranks, made
+    here or at the first save, so every rank builds and first uses its stager in the same order; none on a single
+    process).
 
     Start a save with :meth:`async_save` (``dcp.async_save``'s arguments): at most one save is in flight, and its
     export buffers go back to the optimizer when its write is done. ``dcp.async_save(..., async_stager=stager)``
@@ -84,27 +80,20 @@ class AsyncSaveStager(AsyncStager):
     def __init__(
         self,
         optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (),
+        options: StagerOptions | None = None,
         *,
-        refuse_non_finite: bool = False,
-        check: Check | None = None,
         process_group: Any = None,
-        pinned: bool = True,
-        export_timeout_s: float = DEFAULT_EXPORT_TIMEOUT_S,
     ) -> None:
         given = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
         self.optimizers = list(given) if isinstance(given, Iterable) else [given]
         stray = [type(o).__name__ for o in self.optimizers if not isinstance(o, torch.optim.Optimizer)]
         if stray:
             raise TypeError(f"AsyncSaveStager(optimizers=...): expected torch optimizers, got {', '.join(stray)}")
-        for name, flag in (("refuse_non_finite", refuse_non_finite), ("pinned", pinned)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"AsyncSaveStager({name}=...): expected True or False, got {flag!r}")
-        if check is not None and not callable(check):
-            raise TypeError(f"AsyncSaveStager(check=...): expected a function of the staged dict, got {check!r}")
-        self.check, self.refuse_non_finite = check, refuse_non_finite
-        self.export_timeout_s = export_timeout_s
+        if options is not None and not isinstance(options, StagerOptions):
+            raise TypeError(f"AsyncSaveStager(options=...): expected StagerOptions(...), got {options!r}")
+        self.options = StagerOptions() if options is None else options
         # the one part that gives a save its host tensors: copies at its start, or fills within a budget
-        self._filler = filler_for(self.optimizers, pinned, refuse_non_finite or check is not None)
+        self._filler = filler_for(self.optimizers, self.options.pinned, self.options.checks_filled_state)
         self._check_streams: dict[torch.device, Any] = {}  # the finite check's side stream per device
         self._group = process_group
         self._own_group = False
@@ -136,7 +125,9 @@ class AsyncSaveStager(AsyncStager):
             if filling is not None:  # the filler completes it as the save is written
                 filling.add_done_callback(lambda _: save.filled.set_result(None))
             finite = (
-                FiniteCheck(state_dict, staged, exported_by, self._check_streams) if self.refuse_non_finite else None
+                FiniteCheck(state_dict, staged, exported_by, self._check_streams)
+                if self.options.refuse_non_finite
+                else None
             )
         except Exception as exc:  # noqa: BLE001  (this rank's refusal must reach every rank's agreement)
             staged, copied = exc, None
@@ -179,11 +170,9 @@ class AsyncSaveStager(AsyncStager):
         next ``step()`` may run), ``upload_completion`` once written (it raises :class:`SaveRefused` or DCP's write
         failure). DCP's collectives run on the stager's gloo group unless ``process_group`` is given."""
         self._check_open()
-        mine = sorted(set(dcp_kwargs) & _OWN_OPTIONS)
+        mine = sorted(set(dcp_kwargs) & option_names())
         if mine:
-            raise TypeError(
-                f"AsyncSaveStager.async_save({mine[0]}=...): an option of AsyncSaveStager(...), not the save's"
-            )
+            raise TypeError(f"AsyncSaveStager.async_save({mine[0]}=...): a StagerOptions field, not the save's")
         self._join_ranks()
         if self._group is not None and dcp_kwargs.get("process_group") is None:
             dcp_kwargs["process_group"] = self._group  # DCP's collectives off the default group training uses
@@ -358,8 +347,8 @@ class AsyncSaveStager(AsyncStager):
         try:
             if failure is None and finite is not None:
                 failure = finite.refusal(on_device)
-            if failure is None and self.check is not None:
-                failure = self.check(staged)
+            if failure is None and self.options.check is not None:
+                failure = self.options.check(staged)
             if failure is not None and not isinstance(failure, str):
                 failure = f"AsyncSaveStager's check returned {failure!r}: a refusal line (str) or None saves"
         except BaseException as exc:  # noqa: BLE001
@@ -382,10 +371,10 @@ class AsyncSaveStager(AsyncStager):
     def _export_failure(self, save: StagedSave) -> str | None:
         for opt in self.optimizers:
             try:
-                exc = export_failure(opt, timeout=self.export_timeout_s)
+                exc = export_failure(opt, timeout=self.options.export_timeout_s)
             except concurrent.futures.TimeoutError:
                 save.stuck = True
-                return f"the optimizer's background export did not fill within {self.export_timeout_s:g} s"
+                return f"the optimizer's background export did not fill within {self.options.export_timeout_s:g} s"
             if exc is not None:
                 return f"{EXPORT_FAILED_LINE}: {first_line(exc, named=True)}"
         return None

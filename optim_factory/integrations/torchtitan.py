@@ -64,6 +64,7 @@ from optim_factory.checkpoint import (
     AsyncSaveStager,
     ExactLoadPlanner,
     SafeFileSystemReader,
+    StagerOptions,
     host_budget,
 )
 from optim_factory.integrations import framework_import_error
@@ -187,7 +188,9 @@ class CheckpointManager(TitanCheckpointManager):
             # torchtitan's own slot for its stager, which its close() closes; its gloo group of async saves (every
             # rank made it in the constructor above) carries the ranks' agreement on a refusal
             pinned = self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
-            self.stager = AsyncSaveStager(kwargs["optimizers"].optimizers, process_group=self.pg, pinned=pinned)
+            self.stager = AsyncSaveStager(
+                kwargs["optimizers"].optimizers, StagerOptions(pinned=pinned), process_group=self.pg
+            )
 
     def dcp_save(
         self,

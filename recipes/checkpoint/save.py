@@ -31,6 +31,7 @@ from optim_factory.checkpoint import (
     NON_FINITE_LINE,
     AsyncSaveStager,
     SaveRefused,
+    StagerOptions,
     deferred_export,
     defers_export,
     export_failure,
@@ -222,7 +223,9 @@ class Saver:
                 self._stager.close()
             # a save that is not deferred was checked before writing (_check_before_writing): not read twice
             finite = self.defers(optimizer)
-            self._stager = AsyncSaveStager(optimizer, refuse_non_finite=finite, process_group=self.save_group)
+            self._stager = AsyncSaveStager(
+                optimizer, StagerOptions(refuse_non_finite=finite), process_group=self.save_group
+            )
         return self._stager
 
     def _write(self, state: dict, path: Path, writer, optimizer, pending: InFlight | None) -> None:

@@ -1,4 +1,4 @@
-"""AsyncSaveStager(refuse_non_finite=True) on CUDA: the model's tensors and the optimizer's states are read on the
+"""StagerOptions(refuse_non_finite=True) on CUDA: the model's tensors and the optimizer's states are read on the
 GPU, not on the host (the export's host buffers are checked through the states they are filled from), except FP8
 states, which are checked widened in the export; a NaN in a CUDA state refuses the save with nothing written."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from optim_factory import PortableFusedAdam
-from optim_factory.checkpoint import NON_FINITE_LINE, AsyncSaveStager, HostCopies, SaveRefused
+from optim_factory.checkpoint import NON_FINITE_LINE, AsyncSaveStager, HostCopies, SaveRefused, StagerOptions
 from optim_factory.checkpoint._finite_check import FiniteCheck
 from tests.helpers import FP8
 from tests.unit.saves import OURS, export_deferred
@@ -76,7 +76,7 @@ def test_te_s_fp8_states_are_checked_widened_on_the_host_not_dequantized_on_the_
 def test_a_nan_the_next_step_writes_after_the_staging_completed_is_not_checked(tmp_path):
     model = _cuda_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
-    stager = AsyncSaveStager(opt, refuse_non_finite=True)
+    stager = AsyncSaveStager(opt, StagerOptions(refuse_non_finite=True))
     _train(model, opt)
     response = stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "ck"))
     response.staging_completion.result()
@@ -89,7 +89,7 @@ def test_a_nan_the_next_step_writes_after_the_staging_completed_is_not_checked(t
 def test_a_nan_in_a_cuda_state_refuses_the_save_and_the_next_one_saves(tmp_path):
     model = _cuda_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
-    stager = AsyncSaveStager(opt, refuse_non_finite=True)
+    stager = AsyncSaveStager(opt, StagerOptions(refuse_non_finite=True))
     _train(model, opt)
     state = next(iter(opt.state.values()))["exp_avg_sq"]
     kept = state.view(-1)[7].item()

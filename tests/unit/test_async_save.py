@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory import PortableFusedAdam
-from optim_factory.checkpoint import AsyncSaveStager, SaveRefused
+from optim_factory.checkpoint import AsyncSaveStager, SaveRefused, StagerOptions
 from optim_factory.tree import state_bytes
 from recipes.checkpoint import read_checkpoint
 from tests.distributed.launch import spawn
@@ -64,7 +64,7 @@ def test_a_plain_dcp_async_loop_saves_bitwise_with_the_export_uncopied_and_its_b
     model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     staged: list[dict] = []  # what DCP's writer reads, seen by the stager's check
-    stager = AsyncSaveStager(opt, check=staged.append)
+    stager = AsyncSaveStager(opt, StagerOptions(check=staged.append))
     seen: list[set[int]] = []
     for save in range(3):
         train(model, opt, 2)
@@ -147,7 +147,7 @@ def _after_a_good_save(tmp_path: Path, **stager_options):
     """(model, optimizer, stager, the good checkpoint's expected tensors): one save written into ``good``."""
     model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
-    stager = AsyncSaveStager(opt, **stager_options)
+    stager = AsyncSaveStager(opt, StagerOptions(**stager_options))
     train(model, opt, 1)
     expected = expected_tensors(model, opt)
     stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "good"))
@@ -196,7 +196,7 @@ def test_a_save_started_while_the_previous_one_writes_waits_for_it(tmp_path):
     gate = threading.Event()
     first_writer = _GatedWriter(str(tmp_path / "first"), gate)
     first_done: list[bool] = []  # at each staging: whether the first save's files were written
-    stager = AsyncSaveStager(opt, check=lambda staged: first_done.append(first_writer.written))
+    stager = AsyncSaveStager(opt, StagerOptions(check=lambda staged: first_done.append(first_writer.written)))
     train(model, opt, 1)
     expected = expected_tensors(model, opt)
     first = stager.async_save(export_deferred(model, opt), storage_writer=first_writer)
@@ -314,12 +314,13 @@ def test_a_check_that_returns_no_line_is_named_and_a_save_without_collectives_pl
     stuck = StuckExport(monkeypatch)
     model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
-    stager = AsyncSaveStager(opt, check=lambda staged: True)
+    stager = AsyncSaveStager(opt, StagerOptions(check=lambda staged: True))
     train(model, opt, 1)
     stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "true"))
     with pytest.raises(SaveRefused, match=r"check returned True: a refusal line \(str\) or None saves \(rank 0\)$"):
         stager.wait()
-    stager.check = None
+    stager.close()
+    stager = AsyncSaveStager(opt)  # no check
     train(model, opt, 1)
     stuck.gate.clear()
     planner = PlanWatcher()

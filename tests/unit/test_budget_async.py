@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_module, distribute_tensor
 
 from optim_factory import PortableFusedAdam
-from optim_factory.checkpoint import AsyncSaveStager, BudgetRefused, SaveRefused
+from optim_factory.checkpoint import AsyncSaveStager, BudgetRefused, SaveRefused, StagerOptions
 from optim_factory.checkpoint._fills import Fill, SaveFills
 from optim_factory.optimizers.export.host_memory import HostBufferPool
 from optim_factory.optimizers.export.stream import StateExporter, StreamItem
@@ -128,7 +128,7 @@ def test_a_stateful_optimizer_is_exported_within_the_budget_by_the_save(tmp_path
 def test_misuses_of_a_budget_with_the_stager_are_one_line(tmp_path):
     model, opt = _trained(2 * STATE)
     with pytest.raises(ValueError, match=r"^AsyncSaveStager\(refuse_non_finite=..., check=...\): not with state_dict"):
-        AsyncSaveStager(opt, refuse_non_finite=True)
+        AsyncSaveStager(opt, StagerOptions(refuse_non_finite=True))
     other = PortableFusedAdam([torch.nn.Parameter(torch.zeros(4))], **OPTIONS, state_dict_offload_host_budget=2 * STATE)
     with pytest.raises(ValueError, match="^state_dict_offload_host_budget: AsyncSaveStager saves one optimizer within"):
         AsyncSaveStager([opt, other])

@@ -1,4 +1,4 @@
-"""AsyncSaveStager(refuse_non_finite=True) through plain DCP on CPU: a NaN or inf in the model, in an optimizer's
+"""StagerOptions(refuse_non_finite=True) through plain DCP on CPU: a NaN or inf in the model, in an optimizer's
 pooled export (a background export) or in any other optimizer's states refuses the save in one line with nothing
 written and the previous checkpoint intact; off (the default), the state is saved as it is. Which tensors are read
 where (GPU or host) is tested in tests/gpu/test_finite_check_cuda.py."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from optim_factory import PortableFusedAdam
-from optim_factory.checkpoint import NON_FINITE_LINE, AsyncSaveStager, SaveRefused
+from optim_factory.checkpoint import NON_FINITE_LINE, AsyncSaveStager, SaveRefused, StagerOptions
 from optim_factory.checkpoint._finite_check import FiniteCheck
 from tests.unit.saves import OURS, StuckExport, assert_checkpoint, expected_tensors, export_deferred, make_model, train
 
@@ -49,7 +49,7 @@ def test_a_non_finite_value_refuses_the_save_in_one_line_naming_it_and_writes_no
 ):
     model = make_model()
     opt = build(model)
-    stager = AsyncSaveStager(opt, refuse_non_finite=True)
+    stager = AsyncSaveStager(opt, StagerOptions(refuse_non_finite=True))
     train(model, opt, 1)
     expected = expected_tensors(model, opt) if isinstance(opt, PortableFusedAdam) else None
     stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "good"))
@@ -73,7 +73,7 @@ def test_what_the_loop_writes_after_the_save_started_is_not_checked(tmp_path, mo
     stuck = StuckExport(monkeypatch)
     model = make_model()
     opt = _ours(model)
-    stager = AsyncSaveStager(opt, refuse_non_finite=True)
+    stager = AsyncSaveStager(opt, StagerOptions(refuse_non_finite=True))
     train(model, opt, 1)
     expected = expected_tensors(model, opt)
     stuck.gate.clear()
@@ -99,7 +99,7 @@ def test_a_check_that_fails_refuses_the_save_once_the_export_is_filled(tmp_path,
     stuck = StuckExport(monkeypatch)
     model = make_model()
     opt = _ours(model)
-    stager = AsyncSaveStager(opt, refuse_non_finite=True)
+    stager = AsyncSaveStager(opt, StagerOptions(refuse_non_finite=True))
     train(model, opt, 1)
     monkeypatch.setattr(FiniteCheck, "on_device", broken)
     stuck.gate.clear()
@@ -144,18 +144,28 @@ def test_off_by_default_a_non_finite_state_is_saved_as_it_is(tmp_path):
 
 @pytest.mark.parametrize("name", ["refuse_non_finite", "pinned"])
 def test_a_flag_that_is_not_a_bool_is_one_line_at_construction(name):
-    with pytest.raises(TypeError, match=rf"^AsyncSaveStager\({name}=\.\.\.\): expected True or False, got 'yes'$"):
-        AsyncSaveStager(torch.optim.SGD(make_model().parameters(), lr=0.1), **{name: "yes"})
+    with pytest.raises(TypeError, match=rf"^StagerOptions\({name}=\.\.\.\): expected True or False, got 'yes'$"):
+        StagerOptions(**{name: "yes"})
+
+
+@pytest.mark.parametrize("given", [0, -1.0, "600", True])
+def test_options_of_another_type_or_a_timeout_that_is_not_positive_are_one_line(given):
+    with pytest.raises(TypeError, match=r"^StagerOptions\(export_timeout_s=\.\.\.\): expected seconds > 0, got "):
+        StagerOptions(export_timeout_s=given)
+    with pytest.raises(TypeError, match=r"^AsyncSaveStager\(options=\.\.\.\): expected StagerOptions\(\.\.\.\), got "):
+        AsyncSaveStager(torch.optim.SGD(make_model().parameters(), lr=0.1), {"refuse_non_finite": True})
 
 
 def test_a_check_that_is_not_a_function_or_the_option_given_to_the_save_is_one_line(tmp_path):
     opt = torch.optim.SGD(make_model().parameters(), lr=0.1)
     with pytest.raises(
-        TypeError, match=r"^AsyncSaveStager\(check=\.\.\.\): expected a function of the staged dict, got True$"
+        TypeError, match=r"^StagerOptions\(check=\.\.\.\): expected a function of the staged dict, got True$"
     ):
-        AsyncSaveStager(opt, check=True)
+        AsyncSaveStager(opt, StagerOptions(check=True))
     stager = AsyncSaveStager(opt)
-    with pytest.raises(TypeError, match=r"^AsyncSaveStager.async_save\(refuse_non_finite=\.\.\.\): an option of Async"):
+    with pytest.raises(
+        TypeError, match=r"^AsyncSaveStager.async_save\(refuse_non_finite=\.\.\.\): a StagerOptions field"
+    ):
         stager.async_save({"w": torch.zeros(2)}, checkpoint_id=str(tmp_path / "ck"), refuse_non_finite=True)
     assert not (tmp_path / "ck").exists()
     stager.close()

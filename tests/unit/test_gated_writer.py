@@ -11,7 +11,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from optim_factory import PortableFusedAdam
-from optim_factory.checkpoint import AsyncSaveStager, SaveRefused
+from optim_factory.checkpoint import AsyncSaveStager, SaveRefused, StagerOptions
 from tests.unit.saves import (
     OURS,
     PlanWatcher,
@@ -55,7 +55,7 @@ def test_a_save_that_is_not_gated_is_planned_after_the_fill_and_written(tmp_path
 def test_a_refused_save_removes_every_directory_its_planning_made_and_no_other(tmp_path):
     model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
-    stager = AsyncSaveStager(opt, check=lambda staged: "refused by the test")
+    stager = AsyncSaveStager(opt, StagerOptions(check=lambda staged: "refused by the test"))
     train(model, opt, 1)
     (tmp_path / "runs").mkdir()
     stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "runs" / "new" / "deeper" / "ck"))
