@@ -68,7 +68,11 @@ def train(cfg: DictConfig, *, saver_cls: type[Saver] = Saver) -> dict[str, Any]:
         torch.set_num_threads(cfg.trainer.threads if cfg.trainer.threads > 0 else DEFAULT_THREADS)
         mesh = init_distributed(env, device)
         try:
-            refusal = all_ranks(refusal)[0]  # rank 0's: every rank refuses, none waits in a collective
+            views = all_ranks((refusal, created))
+            refusal = views[0][0]  # rank 0's: every rank refuses, none waits in a collective
+            # the directories this launch made: those any rank found missing before its preflight made them (a rank
+            # that started later finds them made by another)
+            created = max((made for _, made in views), key=len)
             if refusal is not None:
                 raise ConfigError(refusal)
             record = record_config(cfg, cfg.run_dir, sys.argv[1:]) if env.rank == 0 else None

@@ -95,18 +95,23 @@ class RunDirLock:
     def remove_created(self, created: list[Path]) -> None:
         """A launch that ends refused leaves the directory it made as it found it: where ``created`` (the missing
         directories the launch made, deepest first: :func:`missing_dirs`) starts with this lock's directory and that
-        holds nothing but the lock file, the file and those directories, deepest first, while any is empty. Only
+        holds no file but the lock file, the file, the empty directories inside (a refused save's step directory,
+        which another rank may still be removing) and those directories, deepest first, while any is empty. Only
         while the lock is held: another launch's directory is not this one's to remove."""
         folder = self.path.parent
         if not self.held or not created or created[0] != folder.absolute():
             return
-        if any(entry.name != LOCK_NAME for entry in folder.iterdir()):
+        walk = list(os.walk(folder, topdown=False))  # deepest first; a directory removed meanwhile is skipped
+        if any(Path(top, name) != self.path for top, _, files in walk for name in files):
             return
         self.path.unlink(missing_ok=True)
-        for directory in created:
+        inner = [Path(top, name) for top, dirs, _ in walk for name in dirs]
+        for directory in [*inner, *created]:
             try:
                 directory.rmdir()
-            except OSError:  # not empty (a run_dir with its train.log), or gone
+            except FileNotFoundError:  # another rank removed it first
+                continue
+            except OSError:  # not empty (a run_dir with its train.log)
                 return
 
     def release(self) -> None:
