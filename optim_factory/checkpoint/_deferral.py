@@ -19,11 +19,7 @@ def defers_export(optimizer: torch.optim.Optimizer) -> bool:
     pooled buffers that nothing else writes until :func:`release_export` (``state_dict_offload_background`` with
     ``state_dict_offload_reuse_buffers``): a stager may pass those through uncopied once :func:`export_failure`
     has returned. From the options alone, so every rank of a job answers the same."""
-    return (
-        isinstance(optimizer, OffloadedStateDict)
-        and optimizer.state_dict_offload_background
-        and optimizer.state_dict_offload_reuse_buffers
-    )
+    return isinstance(optimizer, OffloadedStateDict) and optimizer.export_options.defers
 
 
 @contextlib.contextmanager

@@ -35,19 +35,13 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 
 from optim_factory.checkpoint._agreement import agree, rank_in
 from optim_factory.checkpoint._budget import one_line_refusal
-from optim_factory.checkpoint._deferral import (
-    deferred_export,
-    defers_export,
-    export_buffer_test,
-    export_failure,
-    release_export,
-)
 from optim_factory.checkpoint._fillers import filler_for
 from optim_factory.checkpoint._finite_check import FiniteCheck
 from optim_factory.checkpoint._gated_writer import GatedWriter
 from optim_factory.checkpoint._options import StagerOptions, option_names
 from optim_factory.checkpoint._record import StagedSave
 from optim_factory.errors import SaveRefused, first_line
+from optim_factory.optimizers.export import OffloadedStateDict
 
 """How long a staged save waits for an optimizer's background export to fill (torch's default collective
 timeout): an export that never fills refuses the save instead of holding the writer forever."""
@@ -92,6 +86,8 @@ class AsyncSaveStager(AsyncStager):
         if options is not None and not isinstance(options, StagerOptions):
             raise TypeError(f"AsyncSaveStager(options=...): expected StagerOptions(...), got {options!r}")
         self.options = StagerOptions() if options is None else options
+        # ours, resolved once: the stager calls their export API itself (others are staged as DCP stages them)
+        self._ours = [opt for opt in self.optimizers if isinstance(opt, OffloadedStateDict)]
         # the one part that gives a save its host tensors: copies at its start, or fills within a budget
         self._filler = filler_for(self.optimizers, self.options.pinned, self.options.checks_filled_state)
         self._check_streams: dict[torch.device, Any] = {}  # the finite check's side stream per device
@@ -112,7 +108,7 @@ class AsyncSaveStager(AsyncStager):
         self._end_previous()
         gated, self._gate_next = self._gate_next, False
         save = self._save = StagedSave(state_dict)
-        tests = [(opt, test) for opt, test in zip(self.optimizers, map(export_buffer_test, self.optimizers)) if test]
+        tests = [(opt, opt.is_leased_export_buffer) for opt in self._ours]
 
         def exported_by(t: torch.Tensor) -> torch.optim.Optimizer | None:
             return next((opt for opt, test in tests if test(t)), None)
@@ -206,16 +202,16 @@ class AsyncSaveStager(AsyncStager):
     @contextlib.contextmanager
     def exporting(self, *, defer: bool = True) -> Iterator[None]:
         """``with stager.exporting(): sd = get_state_dict(model, opt)``: the export of a save through this stager,
-        the one block a checkpointer writes around it. A background export into pooled buffers (``defers_export``)
+        the one block a checkpointer writes around it. A background export into pooled buffers (``defers``)
         returns unfilled, so that the next forward and backward overlap it (``defer=False``: it is filled when the
         export returns); the staging's completion and the next ``step()`` wait for it. An export within the host
         budget holds placeholders, filled as the save writes them. :meth:`async_save` exports a ``Stateful`` inside
         it itself (within the budget; deferred only inside the caller's block)."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._filler.exporting())
-            for opt in self.optimizers if defer else ():
-                if defers_export(opt):
-                    stack.enter_context(deferred_export(opt))
+            for opt in self._ours if defer else ():
+                if opt.export_options.defers:
+                    stack.enter_context(opt.deferred_state_dict())
             yield
 
     def wait_staged(self) -> None:
@@ -309,12 +305,15 @@ class AsyncSaveStager(AsyncStager):
             raise save.refused
 
     def _give_back(self, save: StagedSave) -> None:
-        if not save.over.is_set():
+        if save.over.is_set():
+            return
+        try:
             self._filler.end()
             save.host_bytes = self._filler.save_bytes
             if not save.stuck:
-                for opt in self.optimizers:
-                    release_export(opt, save.state_dict)
+                for opt in self._ours:
+                    opt.release_state_dict(save.state_dict)
+        finally:  # a waiter never waits for a save whose return failed
             save.over.set()
 
     def _complete(
@@ -369,12 +368,12 @@ class AsyncSaveStager(AsyncStager):
             save.staged.set_result(staged)
 
     def _export_failure(self, save: StagedSave) -> str | None:
-        for opt in self.optimizers:
+        for opt in self._ours:
             try:
-                exc = export_failure(opt, timeout=self.options.export_timeout_s)
+                opt.wait_state_dict(self.options.export_timeout_s)
             except concurrent.futures.TimeoutError:
                 save.stuck = True
                 return f"the optimizer's background export did not fill within {self.options.export_timeout_s:g} s"
-            if exc is not None:
+            except Exception as exc:  # noqa: BLE001  (any failure of the export thread refuses the save)
                 return f"{EXPORT_FAILED_LINE}: {first_line(exc, named=True)}"
         return None

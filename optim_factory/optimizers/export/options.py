@@ -62,6 +62,13 @@ class ExportOptions:
         object.__setattr__(self, "pinning", pinning)
         object.__setattr__(self, "host_budget", budget)
 
+    @property
+    def defers(self) -> bool:
+        """Whether an export inside ``deferred_state_dict()`` returns before its host tensors are filled, into pooled
+        buffers nothing else writes until they are released (``background`` with ``reuse_buffers``): a stager may
+        pass those through uncopied once the export has filled them."""
+        return self.background and self.reuse_buffers
+
     def pinning_on(self, device_type: str) -> Pinning:
         """How a pooled host buffer of a state on a device of ``device_type`` is pinned: :attr:`pinning` for a
         GPU's (``"cuda"``), none for the host's."""
