@@ -5,6 +5,7 @@ only once Hydra has composed the config, so that a config error is refused befor
 from __future__ import annotations
 
 import contextlib
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -68,11 +69,11 @@ def train(cfg: DictConfig, *, saver_cls: type[Saver] = Saver) -> dict[str, Any]:
         torch.set_num_threads(cfg.trainer.threads if cfg.trainer.threads > 0 else DEFAULT_THREADS)
         mesh = init_distributed(env, device)
         try:
-            views = all_ranks((refusal, created))
+            views = all_ranks((refusal, created, socket.gethostname()))
             refusal = views[0][0]  # rank 0's: every rank refuses, none waits in a collective
-            # the directories this launch made: those any rank found missing before its preflight made them (a rank
-            # that started later finds them made by another)
-            created = max((made for _, made in views), key=len)
+            # the directories this launch made: those any rank of rank 0's host found missing before its preflight
+            # made them (a rank that started later finds them made by another; another host's are not rank 0's)
+            created = max((made for _, made, host in views if host == views[0][2]), key=len)
             if refusal is not None:
                 raise ConfigError(refusal)
             record = record_config(cfg, cfg.run_dir, sys.argv[1:]) if env.rank == 0 else None

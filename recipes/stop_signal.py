@@ -77,9 +77,9 @@ class StopSignal:
         self._wakeup = self._count_signals() if signal.SIGINT in self._previous else None
 
     @staticmethod
-    def _count_signals() -> int | None:
-        """The read end of a pipe that now gets one byte per signal received (the class docstring), or None where
-        a wakeup fd was already set (left in place)."""
+    def _count_signals() -> tuple[int, int] | None:
+        """(read, write) ends of a pipe whose write end now gets one byte per signal received (the class docstring),
+        or None where a wakeup fd was already set (left in place)."""
         read, write = os.pipe()
         os.set_blocking(read, False)
         os.set_blocking(write, False)
@@ -89,14 +89,14 @@ class StopSignal:
             os.close(read)
             os.close(write)
             return None
-        return read
+        return read, write
 
     def _sigints(self) -> int:
         """How many SIGINTs arrived since the last call (at least the one being handled)."""
         count = 0
         while self._wakeup is not None:
             try:
-                got = os.read(self._wakeup, 4096)
+                got = os.read(self._wakeup[0], 4096)
             except BlockingIOError:
                 break
             count += got.count(signal.SIGINT.value)
@@ -197,7 +197,10 @@ class StopSignal:
             signal.signal(sig, previous)
         self._previous = {}
         if self._wakeup is not None:
-            write = signal.set_wakeup_fd(-1)
+            read, write = self._wakeup
+            found = signal.set_wakeup_fd(-1)
+            if found != write:  # set by someone else since: theirs stays
+                signal.set_wakeup_fd(found)
+            os.close(read)
             os.close(write)
-            os.close(self._wakeup)
             self._wakeup = None

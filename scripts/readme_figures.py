@@ -1,4 +1,4 @@
-"""The README's figures, measured again: its first command's ``done:`` line (loss, accuracy, checkpoints) and how long
+"""The README's figures, measured again: its first command's ``done:`` line (steps, losses, accuracy) and how long
 that command and the test suite take, with the machine and its load beside them.
 
     python -m scripts.readme_figures [--suite] [--run-dir DIR]

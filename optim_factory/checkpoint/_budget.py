@@ -173,7 +173,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
             raise BudgetRefused(f"{_NAME}: nothing was exported inside planner.exporting()")
         if self._steps is not None and _steps(self.optimizer) != self._steps:
             raise BudgetRefused(f"{_NAME}: the optimizer stepped since the export; export again")
-        self._refused = None
+        self._refused, self.last_save_bytes = None, None  # this save's, once it is over
         try:
             self._early = self._copy_early(state_dict) if self.copy_host_tensors else {}
         except BudgetRefused as exc:  # DCP still plans this save (a gated one): its planning raises this line

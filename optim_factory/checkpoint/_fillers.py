@@ -36,9 +36,11 @@ class CopyAtStart:
 
     budget_peak_bytes = None  # no budget
 
-    def __init__(self, pinned: bool) -> None:
+    def __init__(self, pinned: bool, optimizers: list[Any]) -> None:
         self._copies = HostCopies(pinned=pinned)
         self.save_bytes: int | None = None
+        # the training's own tensors (not held for a save): the optimizers' parameters and states
+        self._live = [[p for g in opt.param_groups for p in g["params"]] + [opt.state] for opt in optimizers]
 
     def exporting(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
@@ -47,8 +49,11 @@ class CopyAtStart:
         return dcp_kwargs
 
     def begin(self, state_dict: Any, keep: Callable[[torch.Tensor], bool], own_save: bool) -> Staging:
+        self.save_bytes = None
         staged, copied = self._copies.copy(state_dict, keep=keep)
-        self.save_bytes = host_storage_bytes(staged)  # its copies and the export's buffers, held until written
+        # held until written: its copies and the export's pooled buffers (staged), and the caller's host tensors
+        # that are not the training's own (an export into fresh host memory, copied again, is held too)
+        self.save_bytes = host_storage_bytes(staged) + host_storage_bytes(state_dict, excluding=(staged, self._live))
         return staged, copied, None
 
     def end(self) -> None:
@@ -100,5 +105,6 @@ class FillAsWritten:
 def filler_for(optimizers: Iterable[Any], pinned: bool, checked: bool) -> CopyAtStart | FillAsWritten:
     """:class:`FillAsWritten` for the one optimizer with a host budget (several, or ``checked``: the stager's
     ``refuse_non_finite`` or ``check``, are refused: ``budget_planner``), else :class:`CopyAtStart`."""
-    planner = budget_planner(list(optimizers), "AsyncSaveStager", checked)
-    return CopyAtStart(pinned) if planner is None else FillAsWritten(planner)
+    optimizers = list(optimizers)
+    planner = budget_planner(optimizers, "AsyncSaveStager", checked)
+    return CopyAtStart(pinned, optimizers) if planner is None else FillAsWritten(planner)

@@ -283,8 +283,12 @@ class AsyncSaveStager(AsyncStager):
         save.verdict.add_done_callback(lambda _: self._upload_over(save, done))
 
     def _upload_over(self, save: StagedSave, done: Future) -> None:
-        self._give_back(save)
-        failure = done.exception()
+        try:
+            self._give_back(save)
+            returned = None
+        except Exception as exc:  # noqa: BLE001  (a callback's exception would be lost: the save's failure instead)
+            returned = RuntimeError(f"giving the save's buffers back failed: {first_line(exc, named=True)}")
+        failure = done.exception() or returned
         if isinstance(failure, CheckpointException):  # a budget's refusal as its one line
             failure = one_line_refusal(failure)
         if failure is None:

@@ -10,6 +10,7 @@ together hold at most that share, whatever the size of their states, and the res
 from __future__ import annotations
 
 import os
+import re
 
 __all__ = ["AUTO_HOST_SHARE", "auto_host_budget", "available_host_bytes", "local_ranks"]
 
@@ -17,15 +18,27 @@ AUTO_HOST_SHARE = 0.6  # of the host's available memory, for all its ranks' save
 
 
 def local_ranks() -> int:
-    """The processes of the job on this host: ``LOCAL_WORLD_SIZE`` (torchrun sets it), else Slurm's
-    ``SLURM_NTASKS_PER_NODE`` (``srun --ntasks-per-node``), else 1. A value that is not a positive integer raises."""
-    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        raw = os.environ.get(key)
-        if raw is not None:
-            if not raw.strip().isdigit() or int(raw) < 1:
-                raise ValueError(f"{key}={raw!r}: expected a positive integer (the ranks on this host)")
-            return int(raw)
-    return 1
+    """The processes of the job on this host: ``LOCAL_WORLD_SIZE`` (torchrun sets it; a value that is not a positive
+    integer raises), else, inside an ``srun`` step, this node's entry of ``SLURM_STEP_TASKS_PER_NODE`` (``"4"``,
+    ``"2(x3),1"``: one count per node, ``SLURM_NODEID``'s), else 1."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is not None:
+        if not raw.strip().isdigit() or int(raw) < 1:
+            raise ValueError(f"LOCAL_WORLD_SIZE={raw!r}: expected a positive integer (torchrun sets it)")
+        return int(raw)
+    return _slurm_step_tasks_here(os.environ.get("SLURM_STEP_TASKS_PER_NODE"), os.environ.get("SLURM_NODEID", "0"))
+
+
+def _slurm_step_tasks_here(tasks_per_node: str | None, node: str) -> int:
+    """This node's count of a Slurm step's ``N(xM),...`` list; 1 where it is absent or not in that form."""
+    counts: list[int] = []
+    for part in (tasks_per_node or "").split(","):
+        found = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if found is None:
+            return 1
+        counts += [int(found[1])] * int(found[2] or 1)
+    index = int(node) if node.strip().isdigit() else 0
+    return max(1, counts[index]) if index < len(counts) else 1
 
 
 def available_host_bytes() -> int:

@@ -81,7 +81,7 @@ def test_the_offload_saves_within_the_rank_s_share_of_the_host_by_default_and_nu
     conf/optim/fused_adam.yaml): with a share below what a save holds at its start (here a billion ranks per host:
     two 1 KiB chunks) the launch is refused before its first step naming the override; ``=null`` lifts the cap.
     Broken on purpose (the recipe's default left at null): the first launch trains."""
-    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", str(10**9))
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", str(10**9))
     offload = ["optim.state_dict_cpu_offload=true", "optim.state_dict_offload_chunk_bytes=1KiB"]
     with pytest.raises(ConfigError) as info:
         train(compose_config([*QUICK, f"run_dir={tmp_path / 'auto'}", *offload]))

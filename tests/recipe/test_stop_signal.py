@@ -254,3 +254,21 @@ def test_a_ctrl_c_during_a_save_stops_once_that_save_is_durable(tmp_path, termin
         summary = train(compose_config([*over, f"run_dir={run_dir}"]), saver_cls=CtrlCInSave)
         assert (summary["stopped_at"], summary["stopped_by"]) == (4, "SIGINT"), (mode, summary)
         assert complete_steps(run_dir) == [4], mode
+
+
+def test_restore_leaves_a_wakeup_fd_set_after_it_alone(terminal_sigint):
+    """A wakeup fd another part of the process set after the stop signal (an asyncio loop) stays set and open;
+    only the stop signal's own pipe is closed. Broken on purpose (closing whatever fd is set): theirs is closed."""
+    import socket
+
+    stop = StopSignal()
+    theirs, other_end = socket.socketpair()
+    theirs.setblocking(False)
+    signal.set_wakeup_fd(theirs.fileno())
+    try:
+        stop.restore()
+        assert signal.set_wakeup_fd(-1) == theirs.fileno()
+        os.fstat(theirs.fileno())  # still open
+    finally:
+        theirs.close()
+        other_end.close()

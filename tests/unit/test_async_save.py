@@ -466,3 +466,51 @@ def test_a_stager_of_no_optimizer_or_a_save_to_nowhere_is_one_line_at_the_call(t
     stager.wait()
     assert (tmp_path / "ck" / ".metadata").is_file()
     stager.close()
+
+
+def test_a_failure_giving_the_buffers_back_is_the_save_s_failure_not_a_hang(tmp_path, monkeypatch):
+    """A save whose buffers cannot go back (here the filler's end raising) fails in one line at its wait and
+    completion, instead of leaving them waiting (the failure was a done-callback's, which only logs). Broken on
+    purpose (the give-back's failure left to the callback): ``wait()`` blocks."""
+    model, opt, stager, _ = _after_a_good_save(tmp_path)
+
+    def end():
+        raise OSError("injected")
+
+    monkeypatch.setattr(stager._filler, "end", end)
+    train(model, opt, 1)
+    response = stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "next"))
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def waits() -> None:
+        try:
+            stager.wait()
+        except BaseException as exc:  # noqa: BLE001
+            failure.append(exc)
+        done.set()
+
+    threading.Thread(target=waits, daemon=True).start()
+    assert done.wait(60), "stager.wait() never returned"
+    assert [str(f) for f in failure] == [
+        "the async save failed: RuntimeError: giving the save's buffers back failed: OSError: injected"
+    ]
+    assert response.upload_completion.done()
+    monkeypatch.undo()
+    stager.close()
+
+
+def test_an_export_into_fresh_host_memory_is_counted_in_the_host_bytes_a_save_held(tmp_path):
+    """The export's fresh host tensors are copied again (they are not pooled buffers) and held until the write:
+    ``save_host_bytes`` counts both, and not the training's own tensors. Broken on purpose (counting the copies
+    only): the export's bytes are missing."""
+    model = make_model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, state_dict_cpu_offload=True)
+    stager = AsyncSaveStager(opt)
+    train(model, opt, 1)
+    msd, osd = get_state_dict(model, opt)
+    stager.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "fresh"))
+    stager.wait()
+    copies = state_bytes({"model": msd, "optim": osd})
+    assert stager.save_host_bytes == copies + state_bytes(osd["state"]), (stager.save_host_bytes, copies)
+    stager.close()

@@ -161,12 +161,13 @@ def test_an_auto_budget_is_the_rank_s_share_of_the_host_where_the_export_has_a_b
     (the share not split among the ranks): four ranks get the host's whole share each."""
     params = [torch.nn.Parameter(torch.zeros(4))]
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    monkeypatch.delenv("SLURM_STEP_TASKS_PER_NODE", raising=False)
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     alone = PortableFusedAdam(params, **OPTIONS, state_dict_offload_host_budget="auto").export_options.host_budget
     assert 2 * CHUNK < alone <= AUTO_HOST_SHARE * total, alone
     assert auto_host_budget(available=10 << 30, ranks=4) == int(AUTO_HOST_SHARE * (10 << 30)) // 4
-    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")  # srun's, where torchrun's is unset
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2(x3),4")  # srun's, where torchrun's is unset: node 3's
+    monkeypatch.setenv("SLURM_NODEID", "3")
     quarter = PortableFusedAdam(params, **OPTIONS, state_dict_offload_host_budget="auto").export_options.host_budget
     assert quarter < alone / 2, (quarter, alone)  # the available memory moves a little between the two
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(10**9))  # torchrun's first; a share below two chunks is two chunks

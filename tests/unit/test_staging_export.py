@@ -188,6 +188,11 @@ def test_unstage_threads_rule(monkeypatch):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
         with pytest.raises(ValueError, match=f"LOCAL_WORLD_SIZE='{bad}': expected a positive integer"):
             unstage_threads(cpus=16)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # srun's step, in each of Slurm's forms; one that is not is 1, not an error
+    for tasks, node, threads in (("4", "0", 4), ("2(x3),1", "1", 8), ("2(x3),1", "3", 12), ("lots", "0", 12)):
+        monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", tasks)
+        monkeypatch.setenv("SLURM_NODEID", node)
+        assert unstage_threads(cpus=16) == threads, (tasks, node)
 
 
 @pytest.mark.parametrize(
