@@ -184,8 +184,9 @@ class Saver:
         state = {"model": msd, "optim": osd, "trainer": trainer_state}
         # the host memory a save that writes the state itself holds: the export's host buffers (the live states are
         # written as they are); a save through the stager holds what the stager counts, read once the save is over
-        live = (list(model.state_dict().values()), optimizer.state)
-        held = None if self._through_stager(optimizer) else host_storage_bytes(state, excluding=live)
+        held = None
+        if not self._through_stager(optimizer):  # an async save's call does none of this walk
+            held = host_storage_bytes(state, excluding=(list(model.state_dict().values()), optimizer.state))
         self._write(state, path, writer, optimizer, pending)
         save_s = time.perf_counter() - t0
         report = ExportReport(

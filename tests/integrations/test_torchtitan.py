@@ -401,8 +401,8 @@ def test_the_docs_script_for_the_checkpoint_manager_runs_its_ranks_in_one_group_
 
 def test_torchtitans_config_check_warnings_are_logged_once_per_process(caplog):
     """torchtitan's checks warn on its own defaults (``initial_load_model_only`` without an ``initial_load_path``)
-    each time a config is made, and ``build()`` makes a copy (``dataclasses.replace``): docs/drop-in.md's script,
-    two configs built, printed the line 4 times. Once per process (none here where an earlier test said it)."""
+    each time a config is made, and ``build()`` makes a copy (``dataclasses.replace``): docs/drop-in.md's script
+    builds two configs, four checks. The line is logged once per process (none here where an earlier test said it)."""
     import dataclasses
     import logging
 

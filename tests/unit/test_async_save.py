@@ -470,8 +470,8 @@ def test_a_stager_of_no_optimizer_or_a_save_to_nowhere_is_one_line_at_the_call(t
 
 def test_a_failure_giving_the_buffers_back_is_the_save_s_failure_not_a_hang(tmp_path, monkeypatch):
     """A save whose buffers cannot go back (here the filler's end raising) fails in one line at its wait and
-    completion, instead of leaving them waiting (the failure was a done-callback's, which only logs). Broken on
-    purpose (the give-back's failure left to the callback): ``wait()`` blocks."""
+    completion: the give-back runs in a done-callback, where an exception would only be logged and its waiters
+    would wait forever. Broken on purpose (the give-back's failure left to the callback): ``wait()`` blocks."""
     model, opt, stager, _ = _after_a_good_save(tmp_path)
 
     def end():
