@@ -1,7 +1,8 @@
 """Everything a checkpointer needs from optim-factory, for any ``torch.optim.Optimizer`` (for ours each piece does
 what its name says, for another optimizer what DCP does without it), in one import (docs/export.md):
 
-* Async saves: :class:`AsyncSaveStager`, DCP's ``AsyncStager`` kept across saves, and its options
+* Saves: :class:`AsyncSaveStager`, DCP's ``AsyncStager`` kept across saves (and ``AsyncSaveStager.save``, the same
+  save waited for), and its options
   :class:`StagerOptions` (the export's buffers written uncopied, the model into reused pinned copies, a
   background export completed, a failed or non-finite save refused on every rank before DCP writes:
   :class:`SaveRefused`, whose reasons start with
@@ -15,10 +16,9 @@ what its name says, for another optimizer what DCP does without it), in one impo
 * The deferral of a hand-written async loop: :func:`deferred_export`, :func:`defers_export`,
   :func:`export_failure`, :func:`export_buffer_test`, :func:`release_export`; :func:`cpus_per_rank`.
 
-The modules behind this face are private (``_stager``, ``_options``, ``_fillers``, ``_record``, ``_agreement``,
-``_budget``, ``_budget_rule``, ``_fills``, ``_gated_writer``, ``_finite_check``, ``_host_copies``, ``_load_planner``,
-``_deferral``, ``_safe_read``):
-import from here.
+The modules behind this face are private (``_stager``, ``_options``, ``_fillers``, ``_export_waits``, ``_record``,
+``_agreement``, ``_budget``, ``_budget_rule``, ``_fills``, ``_gated_writer``, ``_finite_check``, ``_host_copies``,
+``_load_planner``, ``_deferral``, ``_safe_read``): import from here.
 """
 
 from optim_factory.checkpoint._budget import BudgetSavePlanner, host_budget
@@ -30,12 +30,13 @@ from optim_factory.checkpoint._deferral import (
     export_failure,
     release_export,
 )
+from optim_factory.checkpoint._export_waits import EXPORT_FAILED_LINE
 from optim_factory.checkpoint._finite_check import NON_FINITE_LINE
 from optim_factory.checkpoint._host_copies import HostCopies
 from optim_factory.checkpoint._load_planner import STATE_NAMES, ExactLoadPlanner, finish_load, prepare_load
 from optim_factory.checkpoint._options import DEFAULT_EXPORT_TIMEOUT_S, StagerOptions
 from optim_factory.checkpoint._safe_read import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpoint
-from optim_factory.checkpoint._stager import EXPORT_FAILED_LINE, AsyncSaveStager
+from optim_factory.checkpoint._stager import AsyncSaveStager
 from optim_factory.errors import SaveRefused
 from optim_factory.optimizers.export import cpus_per_rank
 

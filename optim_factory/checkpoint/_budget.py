@@ -47,19 +47,13 @@ __all__ = [
 _NAME = "BudgetSavePlanner"  # the start of this module's refusals
 
 
-def budget_planner(optimizers: Any, where: str, checked: bool = False) -> BudgetSavePlanner | None:
+def budget_planner(optimizers: Any, where: str) -> BudgetSavePlanner | None:
     """The planner of ``where``'s async saves (host tensors filled too) for the one optimizer of ``optimizers`` with a
-    host budget; None when none has one; a :class:`BudgetRefused` when several have, or with a check of the filled
-    state (``checked``: ``AsyncSaveStager``'s ``refuse_non_finite`` or ``check``)."""
+    host budget; None when none has one; a :class:`BudgetRefused` when several have."""
     budgeted = [opt for opt in optimizers if host_budget(opt) is not None]
     if len(budgeted) > 1:
         raise BudgetRefused(
             f"state_dict_offload_host_budget: {where} saves one optimizer within a budget, not {len(budgeted)}"
-        )
-    if budgeted and checked:
-        raise BudgetRefused(
-            f"{where}(refuse_non_finite=..., check=...): not with state_dict_offload_host_budget, whose save is "
-            "written while it is filled"
         )
     return BudgetSavePlanner(budgeted[0], copy_host_tensors=True) if budgeted else None
 

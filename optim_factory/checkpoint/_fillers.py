@@ -7,7 +7,8 @@ once for its optimizers (:func:`filler_for`), behind one interface (docs/design.
   writer reaches it (``BudgetSavePlanner``, whose planner and writer the save then uses).
 
 A save goes: :meth:`exporting` around its export, :meth:`save_kwargs` on ``dcp.async_save``'s arguments where the
-stager starts the save itself, :meth:`begin` when DCP stages it, :meth:`end` once it is written or failed.
+stager starts the save itself, :meth:`begin` when DCP stages it (with :meth:`finite_check`, the NaN/inf check of
+what it holds, where the stager refuses non-finite saves), :meth:`end` once it is written or failed.
 ``save_bytes`` is what that save held on the host at its peak (within a budget, known at its end).
 """
 
@@ -22,12 +23,14 @@ from typing import Any
 import torch
 
 from optim_factory.checkpoint._budget import BudgetSavePlanner, budget_planner
+from optim_factory.checkpoint._finite_check import FiniteCheck
 from optim_factory.checkpoint._host_copies import HostCopies
-from optim_factory.tree import host_storage_bytes
+from optim_factory.tree import host_storage_bytes, local_tensors
 
 __all__ = ["CopyAtStart", "FillAsWritten", "filler_for"]
 
 Staging = tuple[Any, Callable[[], None], "Future | None"]  # (the staged dict, wait for its copies, its fills)
+ExportedBy = Callable[[torch.Tensor], "torch.optim.Optimizer | None"]  # the optimizer a pooled export buffer is of
 
 
 class CopyAtStart:
@@ -51,10 +54,16 @@ class CopyAtStart:
     def begin(self, state_dict: Any, keep: Callable[[torch.Tensor], bool], own_save: bool) -> Staging:
         self.save_bytes = None
         staged, copied = self._copies.copy(state_dict, keep=keep)
-        # held until written: its copies and the export's pooled buffers (staged), and the caller's host tensors
-        # that are not the training's own (an export into fresh host memory, copied again, is held too)
-        self.save_bytes = host_storage_bytes(staged) + host_storage_bytes(state_dict, excluding=(staged, self._live))
+        # held until written: its copies and the export's buffers (staged; the training's own tensors, passed through
+        # to a waited save, are not held for it), and the caller's other host tensors (an export into fresh host
+        # memory, copied again, is held too)
+        held = host_storage_bytes(staged, excluding=(self._live,))
+        self.save_bytes = held + host_storage_bytes(state_dict, excluding=(staged, self._live))
         return staged, copied, None
+
+    def finite_check(self, state_dict: Any, staged: Any, exported_by: ExportedBy, streams: dict) -> FiniteCheck:
+        """Every tensor the save writes, read where it lives (a pooled export through its optimizer's states)."""
+        return FiniteCheck(state_dict, staged, exported_by, streams)
 
     def end(self) -> None:
         """Nothing to give back: the copies' buffers are kept for the next save."""
@@ -86,6 +95,14 @@ class FillAsWritten:
         self.save_bytes = None
         return state_dict, lambda: None, self._planner.begin(state_dict, writer_checked=own_save)
 
+    def finite_check(self, state_dict: Any, staged: Any, exported_by: ExportedBy, streams: dict) -> FiniteCheck:
+        """What the save is filled from, read before it is filled (``step()`` waits for the fills): the state
+        dict's tensors but the streamed states' placeholders, and the optimizer's live states in their place
+        (the export copies them, widened, as ``step()`` reads them: a NaN or inf in one is one in the other)."""
+        sources = [t for t in local_tensors(state_dict) if not t.is_meta]
+        sources += list(local_tensors(list(self._planner.optimizer.state.values())))
+        return FiniteCheck(sources, sources, lambda _: None, streams)
+
     def end(self) -> None:
         self._planner.end()
         self.save_bytes = self._planner.last_save_bytes
@@ -102,9 +119,9 @@ class FillAsWritten:
         self._planner.drop_kept()
 
 
-def filler_for(optimizers: Iterable[Any], pinned: bool, checked: bool) -> CopyAtStart | FillAsWritten:
-    """:class:`FillAsWritten` for the one optimizer with a host budget (several, or ``checked``: the stager's
-    ``refuse_non_finite`` or ``check``, are refused: ``budget_planner``), else :class:`CopyAtStart`."""
+def filler_for(optimizers: Iterable[Any], pinned: bool) -> CopyAtStart | FillAsWritten:
+    """:class:`FillAsWritten` for the one optimizer with a host budget (several are refused: ``budget_planner``),
+    else :class:`CopyAtStart`."""
     optimizers = list(optimizers)
-    planner = budget_planner(optimizers, "AsyncSaveStager", checked)
+    planner = budget_planner(optimizers, "AsyncSaveStager")
     return CopyAtStart(pinned, optimizers) if planner is None else FillAsWritten(planner)

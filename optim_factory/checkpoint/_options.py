@@ -19,9 +19,11 @@ Check = Callable[[dict[str, Any]], "str | None"]
 class StagerOptions:
     """Attributes:
     refuse_non_finite: refuse a save whose state holds NaN or inf (``NON_FINITE_LINE``), each value read where it
-        lives (``_finite_check.py``). Not with a host budget (its save is written while it is filled).
-    check: called on the staging's completion thread with the filled staged state dict; a returned line refuses
-        the save. Not with a host budget.
+        lives (``_finite_check.py``); within a host budget, what the save is filled from (the optimizer's live
+        states in place of the streamed ones) before it is filled.
+    check: called on the staging's completion thread with the staged state dict before DCP writes it (filled;
+        within a host budget its streamed states are still meta tensors of their shape and dtype, filled as they
+        are written); a returned line refuses the save on every rank.
     pinned: the model's host copies of CUDA tensors in pinned memory kept from save to save.
     export_timeout_s: how long a save waits for a background export to fill before refusing it.
     """
@@ -40,11 +42,6 @@ class StagerOptions:
         timeout = self.export_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise TypeError(f"StagerOptions(export_timeout_s=...): expected seconds > 0, got {timeout!r}")
-
-    @property
-    def checks_filled_state(self) -> bool:
-        """Whether a save's filled state is read before it is written (which a host budget's save cannot be)."""
-        return self.refuse_non_finite or self.check is not None
 
 
 def option_names() -> set[str]:

@@ -18,7 +18,6 @@ ranks' verdict (``optim_factory/checkpoint/_gated_writer.py``; docs/design.md sa
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 
 from optim_factory.checkpoint._agreement import agree, rank_in
 from optim_factory.checkpoint._budget import one_line_refusal
+from optim_factory.checkpoint._export_waits import ExportNotFilled, ExportWaits
 from optim_factory.checkpoint._fillers import filler_for
 from optim_factory.checkpoint._finite_check import FiniteCheck
 from optim_factory.checkpoint._gated_writer import GatedWriter
@@ -45,9 +45,6 @@ from optim_factory.optimizers.export import OffloadedStateDict
 
 """How long a staged save waits for an optimizer's background export to fill (torch's default collective
 timeout): an export that never fills refuses the save instead of holding the writer forever."""
-
-EXPORT_FAILED_LINE = "the optimizer's background export failed"
-"""The start of a refusal whose cause is an export's failure (the recipe words its own refusals so too)."""
 
 
 class AsyncSaveStager(AsyncStager):
@@ -88,8 +85,9 @@ class AsyncSaveStager(AsyncStager):
         self.options = StagerOptions() if options is None else options
         # ours, resolved once: the stager calls their export API itself (others are staged as DCP stages them)
         self._ours = [opt for opt in self.optimizers if isinstance(opt, OffloadedStateDict)]
+        self._exports = ExportWaits(self._ours, self.options.export_timeout_s)  # their background exports waited for
         # the one part that gives a save its host tensors: copies at its start, or fills within a budget
-        self._filler = filler_for(self.optimizers, self.options.pinned, self.options.checks_filled_state)
+        self._filler = filler_for(self.optimizers, self.options.pinned)
         self._check_streams: dict[torch.device, Any] = {}  # the finite check's side stream per device
         self._group = process_group
         self._own_group = False
@@ -97,6 +95,7 @@ class AsyncSaveStager(AsyncStager):
         self._closed = False
         self._gate_next = False  # async_save's staging: the write waits at a GatedWriter for the verdict
         self._own_save = False  # inside async_save: the save's writer is built or checked here
+        self._waited = False  # inside save(): nothing is copied (nothing changes the state until it is written)
         self._join_ranks()
 
     # ------------------------------------------------------------------ DCP's protocol
@@ -115,16 +114,16 @@ class AsyncSaveStager(AsyncStager):
 
         finite = filling = None
         try:
-            keep = lambda t: exported_by(t) is not None  # noqa: E731  (the export's buffers, passed through)
+            if not self._waited:
+                self._exports.fill_fresh()
+            # the export's pooled buffers are passed through; in a waited save every tensor is
+            keep = (lambda _: True) if self._waited else (lambda t: exported_by(t) is not None)
             staged, copied, filling = self._filler.begin(state_dict, keep, self._own_save)
             save.host_bytes = self._filler.save_bytes
             if filling is not None:  # the filler completes it as the save is written
                 filling.add_done_callback(lambda _: save.filled.set_result(None))
-            finite = (
-                FiniteCheck(state_dict, staged, exported_by, self._check_streams)
-                if self.options.refuse_non_finite
-                else None
-            )
+            if self.options.refuse_non_finite:
+                finite = self._filler.finite_check(state_dict, staged, exported_by, self._check_streams)
         except Exception as exc:  # noqa: BLE001  (this rank's refusal must reach every rank's agreement)
             staged, copied = exc, None
         # the caller's GPU on the thread: a new thread's is 0, and its first CUDA call would create a context there
@@ -157,6 +156,19 @@ class AsyncSaveStager(AsyncStager):
         self._group, self._own_group = None, False
 
     # ------------------------------------------------------------------ the save's lifecycle
+    def save(self, state_dict: dict[str, Any], **dcp_kwargs: Any) -> Any:
+        """``dcp.save``'s counterpart: the save :meth:`async_save` starts, waited for. Nothing is copied (nothing
+        changes the state until it returns): DCP's writer reads the caller's tensors and the export's buffers as
+        they are. The same refusals, agreed by every rank before anything is written, the same budget, the buffers
+        given back once written. Returns DCP's ``Metadata``; raises :class:`SaveRefused` or DCP's write failure
+        (``CheckpointException``)."""
+        self._waited = True
+        try:
+            response = self.async_save(state_dict, **dcp_kwargs)
+        finally:
+            self._waited = False
+        return response.upload_completion.result()
+
     def async_save(self, state_dict: dict[str, Any], **dcp_kwargs: Any) -> AsyncSaveResponse:
         """``dcp.async_save(state_dict, async_stager=self, **dcp_kwargs)`` on a writer thread, once the previous
         save is over (:meth:`stage` waits for it); DCP plans it at once and its writer (``storage_writer``, or DCP's
@@ -204,13 +216,15 @@ class AsyncSaveStager(AsyncStager):
         """``with stager.exporting(): sd = get_state_dict(model, opt)``: the export of a save through this stager,
         the one block a checkpointer writes around it. A background export into pooled buffers (``defers``)
         returns unfilled, so that the next forward and backward overlap it (``defer=False``: it is filled when the
-        export returns); the staging's completion and the next ``step()`` wait for it. An export within the host
-        budget holds placeholders, filled as the save writes them. :meth:`async_save` exports a ``Stateful`` inside
-        it itself (within the budget; deferred only inside the caller's block)."""
+        export returns); the staging's completion and the next ``step()`` wait for it. A background export into
+        fresh memory returns unfilled too and is filled when the save is staged (in the save call); a failed
+        background export refuses the save on every rank. An export within the host budget holds placeholders,
+        filled as the save writes them. :meth:`async_save` exports a ``Stateful`` inside it itself (within the
+        budget; deferred only inside the caller's block)."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._filler.exporting())
-            for opt in self._ours if defer else ():
-                if opt.export_options.defers:
+            for opt in self._ours:
+                if opt.export_options.background and (defer or not opt.export_options.defers):
                     stack.enter_context(opt.deferred_state_dict())
             yield
 
@@ -341,9 +355,9 @@ class AsyncSaveStager(AsyncStager):
                 torch.cuda.set_device(device)
             on_device = None if finite is None else finite.device_refusal()  # before step() changes what it reads
             copied()
-            failure = self._export_failure(save) if fills else None  # the filler's fills export (no background)
+            failure = self._exports.failure(save) if fills else None  # the filler's fills export (no background)
         except BaseException as exc:  # noqa: BLE001  (one rank's failure must reach the agreement, not end it)
-            failure = first_line(exc, named=True)
+            failure = str(exc) if isinstance(exc, ExportNotFilled) else first_line(exc, named=True)
         finally:
             if fills:  # else the filler's fills complete it
                 save.filled.set_result(None)
@@ -370,14 +384,3 @@ class AsyncSaveStager(AsyncStager):
             save.staged.set_exception(SaveRefused(refusals))
         else:
             save.staged.set_result(staged)
-
-    def _export_failure(self, save: StagedSave) -> str | None:
-        for opt in self._ours:
-            try:
-                opt.wait_state_dict(self.options.export_timeout_s)
-            except concurrent.futures.TimeoutError:
-                save.stuck = True
-                return f"the optimizer's background export did not fill within {self.options.export_timeout_s:g} s"
-            except Exception as exc:  # noqa: BLE001  (any failure of the export thread refuses the save)
-                return f"{EXPORT_FAILED_LINE}: {first_line(exc, named=True)}"
-        return None

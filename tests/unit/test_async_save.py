@@ -514,3 +514,63 @@ def test_an_export_into_fresh_host_memory_is_counted_in_the_host_bytes_a_save_he
     copies = state_bytes({"model": msd, "optim": osd})
     assert stager.save_host_bytes == copies + state_bytes(osd["state"]), (stager.save_host_bytes, copies)
     stager.close()
+
+
+@pytest.mark.parametrize("reuse_buffers", [True, False], ids=["pooled", "fresh"])
+def test_a_waited_save_copies_nothing_and_writes_what_the_async_save_writes(tmp_path, reuse_buffers):
+    """``AsyncSaveStager.save``: DCP's writer reads the caller's tensors and the export's buffers as they are (no
+    host copy is made or kept, the training's own tensors are not counted as held), and the files are the async
+    save's, byte for byte; a background export, deferred by ``exporting()``, is filled before the write."""
+    model = make_model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **{**OURS, "state_dict_offload_reuse_buffers": reuse_buffers})
+    stager = AsyncSaveStager(opt, StagerOptions(refuse_non_finite=True))
+    train(model, opt, 1)
+    with stager.exporting():
+        msd, osd = get_state_dict(model, opt)
+    stager.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "waited"))
+    assert stager.host_bytes == 0  # no copies kept
+    assert stager.save_host_bytes == state_bytes(osd["state"]), stager.save_host_bytes  # the export's buffers only
+    with stager.exporting():
+        msd, osd = get_state_dict(model, opt)
+    stager.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "async"))
+    stager.wait()
+    assert (tmp_path / "waited" / "__0_0.distcp").read_bytes() == (tmp_path / "async" / "__0_0.distcp").read_bytes()
+    stager.close()
+
+
+def test_a_failed_background_export_into_fresh_memory_refuses_the_save_instead_of_raising_at_the_export(tmp_path):
+    """``exporting()`` defers it too; the save call fills it before copying it, and its failure is the save's
+    refusal, agreed by every rank (one rank raising at its export would leave the others in DCP's collectives)."""
+    model = make_model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **{**OURS, "state_dict_offload_reuse_buffers": False})
+    stager = AsyncSaveStager(opt)
+    train(model, opt, 1)
+    state, nbytes = _break_a_state(opt)
+    with stager.exporting(defer=False):
+        msd, osd = get_state_dict(model, opt)  # returns: the failure is not raised here
+    response = stager.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "bad"))
+    with pytest.raises(SaveRefused, match="^not saved, nothing was written: the optimizer's background export fail"):
+        response.upload_completion.result()
+    assert not (tmp_path / "bad").exists()
+    state.untyped_storage().resize_(nbytes)
+    train(model, opt, 1)  # nothing of the failure reaches step()
+    stager.close()
+
+
+def test_a_background_export_into_fresh_memory_is_filled_before_the_save_copies_it(tmp_path, monkeypatch):
+    """Its export thread is held until just after ``exporting()`` returned: a copy made at once would be of
+    unfilled memory."""
+    gate = StuckExport(monkeypatch).gate
+    model = make_model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **{**OURS, "state_dict_offload_reuse_buffers": False})
+    stager = AsyncSaveStager(opt)
+    train(model, opt, 1)
+    expected = expected_tensors(model, opt)
+    gate.clear()
+    with stager.exporting(defer=False):
+        msd, osd = get_state_dict(model, opt)
+    threading.Timer(0.2, gate.set).start()
+    stager.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "fresh"))
+    stager.wait()
+    assert_checkpoint(tmp_path / "fresh", expected)
+    stager.close()

@@ -21,6 +21,7 @@ from optim_factory.checkpoint import AsyncSaveStager, BudgetRefused, SaveRefused
 from optim_factory.checkpoint._fills import Fill, SaveFills
 from optim_factory.optimizers.export.host_memory import HostBufferPool
 from optim_factory.optimizers.export.stream import StateExporter, StreamItem
+from optim_factory.tree import local_tensors
 from tests.distributed.launch import spawn
 from tests.unit.test_budget import CHUNK, OPTIONS, STATE, _data_files, _peak_added, _trained, train
 
@@ -125,10 +126,36 @@ def test_a_stateful_optimizer_is_exported_within_the_budget_by_the_save(tmp_path
     stager.close()
 
 
+def test_a_save_within_the_budget_is_checked_before_it_is_filled_and_a_refusal_writes_nothing(tmp_path):
+    """``refuse_non_finite`` reads what the save is filled from (the live states, the model); ``check`` sees the
+    streamed states as meta tensors of their shape; both refuse before DCP writes anything, waited or not."""
+    model, opt = _trained(2 * STATE)
+    save_plain(model, opt, tmp_path / "plain")
+    seen: list[tuple[bool, torch.Size]] = []
+
+    def check(staged):
+        seen.extend((t.is_meta, t.shape) for t in local_tensors(staged["optim"]))
+        return None
+
+    stager = AsyncSaveStager(opt, StagerOptions(refuse_non_finite=True, check=check))
+    with stager.exporting():
+        msd, osd = get_state_dict(model, opt)
+    stager.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "finite"), no_dist=True)
+    assert _data_files(tmp_path / "finite") == _data_files(tmp_path / "plain")
+    assert any(meta for meta, _ in seen) and all(shape.numel() > 0 for _, shape in seen)
+    state = next(iter(opt.state.values()))
+    state["exp_avg"].view(-1)[3] = float("nan")  # in the live state the export streams from
+    for save in (stager.save, lambda *a, **k: stager.async_save(*a, **k).upload_completion.result()):
+        with stager.exporting():
+            msd, osd = get_state_dict(model, opt)
+        with pytest.raises(SaveRefused, match=r"^not saved, nothing was written: the model or optimizer state holds n"):
+            save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "nan"), no_dist=True)
+        assert not (tmp_path / "nan").exists()
+    stager.close()
+
+
 def test_misuses_of_a_budget_with_the_stager_are_one_line(tmp_path):
     model, opt = _trained(2 * STATE)
-    with pytest.raises(ValueError, match=r"^AsyncSaveStager\(refuse_non_finite=..., check=...\): not with state_dict"):
-        AsyncSaveStager(opt, StagerOptions(refuse_non_finite=True))
     other = PortableFusedAdam([torch.nn.Parameter(torch.zeros(4))], **OPTIONS, state_dict_offload_host_budget=2 * STATE)
     with pytest.raises(ValueError, match="^state_dict_offload_host_budget: AsyncSaveStager saves one optimizer within"):
         AsyncSaveStager([opt, other])
