@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from optim_factory.checkpoint import host_budget
 from optim_factory.factory import ConfigError, ValidatedOptim, build_optimizer
-from recipes.checkpoint import CheckpointError, CheckpointManager, Saver
+from recipes.checkpoint import CheckpointError, CheckpointManager, Loader, PhaseCallback, Saver
 from recipes.checkpoint.checksums import writer_options
 from recipes.checkpoint.resume import log_changes, nothing_to_do
 from recipes.command_line import keys_set
@@ -42,20 +43,20 @@ USER_ERRORS = (ConfigError, CheckpointError, DataError, LaunchError, TrainingDiv
 DEFAULT_THREADS = torch.get_num_threads()  # torch's own count in this process (trainer.threads=0)
 
 
-def _finish_saves(ckpt: CheckpointManager) -> None:
+def _finish_saves(saver: Saver) -> None:
     """The loop failed: an async save in flight is finished and marked complete where it can be (its state is
     from a finished step), so the failure costs only the steps after it; its own failure is logged."""
     try:
-        ckpt.close()
+        saver.close()
     except Exception as exc:  # noqa: BLE001  (the loop's failure is the one raised)
         log.warning("the checkpoint in flight when training failed was not completed: %s", exc)
 
 
-def train(cfg: DictConfig, *, saver_cls: type[Saver] = Saver) -> dict[str, Any]:
+def train(cfg: DictConfig, *, on_phase: PhaseCallback | None = None) -> dict[str, Any]:
     """Run the training job that ``cfg`` describes; returns a summary (first/last loss, steps, checkpoints).
 
-    ``saver_cls``: the checkpoint manager's saver, a subclass of :class:`Saver` (e.g. one that overrides its
-    :meth:`~Saver.on_phase`, as ``tests/fault/fault_train.py`` does).
+    ``on_phase``: called with (phase, step, path) at each point of every save (``recipes.checkpoint.SAVE_PHASES``;
+    ``tests/fault/fault_train.py`` kills the process there).
     """
     where = OmegaConf.select(cfg, "checkpoint.dir", throw_on_missing=False)  # None where missing: preflight says so
     created = missing_dirs(where) if where else []  # before preflight makes them
@@ -82,7 +83,8 @@ def train(cfg: DictConfig, *, saver_cls: type[Saver] = Saver) -> dict[str, Any]:
                 if lock.unavailable:
                     log.warning("%s=%s: %s", lock.key, lock.run_dir, lock.unavailable)
             try:
-                return _train(cfg, env, device, data, mesh, optim, saver_cls, record)
+                run = Run(cfg, env, device, data, mesh, optim, record, MetricsWriter(cfg.run_dir, env.rank))
+                return _train(run, on_phase)
             except USER_ERRORS as exc:  # after logging started: train.log ends with why (stderr: once, from main)
                 log.error("%s", exc, extra={FILE_ONLY: True})
                 raise
@@ -97,6 +99,42 @@ def train(cfg: DictConfig, *, saver_cls: type[Saver] = Saver) -> dict[str, Any]:
             lock.release()
 
 
+@dataclass
+class Run:
+    """One launch's training job once its checks passed: what its phases (:func:`_setup`, :func:`_resume`,
+    :func:`_loop`, :func:`_summary`) share. Its parts are set by :func:`_setup`, where it starts and ends by
+    :func:`_resume`."""
+
+    cfg: DictConfig
+    env: Any  # recipes.distributed's launch environment (rank, world size, launcher)
+    device: torch.device
+    data: Any
+    mesh: Any
+    optim: ValidatedOptim
+    record: Path | None  # this launch's launches/ file (rank 0), removed where the launch is refused
+    metrics: MetricsWriter
+    model: Any = None
+    optimizer: Any = None
+    checkpoints: CheckpointManager | None = None  # builds the saver and the loader, checks the first save
+    saver: Saver | None = None
+    loader: Loader | None = None
+    base_lrs: list[float] = field(default_factory=list)  # the config's learning rates, before a resume
+    start: int = 0  # the step training starts at
+    end: int = 0  # the step this launch stops at (trainer.stop_at, else trainer.max_steps)
+    limit: str = "trainer.max_steps"  # the key that ends this launch
+    resumed_from: str | None = None
+
+
+@dataclass
+class Stopped:
+    """How :func:`_loop` ended: the step log, the last evaluation, the step a signal stopped it at and the signal."""
+
+    step_log: StepLog
+    last_eval: dict[str, Any] | None
+    at: int | None
+    by: str | None
+
+
 @contextlib.contextmanager
 def _unrecorded_if_refused(record: Path | None):
     """A refusal inside removes this launch's ``launches/`` record: launches/ holds accepted launches only."""
@@ -108,100 +146,104 @@ def _unrecorded_if_refused(record: Path | None):
         raise
 
 
-def _resume(cfg, ckpt, model, optimizer, end: int, limit: str, record: Path | None, metrics, rank: int):
-    """(the step training starts at, the checkpoint it resumed from or None): the newest good checkpoint loaded
-    into ``model`` and ``optimizer`` with the process RNG, its config changes logged and recorded; refused (and
-    this launch's record removed) where a changed key would take effect in no step, or where the run's next save
-    cannot fit (a fresh run's: estimated from the model, ``first_save_bytes``) or exceeds the optimizer's host
-    budget (``CheckpointManager.check_first_save``), before the first step."""
+def _resume(run: Run) -> None:
+    """Where ``run`` starts: the newest good checkpoint loaded into its model and optimizer with the process RNG,
+    its config changes logged and recorded; refused (and this launch's record removed) where a changed key would
+    take effect in no step, or where the run's next save cannot fit (a fresh run's: estimated from the model,
+    ``first_save_bytes``) or exceeds the optimizer's host budget (``CheckpointManager.check_first_save``), before
+    the first step."""
+    cfg, model, optimizer = run.cfg, run.model, run.optimizer
     template = {"step": 0, "data_position": 0, "world_size": 0, "rng_state": torch.get_rng_state()}
-    with _unrecorded_if_refused(record):
-        path, state = ckpt.resume(model, optimizer, template) or (None, template)
-        start = int(state["step"])
-        if start >= end and ckpt.loader.resume_changes:  # keys that would change nothing: refused, nothing recorded
-            raise ConfigError(nothing_to_do(start, end, str(path), ckpt.loader.resume_changes, limit))
-        if start < end and cfg.checkpoint.enabled:  # its space, its host budget
-            ckpt.check_first_save(model, optimizer, template, path)
+    with _unrecorded_if_refused(run.record):
+        path, state = run.checkpoints.resume(model, optimizer, template) or (None, template)
+        run.start, changes = int(state["step"]), run.loader.resume_changes
+        if run.start >= run.end and changes:  # keys that would change nothing: refused, nothing recorded
+            raise ConfigError(nothing_to_do(run.start, run.end, str(path), changes, run.limit))
+        if run.start < run.end and cfg.checkpoint.enabled:  # its space, its host budget
+            run.checkpoints.check_first_save(model, optimizer, template, path)
     if path is None:
-        return 0, None
+        return
+    run.resumed_from = str(path)
     torch.set_rng_state(state["rng_state"])
-    if rank == 0:  # with this launch's overrides, where Hydra's command line gave them
+    if run.env.rank == 0:  # with this launch's overrides, where Hydra's command line gave them
         typed = keys_set(list(HydraConfig.get().overrides.task), CONFIG_DIR) if HydraConfig.initialized() else None
-        log_changes(ckpt.loader.resume_changes, typed)
-    log.info("resuming from checkpoint %s at step %d (saved by %d rank(s))", path, start, state["world_size"])
-    for change in ckpt.loader.resume_changes:
-        metrics.write(change.record())
-    return start, str(path)
+        log_changes(changes, typed)
+    log.info("resuming from checkpoint %s at step %d (saved by %d rank(s))", path, run.start, state["world_size"])
+    for change in changes:
+        run.metrics.write(change.record())
 
 
-def _setup(cfg: DictConfig, env, device, mesh, optim: ValidatedOptim, saver_cls, record: Path | None, metrics):
-    """(model, optimizer, checkpoint manager) of the run, with the launch's first log lines."""
-    model = shard_model(build_model(cfg.model, seed=cfg.trainer.seed, device=device), mesh)
-    with _unrecorded_if_refused(record):  # the checks that need the model (backend, override patterns)
-        optimizer = build_optimizer(optim, model)
-    ckpt = CheckpointManager(
+def _setup(run: Run, on_phase: PhaseCallback | None) -> None:
+    """The run's model, optimizer and checkpoints (``on_phase``: the saver's), with the launch's first log lines."""
+    cfg, env = run.cfg, run.env
+    run.model = shard_model(build_model(cfg.model, seed=cfg.trainer.seed, device=run.device), run.mesh)
+    with _unrecorded_if_refused(run.record):  # the checks that need the model (backend, override patterns)
+        run.optimizer = build_optimizer(run.optim, run.model)
+    run.checkpoints = CheckpointManager(
         cfg.checkpoint,
         rank=env.rank,
-        device=device,
-        on_report=metrics.checkpoint,
+        device=run.device,
+        on_report=run.metrics.checkpoint,
         run_config=OmegaConf.to_container(cfg, resolve=True),  # stored in every checkpoint's manifest
-        waits_before_step=True,  # TrainStep calls ckpt.saver.wait_export before optimizer.step()
-        saver_class=saver_cls,
+        waits_before_step=True,  # TrainStep calls saver.wait_export before optimizer.step()
+        on_phase=on_phase,
     )
+    run.saver, run.loader = run.checkpoints.saver, run.checkpoints.loader
+    run.base_lrs = [float(g["lr"]) for g in run.optimizer.param_groups]
     world, where = env.world_size, Path(cfg.run_dir).resolve()
-    log.info("launcher=%s world_size=%d device=%s run_dir=%s", env.launcher, world, device, where)
+    log.info("launcher=%s world_size=%d device=%s run_dir=%s", env.launcher, world, run.device, where)
     if cfg.checkpoint.enabled:
-        given, threads = cfg.checkpoint.write_threads, writer_options(optimizer, ckpt.write_threads)["thread_count"]
+        given = cfg.checkpoint.write_threads
+        threads = writer_options(run.optimizer, run.checkpoints.write_threads)["thread_count"]
         how = "0: min(4, the CPUs of this rank)" if given == 0 else str(given)
-        how += "; one within optim.state_dict_offload_host_budget" if host_budget(optimizer) is not None else ""
+        how += "; one within optim.state_dict_offload_host_budget" if host_budget(run.optimizer) is not None else ""
         log.info("checkpoints: %d writer thread(s) per rank (checkpoint.write_threads=%s)", threads, how)
     if cfg.trainer.warmup_steps > cfg.trainer.max_steps and env.rank == 0:
         warmup, steps = cfg.trainer.warmup_steps, cfg.trainer.max_steps
         log.warning(f"trainer.warmup_steps={warmup} > trainer.max_steps={steps}: the learning rate peaks at "
                     f"{100 * steps / warmup:.3g} % of optim.lr")  # fmt: skip
-    return model, optimizer, ckpt
 
 
-def _train(cfg: DictConfig, env, device, data, mesh, optim: ValidatedOptim, saver_cls, record) -> dict[str, Any]:
-    """The job after its checks: setup, resume, loop, summary (``record``: this launch's ``launches/`` file)."""
-    metrics = MetricsWriter(cfg.run_dir, env.rank)
-    model, optimizer, ckpt = _setup(cfg, env, device, mesh, optim, saver_cls, record, metrics)
-    base_lrs = [float(g["lr"]) for g in optimizer.param_groups]  # the config's, before a resume
-    torch.manual_seed(cfg.trainer.seed + 1000 * env.rank)  # the process RNG (dropout-free model: recorded, restored)
+def _train(run: Run, on_phase: PhaseCallback | None) -> dict[str, Any]:
+    """The job after its checks: setup, resume, loop, summary."""
+    cfg = run.cfg
+    _setup(run, on_phase)
+    # the process RNG (dropout-free model: recorded, restored)
+    torch.manual_seed(cfg.trainer.seed + 1000 * run.env.rank)
     max_steps = cfg.trainer.max_steps
-    end = min(max_steps, cfg.trainer.stop_at) if cfg.trainer.stop_at > 0 else max_steps
-    limit = "trainer.stop_at" if end < max_steps else "trainer.max_steps"  # the key that ends this run
-    start, resumed_from = _resume(cfg, ckpt, model, optimizer, end, limit, record, metrics, env.rank)
-    if start >= end:  # a finished run relaunched: it changes nothing, and launches/ holds the launches that trained
-        if record is not None:
-            record.unlink(missing_ok=True)
-        log.info(nothing_to_do(start, end, resumed_from, [], limit))
-    run = _loop(cfg, env, model, optimizer, data, device, base_lrs, ckpt, metrics, start, end)
-    return _summary(cfg, env.rank, ckpt, metrics, start, end, resumed_from, limit, *run)
+    run.end = min(max_steps, cfg.trainer.stop_at) if cfg.trainer.stop_at > 0 else max_steps
+    run.limit = "trainer.stop_at" if run.end < max_steps else "trainer.max_steps"
+    _resume(run)
+    if run.start >= run.end:  # a finished run relaunched: nothing changes (launches/ holds launches that trained)
+        if run.record is not None:
+            run.record.unlink(missing_ok=True)
+        log.info(nothing_to_do(run.start, run.end, run.resumed_from, [], run.limit))
+    return _summary(run, _loop(run))
 
 
-def _loop(cfg: DictConfig, env, model, optimizer, data, device, base_lrs, ckpt, metrics, start: int, end: int):
-    """Steps ``start`` to ``end``, evaluated and saved where due, until a stop signal: (the step log, the last
-    evaluation, the step it stopped at or None, the signal or None)."""
-    rank, world, max_steps = env.rank, env.world_size, cfg.trainer.max_steps
+def _loop(run: Run) -> Stopped:
+    """Steps ``run.start`` to ``run.end``, evaluated and saved where due, until a stop signal."""
+    cfg, env, model, data, saver = run.cfg, run.env, run.model, run.data, run.saver
+    rank, world, max_steps, start, end = env.rank, env.world_size, cfg.trainer.max_steps, run.start, run.end
     bar = progress_bar(total=end, initial=start, enabled=cfg.trainer.progress if rank == 0 else False)
     train_step = TrainStep(
         model,
-        optimizer,
+        run.optimizer,
         data,
-        device,
+        run.device,
         rank,
         world,
-        base_lrs,
+        run.base_lrs,
         warmup_steps=cfg.trainer.warmup_steps,
         max_steps=max_steps,
         grad_clip=cfg.trainer.grad_clip,
         prepare_at=start if cfg.checkpoint.enabled else None,
-        before_step=ckpt.saver.wait_export,
+        before_step=saver.wait_export,
     )
     step_log = StepLog(
-        metrics, bar, world=world, start=start, end=end, max_steps=max_steps, every=cfg.trainer.log_every
+        run.metrics, bar, world=world, start=start, end=end, max_steps=max_steps, every=cfg.trainer.log_every
     )
+    due = run.checkpoints.due
     stop, stopped_at, last_eval = StopSignal(saves=cfg.checkpoint.enabled), None, None
     model.train()
     try:
@@ -210,25 +252,25 @@ def _loop(cfg: DictConfig, env, model, optimizer, data, device, base_lrs, ckpt, 
             done = step + 1
             step_log(done, result)
             if cfg.trainer.eval_every > 0 and (done % cfg.trainer.eval_every == 0 or done == end):
-                last_eval = {"step": done, **evaluate(model, data, rank, world, device)}
-                metrics.write({"kind": "eval", **last_eval})
+                last_eval = {"step": done, **evaluate(model, data, rank, world, run.device)}
+                run.metrics.write({"kind": "eval", **last_eval})
                 log.info("eval %s", eval_text(last_eval))
                 step_log.postfix.update(eval_postfix(last_eval))
                 bar.set_postfix(**step_log.postfix)
                 step_log.t_since += last_eval["eval_s"]  # tokens/s counts training time only
             bar.update(1)
             # synchronous where a checkpoint may follow; elsewhere a step or two late (recipes/stop_signal.py)
-            stopping, diverged = stop.should_stop(world, result.nonfinite, now=ckpt.due(done, end) or done == end)
+            stopping, diverged = stop.should_stop(world, result.nonfinite, now=due(done, end) or done == end)
             if diverged:
-                ckpt.close()  # an async save of an earlier (finite) step finishes and is marked complete
+                saver.close()  # an async save of an earlier (finite) step finishes and is marked complete
                 raise TrainingDiverged(
                     f"step {done - stop.flag_lag}: non-finite loss or gradient norm (NaN/inf); stopped before saving, "
-                    f"the newest good checkpoint is {ckpt.saver.verified or 'none'} (lower optim.lr, set "
+                    f"the newest good checkpoint is {saver.verified or 'none'} (lower optim.lr, set "
                     "trainer.grad_clip, or check the data)"
                 )
-            if ckpt.due(done, end) or (stopping and cfg.checkpoint.enabled):
+            if due(done, end) or (stopping and cfg.checkpoint.enabled):
                 state = {"step": done, "data_position": done, "world_size": world, "rng_state": torch.get_rng_state()}
-                ckpt.saver.save(done, model, optimizer, state)
+                saver.save(done, model, run.optimizer, state)
                 # a signal during the save: this save is the stop's checkpoint (no further step, no second save)
                 stopping = stopping or stop.should_stop(world)[0]
             if stopping and done < end:  # a stop at the last step is the end of the run
@@ -242,33 +284,35 @@ def _loop(cfg: DictConfig, env, model, optimizer, data, device, base_lrs, ckpt, 
                 break
     except Exception:
         if world == 1:  # with several ranks, marking a save complete needs every rank's agreement
-            _finish_saves(ckpt)
+            _finish_saves(saver)
         raise
     finally:
         stop.restore()  # also when a step or a save raises
     bar.close()
-    ckpt.close()
-    return step_log, last_eval, stopped_at, stop.received
+    saver.close()
+    return Stopped(step_log, last_eval, stopped_at, stop.received)
 
 
-def _summary(cfg, rank: int, ckpt, metrics, start, end, resumed_from, limit, step_log, last_eval, stopped_at, signal):
+def _summary(run: Run, stopped: Stopped) -> dict[str, Any]:
     """The run's summary (``metrics.jsonl``'s last record; rank 0 logs it for a person)."""
+    cfg, rank, reports, step_log = run.cfg, run.env.rank, run.saver.reports, stopped.step_log
     summary = {
-        "start_step": start,
-        "resumed_from": resumed_from,
-        "end_step": stopped_at if stopped_at is not None else max(start, end),
+        "start_step": run.start,
+        "resumed_from": run.resumed_from,
+        "end_step": stopped.at if stopped.at is not None else max(run.start, run.end),
         "first_loss": step_log.first_loss,
         "last_loss": step_log.last_loss,
-        "eval": last_eval,
-        "saved_checkpoints": [r.path for r in ckpt.saver.reports],  # by this launch, in order (keep_last may delete)
+        "eval": stopped.last_eval,
+        "saved_checkpoints": [r.path for r in reports],  # by this launch, in order (keep_last may delete)
         # per checkpoint of this launch: how long it held the loop and the bytes written (rank 0), as logged
-        "checkpoints": [r.summary() for r in ckpt.saver.reports],
+        "checkpoints": [r.summary() for r in reports],
         # complete checkpoints in checkpoint.dir at the end, after keep_last, oldest first (rank 0 applies it)
-        "kept_checkpoints": [str(p) for _, p in ckpt.complete()] if rank == 0 else None,
-        "stopped_at": stopped_at,
-        "stopped_by": (signal or "a signal on another rank") if stopped_at is not None else None,
+        "kept_checkpoints": [str(p) for _, p in run.checkpoints.complete()] if rank == 0 else None,
+        "stopped_at": stopped.at,
+        "stopped_by": (stopped.by or "a signal on another rank") if stopped.at is not None else None,
     }
-    metrics.summary(summary, trained=end > start)  # a no-op relaunch keeps the last one in metrics.jsonl
+    run.metrics.summary(summary, trained=run.end > run.start)  # a no-op relaunch keeps the last one in metrics.jsonl
     if rank == 0:
-        log.info(done_text(summary, metrics.path, cfg.checkpoint.dir if cfg.checkpoint.enabled else None, limit))
+        where = cfg.checkpoint.dir if cfg.checkpoint.enabled else None
+        log.info(done_text(summary, run.metrics.path, where, run.limit))
     return summary

@@ -25,13 +25,14 @@ class ExportWaits:
 
     def __init__(self, optimizers: list[Any], timeout_s: float) -> None:
         self._optimizers, self._timeout_s = optimizers, timeout_s
+        self._fresh = [opt for opt in optimizers if opt.export_options.background and not opt.export_options.defers]
 
     def fill_fresh(self) -> None:
         """Wait for a background export into fresh memory (deferred by the stager's ``exporting()``) before the
         save copies it; raise its failure, or its not filling in time, in one line (its buffers are fresh: nothing
         is given back)."""
-        for opt in self._optimizers:
-            if not opt.export_options.defers and opt.state_dict_pending:
+        for opt in self._fresh:
+            if opt.state_dict_pending:
                 failure = self._wait(opt)
                 if failure is not None:
                     raise ExportNotFilled(failure[0])

@@ -86,6 +86,8 @@ class AsyncSaveStager(AsyncStager):
         # ours, resolved once: the stager calls their export API itself (others are staged as DCP stages them)
         self._ours = [opt for opt in self.optimizers if isinstance(opt, OffloadedStateDict)]
         self._exports = ExportWaits(self._ours, self.options.export_timeout_s)  # their background exports waited for
+        # their background exports, each with whether it is into pooled buffers (deferred only inside exporting())
+        self._background = [(opt, opt.export_options.defers) for opt in self._ours if opt.export_options.background]
         # the one part that gives a save its host tensors: copies at its start, or fills within a budget
         self._filler = filler_for(self.optimizers, self.options.pinned)
         self._check_streams: dict[torch.device, Any] = {}  # the finite check's side stream per device
@@ -223,8 +225,8 @@ class AsyncSaveStager(AsyncStager):
         budget; deferred only inside the caller's block)."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._filler.exporting())
-            for opt in self._ours:
-                if opt.export_options.background and (defer or not opt.export_options.defers):
+            for opt, pooled in self._background:
+                if defer or not pooled:
                     stack.enter_context(opt.deferred_state_dict())
             yield
 

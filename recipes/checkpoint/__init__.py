@@ -42,15 +42,18 @@ from recipes.checkpoint.layout import (
     read_manifest,
     step_dirs,
 )
+from recipes.checkpoint.load import Loader
 from recipes.checkpoint.manager import CheckpointManager
 from recipes.checkpoint.report import ExportReport
-from recipes.checkpoint.save import SAVE_PHASES, Saver
+from recipes.checkpoint.save import SAVE_PHASES, PhaseCallback, Saver
 
 __all__ = [
     "FALLBACK_HINT",
     "MARKER",
     "METADATA",
     "SAVE_PHASES",
+    "Loader",
+    "PhaseCallback",
     "Saver",
     "STEP_DIR",
     "CheckpointError",

@@ -1,10 +1,11 @@
 """CheckpointManager: one run's checkpoints in ``checkpoint.dir`` (recipes/checkpoint/layout.py), composed of a
 :class:`~recipes.checkpoint.save.Saver` (``manager.saver``: every save, from its export to its sealed manifest and
 ``keep_last``) and a :class:`~recipes.checkpoint.load.Loader` (``manager.loader``: the resume), each given its
-inputs; the checkpoint a load verified is handed to the saver (:meth:`CheckpointManager.resume`,
-:meth:`CheckpointManager.load`), which never deletes it and names it in its refusals. The run calls the saver and
-the loader directly; the manager builds them, hands the loaded checkpoint over, checks the run's next save before
-its first step (:meth:`CheckpointManager.check_first_save`) and closes."""
+inputs. The manager builds them, hands the checkpoint a load verified to the saver (:meth:`CheckpointManager.resume`,
+:meth:`CheckpointManager.load`; the saver never deletes it and names it in its refusals), checks the run's next save
+before its first step (:meth:`CheckpointManager.check_first_save`), says which steps save
+(:meth:`CheckpointManager.due`) and closes. A run holds the saver and the loader as its own parts (``recipes/job.py``'s
+``Run``) and calls them directly."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from recipes.checkpoint.checksums import writer_threads
 from recipes.checkpoint.layout import CheckpointError, complete, first_save_bytes
 from recipes.checkpoint.load import Loader
 from recipes.checkpoint.resume import no_room
-from recipes.checkpoint.save import Saver
+from recipes.checkpoint.save import PhaseCallback, Saver
 from recipes.distributed import all_ranks
 
 
@@ -36,26 +37,24 @@ class CheckpointManager:
         on_report=None,
         run_config: dict[str, Any] | None = None,
         waits_before_step: bool = False,
-        saver_class: type[Saver] = Saver,
+        on_phase: PhaseCallback | None = None,
     ):
         """``cfg``: the run's ``checkpoint`` config. ``run_config``: the resolved config of the run (a plain
         dict), stored in every checkpoint's manifest. ``waits_before_step``: the caller calls ``saver.wait_export()``
         before every ``optimizer.step()`` (the recipe's loop does); only then may an async save return before a
         background export is filled (``Saver.defers``), since the export's failure must reach
-        the save, not a ``step()``. ``saver_class``: a subclass of :class:`Saver` that
-        observes saves (``Saver.on_phase``)."""
+        the save, not a ``step()``. ``on_phase``: called at each point of every save (``Saver``'s)."""
         self.cfg = cfg
         self.root = Path(cfg.dir)
         self.rank = rank
         options = StateDictOptions(flatten_optimizer_state_dict=cfg.flatten_optimizer_state_dict)
         self.write_threads = writer_threads(cfg.write_threads)  # DCP's writer threads per rank, for every save
-        # An async save plans and finishes on DCP's background thread with collectives of its own; on the
-        # default group they would interleave with training's (gloo: a collective-mismatch abort; NCCL: a
-        # hang), so they get a gloo group of their own (created here, on every rank, in the same order).
-        save_group = (
-            dist.new_group(backend="gloo") if cfg.enabled and cfg.async_save and dist.is_initialized() else None
-        )
-        self.saver = saver_class(
+        # Every save goes through the library's stager, whose DCP collectives and agreement run on its thread and
+        # DCP's (an async save's beside training): on the default group they would interleave with training's
+        # (gloo: a collective-mismatch abort; NCCL: a hang), so they get a gloo group of their own (created here,
+        # on every rank, in the same order).
+        save_group = dist.new_group(backend="gloo") if cfg.enabled and dist.is_initialized() else None
+        self.saver = Saver(
             cfg,
             rank=rank,
             device=device,
@@ -65,6 +64,7 @@ class CheckpointManager:
             run_config=run_config,
             waits_before_step=waits_before_step,
             on_report=on_report,
+            on_phase=on_phase,
         )
         self.loader = Loader(cfg, rank=rank, options=options, run_config=run_config)
 
@@ -99,7 +99,7 @@ class CheckpointManager:
         if limit is None:
             return
         optimizer.initialize_states()
-        msd, osd, *_ = self.saver.export(model, optimizer, deferred=False)  # placeholders: no memory
+        msd, osd, *_ = self.saver.export(model, optimizer)  # placeholders: no memory
         try:
             least = least_host_budget(optimizer, {"model": msd, "optim": osd, "trainer": trainer_state})
         finally:

@@ -1,8 +1,10 @@
 """A save of a checkpoint, owned from its export to its sealed manifest by one :class:`Saver` (docs/design.md,
-"Checkpoints"): the export (timed; on CUDA its GPU peak), the checks agreed by all ranks before anything is written
-(NaN/inf, a failed background export, free space), DCP's write (sync, or async through the library's
-:class:`~optim_factory.checkpoint.AsyncSaveStager` on a gloo group of its own, as is a save within a host budget),
-the wait for an async save, the manifest with every file's checksum, ``keep_last``, and the report.
+"Checkpoints"). Every save goes through the library's :class:`~optim_factory.checkpoint.AsyncSaveStager`, kept
+from save to save on a gloo group of the run's own: the export inside ``stager.exporting()`` (timed; on CUDA its
+GPU peak), then the stager's save, which every rank's checks refuse on every rank before DCP writes anything (a
+failed background export, NaN/inf, and this saver's free-space check); sync: ``stager.save``, waited for; async:
+``stager.async_save``, waited for before the next save or at the end. Either way one record (:class:`InFlight`)
+and one wait (:meth:`Saver.wait`) seal it: the manifest with every file's checksum, ``keep_last``, the report.
 
 An async save of a background export into pooled buffers is *deferred*: the save returns before the export is
 filled, the stager completes it (the copies, the export's outcome, the NaN/inf check agreed by every rank), the loop
@@ -12,7 +14,6 @@ on every rank before DCP writes anything (:meth:`Saver.wait` raises it).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import shutil
 import time
@@ -23,24 +24,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from optim_factory.checkpoint import (
-    EXPORT_FAILED_LINE,
-    NON_FINITE_LINE,
     AsyncSaveStager,
     SaveRefused,
     StagerOptions,
-    deferred_export,
     defers_export,
     export_failure,
-    host_budget,
     release_export,
 )
-from optim_factory.errors import first_line
-from optim_factory.optimizers.export import all_finite
-from optim_factory.tree import host_storage_bytes, local_tensors, state_bytes
+from optim_factory.tree import state_bytes
 from recipes.checkpoint.checksums import ALGORITHM, ChecksumFileSystemWriter, writer_options
 from recipes.checkpoint.in_flight import InFlight
 from recipes.checkpoint.layout import (
@@ -61,14 +55,8 @@ from recipes.distributed import all_ranks, world_size
 
 log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the package
 
-SAVE_PHASES = ("export", "write", "marker")  # the points of a save at which Saver.on_phase runs
-FINITE, NO_SPACE, NON_FINITE, EXPORT_FAILED = 0, 1, 2, 3  # a save's verdict, agreed by all ranks (the worst wins)
-
-
-def failure_line(optimizer) -> str | None:
-    """Wait for a background export (``state_dict_offload_background``); its failure in one line, or None."""
-    failure = export_failure(optimizer)
-    return None if failure is None else first_line(failure, named=True)
+SAVE_PHASES = ("export", "write", "marker")  # the points of a save at which the saver's on_phase runs
+PhaseCallback = Callable[[str, int, Path], None]
 
 
 class Saver:
@@ -87,28 +75,28 @@ class Saver:
         run_config: dict[str, Any] | None,
         waits_before_step: bool,
         on_report: Callable[[ExportReport], None] | None,
+        on_phase: PhaseCallback | None = None,
     ):
-        """``save_group``: the async saves' gloo group (None: the default group); ``run_config``: in every manifest."""
+        """``save_group``: the saves' gloo group (None: one process); ``run_config``: in every manifest;
+        ``on_phase``: called with (phase, step, path) at each point of ``SAVE_PHASES`` of every save (for tests that
+        observe saves: ``tests/fault/fault_train.py`` kills the process there). ``"export"``: the optimizer is
+        exported (deferred: its export started), nothing of ``path`` is written; ``"write"``: the save is written
+        (sync) or in flight (async), no marker yet; ``"marker"``: the save finished (async: inside :meth:`wait`)
+        and the completion marker is about to be written."""
         self.cfg, self.rank, self.device, self.options = cfg, rank, device, options
         self.root = Path(cfg.dir)
         self.write_threads, self.save_group = write_threads, save_group
         self.run_config, self.waits_before_step = run_config, waits_before_step
-        self.on_report = on_report
+        self.on_report, self.on_phase = on_report, on_phase or (lambda phase, step, path: None)
         self.key = checkpoint_key(cfg)  # checkpoint.key_env's: every file and the manifest signed with it
         self.reports: list[ExportReport] = []
         # the newest checkpoint known good: the last saved, or the one the manager loaded; never deleted
         self.verified: Path | None = None
         self._pending: InFlight | None = None
-        self._stager: AsyncSaveStager | None = None  # async saves' staging, kept from save to save
+        self._stager: AsyncSaveStager | None = None  # the saves' staging, kept from save to save
+        self._writer_options: dict[str, Any] = {}  # DCP's writer's, for the stager's optimizer (writer_options)
+        self._needed = 0  # the bytes the save being staged needs in checkpoint.dir (rank 0's space check)
         self._in_the_way: set[str] | None = None  # step directories of earlier launches, rank 0's (_clear_in_the_way)
-
-    def on_phase(self, phase: str, step: int, path: Path) -> None:
-        """Called at each point of ``SAVE_PHASES`` of the save of ``step`` into ``path``; does nothing here.
-
-        For subclasses that observe saves (``tests/fault/fault_train.py`` kills the process there): ``"export"``:
-        the optimizer is exported (deferred: its export started), nothing of ``path`` is written; ``"write"``:
-        ``dcp.save`` returned or the async save is in flight, no marker yet; ``"marker"``: the save finished
-        (async: inside :meth:`wait`) and the completion marker is about to be written."""
 
     def _clear_in_the_way(self, step: int, path: Path) -> None:
         """Rank 0 removes a directory of this step from an earlier launch (incomplete, or complete from before a
@@ -128,67 +116,47 @@ class Saver:
         if dist.is_initialized():
             dist.barrier(group=self.save_group)
 
-    def defers(self, optimizer) -> bool:
-        """Whether an async save may return before the export is filled: a background export into pooled buffers
-        (``defers_export``: the stager passes them through uncopied; fresh ones it would copy unfilled), for a
-        caller that calls :meth:`wait_export` before ``step()``. From the options alone, so that every rank takes
-        the same path (a rank with nothing to stream has no export pending)."""
-        return self.waits_before_step and self.cfg.async_save and defers_export(optimizer)
+    @property
+    def defers(self) -> bool:
+        """Whether an async save of a background export into pooled buffers (``defers_export``: the stager passes
+        them through uncopied) returns before the export is filled: for a caller that calls :meth:`wait_export`
+        before ``step()`` (else the save call waits for the fill itself). From the options alone, so that every
+        rank takes the same path (a rank with nothing to stream has no export pending)."""
+        return self.waits_before_step and self.cfg.async_save
 
-    def export(self, model, optimizer, deferred: bool) -> tuple[dict, dict, float, float | None, str | None]:
-        """(model sd, optimizer sd, export seconds, GPU peak MiB, a background export's failure in one line or None);
-        ``deferred``: the seconds and the peak of the export call, which returns before the export is filled."""
+    def export(self, model, optimizer) -> tuple[dict, dict, float, float | None]:
+        """(model sd, optimizer sd, export seconds, GPU peak MiB) inside the stager's ``exporting()``: a background
+        export returns unfilled (the stager fills it; its failure is the save's refusal on every rank), an export
+        within the host budget holds placeholders, filled as the save writes them."""
         on_cuda = self.device.type == "cuda"
         if on_cuda:
-            if not deferred:  # the export's own seconds; a deferred save returns at once and never waits here
-                torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
         t0 = time.perf_counter()
-        # a background export returns unfilled (waited for below unless deferred); a budget's holds placeholders
-        budget = self._stager_for(optimizer).exporting() if host_budget(optimizer) else contextlib.nullcontext()
-        with deferred_export(optimizer), budget:
+        with self._stager_for(optimizer).exporting():
             osd = get_optimizer_state_dict(model, optimizer, options=self.options)
-        export_error = None if deferred else failure_line(optimizer)
-        if on_cuda and not deferred:
-            torch.cuda.synchronize(self.device)
         export_s = time.perf_counter() - t0
         peak = (torch.cuda.max_memory_allocated(self.device) - base) / 2**20 if on_cuda else None
-        return get_model_state_dict(model, options=self.options), osd, export_s, peak, export_error
+        return get_model_state_dict(model, options=self.options), osd, export_s, peak
 
     def save(self, step: int, model, optimizer, trainer_state: dict[str, Any]) -> ExportReport:
         """Export and save a checkpoint for ``step`` (async if configured). Returns the export report.
 
-        A deferred export (:meth:`defers`) returns before the optimizer's export is filled: the stager copies the
+        A deferred export (:attr:`defers`) returns before the optimizer's export is filled: the stager copies the
         model here and completes the rest (the export, the finite check, every rank's agreement) in the
         background; :meth:`wait` raises its refusal. Call :meth:`wait_export` before the next ``optimizer.step()``."""
         self.wait()  # one save in flight at most; its buffers are never touched by the next export
         held_since = time.perf_counter()  # this checkpoint holds the loop from here (the wait above: the previous)
         path = self.root / f"step_{step:08d}"
-        deferred = self.defers(optimizer)
-        msd, osd, export_s, peak, export_error = self.export(model, optimizer, deferred)
+        msd, osd, export_s, peak = self.export(model, optimizer)
+        state = {"model": msd, "optim": osd, "trainer": trainer_state}
         try:
             self.on_phase("export", step, path)
-            live = list(optimizer.state.values()) if host_budget(optimizer) else []  # checked for placeholders
-            self._check_before_writing(step, msd, osd, export_error, deferred, live)
+            self._clear_in_the_way(step, path)
         except BaseException:
-            if deferred:
-                failure_line(optimizer)  # nothing stages it: its failure must not reach the next step()
-            release_export(optimizer, osd)
+            _discard(optimizer, osd)
             raise
-        self._clear_in_the_way(step, path)
         nbytes = state_bytes(osd)
-        t0 = time.perf_counter()
-        writer = ChecksumFileSystemWriter(path, key=self.key, **writer_options(optimizer, self.write_threads))
-        pending = InFlight(step, path, writer, held_since, deferred) if self.cfg.async_save else None
-        state = {"model": msd, "optim": osd, "trainer": trainer_state}
-        # the host memory a save that writes the state itself holds: the export's host buffers (the live states are
-        # written as they are); a save through the stager holds what the stager counts, read once the save is over
-        held = None
-        if not self._through_stager(optimizer):  # an async save's call does none of this walk
-            held = host_storage_bytes(state, excluding=(list(model.state_dict().values()), optimizer.state))
-        self._write(state, path, writer, optimizer, pending)
-        save_s = time.perf_counter() - t0
         report = ExportReport(
             step=step,
             path=str(path),
@@ -196,63 +164,57 @@ class Saver:
             export_bytes=nbytes,
             export_gbps=nbytes / export_s / 1e9 if export_s > 0 else 0.0,
             gpu_peak_mib=peak,
-            save_s=save_s,
+            save_s=0.0,  # set once the save call returns
             async_save=self.cfg.async_save,
             flatten=self.cfg.flatten_optimizer_state_dict,
-            host_bytes=held,
         )
+        writer = ChecksumFileSystemWriter(path, key=self.key, **self._writer_options)
+        pooled = defers_export(optimizer)  # a background export into pooled buffers, returned unfilled
+        save = InFlight(step, path, writer, report, held_since, deferred=pooled and self.defers)
+        self._needed = self._needed_bytes(state_bytes({"model": msd, "optim": osd}))
+        t0 = time.perf_counter()
+        self._write(save, state, optimizer)
+        report.save_s = time.perf_counter() - t0
         self.reports.append(report)
-        if pending is not None:  # in flight from here (on_phase may look at it)
-            pending.report, self._pending = report, pending
-            self.on_phase("write", step, path)
-            pending.held_s = time.perf_counter() - held_since  # the save call's share; wait_export and wait add theirs
-        else:
-            self.on_phase("write", step, path)
-            if report.host_bytes is None:  # a sync save within a budget, the stager's
-                report.host_bytes = self._stager.save_host_bytes
-            self._finalize(step, path, report, writer, held_since)
+        self._pending = save  # in flight (async) or written (sync) from here; on_phase may look at it
+        self.on_phase("write", step, path)
+        save.held_s = time.perf_counter() - held_since  # the save call's share; wait_export and wait add theirs
+        if not self.cfg.async_save:
+            self.wait()
+        elif pooled and not save.deferred:  # nobody waits before step(): the fill is waited here
+            save.response.staging_completion.result()
+            save.held_s = time.perf_counter() - held_since
         return report
 
-    def _through_stager(self, optimizer) -> bool:
-        """Whether this run's saves go through the stager: async ones, and sync ones within a host budget."""
-        return self.cfg.async_save or host_budget(optimizer) is not None
-
     def _stager_for(self, optimizer) -> AsyncSaveStager:
-        """The async saves' stager, kept from save to save (a new one for another optimizer)."""
+        """The saves' stager, kept from save to save (a new one for another optimizer): a NaN/inf state, a failed
+        background export and this saver's space check refuse a save on every rank before anything is written."""
         if self._stager is None or self._stager.optimizers != [optimizer]:
             if self._stager is not None:
                 self._stager.close()
-            # a save that is not deferred was checked before writing (_check_before_writing): not read twice
-            finite = self.defers(optimizer)
-            self._stager = AsyncSaveStager(
-                optimizer, StagerOptions(refuse_non_finite=finite), process_group=self.save_group
-            )
+            options = StagerOptions(refuse_non_finite=True, check=self._space_check)
+            self._stager = AsyncSaveStager(optimizer, options, process_group=self.save_group)
+            self._writer_options = writer_options(optimizer, self.write_threads)  # the optimizer's, for every save
         return self._stager
 
-    def _write(self, state: dict, path: Path, writer, optimizer, pending: InFlight | None) -> None:
-        """``dcp.save`` (``pending`` None), or the stager's ``dcp.async_save``, whose upload ``pending`` holds from
-        here on and which gives the export's buffers back once written. A sync save's buffers go back here."""
+    def _write(self, save: InFlight, state: dict, optimizer) -> None:
+        """The stager's save of ``state``: ``stager.save`` (sync, written when it returns) or ``stager.async_save``,
+        whose response ``save`` holds from here on. The stager gives the export's buffers back once written."""
+        stager, where = self._stager, dict(checkpoint_id=str(save.path), storage_writer=save.writer)
+        started = False
         try:
-            if self._through_stager(optimizer):  # a sync save within a budget: the stager's, waited for
-                response = self._stager_for(optimizer).async_save(
-                    state, checkpoint_id=str(path), storage_writer=writer, process_group=self.save_group
-                )
-                if pending is None:
-                    response.upload_completion.result()
-                    return
-                pending.staged, pending.upload = response.staging_completion, response.upload_completion
-                pending.staged.add_done_callback(lambda _: setattr(pending, "filled_at", time.perf_counter()))
+            if self.cfg.async_save:
+                save.response = stager.async_save(state, process_group=self.save_group, **where)
+                filled = save.response.staging_completion
+                filled.add_done_callback(lambda _: setattr(save, "filled_at", time.perf_counter()))
             else:
-                dcp.save(state, checkpoint_id=str(path), storage_writer=writer)
-        except DCP_ERRORS as exc:  # the previous checkpoint is complete and untouched; this one gets no marker
-            if interrupted(exc):  # a second Ctrl-C during the write: the stop at once it asks for
-                raise KeyboardInterrupt from exc
-            raise CheckpointError(write_failure(f"saving {path} failed", path, self.root, self.rank, exc)) from exc
+                stager.save(state, process_group=self.save_group, **where)
+            started = True
+        except (SaveRefused, *DCP_ERRORS) as exc:
+            raise self._failure(save, exc) from exc
         finally:
-            if pending is None or pending.upload is None:  # written (sync) or never started
-                if pending is not None and pending.deferred:
-                    failure_line(optimizer)  # never staged: its failure must not reach the next step()
-                release_export(optimizer, state["optim"])
+            if not started:
+                _discard(optimizer, state["optim"])  # never staged: the stager gave nothing back
 
     @property
     def export_filling(self) -> bool | None:
@@ -261,7 +223,7 @@ class Saver:
         pending = self._pending
         if pending is None or not pending.deferred:
             return None
-        return not pending.staged.done()
+        return not pending.response.staging_completion.done()
 
     def wait_export(self) -> None:
         """Call before ``optimizer.step()``: wait until the in-flight save's deferred export is filled (``step()``
@@ -271,74 +233,58 @@ class Saver:
         if pending is None or not pending.deferred or pending.export_waited:
             return
         t0 = time.perf_counter()
-        pending.staged.result()
+        pending.response.staging_completion.result()
         pending.held_s += time.perf_counter() - t0
         pending.export_waited = True
 
-    def _check_before_writing(
-        self, step: int, msd: dict, osd: dict, export_error: str | None, deferred: bool, live: list
-    ) -> None:
-        """Refuse to save a state holding NaN or inf, or whose background export failed, or that cannot fit in
-        the free space of ``checkpoint.dir`` (rank 0 judges the space; all ranks agree: one ``all_ranks`` collective). A
-        deferred save has no collective in the save call: the stager checks it (``refuse_non_finite``: its CUDA
-        states before the fill, host tensors once filled; :meth:`wait` raises a refusal), and a write that runs out
-        of space says so."""
-        if deferred:
-            return
-        space = self._space_problem(msd, osd) if self.rank == 0 else None
-        if export_error is not None:
-            verdict = EXPORT_FAILED
-        elif not all_finite(t for t in local_tensors({"model": msd, "optim": osd, "live": live}) if not t.is_meta):
-            verdict = NON_FINITE
-        else:
-            verdict = NO_SPACE if space else FINITE
-        self._agree(step, verdict, export_error, space=space)
+    def _space_check(self, staged: dict) -> str | None:
+        """``StagerOptions.check`` of every save (on the stager's thread, before DCP writes): rank 0's refusal of a
+        save that cannot fit in the free space of ``checkpoint.dir``, agreed by every rank with the stager's other
+        refusals; a write that runs out of space anyway says so (``write_failure``)."""
+        problem = self._space_problem(self._needed) if self.rank == 0 else None
+        return None if problem is None else f"no room for it ({problem}); nothing was deleted"
 
-    def _space_problem(self, msd: dict, osd: dict, estimate: int = 0) -> str | None:
-        """Rank 0: ``"<dir>: N bytes free, the save needs about M"`` when this save cannot fit: M is the previous
-        save's bytes (this launch's, else the files of the checkpoint it resumed from), else every rank's share
-        estimated as this rank's (``estimate``, else its state bytes)."""
+    def _needed_bytes(self, estimate: int) -> int:
+        """What the next save needs in ``checkpoint.dir``: the previous save's bytes (this launch's, else the files
+        of the checkpoint it resumed from), else every rank's share estimated as this rank's (``estimate``)."""
         previous = next((r.written_bytes for r in reversed(self.reports) if r.written_bytes), None)
         if previous is None and self.verified is not None and self.verified.is_dir():
             previous = sum(p.stat().st_size for p in self.verified.iterdir() if p.is_file())
-        needed = previous or world_size() * (estimate or state_bytes({"model": msd, "optim": osd}))
+        return previous or world_size() * estimate
+
+    def _space_problem(self, needed: int) -> str | None:
+        """``"<dir>: N bytes free, the save needs about M"`` when ``needed`` bytes do not fit, else None."""
         free = free_bytes(self.root)
-        if needed <= free:
-            return None
-        return f"{self.root}: {free} bytes free, the save needs about {needed}"
+        return None if needed <= free else f"{self.root}: {free} bytes free, the save needs about {needed}"
 
     def first_save_space_problem(self, estimate: int) -> str | None:
         """Every rank, before the first step: rank 0's line when the run's next save cannot fit in ``checkpoint.dir``
         (the checkpoint resumed from, else ``estimate``, this rank's share of a fresh run's), else None; a launch
         refused here trains no interval for a save known not to fit (one ``all_ranks``)."""
-        return all_ranks(self._space_problem({}, {}, estimate) if self.rank == 0 else None)[0]
+        return all_ranks(self._space_problem(self._needed_bytes(estimate)) if self.rank == 0 else None)[0]
 
-    def _agree(self, step: int, verdict: int, export_error: str | None, space: str | None = None) -> None:
-        """All ranks agree on the worst ``verdict`` (one collective); unless all are FINITE every rank raises the
-        same one-line CheckpointError."""
-        worst = max(all_ranks(verdict))
-        if worst == FINITE:
-            return
-        why = {
-            NO_SPACE: f"no room for it ({space or 'on another rank'}); nothing was deleted,",
-            EXPORT_FAILED: f"{EXPORT_FAILED_LINE} ({export_error or 'on another rank'});",
-            NON_FINITE: f"{NON_FINITE_LINE};",
-        }[worst]
-        raise CheckpointError(f"not saving step {step}: {why} the newest good checkpoint is {self.verified or 'none'}")
+    def _failure(self, save: InFlight, exc: BaseException) -> BaseException:
+        """What a failed save raises: every rank's refusal (the stager's :class:`SaveRefused`) or a write's failure
+        as one line (``CheckpointError``; the previous checkpoint is complete and untouched, this one gets no
+        marker), or the stop at once a second Ctrl-C during the write asks for."""
+        if isinstance(exc, SaveRefused):
+            if save.report in self.reports:
+                self.reports.remove(save.report)  # never complete: not this launch's checkpoint
+            reasons = "; ".join(exc.reasons)
+            return CheckpointError(
+                f"not saving step {save.step}: {reasons}; the newest good checkpoint is {self.verified or 'none'}"
+            )
+        if interrupted(exc):
+            return KeyboardInterrupt()
+        what = f"async save of {save.path}" if self.cfg.async_save else f"saving {save.path}"
+        return CheckpointError(write_failure(f"{what} failed", save.path, self.root, self.rank, exc))
 
-    def _finalize(
-        self,
-        step: int,
-        path: Path,
-        report: ExportReport,
-        writer: ChecksumFileSystemWriter,
-        held_since: float,
-        held_s=0.0,
-    ) -> None:
-        """Mark the finished save of ``step`` complete (every rank's file checksums in the manifest), apply keep_last,
-        and report it. The loop is held by this checkpoint ``held_s`` seconds before ``held_since`` (an async save's
-        call) and from ``held_since`` on. All ranks call it once the save finished."""
-        parts = all_ranks(writer.checksums())  # merged on rank 0, which writes the manifest
+    def _finalize(self, save: InFlight, waited_since: float) -> None:
+        """Mark the finished ``save`` complete (every rank's file checksums in the manifest), apply keep_last, and
+        report it. The loop is held by this checkpoint ``save.held_s`` seconds before ``waited_since`` and from
+        then on. All ranks call it once the save finished."""
+        step, path, report = save.step, save.path, save.report
+        parts = all_ranks(save.writer.checksums())  # merged on rank 0, which writes the manifest
         self.on_phase("marker", step, path)
         if self.rank == 0:
             files = recorded_files(path, parts)
@@ -350,36 +296,29 @@ class Saver:
         self.verified = path
         if self.rank == 0:
             retain(self.root, self.cfg.keep_last, self.verified)
-        report.blocking_s = held_s + (time.perf_counter() - held_since)
+        report.blocking_s = save.held_s + (time.perf_counter() - waited_since)
         log.info("%s", report.line())
         if self.on_report is not None:
             self.on_report(report)
 
     def wait(self) -> None:
-        """Wait for an in-flight async save; mark it complete. A failed save raises here, never silently; so does,
-        on every rank, a deferred export that failed or holds non-finite values on any rank (the stager refused
-        it before DCP wrote anything)."""
+        """Wait for the save in flight (an async one's write; a sync one is written) and mark it complete. A failed
+        save raises here, never silently; so does, on every rank, a save the stager refused (an export that failed
+        or holds non-finite values on any rank, no room for it) before DCP wrote anything."""
         if self._pending is None:
             return
         waited_since = time.perf_counter()
-        p = self._pending
-        self._pending = None
-        try:
-            p.upload.result()
-        except SaveRefused as exc:
-            self.reports.remove(p.report)  # never complete: not this launch's checkpoint
-            raise CheckpointError(
-                f"not saving step {p.step}: {'; '.join(exc.reasons)}; the newest good checkpoint is "
-                f"{self.verified or 'none'}"
-            ) from exc
-        except DCP_ERRORS as exc:
-            line = write_failure(f"async save of {p.path} failed", p.path, self.root, self.rank, exc)
-            raise CheckpointError(line) from exc
-        if p.deferred:
-            p.report.export_s = p.filled_at - p.export_t0  # from the export call until its tensors were filled
-            p.report.export_gbps = p.report.export_bytes / p.report.export_s / 1e9 if p.report.export_s > 0 else 0.0
-        p.report.host_bytes = self._stager.save_host_bytes
-        self._finalize(p.step, p.path, p.report, p.writer, waited_since, p.held_s)
+        save, self._pending = self._pending, None
+        if save.response is not None:
+            try:
+                save.response.upload_completion.result()
+            except (SaveRefused, *DCP_ERRORS) as exc:
+                raise self._failure(save, exc) from exc
+        if save.deferred:
+            save.report.export_s = save.filled_at - save.export_t0  # from the export call until it was filled
+            save.report.export_gbps = save.report.export_bytes / save.report.export_s / 1e9
+        save.report.host_bytes = self._stager.save_host_bytes
+        self._finalize(save, waited_since)
 
     def close(self) -> None:
         """Wait for an in-flight save (its failure raises) and free the stager's host copies."""
@@ -389,3 +328,10 @@ class Saver:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
+
+
+def _discard(optimizer, osd: dict) -> None:
+    """An export that is not saved: its background failure taken (it must not reach the next ``step()``) and its
+    pooled buffers given back."""
+    export_failure(optimizer)
+    release_export(optimizer, osd)

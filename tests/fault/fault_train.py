@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from recipes.checkpoint import SAVE_PHASES, Saver
+from recipes.checkpoint import SAVE_PHASES, PhaseCallback
 from recipes.job import USER_ERRORS, train
 from recipes.train import compose_config
 
@@ -32,15 +32,14 @@ def kill_point(text: str) -> tuple[str, int]:
     return phase, int(step)
 
 
-def killing_saver(phase: str, step: int) -> type[Saver]:
-    """A Saver whose ``on_phase`` SIGKILLs the process at ``phase`` of the save of ``step``."""
+def killing_at(phase: str, step: int) -> PhaseCallback:
+    """An ``on_phase`` callback that SIGKILLs the process at ``phase`` of the save of ``step``."""
 
-    class KillingSaver(Saver):
-        def on_phase(self, at_phase: str, at_step: int, path: Path) -> None:
-            if (at_phase, at_step) == (phase, step):
-                os.kill(os.getpid(), signal.SIGKILL)
+    def kill(at_phase: str, at_step: int, path: Path) -> None:
+        if (at_phase, at_step) == (phase, step):
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    return KillingSaver
+    return kill
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.kill_at is None:
             train(cfg)
             return 0
-        train(cfg, saver_cls=killing_saver(*args.kill_at))
+        train(cfg, on_phase=killing_at(*args.kill_at))
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

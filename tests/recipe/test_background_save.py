@@ -6,76 +6,42 @@ fails on one of 2 ranks: tests/distributed/test_dcp_portable.py (background_expo
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from optim_factory import PortableFusedAdam
 from optim_factory.optimizers.export import export_state
-from recipes.checkpoint import CheckpointError, CheckpointManager, Saver, read_checkpoint
+from recipes.checkpoint import CheckpointError, CheckpointManager, read_checkpoint
 from recipes.config import CheckpointConfig
 from recipes.job import train
 from recipes.train import compose_config
 from tests.distributed.launch import recipe_ranks
 from tests.helpers import assert_bitwise, run_steps
-from tests.recipe.runs import BACKGROUND, QUICK, complete_steps, stopped
+from tests.recipe.runs import BACKGROUND, QUICK, stopped
+from tests.recipe.timed_saves import TimedSaves
 from tests.unit.saves import StuckExport
 
 
-class HeldRecorder(Saver):
-    """Measures, around the manager's public calls, how long each checkpoint held the loop: its save call (less
-    the wait for the previous save inside it), the waits before step() and the wait that finishes it."""
-
-    held: dict[int, float] = {}
-    export_waits: list[float] = []
-    filling_after_save: list[bool | None] = []
-    current: int | None = None
-    gate = None  # StuckExport's gate: each save's export is held unfilled until its save call is about to return
-
-    def on_phase(self, phase, step, path):
-        if phase == "write":  # the save is in flight, the save call is about to return to the loop
-            HeldRecorder.filling_after_save.append(self.export_filling)
-            HeldRecorder.gate.set()
-
-    def save(self, step, *args, **kwargs):
-        HeldRecorder.gate.clear()
-        t0, self.inner = time.perf_counter(), 0.0
-        report = super().save(step, *args, **kwargs)
-        HeldRecorder.held[step] = time.perf_counter() - t0 - self.inner
-        HeldRecorder.current = step
-        return report
-
-    def wait_export(self):
-        t0 = time.perf_counter()
-        super().wait_export()
-        if HeldRecorder.current is not None:
-            waited = time.perf_counter() - t0
-            HeldRecorder.held[HeldRecorder.current] += waited
-            if waited > 1e-4:
-                HeldRecorder.export_waits.append(waited)
-
-    def wait(self):
-        t0 = time.perf_counter()
-        super().wait()
-        self.inner = time.perf_counter() - t0
-        if HeldRecorder.current is not None:
-            HeldRecorder.held[HeldRecorder.current] += self.inner
-        HeldRecorder.current = None
-
-
 def test_the_loop_resumes_before_the_export_is_filled_and_blocking_counts_the_wait(tmp_path, monkeypatch):
-    """Each export is held unfilled until its save call returns (a loaded machine could fill it before), so the
-    call returning first is the recipe's doing; the loop's wait for the fill then counts in ``blocking_s``."""
-    HeldRecorder.held, HeldRecorder.export_waits, HeldRecorder.filling_after_save = {}, [], []
-    HeldRecorder.gate = StuckExport(monkeypatch).gate
-    cfg = compose_config([*QUICK, f"run_dir={tmp_path}", "trainer.max_steps=30", *BACKGROUND])
-    summary = train(cfg, saver_cls=HeldRecorder)
-    # every save call returned to the loop while its export was still being filled
-    assert HeldRecorder.filling_after_save == [True, True, True]
-    assert complete_steps(tmp_path) == [10, 20, 30]
-    for record in summary["checkpoints"]:  # the waits it counts happen inside what was timed around the calls
-        assert 0 < record["blocking_s"] <= HeldRecorder.held[record["step"]], (record, HeldRecorder.held)
+    """Each export is held unfilled until its save call is about to return (a loaded machine could fill it before),
+    so the call returning first is the saver's doing; the loop's wait for the fill (``wait_export`` before
+    ``step()``, timed from outside by the hand-written loop) then counts in ``blocking_s``."""
+    gate = StuckExport(monkeypatch).gate
+    filling_after_save: list[bool | None] = []
+
+    def open_at_the_write(phase, step, path):
+        if phase == "write":  # the save is in flight, the save call is about to return to the loop
+            filling_after_save.append(loop.manager.saver.export_filling)
+            gate.set()
+
+    loop = TimedSaves(tmp_path, async_save=True, background=True, on_phase=open_at_the_write)
+    reports = loop.run(steps=6, every=2, before_save=gate.clear)  # each export held until its call is returning
+    assert filling_after_save == [True, True, True]  # every save call returned while its export was being filled
+    assert [r.step for r in reports] == [2, 4, 6]
+    waits = [t1 - t0 for kind, t0, t1 in loop.calls if kind == "wait_export"]
+    assert sum(waits) > 0
+    for r, bound in zip(reports, loop.held_bounds(async_save=True), strict=True):
+        assert 0 < r.blocking_s <= bound, (r, bound)
 
 
 def test_the_deferred_checkpoints_equal_synchronous_ones_bitwise(tmp_path):

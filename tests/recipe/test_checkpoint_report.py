@@ -9,86 +9,54 @@ from pathlib import Path
 
 import pytest
 
-from recipes.checkpoint import MARKER, Saver, read_manifest
+from recipes.checkpoint import MARKER, read_manifest
 from recipes.job import train
 from recipes.train import compose_config
 from tests.recipe.runs import BACKGROUND, QUICK, metrics
+from tests.recipe.timed_saves import TimedSaves
 
 MARKER_DELAY_S = 0.3  # slept at the "marker" phase: inside the part of a save that holds the loop after the call
 
 
-class TimedSaver(Saver):
-    """Times every save() and wait() call from outside the manager, and sleeps at the "marker" phase (async: in the
-    wait() of the next save or of close(), after the save call returned)."""
-
-    calls: list[tuple[str, float, float]] = []  # (save|wait|wait_export, start, end)
-
-    def save(self, step, model, optimizer, trainer_state):
-        t0 = time.perf_counter()
-        try:
-            return super().save(step, model, optimizer, trainer_state)
-        finally:
-            TimedSaver.calls.append(("save", t0, time.perf_counter()))
-
-    def wait(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            super().wait()
-        finally:
-            TimedSaver.calls.append(("wait", t0, time.perf_counter()))
-
-    def wait_export(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            super().wait_export()
-        finally:
-            TimedSaver.calls.append(("wait_export", t0, time.perf_counter()))
-
-    def on_phase(self, phase: str, step: int, path: Path) -> None:
-        if phase == "marker":
-            time.sleep(MARKER_DELAY_S)
+def _sleep_at_the_marker(phase: str, step: int, path: Path) -> None:
+    if phase == "marker":
+        time.sleep(MARKER_DELAY_S)
 
 
-def held_bounds(calls: list[tuple[str, float, float]], async_save: bool) -> list[float]:
-    """Per save, in order: the longest the loop can have been held by it, as timed from outside the manager.
-    Sync: the save call. Async: the save call less the wait for the previous save inside it, plus the waits before
-    step() (wait_export) until the first wait() after the call (in the next save, or in close()), plus that wait."""
-    saves = [(t0, t1) for kind, t0, t1 in calls if kind == "save"]
-    waits = [(t0, t1) for kind, t0, t1 in calls if kind == "wait"]
-    export_waits = [(t0, t1) for kind, t0, t1 in calls if kind == "wait_export"]
-    bounds = []
-    for a, b in saves:
-        if not async_save:
-            bounds.append(b - a)
-            continue
-        nested = sum(t1 - t0 for t0, t1 in waits if a <= t0 and t1 <= b)
-        after = min((w for w in waits if w[0] >= b), key=lambda w: w[0])
-        before_step = sum(t1 - t0 for t0, t1 in export_waits if b <= t0 and t1 <= after[0])
-        bounds.append(b - a - nested + before_step + after[1] - after[0])
-    return bounds
+@pytest.mark.parametrize(
+    "async_save,background", [(False, False), (True, False), (True, True)], ids=["sync", "async", "background"]
+)
+def test_blocking_time_is_at_most_what_the_calls_took_seen_from_outside(tmp_path, async_save, background):
+    """A hand-written loop times the saver's calls: each checkpoint's ``blocking_s`` holds its export, its save
+    call and its marker phase (slept), and at most what the calls around it took."""
+    loop = TimedSaves(tmp_path, async_save=async_save, background=background, on_phase=_sleep_at_the_marker)
+    reports = loop.run(steps=6, every=2)
+    assert [r.step for r in reports] == [2, 4, 6]
+    for r, bound in zip(reports, loop.held_bounds(async_save), strict=True):
+        held = MARKER_DELAY_S + r.save_s + (0 if background else r.export_s)
+        assert held < r.blocking_s <= bound, (r, bound)
 
 
 @pytest.mark.parametrize(
     "async_save,background", [(False, False), (True, False), (True, True)], ids=["sync", "async", "background"]
 )
 def test_report_has_blocking_time_and_written_bytes(tmp_path, async_save, background):
-    TimedSaver.calls = []
     extra = BACKGROUND if background else [f"checkpoint.async_save={async_save}"]
     cfg = compose_config([*QUICK, f"run_dir={tmp_path}", *extra])
-    summary = train(cfg, saver_cls=TimedSaver)
+    summary = train(cfg, on_phase=_sleep_at_the_marker)
     reports = [r for r in metrics(tmp_path) if r["kind"] == "checkpoint"]
     assert [r["step"] for r in reports] == [10, 20]
     log_text = (tmp_path / "train.log").read_text()
-    for r, bound in zip(reports, held_bounds(TimedSaver.calls, async_save)):
+    for r in reports:
         step_dir = Path(r["path"])
         on_disk = sum(p.stat().st_size for p in step_dir.iterdir() if p.name != MARKER)
         assert r["written_bytes"] == on_disk > 0, (r, on_disk)
         manifest = read_manifest(step_dir)
         assert manifest["written_bytes"] == on_disk and "blocking_s" not in manifest
-        # it holds the export, the save call and the marker phase (slept), and at most what was timed outside
-        # (background: export_s ends when the export was filled, which the next forward and backward overlap)
+        # it holds the export, the save call and the marker phase (slept) (background: export_s ends when the
+        # export was filled, which the next forward and backward overlap); the upper bound: the hand-written loop's
         held = MARKER_DELAY_S + r["save_s"] + (0 if background else r["export_s"])
-        assert held < r["blocking_s"] <= bound, (r, bound)
+        assert held < r["blocking_s"], r
         # held on the host for the write: a sync save writes the live states as they are (only the trainer's
         # tensors are made for it); an async save holds its copies and the export's host buffers
         assert (r["host_bytes"] < r["export_bytes"]) if not async_save else (r["host_bytes"] > r["export_bytes"]), r

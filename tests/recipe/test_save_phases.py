@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.checkpoint import MARKER, METADATA, SAVE_PHASES, Saver, is_complete
+from recipes.checkpoint import MARKER, METADATA, SAVE_PHASES, is_complete
 from recipes.job import train
 from recipes.train import compose_config
 from tests import forked
@@ -16,22 +16,17 @@ from tests.fault.fault_train import main as fault_train_main
 from tests.recipe.runs import QUICK
 
 
-class PhaseRecorder(Saver):
-    """Records, at every on_phase call, what of the checkpoint directory exists on disk."""
-
-    seen: list[tuple[str, int, bool, bool]] = []
-
-    def on_phase(self, phase: str, step: int, path: Path) -> None:
-        PhaseRecorder.seen.append((phase, step, (path / METADATA).exists(), (path / MARKER).exists()))
-
-
 @pytest.mark.parametrize("async_save", [False, True])
 def test_on_phase_runs_at_each_save_point_in_order(tmp_path, async_save):
-    PhaseRecorder.seen = []
+    seen: list[tuple[str, int, bool, bool]] = []  # at every on_phase call: what of the directory is on disk
+
+    def record(phase: str, step: int, path: Path) -> None:
+        seen.append((phase, step, (path / METADATA).exists(), (path / MARKER).exists()))
+
     cfg = compose_config([*QUICK, f"run_dir={tmp_path}", f"checkpoint.async_save={async_save}"])
-    train(cfg, saver_cls=PhaseRecorder)
-    assert [(p, s) for p, s, _, _ in PhaseRecorder.seen] == [(p, s) for s in (10, 20) for p in SAVE_PHASES]
-    for phase, step, metadata, marker in PhaseRecorder.seen:
+    train(cfg, on_phase=record)
+    assert [(p, s) for p, s, _, _ in seen] == [(p, s) for s in (10, 20) for p in SAVE_PHASES]
+    for phase, step, metadata, marker in seen:
         assert not marker, f"{phase} of step {step}: the completion marker is already written"
         if phase == "export":
             assert not metadata, f"export of step {step}: DCP already wrote"

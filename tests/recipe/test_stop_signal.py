@@ -239,19 +239,17 @@ def test_a_ctrl_c_outside_the_loop_s_stop_is_one_line_and_exit_130(tmp_path, mon
 def test_a_ctrl_c_during_a_save_stops_once_that_save_is_durable(tmp_path, terminal_sigint):
     """A first Ctrl-C while step 4's checkpoint is being written (sync and async): the run stops at step 4 once
     that checkpoint is complete, without a further step or a second save."""
-    from recipes.checkpoint import Saver
     from recipes.job import train
     from recipes.train import compose_config
 
-    class CtrlCInSave(Saver):
-        def on_phase(self, phase: str, step: int, path) -> None:
-            if phase == "write" and step == 4:
-                signal.raise_signal(signal.SIGINT)
+    def ctrl_c_in_save(phase: str, step: int, path) -> None:
+        if phase == "write" and step == 4:
+            signal.raise_signal(signal.SIGINT)
 
     for mode in ("false", "true"):
         run_dir = tmp_path / mode
         over = [*QUICK, "trainer.max_steps=8", "checkpoint.every_steps=4", f"checkpoint.async_save={mode}"]
-        summary = train(compose_config([*over, f"run_dir={run_dir}"]), saver_cls=CtrlCInSave)
+        summary = train(compose_config([*over, f"run_dir={run_dir}"]), on_phase=ctrl_c_in_save)
         assert (summary["stopped_at"], summary["stopped_by"]) == (4, "SIGINT"), (mode, summary)
         assert complete_steps(run_dir) == [4], mode
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recipes.checkpoint import CheckpointError, Saver, is_complete, read_checkpoint
+from recipes.checkpoint import CheckpointError, is_complete, read_checkpoint
 from recipes.data import DataError
 from recipes.job import train
 from recipes.train import compose_config
@@ -63,22 +63,20 @@ def test_flatten_and_async_save_resume_continue(flatten, async_save, tmp_path):
     assert [r["async_save"] for r in reports] == [async_save, async_save]
 
 
-class _StrayAtTheFirstSave(Saver):
+def _stray_at_the_first_save(phase, step, path):
     """Puts an incomplete ``step_00000001`` (no .metadata, no marker) into ``checkpoint.dir`` during the first
     save: one that a launch finds is removed before its first step (tests/recipe/test_reliability.py)."""
-
-    def on_phase(self, phase, step, path):
-        if phase == "export" and step == 5:
-            stray = path.parent / "step_00000001"
-            stray.mkdir()
-            (stray / "__0_0.distcp").write_bytes(b"partial")
+    if phase == "export" and step == 5:
+        stray = path.parent / "step_00000001"
+        stray.mkdir()
+        (stray / "__0_0.distcp").write_bytes(b"partial")
 
 
 def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
     ckdir = tmp_path / "checkpoints"
     stray = ckdir / "step_00000001"
     over = [*QUICK, f"run_dir={tmp_path}", "checkpoint.every_steps=5", "checkpoint.keep_last=2"]
-    train(compose_config(over), saver_cls=_StrayAtTheFirstSave)
+    train(compose_config(over), on_phase=_stray_at_the_first_save)
     names = sorted(p.name for p in ckdir.iterdir() if p.name != ".lock")  # (the run's lock)
     assert names == ["step_00000001", "step_00000015", "step_00000020"]
     assert (stray / "__0_0.distcp").read_bytes() == b"partial"

@@ -187,9 +187,9 @@ def test_a_failed_background_export_is_not_saved(tmp_path):
     manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
     manager.saver.save(1, model, opt, {"step": 1})
     _break_a_state(opt)
+    manager.saver.save(2, model, opt, {"step": 2})  # filled (and refused) before the call returns
     with pytest.raises(CheckpointError, match="not saving step 2: the optimizer's background export failed"):
-        manager.saver.save(2, model, opt, {"step": 2})
-    manager.close()
+        manager.close()  # the async save's outcome, raised where it is waited for
     assert [p.name for p in (tmp_path / "ck").iterdir()] == ["step_00000001"]
 
 

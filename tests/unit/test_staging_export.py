@@ -148,7 +148,7 @@ def test_a_failed_copy_neither_hangs_close_nor_goes_unreported(monkeypatch):
         raise RuntimeError("copy failed")
 
     monkeypatch.setattr(staging, "_copy", failing_copy)
-    before = threading.active_count()
+    before = set(threading.enumerate())
 
     def fail_after_sealing(flush: bool) -> None:
         dst = torch.zeros(SLOT_BYTES // 4 + M)
@@ -172,7 +172,7 @@ def test_a_failed_copy_neither_hangs_close_nor_goes_unreported(monkeypatch):
         runner.join(timeout=60)
         assert not runner.is_alive(), "Stager.close() did not return after a failed copy"
         assert len(raised) == 1 and isinstance(raised[0], error), raised
-    assert threading.active_count() == before
+    assert not set(threading.enumerate()) - before
 
 
 def test_unstage_threads_rule(monkeypatch):
@@ -206,7 +206,7 @@ def test_stager_copies_every_byte_through_the_ring(threads, slot_bytes):
     dtypes = [torch.float32, torch.int16, torch.uint8, torch.float32, torch.bfloat16, torch.float64, torch.float32]
     sources = [torch.randint(-100, 100, (n,), generator=gen).to(d) for n, d in zip(sizes, dtypes)]
     dsts = [host_empty(torch.Size([n]), d) for n, d in zip(sizes, dtypes)]
-    before = threading.active_count()
+    before = set(threading.enumerate())  # (other tests' threads may end meanwhile: a count would differ)
     total = sum(s.numel() * s.element_size() for s in sources)
     with UnstageWorkers(threads) as workers, Stager(total, None, workers, slot_bytes=slot_bytes) as stager:
         for s, d in zip(sources, dsts):
@@ -214,7 +214,7 @@ def test_stager_copies_every_byte_through_the_ring(threads, slot_bytes):
         stager.flush()
     for i, (s, d) in enumerate(zip(sources, dsts)):
         assert torch.equal(s.view(torch.uint8) if s.numel() else s, d.view(torch.uint8) if d.numel() else d), i
-    assert threading.active_count() == before, "the stager's threads outlived it"
+    assert not set(threading.enumerate()) - before, "the stager's threads outlived it"
 
 
 def test_stager_empties_a_slot_before_it_is_filled_again():
@@ -242,22 +242,22 @@ def test_stager_empties_a_slot_before_it_is_filled_again():
     ],
 )
 def test_stager_refuses_bad_options_in_one_line(kwargs, match):
-    before = threading.active_count()
+    before = set(threading.enumerate())
     args = dict(threads=2, total_bytes=M) | kwargs
     with pytest.raises(ValueError, match=match):
         with UnstageWorkers(args.pop("threads")) as workers:
             Stager(args.pop("total_bytes"), None, workers, **args)
-    assert threading.active_count() == before
+    assert not set(threading.enumerate()) - before
 
 
 def test_stager_refuses_mismatched_tensors_and_frees_its_threads_after_an_error():
-    before = threading.active_count()
+    before = set(threading.enumerate())
     dst = torch.zeros(SLOT_BYTES // 4 + M)
     with pytest.raises(ValueError, match="3 destination elements"):
         with UnstageWorkers(2) as workers, Stager(4 * SLOT_BYTES, None, workers) as stager:
             stager.put(torch.ones(dst.numel()), dst)  # fills and seals a slot: its copy runs on a thread
             stager.put(torch.ones(4), torch.empty(3))
-    assert threading.active_count() == before
+    assert not set(threading.enumerate()) - before
     assert torch.equal(dst[: SLOT_BYTES // 4], torch.ones(SLOT_BYTES // 4))  # the sealed slot was copied
     with pytest.raises(ValueError, match="of its dtype"):
         with UnstageWorkers(1) as workers, Stager(64, None, workers) as stager:
@@ -288,7 +288,7 @@ def test_fresh_export_gives_host_memory_back_when_freed(chunk):
     one of its destinations (the smallest of at least 2 MiB is 8 MiB)."""
     opt = _optimizer(chunk, reuse=False)
     gc.collect()
-    baseline, threads = _rss(), threading.active_count()
+    baseline, threads = _rss(), set(threading.enumerate())
     for round_ in range(2):
         sd = opt.state_dict()
         large = [v for st in sd["state"].values() for v in st.values() if v.numel() * v.element_size() >= 2 * M]
@@ -302,7 +302,7 @@ def test_fresh_export_gives_host_memory_back_when_freed(chunk):
         assert not set(own) & set(_mappings()), f"round {round_}: an export mapping is still mapped after freeing"
         grown = _rss() - baseline
         assert grown <= 4 * M, f"round {round_}: RSS {grown / M:.1f} MiB above its baseline after freeing"
-        assert threading.active_count() == threads
+        assert not set(threading.enumerate()) - threads
 
 
 @pytest.mark.parametrize("populate", [True, False], ids=["madvise", "touch"])
@@ -490,20 +490,20 @@ def test_a_child_forked_during_a_background_export_is_told_instead_of_waiting_fo
 
 def test_a_stager_on_shared_workers_leaves_them_running_also_after_a_failure():
     with UnstageWorkers(2) as workers:
-        before = threading.active_count()
+        before = set(threading.enumerate())  # with the two workers
         dst = torch.zeros(SLOT_BYTES // 4 + M)
         with pytest.raises(ValueError, match="3 destination elements"):
             with Stager(4 * SLOT_BYTES, None, workers) as stager:
                 stager.put(torch.ones(dst.numel()), dst)  # a sealed slot: its copy runs on a worker
                 stager.put(torch.ones(4), torch.empty(3))
         assert torch.equal(dst[: SLOT_BYTES // 4], torch.ones(SLOT_BYTES // 4))
-        assert workers.alive and threading.active_count() == before
+        assert workers.alive and not set(threading.enumerate()) - before
         src, out = torch.arange(3 * M, dtype=torch.int32), torch.empty(3 * M, dtype=torch.int32)
         with Stager(src.numel() * 4, None, workers) as stager:
             stager.put(src, out)
             stager.flush()
-        assert torch.equal(out, src) and threading.active_count() == before
-    assert threading.active_count() == before - 2 and not workers.alive
+        assert torch.equal(out, src) and not set(threading.enumerate()) - before
+    assert not set(threading.enumerate()) - before and not workers.alive
     with pytest.raises(ValueError, match=r"UnstageWorkers for device None \(alive=False\)"):
         Stager(M, None, workers)
     with pytest.raises(RuntimeError, match="closed, or started by another process"):
@@ -543,7 +543,7 @@ def test_workers_closed_during_an_export_fail_it_in_one_line_without_hanging():
 
 
 def test_unstage_workers_name_the_device_when_a_thread_cannot_make_it_current(monkeypatch):
-    before = threading.active_count()
+    before = set(threading.enumerate())
 
     def refuse(device):
         raise RuntimeError("no such device")
@@ -551,12 +551,12 @@ def test_unstage_workers_name_the_device_when_a_thread_cannot_make_it_current(mo
     monkeypatch.setattr(torch.cuda, "set_device", refuse)
     with pytest.raises(RuntimeError, match=r"UnstageWorkers device=cuda:1: a thread could not make the device"):
         UnstageWorkers(3, torch.device("cuda", 1))
-    assert threading.active_count() == before
+    assert not set(threading.enumerate()) - before
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.0, "4"])
 def test_unstage_workers_refuse_a_bad_thread_count_in_one_line(bad):
-    before = threading.active_count()
+    before = set(threading.enumerate())
     with pytest.raises(ValueError, match=f"UnstageWorkers threads={bad!r}: expected an int >= 1"):
         UnstageWorkers(bad)
-    assert threading.active_count() == before
+    assert not set(threading.enumerate()) - before
