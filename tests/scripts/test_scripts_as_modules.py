@@ -422,3 +422,15 @@ def test_readme_figures_reads_the_readme_s_done_line():
 
     steps, first, last, accuracy, at = figures((ROOT / "README.md").read_text())
     assert steps == at and float(first) > float(last) and 0 < float(accuracy) <= 1
+
+
+def test_count_hops_follows_a_save_onto_the_threads_that_write_it(tmp_path):
+    """The recipe's save, traced: the calls on the loop's thread and those on DCP's upload thread (the gate)."""
+    from scripts.count_hops import recipe_save
+
+    hops = recipe_save(tmp_path)
+    assert ("recipes.checkpoint.save._write", "optim_factory.checkpoint._stager.async_save") in hops.edges
+    assert ("optim_factory.checkpoint._gated_writer.write_data", "optim_factory.checkpoint._stager._open_gate") in (
+        hops.edges
+    )
+    assert hops.count == 2 * len(hops.edges) and 0 < hops.ours < hops.count
