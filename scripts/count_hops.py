@@ -1,7 +1,8 @@
 """Count the module hops of one async save, from the loop's call to the bytes on disk: the recipe's (its ``Saver``,
 a background export into pooled buffers, ``checkpoint.async_save=true``) and torchtitan's
 (``optim_factory.integrations.torchtitan.CheckpointManager``, ``async_mode="async_with_pinned_mem"``), one process on
-CPU, the save's calls traced on every thread (``sys.setprofile``, ``threading.setprofile``).
+CPU, the save's calls traced on the caller's thread and every thread started during the save (``sys.setprofile``,
+``threading.setprofile``; threads kept from the first save, the export's workers, are not followed).
 
 A hop is a call from one module into another, or its return: each distinct cross-module call edge (caller's module
 and function -> callee's module and function) counts twice, once however many items the save holds; the count is
@@ -120,7 +121,7 @@ def recipe_save(folder: Path) -> Hops:
             hops.traced(one_save)
         else:
             one_save()
-    manager.close()
+    manager.saver.close()
     return hops
 
 

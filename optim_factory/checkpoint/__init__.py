@@ -16,9 +16,9 @@ what its name says, for another optimizer what DCP does without it), in one impo
 * The deferral of a hand-written async loop: :func:`deferred_export`, :func:`defers_export`,
   :func:`export_failure`, :func:`export_buffer_test`, :func:`release_export`; :func:`cpus_per_rank`.
 
-The modules behind this face are private (``_stager``, ``_options``, ``_fillers``, ``_export_waits``, ``_record``,
-``_agreement``, ``_budget``, ``_budget_rule``, ``_fills``, ``_gated_writer``, ``_finite_check``, ``_host_copies``,
-``_load_planner``, ``_deferral``, ``_safe_read``): import from here.
+The modules behind this face are private (``_stager``, ``_options``, ``_fillers``, ``_export_waits``, ``_verdict``,
+``_record``, ``_agreement``, ``_budget``, ``_budget_rule``, ``_fills``, ``_gated_writer``, ``_finite_check``,
+``_host_copies``, ``_load_planner``, ``_deferral``, ``_safe_read``): import from here.
 """
 
 from optim_factory.checkpoint._budget import BudgetSavePlanner, host_budget

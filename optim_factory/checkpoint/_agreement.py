@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from optim_factory.errors import first_line
+
 
 def agree(failure: str | None, group) -> list[str]:
     """Every rank's refusal (``line (rank N)``), gathered on ``group``; empty when none refused. ``group`` None: one
-    process (the stager makes a group wherever there are more)."""
+    process (the stager makes a group wherever there are more). A gathering that fails is this rank's refusal."""
+    try:
+        return _gathered(failure, group)
+    except BaseException as exc:  # noqa: BLE001  (a collective's failure must not end the save's thread)
+        return [f"{first_line(exc, named=True)} (rank {rank_in(group)})"]
+
+
+def _gathered(failure: str | None, group) -> list[str]:
     if group is None:
         return [] if failure is None else [f"{failure} (rank {rank_in(group)})"]
     lines: list[str | None] = [None] * dist.get_world_size(group)

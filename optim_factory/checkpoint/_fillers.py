@@ -25,7 +25,8 @@ import torch
 from optim_factory.checkpoint._budget import BudgetSavePlanner, budget_planner
 from optim_factory.checkpoint._finite_check import FiniteCheck
 from optim_factory.checkpoint._host_copies import HostCopies
-from optim_factory.tree import host_storage_bytes, local_tensors
+from optim_factory.optimizers.export import local_tensor
+from optim_factory.tree import host_storage_bytes, leaves
 
 __all__ = ["CopyAtStart", "FillAsWritten", "filler_for"]
 
@@ -99,8 +100,13 @@ class FillAsWritten:
         """What the save is filled from, read before it is filled (``step()`` waits for the fills): the state
         dict's tensors but the streamed states' placeholders, and the optimizer's live states in their place
         (the export copies them, widened, as ``step()`` reads them: a NaN or inf in one is one in the other)."""
-        sources = [t for t in local_tensors(state_dict) if not t.is_meta]
-        sources += list(local_tensors(list(self._planner.optimizer.state.values())))
+        sources = {
+            ".".join(map(str, path)): t
+            for path, t in leaves(state_dict)
+            if isinstance(t, torch.Tensor) and not local_tensor(t).is_meta
+        }
+        for i, states in enumerate(self._planner.optimizer.state.values()):  # named as a refusal names them
+            sources.update({f"optimizer.state[{i}].{k}": t for k, t in states.items() if isinstance(t, torch.Tensor)})
         return FiniteCheck(sources, sources, lambda _: None, streams)
 
     def end(self) -> None:

@@ -26,7 +26,7 @@ from optim_factory.tree import leaves, local_tensors
 __all__ = ["NON_FINITE_LINE", "FiniteCheck"]
 
 NON_FINITE_LINE = "the model or optimizer state holds non-finite values (NaN/inf)"
-"""The refusal of a save whose state holds NaN or inf (the recipe's synchronous check words it so too)."""
+"""The refusal of a save whose state holds NaN or inf."""
 
 
 class FiniteCheck:

@@ -32,19 +32,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse  # torch >= 2.9
 
-from optim_factory.checkpoint._agreement import agree, rank_in
+from optim_factory.checkpoint._agreement import agree
 from optim_factory.checkpoint._budget import one_line_refusal
-from optim_factory.checkpoint._export_waits import ExportNotFilled, ExportWaits
+from optim_factory.checkpoint._export_waits import ExportWaits
 from optim_factory.checkpoint._fillers import filler_for
 from optim_factory.checkpoint._finite_check import FiniteCheck
 from optim_factory.checkpoint._gated_writer import GatedWriter
 from optim_factory.checkpoint._options import StagerOptions, option_names
 from optim_factory.checkpoint._record import StagedSave
+from optim_factory.checkpoint._verdict import rank_verdict
 from optim_factory.errors import SaveRefused, first_line
 from optim_factory.optimizers.export import OffloadedStateDict
-
-"""How long a staged save waits for an optimizer's background export to fill (torch's default collective
-timeout): an export that never fills refuses the save instead of holding the writer forever."""
 
 
 class AsyncSaveStager(AsyncStager):
@@ -86,8 +84,6 @@ class AsyncSaveStager(AsyncStager):
         # ours, resolved once: the stager calls their export API itself (others are staged as DCP stages them)
         self._ours = [opt for opt in self.optimizers if isinstance(opt, OffloadedStateDict)]
         self._exports = ExportWaits(self._ours, self.options.export_timeout_s)  # their background exports waited for
-        # their background exports, each with whether it is into pooled buffers (deferred only inside exporting())
-        self._background = [(opt, opt.export_options.defers) for opt in self._ours if opt.export_options.background]
         # the one part that gives a save its host tensors: copies at its start, or fills within a budget
         self._filler = filler_for(self.optimizers, self.options.pinned)
         self._check_streams: dict[torch.device, Any] = {}  # the finite check's side stream per device
@@ -116,8 +112,7 @@ class AsyncSaveStager(AsyncStager):
 
         finite = filling = None
         try:
-            if not self._waited:
-                self._exports.fill_fresh()
+            self._exports.begin(save, fill_fresh=not self._waited)
             # the export's pooled buffers are passed through; in a waited save every tensor is
             keep = (lambda _: True) if self._waited else (lambda t: exported_by(t) is not None)
             staged, copied, filling = self._filler.begin(state_dict, keep, self._own_save)
@@ -205,6 +200,8 @@ class AsyncSaveStager(AsyncStager):
         except BaseException:
             if self._save is not previous:  # staged, never written: nothing reads its buffers
                 self._give_back(self._save)
+            else:
+                self.discard(state_dict)
             raise
         finally:
             self._gate_next = self._own_save = False
@@ -225,10 +222,19 @@ class AsyncSaveStager(AsyncStager):
         budget; deferred only inside the caller's block)."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._filler.exporting())
-            for opt, pooled in self._background:
+            for opt, pooled in self._exports.background:
                 if defer or not pooled:
                     stack.enter_context(opt.deferred_state_dict())
             yield
+
+    def discard(self, state_dict: dict[str, Any]) -> None:
+        """Let go of an export made inside :meth:`exporting` that is not saved (a save that raised before staging it
+        does so itself): a background export is waited for (at most ``export_timeout_s``; its failure is taken, so
+        that no ``step()`` raises it) and its pooled buffers are given back (not those of an export still unfilled)."""
+        for opt in self._ours:
+            failure = self._exports.wait(opt)  # a failure is taken: nothing of this export is saved
+            if failure is None or not failure[1]:  # filled, or failed: its buffers go back
+                opt.release_state_dict(state_dict)
 
     def wait_staged(self) -> None:
         """Block until the last staged save's copies are done and its exports filled; the next ``step()`` may run."""
@@ -254,6 +260,18 @@ class AsyncSaveStager(AsyncStager):
         ``process_group=`` of your own ``dcp.async_save(..., async_stager=self)``, else beside training's (a hang)."""
         self._join_ranks()
         return self._group
+
+    @property
+    def export_filled_later(self) -> bool:
+        """Whether an export inside :meth:`exporting` returns before it is filled (a background export of one of its
+        optimizers): the save fills it, and :attr:`export_filled_at` says when."""
+        return bool(self._exports.background)
+
+    @property
+    def export_filled_at(self) -> float | None:
+        """``time.perf_counter()`` when the last save's background export was filled (None where none was pending
+        when it was staged): with the export call's start, how long the export took, deferred or not."""
+        return self._exports.filled_at
 
     @property
     def budget_peak_bytes(self) -> int | None:
@@ -316,10 +334,7 @@ class AsyncSaveStager(AsyncStager):
         """At every rank's ``write_data`` of the save in flight (DCP's upload thread, :class:`GatedWriter`): this
         rank's verdict, then every rank's; a refusal raises :class:`SaveRefused` on every rank."""
         save = self._save
-        try:
-            refusals = agree(save.verdict.result(), self._group)
-        except BaseException as exc:  # noqa: BLE001
-            refusals = [f"{first_line(exc, named=True)} (rank {rank_in(self._group)})"]
+        refusals = agree(save.verdict.result(), self._group)
         if refusals:
             save.refused = SaveRefused(refusals)
             raise save.refused
@@ -346,42 +361,15 @@ class AsyncSaveStager(AsyncStager):
         gated: bool,
         fills: bool,
     ) -> None:
-        """The staging's completion, on a thread of its own: the GPU's finite check, the copies, every export
-        filled, the host's finite check, ``check``, then the ranks' agreement (``gated``: the gate's, on DCP's upload
-        thread). It never raises: every rank reaches the agreement, so a refusal is every rank's."""
-        failure = on_device = None
-        try:
-            if isinstance(staged, Exception):
-                raise staged
-            if device is not None:
-                torch.cuda.set_device(device)
-            on_device = None if finite is None else finite.device_refusal()  # before step() changes what it reads
-            copied()
-            failure = self._exports.failure(save) if fills else None  # the filler's fills export (no background)
-        except BaseException as exc:  # noqa: BLE001  (one rank's failure must reach the agreement, not end it)
-            failure = str(exc) if isinstance(exc, ExportNotFilled) else first_line(exc, named=True)
-        finally:
-            if fills:  # else the filler's fills complete it
-                save.filled.set_result(None)
-        try:
-            if failure is None and finite is not None:
-                failure = finite.refusal(on_device)
-            if failure is None and self.options.check is not None:
-                failure = self.options.check(staged)
-            if failure is not None and not isinstance(failure, str):
-                failure = f"AsyncSaveStager's check returned {failure!r}: a refusal line (str) or None saves"
-        except BaseException as exc:  # noqa: BLE001
-            failure = first_line(exc, named=True)
-        finally:
-            if finite is not None:
-                finite.release()
+        """The staging's completion, on a thread of its own: this rank's verdict (``_verdict.py``; ``fills``: the
+        background exports are waited for here, else the filler's fills complete the staging), then the ranks'
+        agreement (``gated``: the gate's, on DCP's upload thread). It never raises."""
+        exports = self._exports if fills else None
+        failure = rank_verdict(save, staged, copied, finite, device, exports, self.options.check)
         save.verdict.set_result(failure)
         if gated:
             return
-        try:
-            refusals = agree(failure, self._group)
-        except BaseException as exc:  # noqa: BLE001
-            refusals = [f"{first_line(exc, named=True)} (rank {rank_in(self._group)})"]
+        refusals = agree(failure, self._group)
         if refusals:
             save.staged.set_exception(SaveRefused(refusals))
         else:

@@ -119,13 +119,11 @@ class Checkpointer(AutomodelCheckpointer):
         if not (self.config.is_async or budgeted) or peft_model:
             return super()._do_save(state_dict, path, storage_writer)
         _refuse_remote(path)
-        response = self._stager(kind).async_save(
-            state_dict, checkpoint_id=path, storage_writer=storage_writer, process_group=self._async_groups.get(kind)
-        )
-        if not self.config.is_async:  # as Automodel's sync save: nothing to wait for afterwards
-            response.upload_completion.result()
+        stager, where = self._stager(kind), dict(checkpoint_id=path, storage_writer=storage_writer)
+        if not self.config.is_async:  # as Automodel's sync save: written when it returns, nothing copied
+            stager.save(state_dict, process_group=self._async_groups.get(kind), **where)
             return None
-        return response
+        return stager.async_save(state_dict, process_group=self._async_groups.get(kind), **where)
 
     def maybe_wait_for_staging(self) -> None:
         super().maybe_wait_for_staging()

@@ -203,9 +203,8 @@ class CheckpointManager(TitanCheckpointManager):
         budgeted = self.budgeted and OPTIMIZER in state_dict  # a sync save within the budget: the stager's, waited
         if (async_mode == AsyncMode.DISABLED and not budgeted) or to_hf:  # torchtitan saves HF files sync only
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
-        if async_mode == AsyncMode.DISABLED:
-            response = self.stager.async_save(state_dict, checkpoint_id=checkpoint_id, process_group=self.pg)
-            response.upload_completion.result()
+        if async_mode == AsyncMode.DISABLED:  # written when it returns, nothing copied
+            self.stager.save(state_dict, checkpoint_id=checkpoint_id, process_group=self.pg)
             return None
         staged_later = async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM  # the caller waits before the next step
         with self.stager.exporting(defer=staged_later):

@@ -22,11 +22,10 @@ class InFlight:
     path: Path
     writer: ChecksumFileSystemWriter
     report: ExportReport
-    export_t0: float  # when the save call started (its export first); a deferred export_s ends when filled
+    export_t0: float  # when the save call started (its export first); a background export_s ends when filled
     deferred: bool  # an async save that returns before its export is filled (Saver.defers)
     # the stager's response to an async save: staging_completion (the copies done, the export filled),
     # upload_completion (written, or SaveRefused on every rank); None for a sync save, written by its call
     response: AsyncSaveResponse | None = None
     held_s: float = 0.0  # how long this checkpoint has held the loop so far
-    filled_at: float | None = None  # perf_counter() when the staging completed (async): the export filled
     export_waited: bool = False  # wait_export() ran (later calls return at once)

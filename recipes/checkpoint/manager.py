@@ -4,7 +4,7 @@
 inputs. The manager builds them, hands the checkpoint a load verified to the saver (:meth:`CheckpointManager.resume`,
 :meth:`CheckpointManager.load`; the saver never deletes it and names it in its refusals), checks the run's next save
 before its first step (:meth:`CheckpointManager.check_first_save`), says which steps save
-(:meth:`CheckpointManager.due`) and closes. A run holds the saver and the loader as its own parts (``recipes/job.py``'s
+(:meth:`CheckpointManager.due`). A run holds the saver and the loader as its own parts (``recipes/job.py``'s
 ``Run``) and calls them directly."""
 
 from __future__ import annotations
@@ -111,7 +111,3 @@ class CheckpointManager:
     def complete(self) -> list[tuple[int, Path]]:
         """(step, path) of the complete checkpoints in ``checkpoint.dir``, by step."""
         return complete(self.root)
-
-    def close(self) -> None:
-        """Wait for an in-flight save (its failure raises) and free the async saves' stager."""
-        self.saver.close()

@@ -20,6 +20,9 @@ class ExportReport:
     save_s: float
     async_save: bool
     flatten: bool
+    # deferred: an async save whose call returned before its background export was filled, the loop's next forward
+    # and backward running beside the fill (recipes/checkpoint/save.py, Saver.defers)
+    deferred: bool = False
     # Known once the save is complete (async: when it is awaited); None until then, and if it failed.
     # blocking_s: how long the training loop was held by this checkpoint (docs/recipe.md, "Export report").
     blocking_s: float | None = None
@@ -44,6 +47,7 @@ class ExportReport:
         peak = "n/a (CPU)" if self.gpu_peak_mib is None else f"{self.gpu_peak_mib:.1f} MiB"
         written = "" if self.written_bytes is None else f", wrote {self.written_bytes / 1e6:.2f} MB"
         staging = " (async staging)" if self.async_save else ""
+        staging = " (async staging, the export filled beside the next step)" if self.deferred else staging
         host = "n/a" if self.host_bytes is None else f"{self.host_bytes / 1e6:.2f} MB"
         return (
             f"checkpoint step {self.step}: optimizer export {self.export_s:.3f} s, {self.export_bytes / 1e6:.2f} MB, "

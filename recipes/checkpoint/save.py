@@ -31,8 +31,6 @@ from optim_factory.checkpoint import (
     SaveRefused,
     StagerOptions,
     defers_export,
-    export_failure,
-    release_export,
 )
 from optim_factory.tree import state_bytes
 from recipes.checkpoint.checksums import ALGORITHM, ChecksumFileSystemWriter, writer_options
@@ -126,15 +124,21 @@ class Saver:
 
     def export(self, model, optimizer) -> tuple[dict, dict, float, float | None]:
         """(model sd, optimizer sd, export seconds, GPU peak MiB) inside the stager's ``exporting()``: a background
-        export returns unfilled (the stager fills it; its failure is the save's refusal on every rank), an export
-        within the host budget holds placeholders, filled as the save writes them."""
-        on_cuda = self.device.type == "cuda"
+        export returns unfilled (the stager fills it; its failure is the save's refusal on every rank; its seconds
+        end when it is filled: :meth:`wait`), an export within the host budget holds placeholders, filled as the
+        save writes them. On CUDA the device is synchronized around an export that is not in the background, so
+        that its seconds are its own."""
+        on_cuda, background = self.device.type == "cuda", self._stager_for(optimizer).export_filled_later
         if on_cuda:
+            if not background:
+                torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
         t0 = time.perf_counter()
-        with self._stager_for(optimizer).exporting():
+        with self._stager.exporting():
             osd = get_optimizer_state_dict(model, optimizer, options=self.options)
+        if on_cuda and not background:
+            torch.cuda.synchronize(self.device)
         export_s = time.perf_counter() - t0
         peak = (torch.cuda.max_memory_allocated(self.device) - base) / 2**20 if on_cuda else None
         return get_model_state_dict(model, options=self.options), osd, export_s, peak
@@ -150,30 +154,31 @@ class Saver:
         path = self.root / f"step_{step:08d}"
         msd, osd, export_s, peak = self.export(model, optimizer)
         state = {"model": msd, "optim": osd, "trainer": trainer_state}
+        pooled = defers_export(optimizer)  # a background export into pooled buffers, returned unfilled
         try:
             self.on_phase("export", step, path)
             self._clear_in_the_way(step, path)
+            nbytes = state_bytes(osd)
+            report = ExportReport(
+                step=step,
+                path=str(path),
+                export_s=export_s,
+                export_bytes=nbytes,
+                export_gbps=nbytes / export_s / 1e9 if export_s > 0 else 0.0,
+                gpu_peak_mib=peak,
+                save_s=0.0,  # set once the save call returns
+                async_save=self.cfg.async_save,
+                flatten=self.cfg.flatten_optimizer_state_dict,
+                deferred=pooled and self.defers,
+            )
+            writer = ChecksumFileSystemWriter(path, key=self.key, **self._writer_options)
+            save = InFlight(step, path, writer, report, held_since, deferred=report.deferred)
+            self._needed = self._needed_bytes(state_bytes({"model": msd, "optim": osd}))
         except BaseException:
-            _discard(optimizer, osd)
+            self._stager.discard(osd)  # nothing staged it: its buffers back, its failure taken
             raise
-        nbytes = state_bytes(osd)
-        report = ExportReport(
-            step=step,
-            path=str(path),
-            export_s=export_s,
-            export_bytes=nbytes,
-            export_gbps=nbytes / export_s / 1e9 if export_s > 0 else 0.0,
-            gpu_peak_mib=peak,
-            save_s=0.0,  # set once the save call returns
-            async_save=self.cfg.async_save,
-            flatten=self.cfg.flatten_optimizer_state_dict,
-        )
-        writer = ChecksumFileSystemWriter(path, key=self.key, **self._writer_options)
-        pooled = defers_export(optimizer)  # a background export into pooled buffers, returned unfilled
-        save = InFlight(step, path, writer, report, held_since, deferred=pooled and self.defers)
-        self._needed = self._needed_bytes(state_bytes({"model": msd, "optim": osd}))
         t0 = time.perf_counter()
-        self._write(save, state, optimizer)
+        self._write(save, state)
         report.save_s = time.perf_counter() - t0
         self.reports.append(report)
         self._pending = save  # in flight (async) or written (sync) from here; on_phase may look at it
@@ -197,24 +202,18 @@ class Saver:
             self._writer_options = writer_options(optimizer, self.write_threads)  # the optimizer's, for every save
         return self._stager
 
-    def _write(self, save: InFlight, state: dict, optimizer) -> None:
+    def _write(self, save: InFlight, state: dict) -> None:
         """The stager's save of ``state``: ``stager.save`` (sync, written when it returns) or ``stager.async_save``,
-        whose response ``save`` holds from here on. The stager gives the export's buffers back once written."""
+        whose response ``save`` holds from here on. The stager gives the export's buffers back once written, or
+        once it refused or failed the save."""
         stager, where = self._stager, dict(checkpoint_id=str(save.path), storage_writer=save.writer)
-        started = False
         try:
             if self.cfg.async_save:
                 save.response = stager.async_save(state, process_group=self.save_group, **where)
-                filled = save.response.staging_completion
-                filled.add_done_callback(lambda _: setattr(save, "filled_at", time.perf_counter()))
             else:
                 stager.save(state, process_group=self.save_group, **where)
-            started = True
         except (SaveRefused, *DCP_ERRORS) as exc:
             raise self._failure(save, exc) from exc
-        finally:
-            if not started:
-                _discard(optimizer, state["optim"])  # never staged: the stager gave nothing back
 
     @property
     def export_filling(self) -> bool | None:
@@ -242,7 +241,7 @@ class Saver:
         save that cannot fit in the free space of ``checkpoint.dir``, agreed by every rank with the stager's other
         refusals; a write that runs out of space anyway says so (``write_failure``)."""
         problem = self._space_problem(self._needed) if self.rank == 0 else None
-        return None if problem is None else f"no room for it ({problem}); nothing was deleted"
+        return None if problem is None else f"no room for it ({problem})"
 
     def _needed_bytes(self, estimate: int) -> int:
         """What the next save needs in ``checkpoint.dir``: the previous save's bytes (this launch's, else the files
@@ -314,8 +313,9 @@ class Saver:
                 save.response.upload_completion.result()
             except (SaveRefused, *DCP_ERRORS) as exc:
                 raise self._failure(save, exc) from exc
-        if save.deferred:
-            save.report.export_s = save.filled_at - save.export_t0  # from the export call until it was filled
+        filled_at = self._stager.export_filled_at  # a background export's: its seconds end when it was filled
+        if filled_at is not None:
+            save.report.export_s = filled_at - save.export_t0
             save.report.export_gbps = save.report.export_bytes / save.report.export_s / 1e9
         save.report.host_bytes = self._stager.save_host_bytes
         self._finalize(save, waited_since)
@@ -328,10 +328,3 @@ class Saver:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
-
-
-def _discard(optimizer, osd: dict) -> None:
-    """An export that is not saved: its background failure taken (it must not reach the next ``step()``) and its
-    pooled buffers given back."""
-    export_failure(optimizer)
-    release_export(optimizer, osd)

@@ -327,7 +327,7 @@ def async_save_while_training(rank: int, world: int, tmp: str) -> None:
         ckpt.saver.save(step, model, opt, {"step": step})
         for _ in range(300):  # the training's collectives, while the save is in flight (same count on every rank)
             dist.all_reduce(torch.ones(1024, device=mesh_device()))
-    ckpt.close()
+    ckpt.saver.close()
     dist.barrier()  # rank 0 writes the completion markers
     assert [s for s, _ in ckpt.complete()] == [1, 2, 3]
     model2, opt2 = load_fresh(
@@ -382,7 +382,7 @@ def background_export_failure(rank: int, world: int, tmp: str) -> None:
     dist.barrier()
     assert not (Path(tmp) / "ck" / "step_00000002").exists()
     ckpt.saver.save(3, model, opt, {"step": 3})
-    ckpt.close()
+    ckpt.saver.close()
     dist.barrier()
     assert [s for s, _ in ckpt.complete()] == [1, 3]
 
@@ -416,7 +416,7 @@ def non_finite_on_one_rank(rank: int, world: int, tmp: str) -> None:
         dist.barrier()
         assert not (folder / "step_00000002").exists()
         ckpt.saver.save(3, model, opt, {"step": 3})
-        ckpt.close()
+        ckpt.saver.close()
         dist.barrier()  # rank 0 writes the completion markers
         assert [s for s, _ in ckpt.complete()] == [1, 3], (async_save, ckpt.complete())
 

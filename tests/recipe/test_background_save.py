@@ -6,6 +6,8 @@ fails on one of 2 ranks: tests/distributed/test_dcp_portable.py (background_expo
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -17,9 +19,11 @@ from recipes.job import train
 from recipes.train import compose_config
 from tests.distributed.launch import recipe_ranks
 from tests.helpers import assert_bitwise, run_steps
-from tests.recipe.runs import BACKGROUND, QUICK, stopped
+from tests.recipe.runs import BACKGROUND, QUICK, metrics, stopped
 from tests.recipe.timed_saves import TimedSaves
 from tests.unit.saves import StuckExport
+
+HOLD_S = 0.3  # how long an export is held unfilled after its save call is about to return
 
 
 def test_the_loop_resumes_before_the_export_is_filled_and_blocking_counts_the_wait(tmp_path, monkeypatch):
@@ -42,6 +46,24 @@ def test_the_loop_resumes_before_the_export_is_filled_and_blocking_counts_the_wa
     assert sum(waits) > 0
     for r, bound in zip(reports, loop.held_bounds(async_save=True), strict=True):
         assert 0 < r.blocking_s <= bound, (r, bound)
+
+
+def test_the_recipe_s_loop_defers_its_exports_and_counts_the_wait_before_step(tmp_path, monkeypatch):
+    """The recipe wired as the hand-written loop above: step 20's export is held until 0.3 s after its save call
+    is about to return, so its checkpoint is deferred and the loop's wait before ``step()`` (``wait_export``,
+    counted in ``blocking_s``) holds at least the rest of that time."""
+    gate = StuckExport(monkeypatch).gate
+
+    def hold_step_20(phase, step, path):
+        if (phase, step) == ("marker", 10):  # inside save 20's call, before its export
+            gate.clear()
+        if (phase, step) == ("write", 20):
+            threading.Timer(HOLD_S, gate.set).start()
+
+    train(compose_config([*QUICK, f"run_dir={tmp_path}", "trainer.max_steps=30", *BACKGROUND]), on_phase=hold_step_20)
+    records = {r["step"]: r for r in metrics(tmp_path) if r["kind"] == "checkpoint"}
+    assert sorted(records) == [10, 20, 30] and all(r["deferred"] for r in records.values()), records
+    assert records[20]["blocking_s"] >= HOLD_S and records[20]["export_s"] >= HOLD_S, records[20]
 
 
 def test_the_deferred_checkpoints_equal_synchronous_ones_bitwise(tmp_path):
@@ -107,7 +129,7 @@ def test_a_step_without_wait_export_never_changes_a_state_being_exported(tmp_pat
         expected[step] = export_state(opt, cpu_offload=True)
         manager.saver.save(step, model, opt, {"step": step})
         assert (manager.saver.export_filling is not None) == waits_before_step  # deferred (filled or not) or not
-    manager.close()
+    manager.saver.close()
     names = {id(p): n for n, p in model.named_parameters()}
     for step, sd in expected.items():
         written = read_checkpoint(tmp_path / "ck" / f"step_{step:08d}")

@@ -51,7 +51,7 @@ def test_a_save_that_cannot_fit_is_refused_before_it_writes(async_save, small_fs
     proc = cli(*QUICK, f"run_dir={tmp_path / 'run'}", f"checkpoint.dir={ck}", f"checkpoint.async_save={async_save}")
     line = stopped(proc)
     written = next(r["written_bytes"] for r in metrics(tmp_path / "run") if r["kind"] == "checkpoint")
-    numbers = re.fullmatch(r".*: (\d+) bytes free, the save needs about (\d+)\); nothing.*", line)
+    numbers = re.fullmatch(r".*: (\d+) bytes free, the save needs about (\d+)\) \(rank 0\); the newest .*", line)
     free, needed = map(int, numbers.groups())
     assert line.startswith(f"not saving step 20: no room for it ({ck}: "), line
     assert free < needed == written and "the newest good checkpoint is" in line, line

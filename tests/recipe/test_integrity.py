@@ -348,11 +348,11 @@ def test_fallback_sets_aside_only_a_damaged_checkpoint_not_one_this_run_cannot_l
     for step, width in ((1, 3), (2, 5)):
         manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
         manager.saver.save(step, *build(width), {"step": step})
-        manager.close()
+        manager.saver.close()
     manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="recipes.checkpoint"):
         path, state = manager.resume(*build(3), {"step": 0})
-    manager.close()
+    manager.saver.close()
     assert Path(path).name == "step_00000001" and state["step"] == 1
     assert any("step_00000002 cannot be loaded into this run" in r.getMessage() for r in caplog.records), caplog.text
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_00000001", "step_00000002"]

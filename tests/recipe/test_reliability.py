@@ -191,7 +191,7 @@ def test_parameters_without_state_and_stateless_groups_save_and_load(optim, flat
         opt.step()
         manager = CheckpointManager(cfg.checkpoint, rank=0, device=torch.device("cpu"))
         manager.saver.save(1, model, opt, {"step": 1})
-        manager.close()
+        manager.saver.close()
         model2, opt2 = build()
         try:
             path, state = manager.resume(model2, opt2, {"step": 0})

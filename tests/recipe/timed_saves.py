@@ -58,7 +58,7 @@ class TimedSaves:
                 before_save()
                 self._timed("save", saver.save, step, self.model, self.opt, {"step": step})
         self._timed("wait", saver.wait)
-        self.manager.close()
+        self.manager.saver.close()
         return saver.reports
 
     def held_bounds(self, async_save: bool) -> list[float]:

@@ -255,6 +255,34 @@ def test_an_export_that_never_fills_refuses_the_save_after_the_timeout(tmp_path,
     stager.close()
 
 
+@pytest.mark.parametrize("waited", [False, True], ids=["async", "waited"])
+def test_an_export_into_fresh_memory_that_never_fills_refuses_the_save_and_then_saves_again(
+    tmp_path, monkeypatch, waited
+):
+    """Refused after the timeout (not held: its buffers stay with the export), then the next save works."""
+    gate = StuckExport(monkeypatch).gate
+    model = make_model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **{**OURS, "state_dict_offload_reuse_buffers": False})
+    stager = AsyncSaveStager(opt, StagerOptions(export_timeout_s=0.2))
+    train(model, opt, 1)
+    gate.clear()
+    with stager.exporting():
+        msd, osd = get_state_dict(model, opt)
+    save = stager.save if waited else lambda *a, **k: stager.async_save(*a, **k).upload_completion.result()
+    with pytest.raises(SaveRefused, match="background export did not fill within 0.2 s"):
+        save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "stuck"))
+    assert not (tmp_path / "stuck").exists()
+    gate.set()
+    opt.wait_state_dict()  # the export finishes once unblocked
+    train(model, opt, 1)
+    expected = expected_tensors(model, opt)
+    with stager.exporting():
+        msd, osd = get_state_dict(model, opt)
+    save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "next"))
+    assert_checkpoint(tmp_path / "next", expected)
+    stager.close()
+
+
 def test_dcp_plans_while_the_export_fills_and_writes_once_it_is_filled(tmp_path, monkeypatch):
     """The save's DCP planning runs while the loop waits for the export (not beside the steps after it); its
     writer waits for the filled state, so the checkpoint holds the values of the save's moment."""

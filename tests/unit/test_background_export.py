@@ -189,7 +189,7 @@ def test_a_failed_background_export_is_not_saved(tmp_path):
     _break_a_state(opt)
     manager.saver.save(2, model, opt, {"step": 2})  # filled (and refused) before the call returns
     with pytest.raises(CheckpointError, match="not saving step 2: the optimizer's background export failed"):
-        manager.close()  # the async save's outcome, raised where it is waited for
+        manager.saver.close()  # the async save's outcome, raised where it is waited for
     assert [p.name for p in (tmp_path / "ck").iterdir()] == ["step_00000001"]
 
 
@@ -222,7 +222,7 @@ def test_recipe_saves_with_background_export_round_trip_flattened(tmp_path, asyn
         run_steps(opt, params, step, 1)
         expected[step] = export_state(opt, cpu_offload=True)
         manager.saver.save(step, model, opt, {"step": step})
-    manager.close()
+    manager.saver.close()
     names = {id(p): n for n, p in model.named_parameters()}
     for step, sd in expected.items():
         written = read_checkpoint(tmp_path / "ck" / f"step_{step:08d}")

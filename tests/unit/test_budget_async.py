@@ -148,7 +148,7 @@ def test_a_save_within_the_budget_is_checked_before_it_is_filled_and_a_refusal_w
     for save in (stager.save, lambda *a, **k: stager.async_save(*a, **k).upload_completion.result()):
         with stager.exporting():
             msd, osd = get_state_dict(model, opt)
-        with pytest.raises(SaveRefused, match=r"^not saved, nothing was written: the model or optimizer state holds n"):
+        with pytest.raises(SaveRefused, match=r"^not saved, nothing was written: the model .*: optimizer.state\[0\]"):
             save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "nan"), no_dist=True)
         assert not (tmp_path / "nan").exists()
     stager.close()

@@ -254,7 +254,7 @@ def test_checkpoint_manager_releases_export_buffers_only_after_the_save(tmp_path
         if step == 1:
             manager.saver.wait()
             assert not all(opt.is_leased_export_buffer(t) for t in allocated)  # the save is over: back in the pool
-    manager.close()
+    manager.saver.close()
     for step, sd in expected.items():
         written = read_checkpoint(tmp_path / "ck" / f"step_{step:08d}")
         names = {id(p): n for n, p in model.named_parameters()}

@@ -1,0 +1,61 @@
+"""One rank's verdict on a save staged by ``AsyncSaveStager``, on the staging's completion thread: the GPU's finite
+check before ``step()`` can change what it reads, the copies, every background export filled, the host's finite
+check, the options' ``check``. It never raises: a failure is the verdict, so that every rank reaches the agreement
+(``_agreement.py``) and a refusal is every rank's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from optim_factory.checkpoint._export_waits import ExportNotFilled, ExportWaits
+from optim_factory.checkpoint._finite_check import FiniteCheck
+from optim_factory.checkpoint._options import Check
+from optim_factory.checkpoint._record import StagedSave
+from optim_factory.errors import first_line
+
+__all__ = ["rank_verdict"]
+
+
+def rank_verdict(
+    save: StagedSave,
+    staged: Any,
+    copied: Callable[[], None],
+    finite: FiniteCheck | None,
+    device: int | None,
+    exports: ExportWaits | None,
+    check: Check | None,
+) -> str | None:
+    """This rank's refusal line of ``save``, or None. ``staged``: the staged dict, or the exception that staging
+    it raised; ``copied``: waits for its copies; ``device``: the caller's GPU (a new thread's is 0, and its first
+    CUDA call would create a context there); ``exports``: its background exports, waited for here and
+    ``save.filled`` completed once they are (None: the filler's fills complete it)."""
+    failure = on_device = None
+    try:
+        if isinstance(staged, Exception):
+            raise staged
+        if device is not None:
+            torch.cuda.set_device(device)
+        on_device = None if finite is None else finite.device_refusal()  # before step() changes what it reads
+        copied()
+        failure = None if exports is None else exports.failure(save)
+    except BaseException as exc:  # noqa: BLE001  (one rank's failure must reach the agreement, not end it)
+        failure = str(exc) if isinstance(exc, ExportNotFilled) else first_line(exc, named=True)
+    finally:
+        if exports is not None:
+            save.filled.set_result(None)
+    try:
+        if failure is None and finite is not None:
+            failure = finite.refusal(on_device)
+        if failure is None and check is not None:
+            failure = check(staged)
+        if failure is not None and not isinstance(failure, str):
+            failure = f"AsyncSaveStager's check returned {failure!r}: a refusal line (str) or None saves"
+    except BaseException as exc:  # noqa: BLE001
+        failure = first_line(exc, named=True)
+    finally:
+        if finite is not None:
+            finite.release()
+    return failure
