@@ -228,9 +228,10 @@ class AsyncSaveStager(AsyncStager):
             yield
 
     def discard(self, state_dict: dict[str, Any]) -> None:
-        """Let go of an export made inside :meth:`exporting` that is not saved (a save that raised before staging it
-        does so itself): a background export is waited for (at most ``export_timeout_s``; its failure is taken, so
-        that no ``step()`` raises it) and its pooled buffers are given back (not those of an export still unfilled)."""
+        """Let go of an export made inside :meth:`exporting` that is not saved (a save whose DCP call raised before
+        staging it does so itself): a background export is waited for (at most ``export_timeout_s``; its failure is
+        taken, so that no ``step()`` raises it) and its pooled buffers are given back (not those of an export still
+        unfilled)."""
         for opt in self._ours:
             failure = self._exports.wait(opt)  # a failure is taken: nothing of this export is saved
             if failure is None or not failure[1]:  # filled, or failed: its buffers go back
