@@ -602,3 +602,21 @@ def test_a_background_export_into_fresh_memory_is_filled_before_the_save_copies_
     stager.wait()
     assert_checkpoint(tmp_path / "fresh", expected)
     stager.close()
+
+
+def test_discard_gives_an_unsaved_export_s_buffers_back_and_takes_its_failure(tmp_path):
+    """An export that no save stages (its checkpointer failed before saving): its pooled buffers go back, and a
+    failed background export's failure is taken (the next ``step()`` does not raise it)."""
+    model, opt, stager, _ = _after_a_good_save(tmp_path)
+    with stager.exporting():
+        msd, osd = get_state_dict(model, opt)
+    assert _leased(opt, {"optim": osd})
+    stager.discard({"model": msd, "optim": osd})
+    assert not _leased(opt, {"optim": osd})
+    state, nbytes = _break_a_state(opt)
+    with stager.exporting():
+        msd, osd = get_state_dict(model, opt)  # its export fails on the thread that fills it
+    stager.discard({"model": msd, "optim": osd})
+    state.untyped_storage().resize_(nbytes)
+    train(model, opt, 1)  # the failure was taken: step() goes on
+    stager.close()
