@@ -156,19 +156,11 @@ class BudgetSavePlanner(DefaultSavePlanner):
         queued so far on the current CUDA streams, and the optimizer's ``step()`` waits for them. Returns the
         Future done once every fill is (or the save has ended). ``writer_checked``: its caller built the writer
         (:meth:`save`) or checked it (:meth:`async_save_kwargs`) for this save; else refused."""
-        if not writer_checked:
-            raise BudgetRefused(
-                f"{_NAME}: a save within state_dict_offload_host_budget starts with its checkpointer's save "
-                "(AsyncSaveStager.async_save, planner.save), which builds its writer"
-            )
         if self._current:  # saved inside the block that exported it
             self._items, self._steps = list(self._current), None
-        if not self._items:
-            raise BudgetRefused(f"{_NAME}: nothing was exported inside planner.exporting()")
-        if self._steps is not None and _steps(self.optimizer) != self._steps:
-            raise BudgetRefused(f"{_NAME}: the optimizer stepped since the export; export again")
         self._refused, self.last_save_bytes = None, None  # this save's, once it is over
         try:
+            self._check_start(writer_checked)
             self._early = self._copy_early(state_dict) if self.copy_host_tensors else {}
         except BudgetRefused as exc:  # DCP still plans this save (a gated one): its planning raises this line
             self._refused = str(exc)
@@ -185,6 +177,22 @@ class BudgetSavePlanner(DefaultSavePlanner):
         self._saving, self._filled = True, Future()
         self.optimizer.state_exporter.hold(self._filled)
         return self._filled
+
+    def _check_start(self, writer_checked: bool) -> None:
+        """Refuse a save that cannot start: not through a checkpointer's save, or of no export made inside
+        :meth:`exporting` (a stager's ``exporting()`` is this), or made before the optimizer stepped again."""
+        if not writer_checked:
+            raise BudgetRefused(
+                f"{_NAME}: a save within state_dict_offload_host_budget starts with its checkpointer's save "
+                "(AsyncSaveStager.async_save, planner.save), which builds its writer"
+            )
+        if not self._items:
+            raise BudgetRefused(
+                f"{_NAME}: the optimizer's state dict was not exported inside exporting() (with stager.exporting(): "
+                "or with planner.exporting(): sd = get_state_dict(...)): export it there, then save"
+            )
+        if self._steps is not None and _steps(self.optimizer) != self._steps:
+            raise BudgetRefused(f"{_NAME}: the optimizer stepped since the export; export again")
 
     def _copy_early(self, state_dict: Any) -> dict[int, torch.Tensor]:
         """An async save's host copies, made now, of the tensors that the optimizer's ``step()`` does not change

@@ -160,6 +160,12 @@ def test_misuses_of_a_budget_with_the_stager_are_one_line(tmp_path):
     with pytest.raises(ValueError, match="^state_dict_offload_host_budget: AsyncSaveStager saves one optimizer within"):
         AsyncSaveStager([opt, other])
     stager = AsyncSaveStager(opt)
+    msd, unexported = get_state_dict(model, opt)  # outside exporting(): not a save within the budget
+    for save in (stager.save, lambda *a, **k: stager.async_save(*a, **k).upload_completion.result()):
+        # the stager's refusal (SaveRefused) on one process without collectives, else the planner's, whose line it is
+        with pytest.raises((SaveRefused, BudgetRefused), match="BudgetSavePlanner: the optimizer's state dict was not"):
+            save({"model": msd, "optim": unexported}, checkpoint_id=str(tmp_path / "unexported"), no_dist=True)
+    assert not (tmp_path / "unexported").exists()
     with stager.exporting():
         msd, osd = get_state_dict(model, opt)
     # refused inside DCP's planning, found among its gathered failures by type (BudgetRefused), in one line

@@ -163,7 +163,7 @@ def test_backend_choice_is_logged(caplog):
         ({}, "master none, exp_avg fp32, exp_avg_sq fp32; state_dict: on the device, FP32"),
         (
             {"exp_avg_dtype": "bf16", "state_dict_cpu_offload": True},
-            "master none, exp_avg bf16, exp_avg_sq fp32; state_dict: to CPU in chunks of 64 MiB, fresh host memory",
+            "master none, exp_avg bf16, exp_avg_sq fp32; state_dict: to CPU in chunks of 64MiB, fresh host memory",
         ),
         (
             {"state_dict_cpu_offload": True, "state_dict_offload_chunk_bytes": 0},
@@ -180,12 +180,12 @@ def test_backend_choice_is_logged(caplog):
                 "state_dict_keep_bf16": True,
                 "state_dict_offload_background": True,
             },
-            "master fp32, exp_avg fp32, exp_avg_sq fp8; state_dict: to CPU in chunks of 64 MiB, reused "
+            "master fp32, exp_avg fp32, exp_avg_sq fp8; state_dict: to CPU in chunks of 64MiB, reused "
             "host buffers (pinning register), BF16 kept, in the background",
         ),
         (
             {"master_weights": True, "state_dict_cpu_offload": True, "state_dict_offload_chunk_bytes": 1 << 20},
-            "master fp32, exp_avg fp32, exp_avg_sq fp32; state_dict: to CPU in chunks of 1 MiB, fresh host memory",
+            "master fp32, exp_avg fp32, exp_avg_sq fp32; state_dict: to CPU in chunks of 1MiB, fresh host memory",
         ),
     ],
     ids=["default", "offload-bf16", "per-state", "everything-fp32-params", "chunked"],

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from optim_factory.rules.export import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, Pinning, check_export_options
+from optim_factory.rules.export import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, Pinning, check_export_options, size_text
 
 __all__ = ["ExportOptions", "Pinning", "OPTION_NAMES", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES"]
 
@@ -81,14 +81,14 @@ class ExportOptions:
         if not self.chunk_bytes:
             how = ["to CPU, one state at a time"]
         else:
-            how = [f"to CPU in chunks of {self.chunk_bytes / (1 << 20):g} MiB"]
+            how = [f"to CPU in chunks of {size_text(self.chunk_bytes)}"]
             how.append(
                 f"reused host buffers (pinning {self.pinning.value})" if self.reuse_buffers else "fresh host memory"
             )
         how += ["BF16 kept"] if self.keep_bf16 else []
         how += ["in the background"] if self.background else []
         how += (
-            [f"budgeted saves (optim_factory.checkpoint) within {self.host_budget / (1 << 20):g} MiB"]
+            [f"budgeted saves (optim_factory.checkpoint) within {size_text(self.host_budget)}"]
             if self.host_budget
             else []
         )
