@@ -23,7 +23,7 @@ The modules, one job each (none imports a module that imports it):
   ``keep_last`` (an async save in flight is its ``InFlight``; its staging is the library's
   :class:`optim_factory.checkpoint.AsyncSaveStager`);
 - ``load.py``: :class:`~recipes.checkpoint.load.Loader`, the resume (candidates, config check, verification, read);
-- ``manager.py``: :class:`CheckpointManager`, a saver and a loader given their inputs, the run's one interface.
+- ``manager.py``: :class:`CheckpointManager`, a saver and a loader given their inputs (the run holds and calls both).
 """
 
 from optim_factory.tree import state_bytes
