@@ -92,10 +92,15 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
 
 
-def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    model(torch.randn(4, 64)).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
+def _second_save_traced(step: Callable[[], None], save: Callable[[int], None]) -> Hops:
+    """Two training steps, each followed by ``save(step)``; the second save traced (the first builds what later
+    saves keep)."""
+    hops = Hops()
+    step()
+    save(1)
+    step()
+    hops.traced(lambda: save(2))
+    return hops
 
 
 def recipe_save(folder: Path) -> Hops:
@@ -108,20 +113,20 @@ def recipe_save(folder: Path) -> Hops:
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **BACKGROUND)
     cfg = CheckpointConfig(dir=str(folder), async_save=True, keep_last=0)
     manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"), waits_before_step=True)
-    saver, hops = manager.saver, Hops()
-    for step in (1, 2):
-        _step(model, opt)
+    saver = manager.saver
 
-        def one_save(step=step) -> None:
-            saver.save(step, model, opt, {"step": step})
-            saver.wait_export()
-            saver.wait()
+    def step() -> None:
+        model(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
 
-        if step == 2:
-            hops.traced(one_save)
-        else:
-            one_save()
-    manager.saver.close()
+    def save(n: int) -> None:
+        saver.save(n, model, opt, {"step": n})
+        saver.wait_export()
+        saver.wait()
+
+    hops = _second_save_traced(step, save)
+    saver.close()
     return hops
 
 
@@ -142,22 +147,19 @@ def torchtitan_save(folder: Path) -> Hops:
         dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers, states={},
         sd_adapter=None,
     )  # fmt: skip
-    hops = Hops()
-    for step in (1, 2):
+
+    def step() -> None:
         model(torch.randn(4, 64)).square().mean().backward()
         optimizers.step()
         schedulers.step()
         optimizers.zero_grad()
 
-        def one_save(step=step) -> None:
-            checkpointer.save(curr_step=step)
-            checkpointer.maybe_wait_for_staging()
-            checkpointer.maybe_wait_for_saving()
+    def save(n: int) -> None:
+        checkpointer.save(curr_step=n)
+        checkpointer.maybe_wait_for_staging()
+        checkpointer.maybe_wait_for_saving()
 
-        if step == 2:
-            hops.traced(one_save)
-        else:
-            one_save()
+    hops = _second_save_traced(step, save)
     checkpointer.close()
     return hops
 
