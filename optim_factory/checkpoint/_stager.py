@@ -177,12 +177,13 @@ class AsyncSaveStager(AsyncStager):
         self._check_open()
         mine = sorted(set(dcp_kwargs) & option_names())
         if mine:
-            raise TypeError(f"AsyncSaveStager.async_save({mine[0]}=...): a StagerOptions field, not the save's")
+            raise TypeError(f"AsyncSaveStager.{self._called}({mine[0]}=...): a StagerOptions field, not the save's")
         self._join_ranks()
         if self._group is not None and dcp_kwargs.get("process_group") is None:
             dcp_kwargs["process_group"] = self._group  # DCP's collectives off the default group training uses
         if dcp_kwargs.get("checkpoint_id") is None and dcp_kwargs.get("storage_writer") is None:
-            raise ValueError("AsyncSaveStager.async_save: give checkpoint_id= (or storage_writer=), where it writes")
+            where = "give checkpoint_id= (or storage_writer=), where it writes"
+            raise ValueError(f"AsyncSaveStager.{self._called}: {where}")
         # gated or not from the arguments alone, the same on every rank (DCP's writer for a path built here)
         dcp_kwargs, self._own_save = self._filler.save_kwargs(dcp_kwargs), True
         writer, ckpt = dcp_kwargs.get("storage_writer"), str(dcp_kwargs.get("checkpoint_id"))
@@ -290,6 +291,11 @@ class AsyncSaveStager(AsyncStager):
         return self._filler.kept_bytes
 
     # ------------------------------------------------------------------ inside
+    @property
+    def _called(self) -> str:
+        """The method the caller called, for its refusals: ``save`` runs inside ``async_save``."""
+        return "save" if self._waited else "async_save"
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("AsyncSaveStager: closed; build a new one for further saves")
