@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import runpy
 import signal
 import socket
 import subprocess
@@ -104,16 +105,10 @@ def spawn_checks(world: int, checks: list[tuple[str, object, tuple]], done: Path
     return outcome
 
 
-def _entry_point(argv: list[str]) -> None:
-    """``recipes/train.py ARGV`` in this process: its exit code is the entry point's. SIGINT as a process started
-    from a terminal or by torchrun finds it (Python's handler): the forkserver passes on the disposition the test
-    process inherited, which ignores SIGINT where pytest runs as a script's background job or under nohup."""
-    from recipes.train import main
-
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
+def _exit_with(call) -> None:
+    """``call()``, then this process ends with its exit code (a ``SystemExit``'s, 1 after an exception, printed)."""
     try:
-        code = main(argv)
+        code = call()
     except SystemExit as exc:
         code = exc.code
     except BaseException:
@@ -127,18 +122,35 @@ def _entry_point(argv: list[str]) -> None:
     os._exit(code or 0)  # as _entry: no interpreter teardown with gloo threads about
 
 
-def recipe_ranks(argv: list[str], world: int, out: Path, timeout: float = 300) -> list[subprocess.CompletedProcess]:
-    """The recipe's entry point on ``world`` gloo ranks (processes of their own with the variables torchrun gives
-    its workers, without torchrun's agent), on the CPU as in CI, CUDA hidden (on a machine with fewer GPUs than
-    ranks, ``trainer.device=auto`` would give two ranks one GPU, which NCCL refuses): per rank, its exit code
-    (None: killed after ``timeout`` s), stdout and stderr (kept under ``out``)."""
+def _entry_point(argv: list[str]) -> None:
+    """``recipes/train.py ARGV`` in this process: its exit code is the entry point's. SIGINT as a process started
+    from a terminal or by torchrun finds it (Python's handler): the forkserver passes on the disposition the test
+    process inherited, which ignores SIGINT where pytest runs as a script's background job or under nohup."""
+    from recipes.train import main
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _exit_with(lambda: main(argv))
+
+
+def _script(path: str) -> None:
+    """``python PATH`` in this process, from the script's folder, as ``__main__``."""
+    os.chdir(Path(path).parent)
+    sys.argv = [path]
+    _exit_with(lambda: runpy.run_path(path, run_name="__main__") and None)
+
+
+def _ranks(target, args: tuple, world: int, out: Path, timeout: float, shown: list[str]):
+    """``target(*args)`` on ``world`` ranks: processes of their own with the variables torchrun gives its workers
+    (without torchrun's agent), on the CPU as in CI, CUDA hidden (on a machine with fewer GPUs than ranks, two
+    ranks would share one GPU, which NCCL refuses): per rank, its exit code (None: killed after ``timeout`` s),
+    stdout and stderr (kept under ``out``), as ``subprocess.run`` gives them for the command ``shown``."""
     port = free_port()
     out.mkdir(parents=True, exist_ok=True)
     stems = [out / f"rank{rank}" for rank in range(world)]
     procs = [
         forked.start(
-            _entry_point,
-            (argv,),
+            target,
+            args,
             stems[r],
             PRELOAD,
             {
@@ -150,11 +162,20 @@ def recipe_ranks(argv: list[str], world: int, out: Path, timeout: float = 300) -
     ]
     codes = forked.join(procs, timeout)
     return [
-        subprocess.CompletedProcess(
-            ["recipes/train.py", *argv], code, Path(f"{stem}.stdout").read_text(), Path(f"{stem}.stderr").read_text()
-        )
+        subprocess.CompletedProcess(shown, code, Path(f"{stem}.stdout").read_text(), Path(f"{stem}.stderr").read_text())
         for code, stem in zip(codes, stems)
     ]
+
+
+def recipe_ranks(argv: list[str], world: int, out: Path, timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """The recipe's entry point on ``world`` gloo ranks, as torchrun starts them (:func:`_ranks`)."""
+    return _ranks(_entry_point, (argv,), world, out, timeout, ["recipes/train.py", *argv])
+
+
+def script_ranks(script: Path, world: int, out: Path, timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """``torchrun --nproc_per_node=WORLD SCRIPT`` without torchrun's agent (:func:`_ranks`): each rank runs the
+    script as ``__main__`` from its folder, with the variables torchrun gives its workers."""
+    return _ranks(_script, (str(script),), world, out, timeout, ["torchrun", f"--nproc_per_node={world}", str(script)])
 
 
 def recipe_process(argv: list[str], out: Path):

@@ -375,26 +375,16 @@ def test_the_docs_script_for_the_checkpoint_manager_outside_the_trainer_runs_on_
     assert (tmp_path / "outputs" / "checkpoint" / "step-3" / ".metadata").is_file()
 
 
-@pytest.mark.slow  # torchrun's processes
-def test_the_docs_script_for_the_checkpoint_manager_runs_its_ranks_in_one_group_under_torchrun(tmp_path):
-    """The same script under ``torchrun --nproc_per_node=2``: both ranks in torchrun's one group, so the checkpoint
-    holds each rank's shard (a private 1-rank group per process would have each write the same folder alone)."""
-    import os
-    import subprocess
-    import sys
+@pytest.mark.slow  # two ranks
+def test_the_docs_script_for_the_checkpoint_manager_runs_its_ranks_in_one_group_as_torchrun_starts_them(tmp_path):
+    """The same script as ``torchrun --nproc_per_node=2`` runs it (two ranks with its variables): both ranks in
+    torchrun's one group, so the checkpoint holds each rank's shard (a private 1-rank group per process would have
+    each write the same folder alone)."""
+    from tests.distributed.launch import script_ranks
 
     (tmp_path / "titan_checkpoint.py").write_text(drop_in_block("torchtitan-checkpoint-script"))
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "titan_checkpoint.py",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in script_ranks(tmp_path / "titan_checkpoint.py", 2, tmp_path / "ranks"):
+        assert rank.returncode == 0, rank.stderr[-3000:]
     files = sorted(p.name for p in (tmp_path / "outputs" / "checkpoint" / "step-3").iterdir())
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files
 
