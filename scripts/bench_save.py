@@ -41,7 +41,10 @@ our pool's registered buffers), bytes on disk, ``complete_s`` (save call until t
 after the following steps: an upper bound) and the ``--steps-after`` following step times against the median of the
 3 before (8 by default: enough steps to hold the start of the save's DCP write, whose planning and small pickled
 items run on DCP's upload thread beside them, on every path; with 3 the recipe's write, which starts after its finite
-check, fell after the counted steps and the frameworks' within them).
+check, fell after the counted steps and the frameworks' within them), and the generation-2 garbage collections that
+ended in that window (how many, the longest). ``--gc frozen`` (the default) runs each mode with what its setup made
+frozen out of the collector, as the recipe's loop runs (torchtitan's and Automodel's trainers turn automatic
+collection off); ``--gc automatic`` leaves Python's collector as it is, every object scanned by each gen-2 pass.
 Each mode's loss is set against its floor, measured in the same run: the bytes it moves to the host (its optimizer
 export and the model's parameters) over the pinned device-to-host link (``scripts.bench_export.d2h_bandwidth``),
 less one forward and backward, which the next step runs beside the copy. Each mode gets one warm-up checkpoint
@@ -55,6 +58,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
+import gc
 import io
 import json
 import os
@@ -106,6 +110,32 @@ MODES = (
     *(f"c-ours-budget-{b}" for b in BUDGETS),
 )
 STEPS_AFTER = 8  # the steps after a save that count (the module docstring)
+GC_POLICIES = ("frozen", "automatic")  # --gc: the first is the default
+
+
+class Gen2Pauses:
+    """The generation-2 garbage collections of this process (``gc.callbacks``): when each ended and how long it
+    took, so that a row can say which fell into its save's window."""
+
+    def __init__(self) -> None:
+        self.ended: list[tuple[float, float]] = []  # (perf_counter at its end, ms)
+        self._start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            now = time.perf_counter()
+            self.ended.append((now, (now - self._start) * 1e3))
+
+    def since(self, t0: float) -> list[float]:
+        """The pauses (ms) of the collections that ended after ``t0``."""
+        return [ms for end, ms in self.ended if end > t0]
+
+
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # as the recipe and torchtitan save optimizers
 
 
@@ -385,6 +415,9 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
     if mode is None:
         return [], step
     trainer, device, rank, root = ctx["trainer"], ctx["device"], ctx["rank"], ctx["root"]
+    if ctx["gc"] == "frozen":  # as the recipe's loop runs (recipes/job.py): what the setup made, frozen
+        gc.collect()
+        gc.freeze()
     profiles: list[cProfile.Profile] = []
     rss0, pinned0 = rss_bytes(), pinned_bytes(mode.pool_buffers, device)
     rows = []
@@ -413,6 +446,7 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
         peak_step = gpu_peak_mib(device, base)
         after = [first_s - hook_s] + [trainer.step()[0] for _ in range(ctx["steps_after"] - 1)]
         step += ctx["steps_after"]
+        gen2 = ctx["gen2"].since(t0)  # the save's window: the call and the steps counted after it
         mode.finish()
         complete_s = time.perf_counter() - t0
         dist.barrier()
@@ -437,6 +471,8 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
                 step_before_s=statistics.median(before),
                 steps_after_s=after,
                 interference=max(after) / statistics.median(before),
+                gen2_count=len(gen2),
+                gen2_max_ms=max(gen2, default=0.0),
                 **info,
             )
         )
@@ -444,6 +480,8 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
             shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
     mode.close()
+    if ctx["gc"] == "frozen":
+        gc.unfreeze()
     if profiles:
         write_profile(profiles, Path(ctx["profile"]) / f"{name}_rank{rank}.txt")
     dist.barrier()
@@ -524,6 +562,8 @@ COLUMNS = (  # summary key, table label, divisor, digits
     ("complete_s", "complete (s)", 1, 2),
     ("step_before_s", "step before (s)", 1, 3),
     ("interference", "worst after / before", 1, 2),
+    ("gen2_count", "gen-2 collections in the window", 1, 0),
+    ("gen2_max_ms", "longest gen-2 collection in the window (ms)", 1, 0),
 )
 
 
@@ -556,7 +596,8 @@ def render(summary: dict, meta: dict) -> str:
         f"{meta['fp32_state_gb']:.2f} GB of "
         f"FP32-equivalent optimizer state per rank; chunk {meta['chunk'] >> 20} MiB; {meta['repeats']} measured "
         "checkpoints per mode after one warm-up (medians; per checkpoint the slowest rank); "
-        f"the slowdown of {meta.get('steps_after', 3)} steps after each save counted",
+        f"the slowdown of {meta.get('steps_after', 3)} steps after each save counted; garbage collection: "
+        + _GC[meta.get("gc", "automatic")],
         "- DCP's `DefaultStager` for (a) and (b): " + stager_note(meta),
         *[f"- {name}: stager: {stager}" for name, stager in meta.get("stagers", {}).items() if name[:2] in FW],
         *[f"- {name}: skipped: {reason}" for name, reason in meta.get("skipped", {}).items()],
@@ -581,6 +622,12 @@ def render(summary: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# how the table names --gc
+_GC = {
+    "frozen": "automatic, with what each mode's setup made frozen out of the collector (gc.freeze, as the recipe's "
+    "loop runs)",
+    "automatic": "automatic, nothing frozen (Python's default)",
+}
 # how the table names the FP32 master's storage (--store-param-remainders)
 _MASTER = {"fp32": "", "remainders": " stored as BF16 parameter + int16 remainder (store_param_remainders)"}
 
@@ -746,6 +793,14 @@ def main(argv: list[str] | None = None) -> None:
         "kept as auto keeps it",
     )
     ap.add_argument(
+        "--gc",
+        default=GC_POLICIES[0],
+        choices=GC_POLICIES,
+        help="frozen: each mode runs with what its setup made frozen out of the garbage collector (gc.freeze after "
+        "one collection), as the recipe's loop runs (torchtitan's and Automodel's trainers turn automatic collection "
+        "off); automatic: Python's default, every object scanned by a generation-2 collection",
+    )
+    ap.add_argument(
         "--profile",
         type=cli_args.out_dir,
         help="cProfile the measured save calls; one text file per mode and rank in this directory (slower calls: "
@@ -785,6 +840,8 @@ def main(argv: list[str] | None = None) -> None:
         group=dist.new_group(backend="gloo"),
         profile=args.profile,
         steps_after=args.steps_after,
+        gc=args.gc,
+        gen2=Gen2Pauses(),
     )
     ctx.update(stagers(args.stager), skipped={})
     rows, step = [], 3
@@ -811,6 +868,7 @@ def main(argv: list[str] | None = None) -> None:
             master="remainders" if args.store_param_remainders else "fp32",
             repeats=args.repeats,
             steps_after=args.steps_after,
+            gc=args.gc,
             fp32_state_gb=local * 12 / 1e9,
             model_bytes=sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
             link_gbps=link_gbps,
