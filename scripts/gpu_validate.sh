@@ -9,7 +9,8 @@
 #                                         # floor (bench_save: a, c, d)
 #   bash scripts/gpu_validate.sh writes   # durable writes against dd: synthetic 4 GB and the 805M recipe (bench_write)
 #   bash scripts/gpu_validate.sh frameworks  # 1 GPU: bench_save's torchtitan and Automodel modes beside (a) and (c)
-#                                         # (LAYERS=88: 4x the state; MODES=... to split a run; the wheels of
+#                                         # (LAYERS=88: 4x the state; MODES=... to split a run; GC=automatic:
+#                                         # bench_save --gc automatic, not frozen; the wheels of
 #                                         # scripts/gpu_wheels.sh installed, their folder on PYTHONPATH)
 #   bash scripts/gpu_validate.sh stream   # streaming export acceptance: 2 GiB of BF16 states and one 1.07e9-element
 #                                         # state, every mode, fresh processes (first export, host memory over 10)
@@ -82,14 +83,14 @@ case "${1:-single}" in
     echo "bench_write recipe rc=$? in $(( $(date +%s) - start )) s"; tail -n 12 "$out/bench_write_recipe.log"
     rm -rf "$scratch" ;;
   frameworks)
-    start=$(date +%s); layers=${LAYERS:-22}
+    start=$(date +%s); layers=${LAYERS:-22}; name="frameworks_$layers${GC:+_$GC}"  # GC: bench_save's --gc
     mkdir -p "${SCRATCH:-/tmp}"; scratch=$(mktemp -d "${SCRATCH:-/tmp}/frameworks.XXXX")  # deleted at the end, alone
     timeout ${BENCH_TIMEOUT:-580} $py -m torch.distributed.run --standalone --nproc_per_node=1 -m scripts.bench_save \
-      --out "$out/frameworks_$layers" --scratch "$scratch" --layers "$layers" --repeats ${REPEATS:-3} \
+      --out "$out/$name" --scratch "$scratch" --layers "$layers" --repeats ${REPEATS:-3} --gc ${GC:-frozen} \
       --modes ${MODES:-a-te-async-pinned,c-ours,f-titan-te,f-titan-ours,g-automodel-te,g-automodel-ours} \
-      > "$out/frameworks_$layers.log" 2>&1
+      > "$out/$name.log" 2>&1
     echo "bench_save frameworks rc=$? in $(( $(date +%s) - start )) s"
-    cat "$out/frameworks_$layers/bench_save.md" 2>/dev/null || grep -v ' - INFO - ' "$out/frameworks_$layers.log" | tail -n 40
+    cat "$out/$name/bench_save.md" 2>/dev/null || grep -v ' - INFO - ' "$out/$name.log" | tail -n 40
     rm -rf "$scratch" ;;
   multi)
     mkdir -p /tmp/smoke
