@@ -135,6 +135,10 @@ class Gen2Pauses:
         """The pauses (ms) of the collections that ended after ``t0``."""
         return [ms for end, ms in self.ended if end > t0]
 
+    def close(self) -> None:
+        """Stop recording (the callback leaves ``gc.callbacks``)."""
+        gc.callbacks.remove(self._on_gc)
+
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # as the recipe and torchtitan save optimizers
 
@@ -845,13 +849,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     ctx.update(stagers(args.stager), skipped={})
     rows, step = [], 3
-    for name in modes:
-        mode_rows, step = measure_mode(name, ctx, args.repeats, step)
-        rows += mode_rows
-        if rank == 0 and name in ctx["skipped"]:
-            print(f"{name}: skipped: {ctx['skipped'][name]}", flush=True)
-        elif rank == 0:
-            print(name, json.dumps(summarize(mode_rows)[name]), flush=True)
+    try:
+        for name in modes:
+            mode_rows, step = measure_mode(name, ctx, args.repeats, step)
+            rows += mode_rows
+            if rank == 0 and name in ctx["skipped"]:
+                print(f"{name}: skipped: {ctx['skipped'][name]}", flush=True)
+            elif rank == 0:
+                print(name, json.dumps(summarize(mode_rows)[name]), flush=True)
+    finally:
+        ctx["gen2"].close()
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
     if rank == 0:

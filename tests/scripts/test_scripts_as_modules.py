@@ -116,15 +116,15 @@ def test_bench_save_counts_the_gen2_collections_in_each_save_s_window(tmp_path, 
     gc.collect(1)  # a younger generation's: not counted
     gc.collect()
     assert len(pauses.since(t0)) == 1 and pauses.since(time.perf_counter()) == []
-    gc.callbacks.remove(pauses._on_gc)
+    pauses.close()
 
-    save = Saver.save
+    save, callbacks = Saver.save, list(gc.callbacks)
     monkeypatch.setattr(Saver, "save", lambda *a, **k: (gc.collect(), save(*a, **k))[1])
     args = ["--device", "cpu", "--width", "64", "--layers", "2", "--tokens", "16", "--repeats", "1"]
     args += ["--modes", "e-ours-sync", "--out", str(tmp_path), "--scratch", str(tmp_path / "s")]
     code, err = run_script("bench_save", args, monkeypatch, capsys)
     assert code is None, err[-3000:]
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and callbacks == gc.callbacks  # unfrozen, and the recorder's callback gone
     rows = [json.loads(ln) for ln in (tmp_path / "bench_save.jsonl").read_text().splitlines()]
     assert rows[0]["meta"]["gc"] == "frozen"
     assert all(r["gen2_count"] >= 1 and r["gen2_max_ms"] > 0 for r in rows[1:]), rows[1:]
