@@ -220,26 +220,28 @@ def _train(run: Run, on_phase: PhaseCallback | None) -> dict[str, Any]:
         if run.record is not None:
             run.record.unlink(missing_ok=True)
         log.info(nothing_to_do(run.start, run.end, run.resumed_from, [], run.limit))
-    with _setup_frozen():
+    with setup_frozen():
         stopped = _loop(run)
     return _summary(run, stopped)
 
 
 @contextlib.contextmanager
-def _setup_frozen() -> Iterator[None]:
-    """The loop runs with everything made before it frozen out of the garbage collector (``gc.freeze``): the
-    generation-2 collections that a save's many small objects trigger then scan only what the loop made, not the
-    hundreds of thousands of objects that torch, the model and the optimizer hold (a full collection of this
-    process took 0.12 s on 2 CPU cores, inside a save; docs/recipe.md, "Garbage collection"). Garbage is collected
-    once before the freeze; the objects are unfrozen when the loop ends, unless another owner froze objects first."""
+def setup_frozen() -> Iterator[None]:
+    """Runs its block (the recipe's loop) with everything made before it frozen out of the garbage collector
+    (``gc.freeze``): the generation-2 collections that a save's many small objects trigger then scan only what the
+    block made, not the hundreds of thousands of objects that torch, the model and the optimizer hold
+    (docs/recipe.md, "Garbage collection"). Garbage is collected once before the freeze, and the objects are
+    unfrozen when the block ends. Where objects are frozen already, the process has an owner of that policy: the
+    block runs as it is, nothing collected, frozen or unfrozen."""
+    if gc.get_freeze_count() > 0:
+        yield
+        return
     gc.collect()
-    ours = gc.get_freeze_count() == 0
     gc.freeze()
     try:
         yield
     finally:
-        if ours:
-            gc.unfreeze()
+        gc.unfreeze()
 
 
 def _loop(run: Run) -> Stopped:

@@ -56,6 +56,7 @@ complete and measured (one on the disk at a time: 20 GB at ``--layers 88``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import functools
 import gc
@@ -82,6 +83,7 @@ from optim_factory.rules.export import parse_bytes
 from recipes.checkpoint import CheckpointManager, state_bytes
 from recipes.config import CheckpointConfig
 from recipes.distributed import init_distributed, pick_device, resolve_dist_env, shutdown
+from recipes.job import setup_frozen
 from scripts import cli_args
 from scripts.bench_export import PoolBuffers, d2h_bandwidth, environment, sync, wait_pinning, write_results
 from scripts.dcp_stagers import EMULATION, KeptStager, stager_reusable
@@ -110,7 +112,6 @@ MODES = (
     *(f"c-ours-budget-{b}" for b in BUDGETS),
 )
 STEPS_AFTER = 8  # the steps after a save that count (the module docstring)
-GC_POLICIES = ("frozen", "automatic")  # --gc: the first is the default
 
 
 class Gen2Pauses:
@@ -418,10 +419,13 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
     mode = start_mode(name, ctx)
     if mode is None:
         return [], step
+    with setup_frozen() if ctx["gc"] == "frozen" else contextlib.nullcontext():  # as the recipe's loop runs
+        return _measured(mode, name, ctx, repeats, step)
+
+
+def _measured(mode, name: str, ctx: dict, repeats: int, step: int) -> tuple[list[dict], int]:
+    """:func:`measure_mode`'s checkpoints of a started mode; it closes the mode."""
     trainer, device, rank, root = ctx["trainer"], ctx["device"], ctx["rank"], ctx["root"]
-    if ctx["gc"] == "frozen":  # as the recipe's loop runs (recipes/job.py): what the setup made, frozen
-        gc.collect()
-        gc.freeze()
     profiles: list[cProfile.Profile] = []
     rss0, pinned0 = rss_bytes(), pinned_bytes(mode.pool_buffers, device)
     rows = []
@@ -475,6 +479,7 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
                 step_before_s=statistics.median(before),
                 steps_after_s=after,
                 interference=max(after) / statistics.median(before),
+                frozen_objects=gc.get_freeze_count(),
                 gen2_count=len(gen2),
                 gen2_max_ms=max(gen2, default=0.0),
                 **info,
@@ -484,8 +489,6 @@ def measure_mode(name: str, ctx: dict, repeats: int, step: int) -> tuple[list[di
             shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
     mode.close()
-    if ctx["gc"] == "frozen":
-        gc.unfreeze()
     if profiles:
         write_profile(profiles, Path(ctx["profile"]) / f"{name}_rank{rank}.txt")
     dist.barrier()
@@ -601,7 +604,7 @@ def render(summary: dict, meta: dict) -> str:
         f"FP32-equivalent optimizer state per rank; chunk {meta['chunk'] >> 20} MiB; {meta['repeats']} measured "
         "checkpoints per mode after one warm-up (medians; per checkpoint the slowest rank); "
         f"the slowdown of {meta.get('steps_after', 3)} steps after each save counted; garbage collection: "
-        + _GC[meta.get("gc", "automatic")],
+        + GC[meta.get("gc", "automatic")],
         "- DCP's `DefaultStager` for (a) and (b): " + stager_note(meta),
         *[f"- {name}: stager: {stager}" for name, stager in meta.get("stagers", {}).items() if name[:2] in FW],
         *[f"- {name}: skipped: {reason}" for name, reason in meta.get("skipped", {}).items()],
@@ -626,8 +629,8 @@ def render(summary: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-# how the table names --gc
-_GC = {
+# --gc's choices (the first is the default) and how the table names each
+GC = {
     "frozen": "automatic, with what each mode's setup made frozen out of the collector (gc.freeze, as the recipe's "
     "loop runs)",
     "automatic": "automatic, nothing frozen (Python's default)",
@@ -798,8 +801,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "--gc",
-        default=GC_POLICIES[0],
-        choices=GC_POLICIES,
+        default=next(iter(GC)),
+        choices=tuple(GC),
         help="frozen: each mode runs with what its setup made frozen out of the garbage collector (gc.freeze after "
         "one collection), as the recipe's loop runs (torchtitan's and Automodel's trainers turn automatic collection "
         "off); automatic: Python's default, every object scanned by a generation-2 collection",

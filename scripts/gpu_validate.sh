@@ -86,7 +86,7 @@ case "${1:-single}" in
     start=$(date +%s); layers=${LAYERS:-22}; name="frameworks_$layers${GC:+_$GC}"  # GC: bench_save's --gc
     mkdir -p "${SCRATCH:-/tmp}"; scratch=$(mktemp -d "${SCRATCH:-/tmp}/frameworks.XXXX")  # deleted at the end, alone
     timeout ${BENCH_TIMEOUT:-580} $py -m torch.distributed.run --standalone --nproc_per_node=1 -m scripts.bench_save \
-      --out "$out/$name" --scratch "$scratch" --layers "$layers" --repeats ${REPEATS:-3} --gc ${GC:-frozen} \
+      --out "$out/$name" --scratch "$scratch" --layers "$layers" --repeats ${REPEATS:-3} ${GC:+--gc "$GC"} \
       --modes ${MODES:-a-te-async-pinned,c-ours,f-titan-te,f-titan-ours,g-automodel-te,g-automodel-ours} \
       > "$out/$name.log" 2>&1
     echo "bench_save frameworks rc=$? in $(( $(date +%s) - start )) s"

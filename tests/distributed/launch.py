@@ -133,10 +133,16 @@ def _entry_point(argv: list[str]) -> None:
 
 
 def _script(path: str) -> None:
-    """``python PATH`` in this process, from the script's folder, as ``__main__``."""
-    os.chdir(Path(path).parent)
-    sys.argv = [path]
-    _exit_with(lambda: runpy.run_path(path, run_name="__main__") and None)
+    """``python PATH`` in this process, from the script's folder (also first on ``sys.path``), as ``__main__``."""
+    script = Path(path).resolve()
+    os.chdir(script.parent)
+    sys.argv = [str(script)]
+    sys.path.insert(0, str(script.parent))
+
+    def run() -> None:
+        runpy.run_path(str(script), run_name="__main__")
+
+    _exit_with(run)
 
 
 def _ranks(target, args: tuple, world: int, out: Path, timeout: float, shown: list[str]):

@@ -186,9 +186,31 @@ def test_cli_unknown_override_and_user_error_are_short(tmp_path):
 def test_the_loop_runs_with_its_setup_frozen_out_of_the_collector(tmp_path):
     """At every save the objects made before the loop are frozen (``gc.freeze``), and they outnumber what the
     collector still tracks, so a generation-2 collection inside a save scans only what the loop made; when the run
-    ends they are collected again."""
+    ends, and when its loop raises, they are collected again."""
     seen = []
     phases = lambda phase, step, path: seen.append((gc.get_freeze_count(), len(gc.get_objects())))  # noqa: E731
-    train(compose_config([*QUICK, f"run_dir={tmp_path}"]), on_phase=phases)
+    train(compose_config([*QUICK, f"run_dir={tmp_path / 'a'}"]), on_phase=phases)
     assert len(seen) == 6 and all(tracked < frozen for frozen, tracked in seen), seen
     assert gc.get_freeze_count() == 0
+
+    def fail(phase, step, path):
+        raise RuntimeError("a failure inside the loop")
+
+    with pytest.raises(RuntimeError, match="a failure inside the loop"):
+        train(compose_config([*QUICK, f"run_dir={tmp_path / 'b'}"]), on_phase=fail)
+    assert gc.get_freeze_count() == 0
+
+
+def test_where_objects_are_frozen_already_the_loop_leaves_the_collector_to_that_owner(tmp_path):
+    """A process that froze objects itself keeps its policy: the recipe neither freezes its own (they would never
+    be collected) nor unfreezes the owner's."""
+    gc.freeze()
+    try:
+        owner = gc.get_freeze_count()
+        seen = []
+        phases = lambda phase, step, path: seen.append(gc.get_freeze_count())  # noqa: E731
+        train(compose_config([*QUICK, f"run_dir={tmp_path}"]), on_phase=phases)
+        # frozen objects that die leave the count: it may only fall, never rise with the recipe's own
+        assert len(seen) == 6 and max(seen) <= owner and gc.get_freeze_count() > owner // 2, (owner, seen)
+    finally:
+        gc.unfreeze()

@@ -106,29 +106,37 @@ def test_bench_save_runs_every_mode_on_cpu(tmp_path, monkeypatch, capsys):
 
 def test_bench_save_counts_the_gen2_collections_in_each_save_s_window(tmp_path, monkeypatch, capsys):
     """Each row counts the generation-2 collections that ended in its save's window (here one forced at the save
-    call's start); ``--gc`` is recorded and the mode's frozen objects are unfrozen when it ends."""
+    call's start) and how many objects were frozen then: the setup's with ``--gc frozen`` (the default), none with
+    ``--gc automatic``; after the run nothing is frozen and the recorder's callback is gone."""
     import gc
 
     from recipes.checkpoint import Saver
     from scripts.bench_save import Gen2Pauses
 
     pauses, t0 = Gen2Pauses(), time.perf_counter()
-    gc.collect(1)  # a younger generation's: not counted
-    gc.collect()
-    assert len(pauses.since(t0)) == 1 and pauses.since(time.perf_counter()) == []
-    pauses.close()
+    try:
+        gc.collect(1)  # a younger generation's: not counted
+        gc.collect()
+        assert len(pauses.since(t0)) == 1 and pauses.since(time.perf_counter()) == []
+    finally:
+        pauses.close()
 
     save, callbacks = Saver.save, list(gc.callbacks)
     monkeypatch.setattr(Saver, "save", lambda *a, **k: (gc.collect(), save(*a, **k))[1])
     args = ["--device", "cpu", "--width", "64", "--layers", "2", "--tokens", "16", "--repeats", "1"]
-    args += ["--modes", "e-ours-sync", "--out", str(tmp_path), "--scratch", str(tmp_path / "s")]
-    code, err = run_script("bench_save", args, monkeypatch, capsys)
-    assert code is None, err[-3000:]
-    assert gc.get_freeze_count() == 0 and callbacks == gc.callbacks  # unfrozen, and the recorder's callback gone
-    rows = [json.loads(ln) for ln in (tmp_path / "bench_save.jsonl").read_text().splitlines()]
-    assert rows[0]["meta"]["gc"] == "frozen"
-    assert all(r["gen2_count"] >= 1 and r["gen2_max_ms"] > 0 for r in rows[1:]), rows[1:]
-    assert "longest gen-2 collection in the window (ms)" in (tmp_path / "bench_save.md").read_text()
+    args += ["--modes", "e-ours-sync", "--scratch", str(tmp_path / "s")]
+    for policy in ("default", "automatic"):
+        out = tmp_path / policy
+        extra = [] if policy == "default" else ["--gc", policy]
+        code, err = run_script("bench_save", [*args, "--out", str(out), *extra], monkeypatch, capsys)
+        assert code is None, err[-3000:]
+        assert gc.get_freeze_count() == 0 and callbacks == gc.callbacks  # unfrozen, and the recorder's callback gone
+        rows = [json.loads(ln) for ln in (out / "bench_save.jsonl").read_text().splitlines()]
+        assert rows[0]["meta"]["gc"] == ("frozen" if policy == "default" else policy)
+        assert all(r["gen2_count"] >= 1 and r["gen2_max_ms"] > 0 for r in rows[1:]), rows[1:]
+        frozen = [r["frozen_objects"] for r in rows[1:]]
+        assert all(n > 10_000 for n in frozen) if policy == "default" else frozen == [0, 0], frozen
+    assert "longest gen-2 collection in the window (ms)" in (out / "bench_save.md").read_text()
 
 
 def test_bench_save_with_param_remainders_exports_the_master_as_int16(tmp_path, monkeypatch, capsys):
