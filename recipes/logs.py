@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ class MetricsWriter:
                 f.write(json.dumps(record) + "\n")
 
     def checkpoint(self, report: ExportReport) -> None:
-        self.write({"kind": "checkpoint", **asdict(report)})
+        self.write({"kind": "checkpoint", **report.record()})
 
     def summary(self, summary: dict[str, Any], *, trained: bool) -> None:
         """Append ``summary`` as the run's last record. A launch that trained no step (a relaunch of a finished

@@ -39,17 +39,18 @@ class ExportWaits:
         the stager's ``exporting()``) is waited for before the save copies it; its failure, or its not filling in
         time (its buffers then stay with it: ``save.stuck``), is raised in one line."""
         self.filled_at, self._pending = None, [opt for opt, _ in self.background if opt.state_dict_pending]
-        for opt, pooled in self.background if fill_fresh else ():
-            if not pooled and opt in self._pending:
-                failure = self.wait(opt)
-                if failure is not None:
-                    line, save.stuck = failure
-                    raise ExportNotFilled(line)
+        fresh = [opt for opt, pooled in self.background if fill_fresh and not pooled and opt in self._pending]
+        line = self._first_failure(save, fresh)
+        if line is not None:
+            raise ExportNotFilled(line)
 
     def failure(self, save: StagedSave) -> str | None:
         """Wait for every background export of ``save``: the first failure in one line, or None. An export that
         did not fill in time marks ``save`` stuck: its pooled buffers stay with its optimizer."""
-        for opt, _ in self.background:
+        return self._first_failure(save, [opt for opt, _ in self.background])
+
+    def _first_failure(self, save: StagedSave, optimizers: list[Any]) -> str | None:
+        for opt in optimizers:
             failure = self.wait(opt)
             if failure is not None:
                 line, save.stuck = failure

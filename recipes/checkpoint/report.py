@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 
@@ -15,7 +15,6 @@ class ExportReport:
     path: str
     export_s: float
     export_bytes: int
-    export_gbps: float
     gpu_peak_mib: float | None
     save_s: float
     async_save: bool
@@ -32,6 +31,15 @@ class ExportReport:
     # host_bytes: the host memory the save held at its peak for what it wrote: the export's host buffers and the
     # host copies made for the write (docs/recipe.md, "Export report"); the live states are not counted.
     host_bytes: int | None = None
+
+    @property
+    def export_gbps(self) -> float:
+        """The export's GB/s: its bytes over its seconds (0 where no time was measured)."""
+        return self.export_bytes / self.export_s / 1e9 if self.export_s > 0 else 0.0
+
+    def record(self) -> dict[str, Any]:
+        """Every field and ``export_gbps``: the checkpoint's record in ``metrics.jsonl`` and in its manifest."""
+        return {**asdict(self), "export_gbps": self.export_gbps}
 
     def summary(self) -> dict[str, Any]:
         """The fields of the end-of-run summary's ``checkpoints`` list."""

@@ -18,7 +18,6 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -158,13 +157,11 @@ class Saver:
         try:
             self.on_phase("export", step, path)
             self._clear_in_the_way(step, path)
-            nbytes = state_bytes(osd)
             report = ExportReport(
                 step=step,
                 path=str(path),
                 export_s=export_s,
-                export_bytes=nbytes,
-                export_gbps=nbytes / export_s / 1e9 if export_s > 0 else 0.0,
+                export_bytes=state_bytes(osd),
                 gpu_peak_mib=peak,
                 save_s=0.0,  # set once the save call returns
                 async_save=self.cfg.async_save,
@@ -288,7 +285,7 @@ class Saver:
         if self.rank == 0:
             files = recorded_files(path, parts)
             report.written_bytes = sum(int(r["size"]) for r in files.values())
-            record = asdict(report)
+            record = report.record()
             del record["blocking_s"]  # not known yet: it ends after the marker and keep_last (metrics.jsonl has it)
             manifest = {"step": step, "time": time.time(), **record, "checksum": ALGORITHM, "files": files}
             write_manifest(path, {**manifest, "config": self.run_config}, self.key)
@@ -316,7 +313,6 @@ class Saver:
         filled_at = self._stager.export_filled_at  # a background export's: its seconds end when it was filled
         if filled_at is not None:
             save.report.export_s = filled_at - save.export_t0
-            save.report.export_gbps = save.report.export_bytes / save.report.export_s / 1e9
         save.report.host_bytes = self._stager.save_host_bytes
         self._finalize(save, waited_since)
 
