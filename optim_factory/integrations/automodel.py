@@ -119,11 +119,12 @@ class Checkpointer(AutomodelCheckpointer):
         if not (self.config.is_async or budgeted) or peft_model:
             return super()._do_save(state_dict, path, storage_writer)
         _refuse_remote(path)
-        stager, where = self._stager(kind), dict(checkpoint_id=path, storage_writer=storage_writer)
+        stager, group = self._stager(kind), self._async_groups.get(kind)
+        where = dict(checkpoint_id=path, storage_writer=storage_writer, process_group=group)
         if not self.config.is_async:  # as Automodel's sync save: written when it returns, nothing copied
-            stager.save(state_dict, process_group=self._async_groups.get(kind), **where)
+            stager.save(state_dict, **where)
             return None
-        return stager.async_save(state_dict, process_group=self._async_groups.get(kind), **where)
+        return stager.async_save(state_dict, **where)
 
     def maybe_wait_for_staging(self) -> None:
         super().maybe_wait_for_staging()
