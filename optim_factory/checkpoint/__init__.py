@@ -17,7 +17,7 @@ what its name says, for another optimizer what DCP does without it), in one impo
   :func:`export_failure`, :func:`export_buffer_test`, :func:`release_export`; :func:`cpus_per_rank`.
 
 The modules behind this face are private (``_stager``, ``_options``, ``_fillers``, ``_export_waits``, ``_verdict``,
-``_record``, ``_agreement``, ``_budget``, ``_budget_rule``, ``_fills``, ``_gated_writer``, ``_finite_check``,
+``_record``, ``_agreement``, ``_budget``, ``_budget_rule``, ``_fills``, ``_gated_planner``, ``_finite_check``,
 ``_host_copies``, ``_load_planner``, ``_deferral``, ``_safe_read``): import from here.
 """
 

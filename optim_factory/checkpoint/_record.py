@@ -17,7 +17,7 @@ class StagedSave:
     state_dict: dict[str, Any]
     filled: Future = field(default_factory=Future)  # the copies are done and the exports filled (or failed)
     staged: Future = field(default_factory=Future)  # handed to DCP: the staged dict, or SaveRefused on every rank
-    verdict: Future = field(default_factory=Future)  # this rank's refusal line, or None (GatedWriter's gate waits)
+    verdict: Future = field(default_factory=Future)  # this rank's refusal line, or None (GatedPlanner's gate waits)
     refused: SaveRefused | None = None  # gated: the ranks' refusal, raised by the write
     upload: Future | None = None  # DCP's upload, when the save was started by AsyncSaveStager.async_save
     over: threading.Event = field(default_factory=threading.Event)  # written or failed, and its buffers given back

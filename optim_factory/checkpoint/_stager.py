@@ -12,8 +12,8 @@ is saved within it: nothing is copied when the save starts; its planner fills ea
 A save is refused on every rank, before DCP writes anything, when an export failed or did not fill within
 ``export_timeout_s``, the state holds NaN or inf (``refuse_non_finite``), or ``check`` refuses it:
 ``upload_completion`` raises :class:`SaveRefused` in one line and the checkpoint directory is not written (nor, a
-local one, left behind). DCP plans a save :meth:`AsyncSaveStager.async_save` starts at once; its writer waits for the
-ranks' verdict (``optim_factory/checkpoint/_gated_writer.py``; docs/design.md says which saves).
+local one, left behind). DCP plans a save :meth:`AsyncSaveStager.async_save` starts at once; its planning ends by
+waiting for the ranks' verdict (``optim_factory/checkpoint/_gated_planner.py``; docs/design.md says which saves).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse  # torch >= 2.9
 
@@ -37,7 +37,7 @@ from optim_factory.checkpoint._budget import one_line_refusal
 from optim_factory.checkpoint._export_waits import ExportWaits
 from optim_factory.checkpoint._fillers import filler_for
 from optim_factory.checkpoint._finite_check import FiniteCheck
-from optim_factory.checkpoint._gated_writer import GatedWriter
+from optim_factory.checkpoint._gated_planner import GatedPlanner
 from optim_factory.checkpoint._options import StagerOptions, option_names
 from optim_factory.checkpoint._record import StagedSave
 from optim_factory.checkpoint._verdict import rank_verdict
@@ -91,7 +91,7 @@ class AsyncSaveStager(AsyncStager):
         self._own_group = False
         self._save: StagedSave | None = None
         self._closed = False
-        self._gate_next = False  # async_save's staging: the write waits at a GatedWriter for the verdict
+        self._gate_next = False  # async_save's staging: DCP's planning ends at a GatedPlanner's gate
         self._own_save = False  # inside async_save: the save's writer is built or checked here
         self._waited = False  # inside save(): nothing is copied (nothing changes the state until it is written)
         self._join_ranks()
@@ -168,9 +168,9 @@ class AsyncSaveStager(AsyncStager):
 
     def async_save(self, state_dict: dict[str, Any], **dcp_kwargs: Any) -> AsyncSaveResponse:
         """``dcp.async_save(state_dict, async_stager=self, **dcp_kwargs)`` on a writer thread, once the previous
-        save is over (:meth:`stage` waits for it); DCP plans it at once and its writer (``storage_writer``, or DCP's
-        ``FileSystemWriter`` for a ``checkpoint_id`` without ``://``) waits for the filled state (docs/design.md);
-        the export buffers go back when its write is done.
+        save is over (:meth:`stage` waits for it); without a ``planner`` of the caller's DCP plans it at once with its
+        default planner, whose last step waits for the filled state and the ranks' verdict (docs/design.md); the
+        export buffers go back when its write is done.
         Returns DCP's ``AsyncSaveResponse``: ``staging_completion`` once the copies and exports are filled (the
         next ``step()`` may run), ``upload_completion`` once written (it raises :class:`SaveRefused` or DCP's write
         failure). DCP's collectives run on the stager's gloo group unless ``process_group`` is given."""
@@ -184,16 +184,14 @@ class AsyncSaveStager(AsyncStager):
         if dcp_kwargs.get("checkpoint_id") is None and dcp_kwargs.get("storage_writer") is None:
             where = "give checkpoint_id= (or storage_writer=), where it writes"
             raise ValueError(f"AsyncSaveStager.{self._called}: {where}")
-        # gated or not from the arguments alone, the same on every rank (DCP's writer for a path built here)
+        # gated or not from the arguments alone, the same on every rank: DCP's default planner, made here
         dcp_kwargs, self._own_save = self._filler.save_kwargs(dcp_kwargs), True
-        writer, ckpt = dcp_kwargs.get("storage_writer"), str(dcp_kwargs.get("checkpoint_id"))
-        writer = FileSystemWriter(ckpt) if writer is None and "://" not in ckpt else writer
         previous = self._save
         try:  # gated: each rank's planning alone (use_collectives=False) could leave the others at the gate
-            self._gate_next = writer is not None and dcp_kwargs.get("use_collectives", True) is not False
-            self._gate_next = self._gate_next and not dcp_kwargs.get("no_dist", False)
+            self._gate_next = dcp_kwargs.get("planner") is None and not dcp_kwargs.get("no_dist", False)
+            self._gate_next = self._gate_next and dcp_kwargs.get("use_collectives", True) is not False
             if self._gate_next:
-                dcp_kwargs["storage_writer"] = GatedWriter(writer, self._open_gate)
+                dcp_kwargs["planner"] = GatedPlanner(self._open_gate, local=_writes_locally(dcp_kwargs))
             with self.exporting(defer=False):  # DCP exports a Stateful optimizer inside
                 response = dcp.async_save(
                     state_dict, async_stager=self, async_checkpointer_type=AsyncCheckpointerType.THREAD, **dcp_kwargs
@@ -338,7 +336,7 @@ class AsyncSaveStager(AsyncStager):
             save.upload.set_exception(save.refused or failure)
 
     def _open_gate(self) -> None:
-        """At every rank's ``write_data`` of the save in flight (DCP's upload thread, :class:`GatedWriter`): this
+        """At every rank's last planning step of the save in flight (DCP's upload thread, :class:`GatedPlanner`): this
         rank's verdict, then every rank's; a refusal raises :class:`SaveRefused` on every rank."""
         save = self._save
         refusals = agree(save.verdict.result(), self._group)
@@ -381,3 +379,12 @@ class AsyncSaveStager(AsyncStager):
             save.staged.set_exception(SaveRefused(refusals))
         else:
             save.staged.set_result(staged)
+
+
+def _writes_locally(dcp_kwargs: dict[str, Any]) -> bool:
+    """Whether the save's writer writes to the local file system: DCP's ``FileSystemWriter`` (given, or the one DCP
+    picks for a ``checkpoint_id`` without ``://``), whose planning creates the checkpoint directory."""
+    writer = dcp_kwargs.get("storage_writer")
+    if writer is None:
+        return "://" not in str(dcp_kwargs.get("checkpoint_id"))
+    return isinstance(getattr(writer, "fs", None), FileSystem)  # DCP's local file system (not fsspec's)

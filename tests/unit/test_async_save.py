@@ -28,7 +28,6 @@ from tests.distributed.launch import spawn
 from tests.helpers import assert_bitwise
 from tests.unit.saves import (
     OURS,
-    PlanWatcher,
     StuckExport,
     assert_checkpoint,
     expected_tensors,
@@ -44,11 +43,16 @@ def _leased(opt, state: dict) -> list[torch.Tensor]:
 
 class _GatedWriter(FileSystemWriter):
     """DCP's file writer whose ``write_data`` waits until the test opens the gate (a write still in flight), or
-    fails when ``fail`` is set (a write that fails)."""
+    fails when ``fail`` is set (a write that fails); ``planned`` is set when DCP's planning reaches it."""
 
     def __init__(self, path: str, gate: threading.Event | None = None, fail: bool = False):
         super().__init__(path)
         self.gate, self.fail, self.written = gate, fail, False
+        self.planned = threading.Event()
+
+    def prepare_local_plan(self, plan):
+        self.planned.set()
+        return super().prepare_local_plan(plan)
 
     def write_data(self, plan, planner):
         if self.gate is not None:
@@ -291,10 +295,10 @@ def test_dcp_plans_while_the_export_fills_and_writes_once_it_is_filled(tmp_path,
     train(model, opt, 1)
     expected = expected_tensors(model, opt)
     stuck.gate.clear()
-    planner, writer = PlanWatcher(), _GatedWriter(str(tmp_path / "ck"))
+    writer = _GatedWriter(str(tmp_path / "ck"))
     try:  # the gate opens whatever happens: a held export would hold DCP's upload thread at exit
-        response = stager.async_save(export_deferred(model, opt), storage_writer=writer, planner=planner)
-        assert planner.planned.wait(30), "DCP did not plan before the export was filled"
+        response = stager.async_save(export_deferred(model, opt), storage_writer=writer)
+        assert writer.planned.wait(30), "DCP did not plan before the export was filled"
         assert not response.staging_completion.done() and not response.upload_completion.done()
         assert not writer.written, "written before the export was filled"
     finally:
@@ -337,9 +341,7 @@ def test_a_save_that_fails_in_planning_keeps_an_unfilled_export_s_buffers_and_en
 def test_a_check_that_returns_no_line_is_named_and_a_save_without_collectives_plans_after_the_fill(
     tmp_path, monkeypatch
 ):
-    """A ``check`` returning ``True`` refuses in a line naming what it returned; with ``no_dist`` (DCP plans each
-    rank alone, so no rank may wait at a gate for the others) DCP plans only once the export is filled."""
-    stuck = StuckExport(monkeypatch)
+    """A ``check`` returning ``True`` refuses in a line naming what it returned."""
     model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     stager = AsyncSaveStager(opt, StagerOptions(check=lambda staged: True))
@@ -347,20 +349,6 @@ def test_a_check_that_returns_no_line_is_named_and_a_save_without_collectives_pl
     stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "true"))
     with pytest.raises(SaveRefused, match=r"check returned True: a refusal line \(str\) or None saves \(rank 0\)$"):
         stager.wait()
-    stager.close()
-    stager = AsyncSaveStager(opt)  # no check
-    train(model, opt, 1)
-    stuck.gate.clear()
-    planner = PlanWatcher()
-    try:
-        stager.async_save(
-            export_deferred(model, opt), checkpoint_id=str(tmp_path / "ck"), planner=planner, no_dist=True
-        )
-        assert not planner.planned.wait(0.5), "planned before the export was filled, without DCP's collectives"
-    finally:
-        stuck.gate.set()
-    stager.wait()
-    assert planner.planned.is_set() and (tmp_path / "ck" / ".metadata").is_file()
     stager.close()
 
 

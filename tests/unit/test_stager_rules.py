@@ -101,17 +101,17 @@ def test_a_budget_below_the_largest_tensor_and_the_copies_made_at_the_start_is_r
     stager.close()
 
 
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "no_dist"])
-def test_copies_at_the_start_beyond_the_budget_are_refused_in_one_line_naming_the_least_budget(tmp_path, gated):
+@pytest.mark.parametrize("no_dist", [False, True], ids=["collectives", "no_dist"])
+def test_copies_at_the_start_beyond_the_budget_are_refused_in_one_line_naming_the_least_budget(tmp_path, no_dist):
     """9 MiB copied when the save starts, beyond the budget (8 MiB) alone: the save's refusal is that line with the
-    least budget (the copies and the largest state); gated (DCP plans at once, the write waits for the ranks'
-    verdict), not DCP's planning of a save that never started."""
+    least budget (the copies and the largest state), agreed before DCP plans (a save within a budget plans with its
+    own planner), not DCP's planning of a save that never started."""
     model, opt = _trained(2 * STATE)
     stager = AsyncSaveStager(opt)
     with stager.exporting():
         msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd, "extra": torch.ones(9 << 18)}
-    response = stager.async_save(state, checkpoint_id=str(tmp_path / "ck"), **({} if gated else {"no_dist": True}))
+    response = stager.async_save(state, checkpoint_id=str(tmp_path / "ck"), no_dist=no_dist)
     with pytest.raises((BudgetRefused, SaveRefused)) as info:
         response.upload_completion.result()
     line = str(info.value)

@@ -1,0 +1,48 @@
+"""``GatedPlanner``: DCP's default save planner, whose last planning step waits for a gate, so that DCP may plan a
+save before its data is ready (``AsyncSaveStager.async_save``: while an optimizer's background export fills). See
+docs/design.md, "The async-save stager".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
+
+__all__ = ["GatedPlanner"]
+
+
+class GatedPlanner(DefaultSavePlanner):
+    """DCP's default save planner for one save, whose ``finish_plan`` first calls ``gate()``. DCP calls it on every
+    rank right before the writer's ``write_data``, between its collectives, on its upload thread: a gate that
+    raises ends the save before anything is written, and where the writer writes to the local file system
+    (``local``), the directories its planning made are removed again (deepest first, each only while empty). The
+    planning before the gate reads only the tensors' metadata."""
+
+    def __init__(self, gate: Callable[[], None], *, local: bool) -> None:
+        super().__init__()
+        self.gate, self.local = gate, local
+        self._made: list[Path] = []  # the directories the writer's planning creates, deepest first
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        """Called before the writer's planning (which creates the checkpoint directory), with the writer's
+        ``storage_meta()``: its ``checkpoint_id`` is the directory (after DCP's ``reset`` of the writer)."""
+        where = getattr(storage_meta, "checkpoint_id", None)
+        if self.local and where is not None:
+            self._made = [p for p in (Path(where), *Path(where).parents) if not p.exists()]
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        try:
+            self.gate()
+        except BaseException:
+            with contextlib.suppress(OSError):  # another rank's removal, or not empty: not ours to remove
+                for directory in self._made:
+                    os.rmdir(directory)
+            raise
+        return super().finish_plan(new_plan)
