@@ -4,12 +4,19 @@ The README's command runs the suite on two pytest-xdist workers, a test file to 
 loadfile``: a module's fixtures, such as the local Slurm cluster of tests/recipe/test_slurm.py, live in one
 process). The tests marked ``slow`` (each starts processes of its own) come first, so that their files are handed
 out before the quick ones and no long file is left running alone at the end.
+
+Once every test module is imported, the suite's process freezes what the imports made out of the garbage collector
+(``gc.freeze``), as a long-lived owner of its collector would: the recipe's loop then leaves the collector to it
+(``recipes.job.setup_frozen``) instead of collecting the whole heap at every in-process run. Tests of the loop's
+own policy start from a fresh interpreter's collector (the ``unowned_collector`` fixture).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 
+import pytest
 import torch
 
 
@@ -22,3 +29,19 @@ def pytest_configure(config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each (no OpenMP spinning),
         torch.set_num_threads(1)
         os.environ["OMP_NUM_THREADS"] = "1"  # and in the processes they start (forked ones too)
+
+
+def pytest_collection_finish(session) -> None:
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.fixture
+def unowned_collector():
+    """Nothing frozen during the test, as in a fresh interpreter; the suite's freeze again after it."""
+    gc.unfreeze()
+    try:
+        yield
+    finally:
+        gc.collect()
+        gc.freeze()

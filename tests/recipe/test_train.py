@@ -183,7 +183,7 @@ def test_cli_unknown_override_and_user_error_are_short(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_the_loop_runs_with_its_setup_frozen_out_of_the_collector(tmp_path):
+def test_the_loop_runs_with_its_setup_frozen_out_of_the_collector(tmp_path, unowned_collector):
     """At every save the objects made before the loop are frozen (``gc.freeze``), and they outnumber what the
     collector still tracks, so a generation-2 collection inside a save scans only what the loop made; when the run
     ends, and when its loop raises, they are collected again."""
@@ -201,7 +201,7 @@ def test_the_loop_runs_with_its_setup_frozen_out_of_the_collector(tmp_path):
     assert gc.get_freeze_count() == 0
 
 
-def test_where_objects_are_frozen_already_the_loop_leaves_the_collector_to_that_owner(tmp_path):
+def test_where_objects_are_frozen_already_the_loop_leaves_the_collector_to_that_owner(tmp_path, unowned_collector):
     """A process that froze objects itself keeps its policy: the recipe neither freezes its own (they would never
     be collected) nor unfreezes the owner's."""
     gc.freeze()

@@ -104,7 +104,7 @@ def test_bench_save_runs_every_mode_on_cpu(tmp_path, monkeypatch, capsys):
     assert (again / "bench_save.md").read_text() == table
 
 
-def test_bench_save_counts_the_gen2_collections_in_each_save_s_window(tmp_path, monkeypatch, capsys):
+def test_bench_save_counts_the_gen2_collections_in_each_save_s_window(tmp_path, monkeypatch, capsys, unowned_collector):
     """Each row counts the generation-2 collections that ended in its save's window (here one forced at the save
     call's start) and how many objects were frozen then: the setup's with ``--gc frozen`` (the default), none with
     ``--gc automatic``; after the run nothing is frozen and the recorder's callback is gone."""
