@@ -162,7 +162,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         try:
             self._check_start(writer_checked)
             self._early = self._copy_early(state_dict) if self.copy_host_tensors else {}
-        except BudgetRefused as exc:  # should DCP still write this save, its resolve_data raises this line
+        except BudgetRefused as exc:  # should DCP still plan this save, its planning raises this line
             self._refused = str(exc)
             raise
         devices = {t.device for t in local_tensors(state_dict) if t.is_cuda}

@@ -186,12 +186,16 @@ class AsyncSaveStager(AsyncStager):
             raise ValueError(f"AsyncSaveStager.{self._called}: {where}")
         # gated or not from the arguments alone, the same on every rank: DCP's default planner, made here
         dcp_kwargs, self._own_save = self._filler.save_kwargs(dcp_kwargs), True
+        writer, checkpoint_id = dcp_kwargs.get("storage_writer"), dcp_kwargs.get("checkpoint_id")
         previous = self._save
         try:  # gated: each rank's planning alone (use_collectives=False) could leave the others at the gate
             self._gate_next = dcp_kwargs.get("planner") is None and not dcp_kwargs.get("no_dist", False)
             self._gate_next = self._gate_next and dcp_kwargs.get("use_collectives", True) is not False
+            # a checkpoint_id with :// and no writer: DCP picks its writer, whose directories a refusal would leave
+            self._gate_next = self._gate_next and (writer is not None or "://" not in str(checkpoint_id))
             if self._gate_next:
-                dcp_kwargs["planner"] = GatedPlanner(self._open_gate, local=_writes_locally(dcp_kwargs))
+                local = writer is None or isinstance(getattr(writer, "fs", None), FileSystem)  # DCP's, not fsspec's
+                dcp_kwargs["planner"] = GatedPlanner(self._open_gate, local=local)
             with self.exporting(defer=False):  # DCP exports a Stateful optimizer inside
                 response = dcp.async_save(
                     state_dict, async_stager=self, async_checkpointer_type=AsyncCheckpointerType.THREAD, **dcp_kwargs
@@ -379,12 +383,3 @@ class AsyncSaveStager(AsyncStager):
             save.staged.set_exception(SaveRefused(refusals))
         else:
             save.staged.set_result(staged)
-
-
-def _writes_locally(dcp_kwargs: dict[str, Any]) -> bool:
-    """Whether the save's writer writes to the local file system: DCP's ``FileSystemWriter`` (given, or the one DCP
-    picks for a ``checkpoint_id`` without ``://``), whose planning creates the checkpoint directory."""
-    writer = dcp_kwargs.get("storage_writer")
-    if writer is None:
-        return "://" not in str(dcp_kwargs.get("checkpoint_id"))
-    return isinstance(getattr(writer, "fs", None), FileSystem)  # DCP's local file system (not fsspec's)

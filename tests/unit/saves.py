@@ -1,6 +1,6 @@
 """What the async-save tests share: a small model, a few training steps, a deferred export as a checkpointer saves
 it, the tensors a checkpoint of a moment holds, a bitwise check of a written checkpoint, an export held unfilled,
-and a planner that says when DCP planned."""
+and a planner and a writer that say when DCP planned."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory.checkpoint import deferred_export
@@ -74,6 +74,18 @@ class StuckExport:
                 return super()._stream_after(*args)
 
         monkeypatch.setattr(mixin, "StateExporter", Stuck)
+
+
+class PlannedWriter(FileSystemWriter):
+    """DCP's file writer, which says when DCP's planning reaches it (``planned``)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.planned = threading.Event()
+
+    def prepare_local_plan(self, plan):
+        self.planned.set()
+        return super().prepare_local_plan(plan)
 
 
 class PlanWatcher(DefaultSavePlanner):

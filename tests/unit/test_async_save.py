@@ -28,6 +28,7 @@ from tests.distributed.launch import spawn
 from tests.helpers import assert_bitwise
 from tests.unit.saves import (
     OURS,
+    PlannedWriter,
     StuckExport,
     assert_checkpoint,
     expected_tensors,
@@ -41,18 +42,13 @@ def _leased(opt, state: dict) -> list[torch.Tensor]:
     return [t for st in state["optim"]["state"].values() for t in st.values() if opt.is_leased_export_buffer(t)]
 
 
-class _GatedWriter(FileSystemWriter):
+class _HeldWriter(PlannedWriter):
     """DCP's file writer whose ``write_data`` waits until the test opens the gate (a write still in flight), or
     fails when ``fail`` is set (a write that fails); ``planned`` is set when DCP's planning reaches it."""
 
     def __init__(self, path: str, gate: threading.Event | None = None, fail: bool = False):
         super().__init__(path)
         self.gate, self.fail, self.written = gate, fail, False
-        self.planned = threading.Event()
-
-    def prepare_local_plan(self, plan):
-        self.planned.set()
-        return super().prepare_local_plan(plan)
 
     def write_data(self, plan, planner):
         if self.gate is not None:
@@ -128,7 +124,7 @@ def test_any_other_optimizer_is_staged_as_dcp_stages_it(tmp_path):
     )
     gate = threading.Event()  # the write waits until the live tensors have changed
     response = stager.async_save(
-        {"model": msd, "optim": osd}, storage_writer=_GatedWriter(str(tmp_path / "adamw"), gate)
+        {"model": msd, "optim": osd}, storage_writer=_HeldWriter(str(tmp_path / "adamw"), gate)
     )
     response.staging_completion.result()
     train(model, opt, 1)  # changes the live tensors in place: the checkpoint holds the staged copies
@@ -184,7 +180,7 @@ def test_a_failing_write_gives_the_buffers_back_and_leaves_the_previous_checkpoi
     model, opt, stager, expected = _after_a_good_save(tmp_path)
     train(model, opt, 1)
     state = export_deferred(model, opt)
-    stager.async_save(state, storage_writer=_GatedWriter(str(tmp_path / "bad"), fail=True))
+    stager.async_save(state, storage_writer=_HeldWriter(str(tmp_path / "bad"), fail=True))
     with pytest.raises(RuntimeError, match="^the async save failed: .*No space left on device") as info:
         stager.wait()
     assert "\n" not in str(info.value)
@@ -198,7 +194,7 @@ def test_a_save_started_while_the_previous_one_writes_waits_for_it(tmp_path):
     model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     gate = threading.Event()
-    first_writer = _GatedWriter(str(tmp_path / "first"), gate)
+    first_writer = _HeldWriter(str(tmp_path / "first"), gate)
     first_done: list[bool] = []  # at each staging: whether the first save's files were written
     stager = AsyncSaveStager(opt, StagerOptions(check=lambda staged: first_done.append(first_writer.written)))
     train(model, opt, 1)
@@ -229,7 +225,7 @@ def test_close_with_a_save_in_flight_finishes_it_and_releases_everything(tmp_pat
     expected = expected_tensors(model, opt)
     state = export_deferred(model, opt)
     gate = threading.Event()
-    response = stager.async_save(state, storage_writer=_GatedWriter(str(tmp_path / "ck"), gate))
+    response = stager.async_save(state, storage_writer=_HeldWriter(str(tmp_path / "ck"), gate))
     assert not response.upload_completion.done()  # the gate holds the write
     threading.Timer(0.05, gate.set).start()  # the write ends while close() waits for it
     stager.close()
@@ -295,7 +291,7 @@ def test_dcp_plans_while_the_export_fills_and_writes_once_it_is_filled(tmp_path,
     train(model, opt, 1)
     expected = expected_tensors(model, opt)
     stuck.gate.clear()
-    writer = _GatedWriter(str(tmp_path / "ck"))
+    writer = _HeldWriter(str(tmp_path / "ck"))
     try:  # the gate opens whatever happens: a held export would hold DCP's upload thread at exit
         response = stager.async_save(export_deferred(model, opt), storage_writer=writer)
         assert writer.planned.wait(30), "DCP did not plan before the export was filled"
@@ -338,9 +334,7 @@ def test_a_save_that_fails_in_planning_keeps_an_unfilled_export_s_buffers_and_en
     stager.close()
 
 
-def test_a_check_that_returns_no_line_is_named_and_a_save_without_collectives_plans_after_the_fill(
-    tmp_path, monkeypatch
-):
+def test_a_check_that_returns_no_line_is_named(tmp_path):
     """A ``check`` returning ``True`` refuses in a line naming what it returned."""
     model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)

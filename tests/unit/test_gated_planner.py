@@ -8,16 +8,15 @@ and only those."""
 from __future__ import annotations
 
 import inspect
-import threading
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 
 from optim_factory import PortableFusedAdam
 from optim_factory.checkpoint import AsyncSaveStager, SaveRefused, StagerOptions
 from tests.unit.saves import (
     OURS,
+    PlannedWriter,
     PlanWatcher,
     StuckExport,
     assert_checkpoint,
@@ -28,18 +27,6 @@ from tests.unit.saves import (
 )
 
 COLLECTIVES_OPTION = "use_collectives" in inspect.signature(dcp.async_save).parameters
-
-
-class _PlannedWriter(FileSystemWriter):
-    """DCP's file writer, which says when DCP's planning reaches it."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__(path)
-        self.planned = threading.Event()
-
-    def prepare_local_plan(self, plan):
-        self.planned.set()
-        return super().prepare_local_plan(plan)
 
 
 @pytest.mark.parametrize("how", ["a planner of the caller's", "use_collectives=False", "no_dist=True"])
@@ -53,7 +40,7 @@ def test_a_save_that_is_not_gated_is_planned_after_the_fill_and_written(tmp_path
     train(model, opt, 1)
     expected = expected_tensors(model, opt)
     where = tmp_path / "ck"
-    writer = _PlannedWriter(str(where))
+    writer = PlannedWriter(str(where))
     kwargs = {"use_collectives": False} if how.startswith("use_collectives") else {}
     kwargs |= {"planner": PlanWatcher()} if how.startswith("a planner") else {}
     kwargs |= {"no_dist": True} if how.startswith("no_dist") else {}
@@ -69,17 +56,26 @@ def test_a_save_that_is_not_gated_is_planned_after_the_fill_and_written(tmp_path
     stager.close()
 
 
-@pytest.mark.parametrize("given", ["checkpoint_id", "storage_writer"])
+@pytest.mark.parametrize("given", ["checkpoint_id", "storage_writer", "storage_writer and checkpoint_id", "file:// id"])
 def test_a_refused_save_removes_every_directory_its_planning_made_and_no_other(tmp_path, given):
+    """A gated save is planned (its writer made the directories) before the refusal removes them; a ``file://`` id
+    without a writer (DCP picks fsspec's, whose directories the gate cannot tell) is refused before DCP plans."""
     model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     stager = AsyncSaveStager(opt, StagerOptions(check=lambda staged: "refused by the test"))
     train(model, opt, 1)
     (tmp_path / "runs").mkdir()
-    where = str(tmp_path / "runs" / "new" / "deeper" / "ck")
-    kwargs = {"checkpoint_id": where} if given == "checkpoint_id" else {"storage_writer": FileSystemWriter(where)}
+    where, elsewhere = tmp_path / "runs" / "new" / "deeper" / "ck", tmp_path / "runs" / "elsewhere"
+    writer = PlannedWriter(str(elsewhere if given.endswith("checkpoint_id") else where))
+    kwargs = {
+        "checkpoint_id": {"checkpoint_id": str(where)},
+        "storage_writer": {"storage_writer": writer},
+        "storage_writer and checkpoint_id": {"storage_writer": writer, "checkpoint_id": str(where)},
+        "file:// id": {"checkpoint_id": f"file://{where}"},
+    }[given]
     stager.async_save(export_deferred(model, opt), **kwargs)
     with pytest.raises(SaveRefused, match=r"refused by the test \(rank 0\)$"):
         stager.wait()
+    assert writer.planned.is_set() == given.startswith("storage_writer")  # planned: its directories were made
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"] and not any((tmp_path / "runs").iterdir())
     stager.close()
