@@ -18,7 +18,7 @@ class StagedSave:
     filled: Future = field(default_factory=Future)  # the copies are done and the exports filled (or failed)
     staged: Future = field(default_factory=Future)  # handed to DCP: the staged dict, or SaveRefused on every rank
     verdict: Future = field(default_factory=Future)  # this rank's refusal line, or None (GatedPlanner's gate waits)
-    refused: SaveRefused | None = None  # gated: the ranks' refusal, raised by the write
+    refused: SaveRefused | None = None  # gated: the ranks' refusal, raised by the planning's last step
     upload: Future | None = None  # DCP's upload, when the save was started by AsyncSaveStager.async_save
     over: threading.Event = field(default_factory=threading.Event)  # written or failed, and its buffers given back
     stuck: bool = False  # an export did not fill in time: its buffers stay with it
