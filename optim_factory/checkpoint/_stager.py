@@ -189,10 +189,13 @@ class AsyncSaveStager(AsyncStager):
         writer, checkpoint_id = dcp_kwargs.get("storage_writer"), dcp_kwargs.get("checkpoint_id")
         previous = self._save
         try:  # gated: each rank's planning alone (use_collectives=False) could leave the others at the gate
-            self._gate_next = dcp_kwargs.get("planner") is None and not dcp_kwargs.get("no_dist", False)
-            self._gate_next = self._gate_next and dcp_kwargs.get("use_collectives", True) is not False
-            # a checkpoint_id with :// and no writer: DCP picks its writer, whose directories a refusal would leave
-            self._gate_next = self._gate_next and (writer is not None or "://" not in str(checkpoint_id))
+            self._gate_next = (
+                dcp_kwargs.get("planner") is None
+                and not dcp_kwargs.get("no_dist", False)
+                and dcp_kwargs.get("use_collectives", True) is not False
+                # a checkpoint_id with :// and no writer: DCP picks fsspec's, whose directories a refusal would leave
+                and (writer is not None or "://" not in str(checkpoint_id))
+            )
             if self._gate_next:
                 local = writer is None or isinstance(getattr(writer, "fs", None), FileSystem)  # DCP's, not fsspec's
                 dcp_kwargs["planner"] = GatedPlanner(self._open_gate, local=local)
