@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A real single-node Slurm on this machine (Debian 12, root): munge + slurmctld + slurmd, for tests.
-#   bash scripts/slurm/local_cluster.sh install   # apt-get install slurmctld slurmd slurm-client munge
+#   bash scripts/slurm/local_cluster.sh install   # apt-get install slurmctld slurmd slurm-client munge (no
+#                                                 # recommended plugins: the tests use none of them)
 #   bash scripts/slurm/local_cluster.sh start     # key, config, daemons; waits until the node is idle
 #   bash scripts/slurm/local_cluster.sh stop      # stops the daemons this script started
 # Verified on Debian 12 with Slurm 22.05 and munge 0.5; the steps are the ones below: a munge key (1024 random
@@ -15,7 +16,7 @@ case "${1:-}" in
   install)
     command -v slurmctld >/dev/null && command -v munged >/dev/null && exit 0
     apt-get update -q >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmctld slurmd slurm-client munge >/dev/null ;;
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null ;;
   start)
     [ "$(id -u)" = 0 ] || { echo "local_cluster.sh: needs root" >&2; exit 1; }
     mkdir -p "$state" /etc/munge /run/munge /var/log/munge /var/lib/munge /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
