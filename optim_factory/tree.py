@@ -40,7 +40,10 @@ def local_tensors(tree: Any) -> Iterator[torch.Tensor]:
 
     for _, v in leaves(tree):
         if isinstance(v, torch.Tensor):
-            yield v.to_local() if hasattr(v, "to_local") else v
+            if hasattr(v, "to_local"):
+                with torch.no_grad():  # the local tensor itself: with grad on, an autograd Function call per DTensor
+                    v = v.to_local()
+            yield v
 
 
 def state_bytes(tree: Any) -> int:
