@@ -4,7 +4,8 @@ what its name says, for another optimizer what DCP does without it), in one impo
 * Saves: :class:`AsyncSaveStager`, DCP's ``AsyncStager`` kept across saves (and ``AsyncSaveStager.save``, the same
   save waited for), and its options
   :class:`StagerOptions` (the export's buffers written uncopied, the model into reused pinned copies, a
-  background export completed, a failed or non-finite save refused on every rank before DCP writes:
+  background export completed, the write in a writer process of the rank's own, a failed or non-finite save
+  refused on every rank before DCP writes:
   :class:`SaveRefused`, whose reasons start with
   :data:`EXPORT_FAILED_LINE` or :data:`NON_FINITE_LINE`); :class:`BudgetSavePlanner` and :func:`host_budget`, a
   save within ``state_dict_offload_host_budget`` (its refusals: :class:`BudgetRefused`), and
@@ -17,8 +18,8 @@ what its name says, for another optimizer what DCP does without it), in one impo
   :func:`export_failure`, :func:`export_buffer_test`, :func:`release_export`; :func:`cpus_per_rank`.
 
 The modules behind this face are private (``_stager``, ``_options``, ``_fillers``, ``_export_waits``, ``_verdict``,
-``_record``, ``_agreement``, ``_budget``, ``_budget_rule``, ``_fills``, ``_gated_planner``, ``_finite_check``,
-``_host_copies``, ``_load_planner``, ``_deferral``, ``_safe_read``): import from here.
+``_record``, ``_agreement``, ``_writer_process``, ``_budget``, ``_budget_rule``, ``_fills``, ``_gated_planner``,
+``_finite_check``, ``_host_copies``, ``_load_planner``, ``_deferral``, ``_safe_read``): import from here.
 """
 
 from optim_factory.checkpoint._budget import BudgetSavePlanner, host_budget

@@ -40,8 +40,8 @@ class CopyAtStart:
 
     budget_peak_bytes = None  # no budget
 
-    def __init__(self, pinned: bool, optimizers: list[Any]) -> None:
-        self._copies = HostCopies(pinned=pinned)
+    def __init__(self, pinned: bool, optimizers: list[Any], shared: bool = False) -> None:
+        self._copies = HostCopies(pinned=pinned, shared=shared)
         self.save_bytes: int | None = None
         # the training's own tensors (not held for a save): the optimizers' parameters and states
         self._live = [[p for g in opt.param_groups for p in g["params"]] + [opt.state] for opt in optimizers]
@@ -125,9 +125,24 @@ class FillAsWritten:
         self._planner.drop_kept()
 
 
-def filler_for(optimizers: Iterable[Any], pinned: bool) -> CopyAtStart | FillAsWritten:
+def filler_for(optimizers: Iterable[Any], pinned: bool, shared: bool = False) -> CopyAtStart | FillAsWritten:
     """:class:`FillAsWritten` for the one optimizer with a host budget (several are refused: ``budget_planner``),
-    else :class:`CopyAtStart`."""
+    else :class:`CopyAtStart` (``shared``: its copies in shared memory, for a writer process; a budget's fills,
+    asked for by the writer as it writes, are refused there, and so is a CUDA machine: the export's pooled buffers
+    are pinned where they are, and torch's sharing would move them)."""
     optimizers = list(optimizers)
     planner = budget_planner(optimizers, "AsyncSaveStager")
-    return CopyAtStart(pinned, optimizers) if planner is None else FillAsWritten(planner)
+    refused = "AsyncSaveStager(StagerOptions(write_in_process=True)):"
+    if shared and torch.cuda.is_available():
+        raise ValueError(
+            f"{refused} it hands host tensors to the writer process; the pinned host buffers of CUDA states cannot "
+            "move into shared memory without a copy and unpinning: save without write_in_process on a CUDA machine"
+        )
+    if planner is None:
+        return CopyAtStart(pinned, optimizers, shared)
+    if shared:
+        raise ValueError(
+            f"{refused} a save within state_dict_offload_host_budget is filled as it is written, in this process; "
+            "save it without write_in_process"
+        )
+    return FillAsWritten(planner)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import SavePlan
 
 __all__ = ["GatedPlanner"]
@@ -21,13 +22,29 @@ class GatedPlanner(DefaultSavePlanner):
     """DCP's default save planner for one save, whose ``finish_plan`` first calls ``gate()``. DCP calls it on every
     rank right before the writer's ``write_data``, between its collectives, on its upload thread: a gate that
     raises ends the save before anything is written, and where the writer writes to the local file system
-    (``local``), the directories its planning made are removed again (deepest first, each only while empty). The
-    planning before the gate reads only the tensors' metadata."""
+    (``local``: DCP's file system, not fsspec's), the directories its planning made are removed again (deepest
+    first, each only while empty). The planning before the gate reads only the tensors' metadata."""
 
     def __init__(self, gate: Callable[[], None], *, local: bool) -> None:
         super().__init__()
         self.gate, self.local = gate, local
         self._made: list[Path] = []  # the directories the writer's planning creates, deepest first
+
+    @classmethod
+    def for_save(cls, gate: Callable[[], None], dcp_kwargs: dict[str, Any]) -> GatedPlanner | None:
+        """The planner of a save with ``dcp.async_save``'s arguments ``dcp_kwargs``, from them alone (the same on
+        every rank), or None where it is not gated: a planner of the caller's, no collectives (each rank's planning
+        alone could leave the others at the gate), or a ``checkpoint_id`` with ``://`` and no writer (DCP picks
+        fsspec's writer, whose directories a refusal would leave behind)."""
+        writer, checkpoint_id = dcp_kwargs.get("storage_writer"), dcp_kwargs.get("checkpoint_id")
+        if (
+            dcp_kwargs.get("planner") is not None
+            or dcp_kwargs.get("no_dist", False)
+            or dcp_kwargs.get("use_collectives", True) is False
+            or (writer is None and "://" in str(checkpoint_id))
+        ):
+            return None
+        return cls(gate, local=writer is None or isinstance(getattr(writer, "fs", None), FileSystem))
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
         """Called before the writer's planning (which creates the checkpoint directory), with the writer's

@@ -32,11 +32,12 @@ class HostCopies:
     first). :meth:`close` drops every buffer.
     """
 
-    def __init__(self, pinned: bool = True) -> None:
+    def __init__(self, pinned: bool = True, shared: bool = False) -> None:
         """``pinned=False``: CUDA tensors are copied into fresh pageable memory at once, as other tensors are (the
         load's template, read once: pinning it would lock a whole state copy per rank, kept by torch's caching
-        host allocator)."""
-        self.pinned = pinned
+        host allocator). ``shared`` (host tensors only): every tensor gets a buffer kept from copy to copy, in
+        shared memory (another process reads it where it is: ``StagerOptions.write_in_process``)."""
+        self.pinned, self.shared = pinned, shared
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._streams: dict[torch.device, Any] = {}
 
@@ -65,12 +66,16 @@ class HostCopies:
 
     def _tensor(self, tensor: torch.Tensor, path: tuple, events: dict, sources: list) -> torch.Tensor:
         local = local_tensor(tensor).detach()
-        if local.device.type != "cuda" or not self.pinned:
+        on_cuda = local.device.type == "cuda"
+        if not (self.shared or (on_cuda and self.pinned)):
             return tensor.detach().to("cpu", copy=True)
         key = (path, tuple(local.shape), local.dtype)
         buf = self._buffers.get(key)
         if buf is None:
-            buf = self._buffers[key] = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
+            buf = self._buffers[key] = self._buffer(local)
+        if not on_cuda:
+            buf.copy_(local)
+            return wrap_host_local(buf, tensor) if isinstance(tensor, DTensor) else buf
         stream = self._streams.get(local.device)
         if stream is None:
             stream = self._streams[local.device] = torch.cuda.Stream(local.device)
@@ -81,6 +86,12 @@ class HostCopies:
             buf.copy_(local, non_blocking=True)
         sources.append(local)
         return wrap_host_local(buf, tensor) if isinstance(tensor, DTensor) else buf
+
+    def _buffer(self, local: torch.Tensor) -> torch.Tensor:
+        """A kept buffer for ``local``: in shared memory (``shared``), else pinned (a CUDA tensor's)."""
+        if self.shared:
+            return torch.empty(local.shape, dtype=local.dtype).share_memory_()
+        return torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
 
     def nbytes(self) -> int:
         """Bytes of host buffers kept for the next copy."""

@@ -26,15 +26,20 @@ class StagerOptions:
         are written); a returned line refuses the save on every rank.
     pinned: the model's host copies of CUDA tensors in pinned memory kept from save to save.
     export_timeout_s: how long a save waits for a background export to fill before refusing it.
+    write_in_process: :meth:`~AsyncSaveStager.async_save` hands each staged save to a writer process of this
+        rank's own (``_writer_process.py``), started at the first save and kept until ``close()``: DCP's planning
+        and writing run outside the training process's interpreter, reading the staged tensors in shared memory.
+        A waited save (:meth:`~AsyncSaveStager.save`) is written in this process; a host budget is refused.
     """
 
     refuse_non_finite: bool = False
     check: Check | None = None
     pinned: bool = True
     export_timeout_s: float = DEFAULT_EXPORT_TIMEOUT_S
+    write_in_process: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("refuse_non_finite", "pinned"):
+        for name in ("refuse_non_finite", "pinned", "write_in_process"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"StagerOptions({name}=...): expected True or False, got {getattr(self, name)!r}")
         if self.check is not None and not callable(self.check):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -28,19 +28,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse  # torch >= 2.9
+from torch.distributed.checkpoint.stateful import Stateful
 
 from optim_factory.checkpoint._agreement import agree
 from optim_factory.checkpoint._budget import one_line_refusal
 from optim_factory.checkpoint._export_waits import ExportWaits
 from optim_factory.checkpoint._fillers import filler_for
-from optim_factory.checkpoint._finite_check import FiniteCheck
 from optim_factory.checkpoint._gated_planner import GatedPlanner
 from optim_factory.checkpoint._options import StagerOptions, option_names
 from optim_factory.checkpoint._record import StagedSave
-from optim_factory.checkpoint._verdict import rank_verdict
+from optim_factory.checkpoint._verdict import complete_staging
+from optim_factory.checkpoint._writer_process import WriterProcess
 from optim_factory.errors import SaveRefused, first_line
 from optim_factory.optimizers.export import OffloadedStateDict
 
@@ -85,7 +85,8 @@ class AsyncSaveStager(AsyncStager):
         self._ours = [opt for opt in self.optimizers if isinstance(opt, OffloadedStateDict)]
         self._exports = ExportWaits(self._ours, self.options.export_timeout_s)  # their background exports waited for
         # the one part that gives a save its host tensors: copies at its start, or fills within a budget
-        self._filler = filler_for(self.optimizers, self.options.pinned)
+        self._filler = filler_for(self.optimizers, self.options.pinned, shared=self.options.write_in_process)
+        self._writer: WriterProcess | None = None  # write_in_process: the rank's writer process, from the first save
         self._check_streams: dict[torch.device, Any] = {}  # the finite check's side stream per device
         self._group = process_group
         self._own_group = False
@@ -101,6 +102,11 @@ class AsyncSaveStager(AsyncStager):
         """Host copies of ``state_dict`` for DCP's writer: pooled export buffers passed through, every other tensor
         copied into the stager's buffers. Returns the Future DCP's upload waits for (see the module docstring)."""
         self._check_open()
+        if self.options.write_in_process and not self._own_save:
+            raise RuntimeError(
+                "AsyncSaveStager(StagerOptions(write_in_process=True)): start its saves with stager.async_save; "
+                "dcp.async_save(..., async_stager=stager) writes on DCP's own executor"
+            )
         self._join_ranks()
         self._end_previous()
         gated, self._gate_next = self._gate_next, False
@@ -125,9 +131,10 @@ class AsyncSaveStager(AsyncStager):
             staged, copied = exc, None
         # the caller's GPU on the thread: a new thread's is 0, and its first CUDA call would create a context there
         device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        exports = self._exports if filling is None else None  # else the filler's fills complete the staging
         threading.Thread(
-            target=self._complete,
-            args=(save, staged, copied, finite, device, gated, filling is None),
+            target=complete_staging,
+            args=(save, staged, copied, finite, device, exports, self.options.check, self._group, gated),
             name="optim-factory-staging",
             daemon=True,
         ).start()
@@ -147,6 +154,8 @@ class AsyncSaveStager(AsyncStager):
             return
         self._end_previous()
         self._closed = True
+        if self._writer is not None:
+            self._writer.close()
         self._filler.close()
         if self._own_group and dist.is_initialized():
             dist.destroy_process_group(self._group)
@@ -186,23 +195,12 @@ class AsyncSaveStager(AsyncStager):
             raise ValueError(f"AsyncSaveStager.{self._called}: {where}")
         # gated or not from the arguments alone, the same on every rank: DCP's default planner, made here
         dcp_kwargs, self._own_save = self._filler.save_kwargs(dcp_kwargs), True
-        writer, checkpoint_id = dcp_kwargs.get("storage_writer"), dcp_kwargs.get("checkpoint_id")
         previous = self._save
-        try:  # gated: each rank's planning alone (use_collectives=False) could leave the others at the gate
-            self._gate_next = (
-                dcp_kwargs.get("planner") is None
-                and not dcp_kwargs.get("no_dist", False)
-                and dcp_kwargs.get("use_collectives", True) is not False
-                # a checkpoint_id with :// and no writer: DCP picks fsspec's, whose directories a refusal would leave
-                and (writer is not None or "://" not in str(checkpoint_id))
-            )
-            if self._gate_next:
-                local = writer is None or isinstance(getattr(writer, "fs", None), FileSystem)  # DCP's, not fsspec's
-                dcp_kwargs["planner"] = GatedPlanner(self._open_gate, local=local)
-            with self.exporting(defer=False):  # DCP exports a Stateful optimizer inside
-                response = dcp.async_save(
-                    state_dict, async_stager=self, async_checkpointer_type=AsyncCheckpointerType.THREAD, **dcp_kwargs
-                )
+        try:
+            if self.options.write_in_process and not self._waited:
+                written = self._hand_over(state_dict, dcp_kwargs)
+            else:
+                written = self._dcp_async_save(state_dict, dcp_kwargs).upload_completion
         except BaseException:
             if self._save is not previous:  # staged, never written: nothing reads its buffers
                 self._give_back(self._save)
@@ -213,8 +211,28 @@ class AsyncSaveStager(AsyncStager):
             self._gate_next = self._own_save = False
         save = self._save
         save.upload = Future()
-        response.upload_completion.add_done_callback(lambda done: self._uploaded(save, done))
+        written.add_done_callback(lambda done: self._uploaded(save, done))
         return AsyncSaveResponse(staging_completion=save.filled, upload_completion=save.upload)
+
+    def _dcp_async_save(self, state_dict: dict[str, Any], dcp_kwargs: dict[str, Any]) -> AsyncSaveResponse:
+        """DCP's ``async_save`` through this stager, written on DCP's thread; gated where ``GatedPlanner.for_save``
+        says (every rank's planning ends at the verdict's gate)."""
+        planner = GatedPlanner.for_save(self._open_gate, dcp_kwargs)
+        if planner is not None:
+            self._gate_next, dcp_kwargs["planner"] = True, planner
+        with self.exporting(defer=False):  # DCP exports a Stateful optimizer inside
+            return dcp.async_save(
+                state_dict, async_stager=self, async_checkpointer_type=AsyncCheckpointerType.THREAD, **dcp_kwargs
+            )
+
+    def _hand_over(self, state_dict: dict[str, Any], dcp_kwargs: dict[str, Any]) -> Future:
+        """``write_in_process``: the save staged here (its verdict agreed by every rank), then written by this
+        rank's writer process (``_writer_process.py``). Returns the write's Future."""
+        if self._writer is None:
+            self._writer = WriterProcess(self._group)
+        with self.exporting(defer=False):  # a Stateful's export, as DCP's async_save makes it
+            state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+        return self._writer.write(self.stage(state_dict), dcp_kwargs)
 
     @contextlib.contextmanager
     def exporting(self, *, defer: bool = True) -> Iterator[None]:
@@ -267,6 +285,12 @@ class AsyncSaveStager(AsyncStager):
         ``process_group=`` of your own ``dcp.async_save(..., async_stager=self)``, else beside training's (a hang)."""
         self._join_ranks()
         return self._group
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The pid of this rank's writer process (``StagerOptions.write_in_process``), None before its first save,
+        after :meth:`close`, and without the option."""
+        return None if self._writer is None else self._writer.pid
 
     @property
     def export_filled_later(self) -> bool:
@@ -362,27 +386,3 @@ class AsyncSaveStager(AsyncStager):
                     opt.release_state_dict(save.state_dict)
         finally:  # a waiter never waits for a save whose return failed
             save.over.set()
-
-    def _complete(
-        self,
-        save: StagedSave,
-        staged: dict,
-        copied: Callable[[], None],
-        finite: FiniteCheck | None,
-        device: int | None,
-        gated: bool,
-        fills: bool,
-    ) -> None:
-        """The staging's completion, on a thread of its own: this rank's verdict (``_verdict.py``; ``fills``: the
-        background exports are waited for here, else the filler's fills complete the staging), then the ranks'
-        agreement (``gated``: the gate's, on DCP's upload thread). It never raises."""
-        exports = self._exports if fills else None
-        failure = rank_verdict(save, staged, copied, finite, device, exports, self.options.check)
-        save.verdict.set_result(failure)
-        if gated:
-            return
-        refusals = agree(failure, self._group)
-        if refusals:
-            save.staged.set_exception(SaveRefused(refusals))
-        else:
-            save.staged.set_result(staged)

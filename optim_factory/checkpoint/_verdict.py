@@ -1,7 +1,7 @@
-"""One rank's verdict on a save staged by ``AsyncSaveStager``, on the staging's completion thread: the GPU's finite
-check before ``step()`` can change what it reads, the copies, every background export filled, the host's finite
-check, the options' ``check``. It never raises: a failure is the verdict, so that every rank reaches the agreement
-(``_agreement.py``) and a refusal is every rank's."""
+"""The completion of a save staged by ``AsyncSaveStager``, on a thread of its own (:func:`complete_staging`): this
+rank's verdict (the GPU's finite check before ``step()`` can change what it reads, the copies, every background
+export filled, the host's finite check, the options' ``check``), then every rank's (``_agreement.py``). It never
+raises: a failure is the verdict, so that every rank reaches the agreement and a refusal is every rank's."""
 
 from __future__ import annotations
 
@@ -10,13 +10,39 @@ from typing import Any
 
 import torch
 
+from optim_factory.checkpoint._agreement import agree
 from optim_factory.checkpoint._export_waits import ExportNotFilled, ExportWaits
 from optim_factory.checkpoint._finite_check import FiniteCheck
 from optim_factory.checkpoint._options import Check
 from optim_factory.checkpoint._record import StagedSave
-from optim_factory.errors import first_line
+from optim_factory.errors import SaveRefused, first_line
 
-__all__ = ["rank_verdict"]
+__all__ = ["complete_staging", "rank_verdict"]
+
+
+def complete_staging(
+    save: StagedSave,
+    staged: Any,
+    copied: Callable[[], None],
+    finite: FiniteCheck | None,
+    device: int | None,
+    exports: ExportWaits | None,
+    check: Check | None,
+    group: Any,
+    gated: bool,
+) -> None:
+    """The staging's completion: this rank's verdict (:func:`rank_verdict`) in ``save.verdict``, then, unless
+    ``gated`` (the gate agrees, on DCP's upload thread: ``GatedPlanner``), the ranks' agreement on ``group``:
+    ``save.staged`` completes with the staged dict, or :class:`SaveRefused` on every rank."""
+    failure = rank_verdict(save, staged, copied, finite, device, exports, check)
+    save.verdict.set_result(failure)
+    if gated:
+        return
+    refusals = agree(failure, group)
+    if refusals:
+        save.staged.set_exception(SaveRefused(refusals))
+    else:
+        save.staged.set_result(staged)
 
 
 def rank_verdict(

@@ -1,0 +1,194 @@
+"""``WriterProcess``: DCP's write of an ``AsyncSaveStager``'s saves in a process of each rank's own
+(``StagerOptions(write_in_process=True)``; docs/design.md, "The writer process").
+
+The training process then holds the interpreter only to stage a save and hand it over: DCP's planning, the
+serialization of each item and the storage writer's own work (a checksumming writer's hashing) run in the writer
+process. The staged tensors are handed over without a copy: their storages are in shared memory (the stager's host
+copies are made there; another host tensor, such as an export's pooled buffer, is moved there by torch's sharing at
+its first save and stays there), and a save sends each storage's handle, not its bytes.
+
+The process is started at the first save, from Python's forkserver (nothing of the training process is inherited:
+no CUDA context, no threads), and kept from save to save; on more than one rank the writer processes form a gloo
+group of their own (its store on a port rank 0 picks, told to every rank over the stager's group), on which DCP's
+collectives run. A save whose write failed, or whose writer process ended, fails in one line; every rank then starts
+its writer process again at the next save (DCP's collectives fail on every rank when one rank's write fails or its
+process ends, so every rank sees the failure).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import threading
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing  # noqa: F401  (its picklers: a CPU tensor is sent as a shared-memory handle)
+
+from optim_factory.errors import first_line
+
+__all__ = ["WriterProcess", "WriterProcessEnded"]
+
+_READY = "ready"
+_START_TIMEOUT_S = 300.0  # the writer processes' group forms within this (DCP's process executor waits 1800 s)
+
+
+class WriterProcessEnded(RuntimeError):
+    """The writer process ended while a save was handed to it (killed, or out of memory)."""
+
+
+def _serve(conn: Any, rank: int, world: int, store: tuple[str, int] | None) -> None:
+    """The writer process: its gloo group (more than one rank), then one ``dcp.save`` per request until ``None``.
+    A save's answer is its ``Metadata``, or its exception (a line when the exception does not pickle)."""
+    import torch.distributed.checkpoint as dcp
+
+    if store is not None:
+        address, port = store
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{address}:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=_START_TIMEOUT_S),
+        )
+    conn.send(_READY)
+    while True:
+        request = conn.recv()
+        if request is None:
+            break
+        state_dict, kwargs = request
+        try:
+            answer: Any = dcp.save(state_dict, **{"no_dist": store is None, **kwargs})
+        except BaseException as exc:  # noqa: BLE001  (the save's failure is its answer; the process serves on)
+            answer = exc
+        del state_dict, request  # the shared storages are let go before the next request
+        try:
+            conn.send(answer)
+        except Exception:  # noqa: BLE001  (an exception that does not pickle: its line)
+            conn.send(RuntimeError(first_line(answer, named=True)))
+    if store is not None:
+        dist.destroy_process_group()
+
+
+class WriterProcess:
+    """One rank's writer process, started at its first :meth:`write` and kept across saves; ``group``: the stager's
+    gloo group over every rank (None: one process)."""
+
+    def __init__(self, group: Any) -> None:
+        if group is not None and dist.get_world_size(group) != dist.get_world_size():
+            raise ValueError(
+                f"AsyncSaveStager(StagerOptions(write_in_process=True)): its group has {dist.get_world_size(group)} "
+                f"of the {dist.get_world_size()} ranks; the writer processes' group spans every rank (a DTensor's "
+                "shard is placed by its global rank)"
+            )
+        self._group = group
+        self._process: Any = None
+        self._conn: Any = None
+        self._start_again = False  # the last write failed: a new process (every rank's) at the next write
+
+    @property
+    def pid(self) -> int | None:
+        """The running writer process's pid (None before the first save and after :meth:`close`)."""
+        return None if self._process is None else self._process.pid
+
+    def write(self, staged: Future, dcp_kwargs: dict[str, Any]) -> Future:
+        """A Future of ``dcp.save(staged.result(), **dcp_kwargs)`` run in the writer process once ``staged``
+        completes (it fails as ``staged`` does: a refused save is handed nothing), on the writer processes' group in
+        place of ``process_group``."""
+        written: Future = Future()
+        kwargs = {k: v for k, v in dcp_kwargs.items() if k != "process_group"}
+
+        def hand_over(done: Future) -> None:  # the staging's thread, or this one: the writing has its own
+            threading.Thread(
+                target=self._hand_over, args=(done, kwargs, written), name="optim-factory-writer", daemon=True
+            ).start()
+
+        staged.add_done_callback(hand_over)
+        return written
+
+    def close(self) -> None:
+        """End the writer process (asked to, then terminated if it does not within 30 s)."""
+        process, conn, self._process, self._conn = self._process, self._conn, None, None
+        if process is None:
+            return
+        try:
+            conn.send(None)
+        except Exception:  # noqa: BLE001  (it ended already)
+            pass
+        process.join(30)
+        if process.is_alive():
+            process.terminate()
+            process.join()
+        conn.close()
+
+    def _hand_over(self, staged: Future, kwargs: dict[str, Any], written: Future) -> None:
+        """Send the staged save to the writer process (started first if need be), then wait for its answer."""
+        failure = staged.exception()
+        if failure is not None:  # refused: nothing is handed over
+            written.set_exception(failure)
+            return
+        try:
+            conn = self._connection()
+            conn.send((staged.result(), kwargs))
+            answer = conn.recv()
+        except BaseException as exc:  # noqa: BLE001  (EOF, a broken pipe: the process ended)
+            answer = self._ended(exc)
+        if isinstance(answer, BaseException):
+            self._start_again = True
+            written.set_exception(answer)
+        else:
+            written.set_result(answer)
+
+    def _ended(self, exc: BaseException) -> BaseException:
+        """A failed hand-over's exception: :class:`WriterProcessEnded` where the process ended."""
+        process = self._process
+        if process is not None:
+            process.join(5)  # reaped once it ended (the pipe's EOF can come first)
+        if process is not None and not process.is_alive():
+            return WriterProcessEnded(
+                f"the writer process (pid {process.pid}) ended with exit code {process.exitcode} before the save "
+                "was written; the next save starts a new one"
+            )
+        return exc
+
+    def _connection(self) -> Any:
+        """The running process's end of the pipe: started (every rank's, together) at the first save and after a
+        failed one."""
+        if self._start_again:
+            self.close()
+            self._start_again = False
+        if self._process is None:
+            self._start()
+        return self._conn
+
+    def _start(self) -> None:
+        group = self._group
+        world = 1 if group is None else dist.get_world_size(group)
+        rank = 0 if group is None else dist.get_rank(group)
+        store = None
+        if group is not None:
+            chosen = [_free_address() if rank == 0 else None]
+            dist.broadcast_object_list(chosen, src=dist.get_global_rank(group, 0), group=group)
+            store = chosen[0]
+        context = multiprocessing.get_context("forkserver")
+        conn, child = context.Pipe()
+        process = context.Process(
+            target=_serve, args=(child, rank, world, store), name="optim-factory-writer", daemon=True
+        )
+        process.start()
+        child.close()  # the child's end is the child's: a recv here sees EOF once it ends
+        self._process, self._conn = process, conn
+        if not conn.poll(_START_TIMEOUT_S):
+            raise WriterProcessEnded(f"the writer process did not start within {_START_TIMEOUT_S:.0f} s")
+        conn.recv()  # _READY, or EOF: it ended
+
+
+def _free_address() -> tuple[str, int]:
+    """Rank 0's address (``MASTER_ADDR``, else its host name) and a free port on it, for the writers' store."""
+    address = os.environ.get("MASTER_ADDR") or socket.getfqdn()
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return address, s.getsockname()[1]

@@ -1,0 +1,174 @@
+"""``StagerOptions(write_in_process=True)``: an ``AsyncSaveStager``'s async saves written by a writer process of the
+rank's own (DCP's planning and writing outside the training process), started at the first save and kept, ended by
+``close()``; the same files as the stager's thread; the staged tensors handed over in shared memory, uncopied; a
+writer process killed inside a write fails that save in one line, the previous checkpoint intact, and the next save
+starts a new one; on 2 gloo ranks (DTensor shards) the same files per rank, and one rank's refusal refuses the save
+on every rank before anything is written."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from optim_factory import PortableFusedAdam
+from optim_factory.checkpoint import AsyncSaveStager, SaveRefused, StagerOptions
+from tests import forked
+from tests.distributed.launch import PRELOAD, spawn
+from tests.unit.saves import OURS, assert_checkpoint, expected_tensors, export_deferred, make_model, train
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _forkserver_with_torch():
+    """The writer processes fork from this process's forkserver: started with torch imported, each starts at once."""
+    forked.start_forkserver(PRELOAD)
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    """The data files of a checkpoint (``.metadata`` holds the save's own id: it differs from save to save)."""
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.suffix == ".distcp"}
+
+
+def _saves(tmp: Path, in_process: bool, saves: int = 2, model=None) -> tuple[AsyncSaveStager, list[dict]]:
+    """``saves`` async saves (one training step before each) of a fresh model and optimizer, into
+    ``tmp/<thread|process><n>``; (the stager, left open, and what each save staged)."""
+    model = make_model() if model is None else model
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    staged: list[dict] = []
+    stager = AsyncSaveStager(opt, StagerOptions(check=staged.append, write_in_process=in_process))
+    for n in range(saves):
+        train(model, opt, 1)
+        expected = expected_tensors(model, opt)
+        stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp / f"{_mode(in_process)}{n}"))
+        stager.wait()
+        assert_checkpoint(tmp / f"{_mode(in_process)}{n}", expected)
+    return stager, staged
+
+
+def _mode(in_process: bool) -> str:
+    return "process" if in_process else "thread"
+
+
+def test_a_writer_process_writes_the_thread_s_files_from_shared_memory_and_close_ends_it(tmp_path):
+    thread, _ = _saves(tmp_path, in_process=False)
+    thread.close()
+    stager, staged = _saves(tmp_path, in_process=True)
+    pid = stager.writer_pid
+    assert pid is not None and pid != os.getpid(), "no writer process of its own"
+    for n in range(2):
+        assert _files(tmp_path / f"process{n}") == _files(tmp_path / f"thread{n}"), f"save {n} differs"
+    # handed over uncopied: every staged tensor in shared memory, the same storages from save to save
+    for first, second in zip(staged[0]["model"].values(), staged[1]["model"].values()):
+        assert first.is_shared() and first.data_ptr() == second.data_ptr()
+    exported = [t for st in staged[1]["optim"]["state"].values() for t in st.values()]
+    assert exported and all(t.is_shared() for t in exported), "the export's buffers were not shared"
+    assert stager.writer_pid == pid, "a second writer process"
+    stager.close()
+    assert stager.writer_pid is None and not Path(f"/proc/{pid}").exists(), "close() left the writer process"
+
+
+class GatedFileWriter(FileSystemWriter):
+    """DCP's file writer that waits, in the writer process, until the file ``gate`` exists (a write in flight)."""
+
+    def __init__(self, path: str, gate: str):
+        super().__init__(path)
+        self.gate = gate
+
+    def write_data(self, plan, planner):
+        while not os.path.exists(self.gate):
+            time.sleep(0.01)
+        return super().write_data(plan, planner)
+
+
+def test_a_writer_process_killed_inside_a_write_fails_that_save_in_one_line_and_the_next_save_works(tmp_path):
+    model = make_model()
+    stager, _ = _saves(tmp_path, in_process=True, saves=1, model=model)
+    opt = stager.optimizers[0]
+    good, first = expected_tensors(model, opt), stager.writer_pid
+    train(model, opt, 1)
+    writer = GatedFileWriter(str(tmp_path / "killed"), gate=str(tmp_path / "never"))
+    state = export_deferred(model, opt)
+    stager.async_save(state, storage_writer=writer)
+    for _ in range(2000):  # the writer process waits at the gate: planning is done, nothing is written yet
+        if (tmp_path / "killed").is_dir():
+            break
+        time.sleep(0.01)
+    os.kill(first, signal.SIGKILL)
+    with pytest.raises(RuntimeError) as info:
+        stager.wait()
+    line = str(info.value)
+    assert "\n" not in line and f"writer process (pid {first}) ended with exit code -9" in line, line
+    assert not (tmp_path / "killed" / ".metadata").exists()
+    assert_checkpoint(tmp_path / "process0", good)  # the previous checkpoint, intact
+    leased = [t for st in state["optim"]["state"].values() for t in st.values() if opt.is_leased_export_buffer(t)]
+    assert not leased, "the failed save kept the export's buffers"
+    train(model, opt, 1)
+    expected = expected_tensors(model, opt)
+    stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "after"))
+    stager.wait()
+    assert_checkpoint(tmp_path / "after", expected)
+    assert stager.writer_pid not in (None, first), "the next save did not start a new writer process"
+    stager.close()
+
+
+def two_ranks(rank: int, world: int, tmp: str) -> None:
+    """FSDP's DTensor shards on 2 gloo ranks: the writer processes (a gloo group of their own) write each rank's
+    file as the stager's thread does; a NaN on rank 1 refuses the next save on both ranks, nothing written."""
+    mesh = init_device_mesh("cpu", (world,))
+    files = {}
+    for in_process in (False, True):
+        model = make_model()
+        fully_shard(model, mesh=mesh)
+        opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+        stager = AsyncSaveStager(opt, StagerOptions(refuse_non_finite=True, write_in_process=in_process))
+        train(model, opt, 1)
+        stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/{_mode(in_process)}")
+        stager.wait()
+        dist.barrier()
+        files[in_process] = _files(Path(tmp, _mode(in_process)))
+    assert files[True] == files[False] and len(files[True]) == world, sorted(files[True])
+    pid, first = stager.writer_pid, next(iter(model.parameters())).to_local().view(-1)
+    kept = first[0].item()
+    if rank == 1:
+        with torch.no_grad():
+            first[0] = float("nan")
+    stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/refused")
+    with pytest.raises(SaveRefused, match=r"\(rank 1\)"):
+        stager.wait()
+    dist.barrier()
+    assert not Path(tmp, "refused").exists()
+    with torch.no_grad():
+        first[0] = kept
+    stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/after")
+    stager.wait()
+    assert stager.writer_pid == pid, "a refused save, handed nothing, started the writer process again"
+    stager.close()
+
+
+@pytest.mark.slow
+def test_two_ranks_write_the_thread_s_files_and_refuse_together(tmp_path):
+    spawn(two_ranks, 2, str(tmp_path))
+
+
+def test_a_budget_or_dcp_s_own_async_save_with_a_writer_process_is_one_line(tmp_path):
+    model = make_model()
+    budget = dict(state_dict_offload_chunk_bytes=4096, state_dict_offload_host_budget=2**20)
+    budgeted = PortableFusedAdam(model.parameters(), lr=1e-3, state_dict_cpu_offload=True, **budget)
+    with pytest.raises(ValueError, match=r"^AsyncSaveStager\(StagerOptions\(write_in_process=True\)\): a save within"):
+        AsyncSaveStager(budgeted, StagerOptions(write_in_process=True))
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    stager = AsyncSaveStager(opt, StagerOptions(write_in_process=True))
+    train(model, opt, 1)
+    with pytest.raises(RuntimeError, match=r"start its saves with stager.async_save"):
+        dcp.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "s"), async_stager=stager)
+    assert not (tmp_path / "s").exists() and stager.writer_pid is None
+    stager.close()
