@@ -29,7 +29,9 @@ Modes (each steps an optimizer of its own, over the one model, built with its ex
   (without the background option).
 * ``f-titan-te`` / ``f-titan-ours``: torchtitan 0.3's own ``CheckpointManager`` (``async_with_pinned_mem``)
   around TE's class, and ``optim_factory.integrations.torchtitan.CheckpointManager`` around ours with (c)'s
-  options; ``g-automodel-te`` / ``g-automodel-ours``: NeMo Automodel 0.7's ``Checkpointer`` (``is_async``) and
+  options (``f-titan-ours-process``: its stager with ``StagerOptions(write_in_process=True)``, each rank's DCP write
+  in a writer process of its own, as torchtitan's own mode writes in DCP's process executor); ``g-automodel-te`` /
+  ``g-automodel-ours``: NeMo Automodel 0.7's ``Checkpointer`` (``is_async``) and
   ``optim_factory.integrations.automodel.Checkpointer`` (``scripts.bench_save_frameworks``).
 
 Per checkpoint: ``block_s`` (from the save call until training may resume: the save call plus any wait for staging
@@ -106,6 +108,7 @@ MODES = (
     "e-ours-sync",
     "f-titan-te",
     "f-titan-ours",
+    "f-titan-ours-process",
     "g-automodel-te",
     "g-automodel-ours",
     *(f"f-titan-ours-budget-{b}" for b in BUDGETS),

@@ -129,6 +129,15 @@ class TitanMode(FrameworkMode):
             sd_adapter=None,
         )
         self.how = self.keep_stager(ctx["stager_reusable"])
+        if name.endswith("-process"):  # the integration's stager, its writes in a process of each rank's own
+            from optim_factory.checkpoint import AsyncSaveStager, StagerOptions
+
+            self.checkpointer.stager.close()
+            options = StagerOptions(pinned=True, write_in_process=True)
+            self.checkpointer.stager = AsyncSaveStager(
+                optimizers.optimizers, options, process_group=self.checkpointer.pg
+            )
+            self.how = " (write_in_process)"
 
     def keep_stager(self, reusable: bool) -> str:
         """Where torchtitan builds its own ``DefaultStager`` at the first save (its slot still empty) and that

@@ -128,21 +128,14 @@ class FillAsWritten:
 def filler_for(optimizers: Iterable[Any], pinned: bool, shared: bool = False) -> CopyAtStart | FillAsWritten:
     """:class:`FillAsWritten` for the one optimizer with a host budget (several are refused: ``budget_planner``),
     else :class:`CopyAtStart` (``shared``: its copies in shared memory, for a writer process; a budget's fills,
-    asked for by the writer as it writes, are refused there, and so is a CUDA machine: the export's pooled buffers
-    are pinned where they are, and torch's sharing would move them)."""
+    asked for by the writer as it writes, are refused there)."""
     optimizers = list(optimizers)
     planner = budget_planner(optimizers, "AsyncSaveStager")
-    refused = "AsyncSaveStager(StagerOptions(write_in_process=True)):"
-    if shared and torch.cuda.is_available():
-        raise ValueError(
-            f"{refused} it hands host tensors to the writer process; the pinned host buffers of CUDA states cannot "
-            "move into shared memory without a copy and unpinning: save without write_in_process on a CUDA machine"
-        )
     if planner is None:
         return CopyAtStart(pinned, optimizers, shared)
     if shared:
         raise ValueError(
-            f"{refused} a save within state_dict_offload_host_budget is filled as it is written, in this process; "
-            "save it without write_in_process"
+            "AsyncSaveStager(StagerOptions(write_in_process=True)): a save within state_dict_offload_host_budget is "
+            "filled as it is written, in this process; save it without write_in_process"
         )
     return FillAsWritten(planner)

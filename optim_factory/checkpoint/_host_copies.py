@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from optim_factory.optimizers.export import local_tensor, wrap_host_local
+from optim_factory.optimizers.export import local_tensor, register_host, shared_empty, unregister_host, wrap_host_local
 from optim_factory.tree import map_leaves
 
 __all__ = ["HostCopies"]
@@ -35,10 +35,12 @@ class HostCopies:
     def __init__(self, pinned: bool = True, shared: bool = False) -> None:
         """``pinned=False``: CUDA tensors are copied into fresh pageable memory at once, as other tensors are (the
         load's template, read once: pinning it would lock a whole state copy per rank, kept by torch's caching
-        host allocator). ``shared`` (host tensors only): every tensor gets a buffer kept from copy to copy, in
-        shared memory (another process reads it where it is: ``StagerOptions.write_in_process``)."""
+        host allocator). ``shared``: every tensor gets a buffer kept from copy to copy, in shared memory (another
+        process reads it where it is: ``StagerOptions.write_in_process``), a CUDA tensor's pinned in place
+        (``cudaHostRegister``) with ``pinned``."""
         self.pinned, self.shared = pinned, shared
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._registered: list[int] = []  # the shared buffers pinned in place, unpinned at close()
         self._streams: dict[torch.device, Any] = {}
 
     def copy(self, obj: Any, keep: Callable[[torch.Tensor], bool] | None = None) -> tuple[Any, Callable[[], None]]:
@@ -88,10 +90,14 @@ class HostCopies:
         return wrap_host_local(buf, tensor) if isinstance(tensor, DTensor) else buf
 
     def _buffer(self, local: torch.Tensor) -> torch.Tensor:
-        """A kept buffer for ``local``: in shared memory (``shared``), else pinned (a CUDA tensor's)."""
-        if self.shared:
-            return torch.empty(local.shape, dtype=local.dtype).share_memory_()
-        return torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
+        """A kept buffer for ``local``: in shared memory (``shared``; a CUDA tensor's pinned in place with
+        ``pinned``), else pinned (a CUDA tensor's)."""
+        if not self.shared:
+            return torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
+        buf = shared_empty(local.shape, local.dtype)
+        if local.device.type == "cuda" and self.pinned and register_host(buf):
+            self._registered.append(buf.data_ptr())
+        return buf
 
     def nbytes(self) -> int:
         """Bytes of host buffers kept for the next copy."""
@@ -99,4 +105,7 @@ class HostCopies:
 
     def close(self) -> None:
         self._buffers.clear()
+        for ptr in self._registered:  # after the buffers: unpinned where nothing copies into them any more
+            unregister_host(ptr)
+        self._registered.clear()
         self._streams.clear()

@@ -86,6 +86,8 @@ class AsyncSaveStager(AsyncStager):
         self._exports = ExportWaits(self._ours, self.options.export_timeout_s)  # their background exports waited for
         # the one part that gives a save its host tensors: copies at its start, or fills within a budget
         self._filler = filler_for(self.optimizers, self.options.pinned, shared=self.options.write_in_process)
+        for opt in self._ours if self.options.write_in_process else ():
+            opt.share_export_memory()  # the writer process reads the export's pooled buffers where they are
         self._writer: WriterProcess | None = None  # write_in_process: the rank's writer process, from the first save
         self._check_streams: dict[torch.device, Any] = {}  # the finite check's side stream per device
         self._group = process_group

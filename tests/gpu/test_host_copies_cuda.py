@@ -23,15 +23,3 @@ def test_cuda_copies_are_pinned_complete_after_wait_and_reused():
     assert again["w"].data_ptr() == first  # the buffer is reused
     assert torch.equal(again["w"], src["w"].cpu())
     assert copies.nbytes() == (1 << 22) * 4 + 5 * 2
-
-
-@pytest.mark.cuda_only
-def test_a_writer_process_on_a_cuda_machine_is_refused_in_one_line():
-    """``StagerOptions(write_in_process=True)`` hands host tensors over in shared memory: where CUDA is, the export's
-    pinned pooled buffers would be moved there unpinned (torch's sharing), so the stager refuses it when built."""
-    from optim_factory import PortableFusedAdam
-    from optim_factory.checkpoint import AsyncSaveStager, StagerOptions
-
-    opt = PortableFusedAdam([torch.nn.Parameter(torch.zeros(8, device="cuda"))], state_dict_cpu_offload=True)
-    with pytest.raises(ValueError, match=r"^AsyncSaveStager\(StagerOptions\(write_in_process=True\)\): it hands host"):
-        AsyncSaveStager(opt, StagerOptions(write_in_process=True))

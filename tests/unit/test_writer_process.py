@@ -40,7 +40,8 @@ def _files(path: Path) -> dict[str, bytes]:
 
 def _saves(tmp: Path, in_process: bool, saves: int = 2, model=None) -> tuple[AsyncSaveStager, list[dict]]:
     """``saves`` async saves (one training step before each) of a fresh model and optimizer, into
-    ``tmp/<thread|process><n>``; (the stager, left open, and what each save staged)."""
+    ``tmp/<thread|process><n>``; (the stager, left open, and what each save staged). With a writer process, the
+    export's pooled buffers are in shared memory from the export on (never moved there by the hand-over)."""
     model = make_model() if model is None else model
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     staged: list[dict] = []
@@ -48,7 +49,10 @@ def _saves(tmp: Path, in_process: bool, saves: int = 2, model=None) -> tuple[Asy
     for n in range(saves):
         train(model, opt, 1)
         expected = expected_tensors(model, opt)
-        stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp / f"{_mode(in_process)}{n}"))
+        state = export_deferred(model, opt)
+        exported = [t for st in state["optim"]["state"].values() for t in st.values() if opt.is_leased_export_buffer(t)]
+        assert exported and all(t.is_shared() == in_process for t in exported), "the export's memory"
+        stager.async_save(state, checkpoint_id=str(tmp / f"{_mode(in_process)}{n}"))
         stager.wait()
         assert_checkpoint(tmp / f"{_mode(in_process)}{n}", expected)
     return stager, staged
@@ -69,8 +73,8 @@ def test_a_writer_process_writes_the_thread_s_files_from_shared_memory_and_close
     # handed over uncopied: every staged tensor in shared memory, the same storages from save to save
     for first, second in zip(staged[0]["model"].values(), staged[1]["model"].values()):
         assert first.is_shared() and first.data_ptr() == second.data_ptr()
-    exported = [t for st in staged[1]["optim"]["state"].values() for t in st.values()]
-    assert exported and all(t.is_shared() for t in exported), "the export's buffers were not shared"
+    exported = [[t.data_ptr() for st in save["optim"]["state"].values() for t in st.values()] for save in staged]
+    assert exported[0] == exported[1], "the export's pooled buffers were not reused"
     assert stager.writer_pid == pid, "a second writer process"
     stager.close()
     assert stager.writer_pid is None and not Path(f"/proc/{pid}").exists(), "close() left the writer process"
@@ -172,3 +176,14 @@ def test_a_budget_or_dcp_s_own_async_save_with_a_writer_process_is_one_line(tmp_
         dcp.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "s"), async_stager=stager)
     assert not (tmp_path / "s").exists() and stager.writer_pid is None
     stager.close()
+
+
+def test_a_shared_buffer_beyond_dev_shm_s_room_is_one_line_before_anything_is_allocated():
+    """Touching shared memory beyond ``/dev/shm``'s room raises a bus error (a container's default room is 64 MiB):
+    a buffer that cannot fit is refused in one line naming both sizes instead."""
+    from optim_factory.optimizers.export import shared_empty
+
+    room = os.statvfs("/dev/shm")
+    needed = 2 * room.f_bavail * room.f_frsize + 1
+    with pytest.raises(OSError, match=rf"^shared memory: /dev/shm has \d+ bytes free, a buffer needs {needed} \("):
+        shared_empty((needed,), torch.uint8)

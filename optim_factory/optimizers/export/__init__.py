@@ -6,14 +6,23 @@
 * :mod:`.options`: the frozen, validated export options (``ExportOptions``, ``Pinning``) and the names users
   spell them by (``OPTION_NAMES``);
 * :mod:`.stream`: chunk planning and the stream pipeline with its resources (``StateExporter``, ``StreamItem``);
-* :mod:`.host_memory`: host memory and pinning (``host_empty``, ``HostBufferPool``, ``Slot``, ``give_pages_back``);
+* :mod:`.host_memory`: host memory and pinning (``host_empty``, ``HostBufferPool``, ``Slot``, ``give_pages_back``,
+  ``shared_empty``, ``register_host`` and ``unregister_host``);
 * :mod:`.tensors`: DTensor and BF16-remainder bit helpers, shared with the portable backend;
 * :mod:`.mixin`: ``OffloadedStateDict``, the ``state_dict`` family both optimizer classes inherit.
 """
 
 from optim_factory.optimizers.export.contract import load_exported_state, param_index_map
 from optim_factory.optimizers.export.formats import MASTER
-from optim_factory.optimizers.export.host_memory import HostBufferPool, Slot, give_pages_back, host_empty
+from optim_factory.optimizers.export.host_memory import (
+    HostBufferPool,
+    Slot,
+    give_pages_back,
+    host_empty,
+    register_host,
+    shared_empty,
+    unregister_host,
+)
 from optim_factory.optimizers.export.mixin import OffloadedStateDict
 from optim_factory.optimizers.export.options import (
     DEFAULT_CHUNK_BYTES,
@@ -52,6 +61,9 @@ __all__ = [
     "Slot",
     "give_pages_back",
     "host_empty",
+    "register_host",
+    "shared_empty",
+    "unregister_host",
     "local_tensor",
     "wrap_like",
     "wrap_host_local",

@@ -108,6 +108,26 @@ def fault_in(t: torch.Tensor, populate: bool = True) -> str:
     return "touch"
 
 
+_SHM = "/dev/shm"  # where torch's shared memory lives on Linux (shm_open), a tmpfs of its own size
+
+
+def shared_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A fresh host tensor in torch's shared memory (another process maps it by its handle). Where ``/dev/shm`` has
+    less room than it needs (a container's default is 64 MiB), a one-line ``OSError`` naming both instead of the
+    bus error that touching a page beyond the room would raise."""
+    t = torch.empty(0, dtype=dtype)
+    nbytes = torch.Size(shape).numel() * t.element_size()
+    if os.path.isdir(_SHM):
+        room = os.statvfs(_SHM)
+        free = room.f_bavail * room.f_frsize
+        if nbytes > free:
+            raise OSError(
+                f"shared memory: {_SHM} has {free} bytes free, a buffer needs {nbytes} (a container's --shm-size, or "
+                "save without write_in_process)"
+            )
+    return torch.empty(shape, dtype=dtype).share_memory_()
+
+
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the calling thread's
 
 
@@ -228,6 +248,10 @@ class HostBufferPool:
       export does not wait for pinning and later ones copy directly; unpinned when the tensor is freed.
     * ``alloc``: new buffers come pinned from torch's host allocator (``cudaHostAlloc``; slow to allocate).
     * ``none``: pageable buffers, always filled through the staging buffers.
+
+    After :meth:`use_shared_memory`, new buffers are in shared memory (torch's: another process maps them by their
+    handle), ``register`` and ``alloc`` alike pinned in place with ``cudaHostRegister`` (shared memory cannot come
+    from torch's pinned allocator; ``alloc``'s are pinned when made).
     """
 
     def __init__(self, device: torch.device | None = None) -> None:
@@ -239,15 +263,26 @@ class HostBufferPool:
         self._buffers: dict[int, _Buffer] = {}  # id(tensor) -> record, dropped when the tensor is freed
         self._pinner = ProcessThreads(1, "export-pin")
         self._preparing: Future | None = None
+        self.shared = False  # new buffers in shared memory (use_shared_memory)
+
+    def use_shared_memory(self) -> None:
+        """Make every later buffer in shared memory; the free ones are dropped (leased ones stay as they are)."""
+        self.shared = True
+        self.clear()
 
     def _new(self, slot: Slot) -> torch.Tensor:
-        """A new buffer for ``slot``: pinned by allocation, or pageable."""
-        if slot.pinning is Pinning.alloc:
+        """A new buffer for ``slot``: pinned by allocation, or pageable; in shared memory with :attr:`shared`."""
+        if self.shared:
+            buf = shared_empty(slot.shape, slot.dtype)
+        elif slot.pinning is Pinning.alloc:
             buf = torch.empty(slot.shape, dtype=slot.dtype, pin_memory=True)
         else:
             buf = host_empty(torch.Size(slot.shape), slot.dtype)
         self._buffers[id(buf)] = _Buffer(slot)
         weakref.finalize(buf, self._buffers.pop, id(buf), None).atexit = False
+        if self.shared and slot.pinning is Pinning.alloc:
+            self._buffers[id(buf)].registering = True
+            self._register(buf)
         return buf
 
     def take(self, slot: Slot) -> torch.Tensor:
@@ -260,7 +295,7 @@ class HostBufferPool:
     def is_pinned(self, buf: torch.Tensor) -> bool:
         """Whether the device may copy into pool buffer ``buf`` directly (pinned by allocation or registration)."""
         record = self._buffers[id(buf)]
-        return record.slot.pinning is Pinning.alloc or record.registered
+        return (record.slot.pinning is Pinning.alloc and not self.shared) or record.registered
 
     def free_bytes(self) -> int:
         """Bytes of the released buffers the pool keeps for the next :meth:`take` (leased ones aside)."""

@@ -276,6 +276,14 @@ class OffloadedStateDict:
         self._exporter.join()
         return self._exporter.pool.release(state_dict)
 
+    def share_export_memory(self) -> None:
+        """Make the pooled host buffers of later exports in shared memory, pinned in place where they are pinned
+        (``HostBufferPool.use_shared_memory``): another process then reads an export where it is, as
+        ``StagerOptions(write_in_process=True)``'s writer process does. Free buffers are dropped (made again there
+        at the next export); it stays so for the optimizer's life."""
+        self._exporter.join()
+        self._exporter.pool.use_shared_memory()
+
     def is_leased_export_buffer(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (or a DTensor's local tensor) is a pooled export buffer not yet released: nothing
         but its holder reads or writes it until :meth:`release_state_dict` gives it back."""
