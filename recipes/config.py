@@ -130,6 +130,7 @@ class CheckpointConfig:
     fallback: bool = False  # resume=auto: if the newest complete checkpoint fails to load, try older ones
     write_threads: int = 0  # DCP writer threads per rank, one file each; 0: recipes.checkpoint.checksums.writer_threads
     key_env: str = ""  # the environment variable holding a key that signs checkpoints and verifies them before a load
+    write_in_process: bool = False  # async saves written by a process of each rank's own (docs/export.md)
     enabled: bool = True
 
     def __post_init__(self) -> None:
@@ -140,6 +141,11 @@ class CheckpointConfig:
             raise CheckpointError(f"checkpoint.keep_last={self.keep_last}: must be >= 0 (0 keeps all)")
         if self.write_threads < 0:
             raise CheckpointError(f"checkpoint.write_threads={self.write_threads}: must be >= 0 (0: automatic)")
+        if self.write_in_process and not self.async_save:  # a sync save is written while the loop waits, here
+            raise CheckpointError(
+                "checkpoint.write_in_process=true: writes async saves; set checkpoint.async_save=true (a synchronous "
+                "save is written while the loop waits for it, in the training process)"
+            )
         if self.key_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.key_env):  # never echo: it may be a key
             raise CheckpointError(
                 "checkpoint.key_env: expected the name of an environment variable (letters, digits, _), which holds "

@@ -29,7 +29,9 @@ class StagerOptions:
     write_in_process: :meth:`~AsyncSaveStager.async_save` hands each staged save to a writer process of this
         rank's own (``_writer_process.py``), started at the first save and kept until ``close()``: DCP's planning
         and writing run outside the training process's interpreter, reading the staged tensors in shared memory.
-        A waited save (:meth:`~AsyncSaveStager.save`) is written in this process; a host budget is refused.
+        A waited save (:meth:`~AsyncSaveStager.save`) is written in this process; a host budget is refused. The
+        ``storage_writer`` is pickled to the process; one with ``take_written(copy)`` is given the copy the process
+        saved with once it is written (what it learned there: the recipe's checksums).
     """
 
     refuse_non_finite: bool = False

@@ -42,7 +42,8 @@ class WriterProcessEnded(RuntimeError):
 
 def _serve(conn: Any, rank: int, world: int, store: tuple[str, int] | None) -> None:
     """The writer process: its gloo group (more than one rank), then one ``dcp.save`` per request until ``None``.
-    A save's answer is its ``Metadata``, or its exception (a line when the exception does not pickle)."""
+    A save's answer is its ``Metadata`` and the storage writer as the save left it, or its exception (a line when
+    it does not pickle)."""
     import torch.distributed.checkpoint as dcp
 
     if store is not None:
@@ -61,13 +62,13 @@ def _serve(conn: Any, rank: int, world: int, store: tuple[str, int] | None) -> N
             break
         state_dict, kwargs = request
         try:
-            answer: Any = dcp.save(state_dict, **{"no_dist": store is None, **kwargs})
+            answer: Any = (dcp.save(state_dict, **{"no_dist": store is None, **kwargs}), kwargs.get("storage_writer"))
         except BaseException as exc:  # noqa: BLE001  (the save's failure is its answer; the process serves on)
             answer = exc
         del state_dict, request  # the shared storages are let go before the next request
         try:
             conn.send(answer)
-        except Exception:  # noqa: BLE001  (an exception that does not pickle: its line)
+        except Exception:  # noqa: BLE001  (an answer that does not pickle: its line)
             conn.send(RuntimeError(first_line(answer, named=True)))
     if store is not None:
         dist.destroy_process_group()
@@ -97,7 +98,8 @@ class WriterProcess:
     def write(self, staged: Future, dcp_kwargs: dict[str, Any]) -> Future:
         """A Future of ``dcp.save(staged.result(), **dcp_kwargs)`` run in the writer process once ``staged``
         completes (it fails as ``staged`` does: a refused save is handed nothing), on the writer processes' group in
-        place of ``process_group``."""
+        place of ``process_group``. The ``storage_writer`` goes to the process pickled; where it has
+        ``take_written``, it is called with the copy the process saved with before the Future completes."""
         written: Future = Future()
         kwargs = {k: v for k, v in dcp_kwargs.items() if k != "process_group"}
 
@@ -139,8 +141,16 @@ class WriterProcess:
         if isinstance(answer, BaseException):
             self._start_again = True
             written.set_exception(answer)
-        else:
-            written.set_result(answer)
+            return
+        metadata, copy = answer
+        take = getattr(kwargs.get("storage_writer"), "take_written", None)
+        try:
+            if take is not None:
+                take(copy)  # what the writer learned there (the recipe's checksums), given to the caller's writer
+        except BaseException as exc:  # noqa: BLE001  (the save's failure, not the thread's)
+            written.set_exception(exc)
+            return
+        written.set_result(metadata)
 
     def _ended(self, exc: BaseException) -> BaseException:
         """A failed hand-over's exception: :class:`WriterProcessEnded` where the process ended."""

@@ -193,6 +193,14 @@ class ChecksumFileSystem(FileSystem):
                 record[KEYED] = counted.keyed.hexdigest()
             self.records[Path(path).name] = record
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its lock (a writer process gets the writer: ``StagerOptions.write_in_process``)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)
         with self._lock:
@@ -227,6 +235,13 @@ class ChecksumFileSystemWriter(FileSystemWriter):
             failure, self.fs.failure = self.fs.failure, None
             raise failure
         return written
+
+    def take_written(self, written: ChecksumFileSystemWriter) -> None:
+        """Take the records of ``written``, the copy of this writer that a writer process saved with
+        (``StagerOptions(write_in_process=True)``: the stager calls it once that save is written), so that
+        :meth:`checksums` names that save's files here."""
+        with self.fs._lock:
+            self.fs.records = {k: dict(v) for k, v in written.fs.records.items()}
 
     def checksums(self) -> dict[str, dict[str, Any]]:
         """``{file name: {"size": bytes, "xxh3_64": hex[, "hmac_sha256": hex]}}`` of the files this rank wrote in the

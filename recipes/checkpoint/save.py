@@ -194,7 +194,9 @@ class Saver:
         if self._stager is None or self._stager.optimizers != [optimizer]:
             if self._stager is not None:
                 self._stager.close()
-            options = StagerOptions(refuse_non_finite=True, check=self._space_check)
+            options = StagerOptions(
+                refuse_non_finite=True, check=self._space_check, write_in_process=self.cfg.write_in_process
+            )
             self._stager = AsyncSaveStager(optimizer, options, process_group=self.save_group)
             self._writer_options = writer_options(optimizer, self.write_threads)  # the optimizer's, for every save
         return self._stager

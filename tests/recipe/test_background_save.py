@@ -6,6 +6,7 @@ fails on one of 2 ranks: tests/distributed/test_dcp_portable.py (background_expo
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 
 import pytest
@@ -13,11 +14,12 @@ import torch
 
 from optim_factory import PortableFusedAdam
 from optim_factory.optimizers.export import export_state
-from recipes.checkpoint import CheckpointError, CheckpointManager, read_checkpoint
+from recipes.checkpoint import CheckpointError, CheckpointManager, read_checkpoint, read_manifest
 from recipes.config import CheckpointConfig
 from recipes.job import train
 from recipes.train import compose_config
-from tests.distributed.launch import recipe_ranks
+from tests import forked
+from tests.distributed.launch import PRELOAD, recipe_ranks
 from tests.helpers import assert_bitwise, run_steps
 from tests.recipe.runs import BACKGROUND, QUICK, metrics, stopped
 from tests.recipe.timed_saves import TimedSaves
@@ -84,6 +86,29 @@ def test_the_deferred_checkpoints_equal_synchronous_ones_bitwise(tmp_path):
                 assert value.dtype == b[key].dtype and torch.equal(value, b[key]), key
             else:
                 assert value == b[key], key
+
+
+def test_async_saves_written_in_a_writer_process_are_the_thread_s_files_and_resume(tmp_path):
+    """``checkpoint.write_in_process=true``: each rank's async saves are written by its writer process (the
+    forkserver's; the recipe's checksumming writer hands its checksums back), the same data files, recorded in the
+    manifest with the same checksums, as the writer thread's; the next launch verifies them and resumes."""
+    forked.start_forkserver(PRELOAD)  # the writer process forks from it, torch imported already
+    runs = {m: tmp_path / m for m in ("thread", "process")}
+    writers: dict[str, set[str]] = {mode: set() for mode in runs}
+    for mode, run_dir in runs.items():
+        process = f"checkpoint.write_in_process={str(mode == 'process').lower()}"
+
+        def seen(phase: str, step: int, path, mode=mode) -> None:  # the save's write is over at its marker
+            writers[mode].update(p.name for p in multiprocessing.active_children() if phase == "marker")
+
+        train(compose_config([*QUICK, f"run_dir={run_dir}", "checkpoint.async_save=true", process]), on_phase=seen)
+    assert "optim-factory-writer" in writers["process"] and "optim-factory-writer" not in writers["thread"], writers
+    for step in (10, 20):
+        files = [read_manifest(run_dir / "checkpoints" / f"step_{step:08d}")["files"] for run_dir in runs.values()]
+        data = [{k: v for k, v in f.items() if k.endswith(".distcp")} for f in files]
+        assert data[0] == data[1] and len(data[0]) == 2, files
+    again = train(compose_config([*QUICK, f"run_dir={runs['process']}", "trainer.max_steps=22"]))
+    assert again["resumed_from"].endswith("step_00000020") and again["end_step"] == 22
 
 
 def test_a_non_finite_deferred_export_is_refused_when_the_save_is_finalised(tmp_path):

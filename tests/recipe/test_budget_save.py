@@ -76,6 +76,20 @@ def test_a_budget_below_the_copies_at_a_save_s_start_is_refused_before_the_first
     assert not metrics.exists() or '"kind": "train"' not in metrics.read_text()
 
 
+def test_a_budget_with_saves_written_in_a_writer_process_is_refused_before_the_first_step(tmp_path):
+    """A save within the host budget is filled as DCP's writer asks for each tensor, in the training process: with
+    ``checkpoint.write_in_process=true`` the launch is refused in one line naming it and the budget as resolved."""
+    process = ["checkpoint.async_save=true", "checkpoint.write_in_process=true"]
+    with pytest.raises(ConfigError) as info:
+        train(compose_config([*QUICK, f"run_dir={tmp_path}", *BUDGET, *process]))
+    assert re.fullmatch(
+        r"checkpoint.write_in_process=true: a save within the host budget \(\d+ bytes\) is filled as it is written, "
+        r"in this process",
+        str(info.value),
+    ), info.value
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_the_offload_saves_within_the_rank_s_share_of_the_host_by_default_and_null_lifts_the_cap(tmp_path, monkeypatch):
     """``optim.state_dict_cpu_offload=true`` alone saves within the rank's share of the host (``auto``,
     conf/optim/fused_adam.yaml): with a share below what a save holds at its start (here a billion ranks per host:

@@ -148,8 +148,19 @@ def test_a_rejected_run_changes_nothing_on_disk(tmp_path):
         (["checkpoint.every_steps=0"], "checkpoint.every_steps=0: must be >= 1"),
         (["checkpoint.write_threads=-1"], "checkpoint.write_threads=-1: must be >= 0 (0: automatic)"),
         (["optim.use_decoupled_grad=true"], "optim.use_decoupled_grad=true: FusedAdam would read"),
+        (["checkpoint.write_in_process=true"], "checkpoint.write_in_process=true: writes async saves; set checkpoint"),
     ],
-    ids=["enum", "type", "syntax", "comma", "missing", "checkpoint", "write-threads", "decoupled-grad"],
+    ids=[
+        "enum",
+        "type",
+        "syntax",
+        "comma",
+        "missing",
+        "checkpoint",
+        "write-threads",
+        "decoupled-grad",
+        "process-sync",
+    ],
 )
 def test_every_config_error_is_one_line_with_exit_code_2(args, line, tmp_path):
     run_dir = [] if args[0].startswith("run_dir=") else [f"run_dir={tmp_path / 'run'}"]
