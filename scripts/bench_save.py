@@ -29,8 +29,8 @@ Modes (each steps an optimizer of its own, over the one model, built with its ex
   (without the background option).
 * ``f-titan-te`` / ``f-titan-ours``: torchtitan 0.3's own ``CheckpointManager`` (``async_with_pinned_mem``)
   around TE's class, and ``optim_factory.integrations.torchtitan.CheckpointManager`` around ours with (c)'s
-  options (``f-titan-ours-process``: its stager with ``StagerOptions(write_in_process=True)``, each rank's DCP write
-  in a writer process of its own, as torchtitan's own mode writes in DCP's process executor); ``g-automodel-te`` /
+  options (``f-titan-ours-process``: with ``write_in_process=True``, each rank's DCP write in a writer process of its
+  own, as torchtitan's own mode writes in DCP's process executor); ``g-automodel-te`` /
   ``g-automodel-ours``: NeMo Automodel 0.7's ``Checkpointer`` (``is_async``) and
   ``optim_factory.integrations.automodel.Checkpointer`` (``scripts.bench_save_frameworks``).
 

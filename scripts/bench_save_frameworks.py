@@ -117,8 +117,14 @@ class TitanMode(FrameworkMode):
         else:
             from torchtitan.components.checkpointer import CheckpointManager
         schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10**6)
+        process = {"write_in_process": True} if name.endswith("-process") else {}  # the integration's option
         config = CheckpointManager.Config(
-            enable=True, folder=str(ctx["root"]), interval=1, keep_latest_k=0, async_mode="async_with_pinned_mem"
+            enable=True,
+            folder=str(ctx["root"]),
+            interval=1,
+            keep_latest_k=0,
+            async_mode="async_with_pinned_mem",
+            **process,
         )
         self.checkpointer = config.build(
             dataloader=None,
@@ -128,16 +134,7 @@ class TitanMode(FrameworkMode):
             states={},
             sd_adapter=None,
         )
-        self.how = self.keep_stager(ctx["stager_reusable"])
-        if name.endswith("-process"):  # the integration's stager, its writes in a process of each rank's own
-            from optim_factory.checkpoint import AsyncSaveStager, StagerOptions
-
-            self.checkpointer.stager.close()
-            options = StagerOptions(pinned=True, write_in_process=True)
-            self.checkpointer.stager = AsyncSaveStager(
-                optimizers.optimizers, options, process_group=self.checkpointer.pg
-            )
-            self.how = " (write_in_process)"
+        self.how = self.keep_stager(ctx["stager_reusable"]) + (" (write_in_process)" if process else "")
 
     def keep_stager(self, reusable: bool) -> str:
         """Where torchtitan builds its own ``DefaultStager`` at the first save (its slot still empty) and that

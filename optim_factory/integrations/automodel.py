@@ -23,10 +23,12 @@ A refused save (a failed or stuck export) raises from ``async_wait()`` in one li
 accelerator (Automodel's stager refuses a machine without one). Its async saves write local paths (DCP's file
 writer, DCP's default save planner); an ``msc://`` checkpoint directory with ``is_async`` is refused in one line.
 
-An optimizer with ``state_dict_offload_host_budget`` saves within it, async or not (a sync save through the stager,
-waited for): the stager fills each state as DCP's writer reaches it (``optim_factory.checkpoint``). Everything else
-(other sync saves, the model's HF and PEFT formats) is Automodel's. Importing this module imports
-Automodel's checkpoint package (and transformers); the rest of optim_factory never does.
+``Checkpointer(..., write_in_process=True)`` writes the async saves in a writer process of each rank's own, one
+per stager (``StagerOptions(write_in_process=True)``). An optimizer with ``state_dict_offload_host_budget`` saves
+within it, async or not (a sync save through the stager, waited for): the stager fills each state as DCP's writer
+reaches it (``optim_factory.checkpoint``). Everything else (other sync saves, the model's HF and PEFT formats) is
+Automodel's. Importing this module imports Automodel's checkpoint package (and transformers); the rest of
+optim_factory never does.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from optim_factory.checkpoint import (
     ExactLoadPlanner,
     SafeFileSystemReader,
     SafeLoadPlanner,
+    StagerOptions,
     host_budget,
 )
 from optim_factory.integrations import framework_import_error
@@ -84,7 +87,12 @@ class Checkpointer(AutomodelCheckpointer):
     (any other optimizer loads as with Automodel's), and async saves go
     through ``stagers`` (``{"model": ..., "optim": ...}``, each made at its first save; the module docstring)."""
 
-    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, config: Any, *args: Any, write_in_process: bool = False, **kwargs: Any) -> None:
+        """Automodel's arguments; ``write_in_process=True``: the async saves written by a writer process of each
+        rank's own (``StagerOptions(write_in_process=True)``, docs/export.md), with ``is_async`` only."""
+        if write_in_process and not config.is_async:
+            raise ValueError("Checkpointer(write_in_process=True): writes async saves; set checkpoint.is_async: true")
+        self.write_in_process = write_in_process
         if config.is_async:
             _refuse_remote(config.checkpoint_dir)
         # Automodel's constructor makes its DefaultStagers for is_async: it gets a copy of the config without it
@@ -148,7 +156,9 @@ class Checkpointer(AutomodelCheckpointer):
         if stager is None or (optimizers is not None and stager.optimizers != optimizers):
             if stager is not None:
                 stager.close()
-            stager = self.stagers[kind] = AsyncSaveStager(optimizers or (), process_group=self._async_groups.get(kind))
+            options = StagerOptions(write_in_process=self.write_in_process)
+            group = self._async_groups.get(kind)
+            stager = self.stagers[kind] = AsyncSaveStager(optimizers or (), options, process_group=group)
         return stager
 
     def _get_storage_reader(self, model_path: str, *args: Any, **kwargs: Any):

@@ -43,8 +43,10 @@ nothing written.
 (torchtitan's Trainer calls it before the optimizer step), so there a background export
 (``state_dict_offload_background``) is deferred: it fills beside the next forward and backward. ``async`` keeps
 torchtitan's too, staged when the save returns, so its export is filled before ``state_dict()`` returns.
-An optimizer with ``state_dict_offload_host_budget`` saves within it in every mode (a sync save through the stager,
-waited for): the stager fills each state as DCP's writer reaches it (``optim_factory.checkpoint``).
+``CheckpointManager.Config(write_in_process=True)`` writes the async saves in a writer process of each rank's own
+(``StagerOptions(write_in_process=True)``), as torchtitan's own ``async_with_pinned_mem`` writes in DCP's process
+executor. An optimizer with ``state_dict_offload_host_budget`` saves within it in every mode (a sync save through
+the stager, waited for): the stager fills each state as DCP's writer reaches it (``optim_factory.checkpoint``).
 
 Importing this module imports torchtitan; the rest of optim_factory never does.
 """
@@ -172,14 +174,24 @@ class CheckpointManager(TitanCheckpointManager):
 
     @dataclass(kw_only=True, slots=True)
     class Config(TitanCheckpointManager.Config):
-        """torchtitan's checkpoint config, unchanged; declared here so that ``config.build()`` builds this class.
+        """torchtitan's checkpoint config and ``write_in_process``; declared here so that ``config.build()`` builds
+        this class.
 
         The warnings of torchtitan's checks (``initial_load_model_only=True has no effect without an
         initial_load_path.``, on its default values) are logged once per process: ``build()`` copies the config
         (``dataclasses.replace``), which runs the checks again, so each config built would say each one twice."""
 
+        write_in_process: bool = False
+        """Our async saves written by a writer process of each rank's own, as torchtitan's ``async_with_pinned_mem``
+        writes in DCP's process executor (``StagerOptions(write_in_process=True)``, docs/export.md)."""
+
         def __post_init__(self) -> None:
             TITAN_CHECK_WARNINGS.apply(TitanCheckpointManager.Config.__post_init__, self)  # (slots: no bare super())
+            if self.write_in_process and self.async_mode == AsyncMode.DISABLED:  # lowered by torchtitan's check
+                raise ValueError(
+                    "CheckpointManager.Config(write_in_process=True): writes async saves; set async_mode='async' or "
+                    "'async_with_pinned_mem'"
+                )
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
@@ -188,9 +200,8 @@ class CheckpointManager(TitanCheckpointManager):
             # torchtitan's own slot for its stager, which its close() closes; its gloo group of async saves (every
             # rank made it in the constructor above) carries the ranks' agreement on a refusal
             pinned = self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
-            self.stager = AsyncSaveStager(
-                kwargs["optimizers"].optimizers, StagerOptions(pinned=pinned), process_group=self.pg
-            )
+            options = StagerOptions(pinned=pinned, write_in_process=config.write_in_process)
+            self.stager = AsyncSaveStager(kwargs["optimizers"].optimizers, options, process_group=self.pg)
 
     def dcp_save(
         self,

@@ -27,7 +27,8 @@ pytest.importorskip(
 )
 
 from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE  # noqa: E402
-from tests.distributed.launch import spawn_checks  # noqa: E402
+from tests import forked  # noqa: E402
+from tests.distributed.launch import PRELOAD, spawn_checks  # noqa: E402
 from tests.helpers import drop_in_block, record_exports, same_export_buffers  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:state_dict_cpu_offload=True has no memory effect")
@@ -367,13 +368,15 @@ ASYNC_EXPORT = ["--optimizer.state_dict_offload_background=true", "--optimizer.s
 
 
 @needs_checkpointer
-def test_async_checkpointer_on_cpu_keeps_its_stagers_across_saves(tmp_path):
+@pytest.mark.parametrize("in_process", [False, True], ids=["thread", "writer-process"])
+def test_async_checkpointer_on_cpu_keeps_its_stagers_across_saves(tmp_path, in_process):
     """checkpoint.is_async: true. Automodel's Checkpointer makes torch's DefaultStager in its constructor (pinned
     memory and non-blocking copies), refused without an accelerator. Ours (the doc's ``exact_checkpointer``) saves on
     CPU through one AsyncSaveStager per kind, the same objects at every save: the optimizer's pooled export buffers
     are the same tensors at every save (given back once written), its background export is deferred (Automodel's
     recipes wait for the staging before the step), and the model and the optimizer load back bitwise, the next step
-    the same. (On 1 -> 2 -> 1 ranks: tests/integrations/test_exact_resume.py.)"""
+    the same; with ``write_in_process=True`` each stager's writes in a writer process of its own. (On 1 -> 2 -> 1
+    ranks: tests/integrations/test_exact_resume.py.)"""
     from nemo_automodel.components.config._arg_parser import parse_args_and_load_config
     from nemo_automodel.recipes._typed_config import RecipeConfig
 
@@ -388,7 +391,14 @@ def test_async_checkpointer_on_cpu_keeps_its_stagers_across_saves(tmp_path):
         m = model(seed=seed)
         return torch.nn.Sequential(m, torch.nn.Linear(1, 1024), torch.nn.Linear(1024, 1024)).to(torch.bfloat16)
 
-    m1, checkpointer = wide(0), exact_checkpointer(cfg)
+    if in_process:
+        from optim_factory.integrations.automodel import Checkpointer
+
+        forked.start_forkserver(PRELOAD)  # the writer processes fork from it, torch imported already
+        checkpointer = Checkpointer(cfg.checkpoint, dp_rank=0, tp_rank=0, pp_rank=0, write_in_process=True)
+    else:
+        checkpointer = exact_checkpointer(cfg)
+    m1 = wide(0)
     (o1,) = cfg.optimizer.build(m1, device_mesh=None)
     exports = record_exports(o1)
     stagers = []
@@ -404,6 +414,7 @@ def test_async_checkpointer_on_cpu_keeps_its_stagers_across_saves(tmp_path):
     assert stagers[0].keys() == {"model", "optim"} and all(s == stagers[0] for s in stagers), stagers
     assert len(exports) == 3 and same_export_buffers(exports), exports
     assert [deferred for _, deferred in exports] == [True] * 3
+    assert all((stager.writer_pid is not None) == in_process for stager in checkpointer.stagers.values())
 
     m2 = wide(1)
     (o2,) = cfg.optimizer.build(m2, device_mesh=None)
@@ -461,3 +472,13 @@ def test_an_optimizer_with_a_host_budget_saves_within_it_and_loads_bitwise(tmp_p
     train(m2, o2, range(2, 3))
     assert_same(m1, o1, m2, o2, "the step after")
     checkpointer.close()
+
+
+def test_write_in_process_without_is_async_is_one_line(tmp_path):
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+
+    from optim_factory.integrations.automodel import Checkpointer
+
+    config = CheckpointingConfig(checkpoint_dir=str(tmp_path), model_save_format="torch_save", is_async=False)
+    with pytest.raises(ValueError, match=r"^Checkpointer\(write_in_process=True\): writes async saves; set checkpoint"):
+        Checkpointer(config, dp_rank=0, tp_rank=0, pp_rank=0, write_in_process=True)

@@ -78,14 +78,14 @@ def train(model: Net, optimizers, schedulers, first: int, steps: int) -> None:
 
 
 def build(seed: int, mesh, folder: str, async_mode: str = "disabled", name: str = "PortableFusedAdam",
-          manager=CheckpointManager, options: dict = OPTIONS):  # fmt: skip
+          manager=CheckpointManager, options: dict = OPTIONS, **fields):  # fmt: skip
     """The model (on CUDA for TE's class), our container and scheduler, and torchtitan's CheckpointManager (or
-    ``manager``)."""
+    ``manager``; ``fields``: more of its config's)."""
     model = Net(seed, mesh, "cuda" if name == "FusedAdam" else "cpu")
     optimizers = integration.fused_adam(lr=1e-2, name=name, **options).build(model_parts=[model])
     assert type(optimizers.optimizers[0]) is getattr(optim_factory, name)
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
-    config = manager.Config(enable=True, folder=folder, interval=1, keep_latest_k=0, async_mode=async_mode)
+    config = manager.Config(enable=True, folder=folder, interval=1, keep_latest_k=0, async_mode=async_mode, **fields)
     checkpointer = config.build(
         dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers, states={},
         sd_adapter=None,
@@ -149,15 +149,17 @@ def resume_one_rank(rank: int, world: int, folder: str) -> None:
     checkpointer.close()
 
 
-def saves_through_one_stager(rank: int, world: int, folder: str, async_mode: str) -> None:
+def saves_through_one_stager(rank: int, world: int, folder: str, async_mode: str, in_process: bool = False) -> None:
     """Our CheckpointManager in an async mode saves 3 times through one AsyncSaveStager: the optimizer's pooled
     export buffers are the same tensors at every save (given back once written), a background export is deferred
     only in ``async_with_pinned_mem`` (torchtitan waits for its staging before the step), where one that fails on
     one rank refuses the save on every rank from ``maybe_wait_for_saving``, and ``close()`` closes the stager.
-    (Resumes through these modes: tests/integrations/test_exact_resume.py.)"""
+    ``in_process``: ``write_in_process=True``, each rank's writes in its writer process, the last save loaded back
+    bitwise. (Resumes through these modes: tests/integrations/test_exact_resume.py.)"""
     mesh = init_device_mesh("cpu", (world,))
+    fields = {"write_in_process": True} if in_process else {}
     model, optimizers, schedulers, checkpointer = build(
-        0, mesh, folder, async_mode, manager=integration.CheckpointManager, options=BACKGROUND
+        0, mesh, folder, async_mode, manager=integration.CheckpointManager, options=BACKGROUND, **fields
     )
     stager = checkpointer.stager
     assert type(stager) is AsyncSaveStager
@@ -168,10 +170,11 @@ def saves_through_one_stager(rank: int, world: int, folder: str, async_mode: str
         checkpointer.maybe_wait_for_staging()  # what torchtitan's Trainer calls before the optimizer step
         assert not optimizers.optimizers[0].state_dict_pending  # the staging's completion waited for the export
     checkpointer.maybe_wait_for_saving()
-    assert checkpointer.stager is stager
+    assert checkpointer.stager is stager and (stager.writer_pid is not None) == in_process
     assert len(exports) == 3 and same_export_buffers(exports), exports
     deferred = async_mode == "async_with_pinned_mem"
     assert [pending for _, pending in exports] == [deferred] * 3
+    saved = snapshot(model, optimizers) if in_process else None  # the state of save 3 (an export of its own)
     if deferred:  # a deferred export that fails on rank 1: the save is refused on every rank, nothing written
         state = next(iter(optimizers.optimizers[0].state.values()))["exp_avg"].to_local()
         nbytes = state.untyped_storage().nbytes()
@@ -188,6 +191,11 @@ def saves_through_one_stager(rank: int, world: int, folder: str, async_mode: str
     with pytest.raises(RuntimeError, match="^AsyncSaveStager: closed"):
         stager.stage({})
     assert all(Path(folder, f"step-{s}", ".metadata").is_file() for s in (1, 2, 3))
+    if in_process:  # what the writer processes wrote, read back
+        model, optimizers, _, checkpointer = build(1, mesh, folder, manager=integration.CheckpointManager)
+        assert checkpointer.load(step=3)
+        assert_flat_bitwise(snapshot(model, optimizers), saved)
+        checkpointer.close()
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +211,8 @@ def two_rank_folders(tmp_path_factory):
         checks.append((f"whole: {mode}", roundtrip_two_ranks, (whole_folder, mode, "PortableFusedAdam", WHOLE)))
     for mode in ASYNC_MODES:
         checks.append((f"ours: {mode}", saves_through_one_stager, (str(tmp_path_factory.mktemp(f"ours-{mode}")), mode)))
+    process = (str(tmp_path_factory.mktemp("process")), "async_with_pinned_mem", True)
+    checks.append(("ours in a writer process", saves_through_one_stager, process))
     return folders, spawn_checks(2, checks, tmp_path_factory.mktemp("titan-done"))
 
 
@@ -211,6 +221,17 @@ def two_rank_folders(tmp_path_factory):
 def test_our_async_modes_keep_one_stager_and_reuse_the_export_buffers(two_rank_folders, async_mode):
     _, outcome = two_rank_folders
     assert outcome[f"ours: {async_mode}"] is None, outcome[f"ours: {async_mode}"]
+
+
+@pytest.mark.slow  # forked ranks
+def test_our_async_saves_written_in_writer_processes_load_back_bitwise(two_rank_folders):
+    _, outcome = two_rank_folders
+    assert outcome["ours in a writer process"] is None, outcome["ours in a writer process"]
+
+
+def test_write_in_process_without_an_async_mode_is_one_line():
+    with pytest.raises(ValueError, match=r"^CheckpointManager.Config\(write_in_process=True\): writes async saves"):
+        integration.CheckpointManager.Config(enable=True, write_in_process=True)
 
 
 @pytest.mark.slow  # forked ranks
