@@ -23,6 +23,8 @@ Modes (each steps an optimizer of its own, over the one model, built with its ex
   ``recipes.checkpoint.CheckpointManager`` (async, the library's ``AsyncSaveStager``; finite check and checksums
   included). The save call returns before the export is filled; the next forward and backward overlap it and
   ``Saver.wait_export()`` (what the recipe's loop calls) waits for the rest before ``step()``.
+* ``c-ours-process``: ``c-ours`` with ``checkpoint.write_in_process=true`` (each rank's DCP write, its checksums
+  included, in a writer process of its own).
 * ``c-ours-no-background``: ``c-ours`` without the background option (the save call waits for the export).
 * ``d-ours-keep-bf16``: ``c-ours`` with ``state_dict_keep_bf16``.
 * ``e-te-sync`` / ``e-ours-sync``: synchronous ``dcp.save`` of (a)'s export, and the recipe's synchronous save
@@ -102,6 +104,7 @@ MODES = (
     "a-te-async-pinned",
     "b-te-cpu-offload",
     "c-ours",
+    "c-ours-process",
     "c-ours-no-background",
     "d-ours-keep-bf16",
     "e-te-sync",
@@ -312,10 +315,16 @@ class Mode:
                 self.fresh_stagers = ctx["fresh_stagers"]
                 self.stager = self.new_stager()
         else:
-            background = name in ("c-ours", "d-ours-keep-bf16")
+            background = name in ("c-ours", "c-ours-process", "d-ours-keep-bf16")
             export = ours_export(ctx, background, keep_bf16=name.startswith("d-"))
             opt = switch_optimizer(ctx, **(budget_export(ctx, name) if "-budget-" in name else export))
-            cfg = CheckpointConfig(dir=str(ctx["root"]), every_steps=1, keep_last=0, async_save=name != "e-ours-sync")
+            cfg = CheckpointConfig(
+                dir=str(ctx["root"]),
+                every_steps=1,
+                keep_last=0,
+                async_save=name != "e-ours-sync",
+                write_in_process=name == "c-ours-process",
+            )
             # hook() calls wait_export() before the next step(), as the recipe's loop does
             self.manager = CheckpointManager(cfg, rank=ctx["rank"], device=ctx["device"], waits_before_step=True)
             if opt.state_dict_offload_reuse_buffers:

@@ -57,7 +57,10 @@ def _serve(conn: Any, rank: int, world: int, store: tuple[str, int] | None) -> N
         )
     conn.send(_READY)
     while True:
-        request = conn.recv()
+        try:
+            request = conn.recv()
+        except EOFError:  # the training process ended without close(): nothing more will come
+            break
         if request is None:
             break
         state_dict, kwargs = request
