@@ -46,15 +46,11 @@ def _serve(conn: Any, rank: int, world: int, store: tuple[str, int] | None) -> N
     it does not pickle)."""
     import torch.distributed.checkpoint as dcp
 
-    if store is not None:
+    if store is not None:  # the store made here (rank 0 serves it): never a launcher's, which env:// would reach
         address, port = store
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{address}:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=_START_TIMEOUT_S),
-        )
+        timeout = timedelta(seconds=_START_TIMEOUT_S)
+        tcp = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout)
+        dist.init_process_group("gloo", store=tcp, rank=rank, world_size=world, timeout=timeout)
     conn.send(_READY)
     while True:
         try:
@@ -182,7 +178,7 @@ class WriterProcess:
         world = 1 if group is None else dist.get_world_size(group)
         rank = 0 if group is None else dist.get_rank(group)
         store = None
-        if group is not None:
+        if world > 1:
             chosen = [_free_address() if rank == 0 else None]
             dist.broadcast_object_list(chosen, src=dist.get_global_rank(group, 0), group=group)
             store = chosen[0]

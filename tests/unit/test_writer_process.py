@@ -125,8 +125,10 @@ def test_a_writer_process_killed_inside_a_write_fails_that_save_in_one_line_and_
 
 
 def two_ranks(rank: int, world: int, tmp: str) -> None:
-    """FSDP's DTensor shards on 2 gloo ranks: the writer processes (a gloo group of their own) write each rank's
-    file as the stager's thread does; a NaN on rank 1 refuses the next save on both ranks, nothing written."""
+    """FSDP's DTensor shards on 2 gloo ranks: the writer processes (a gloo group of their own, on a store of theirs
+    under torchrun's environment too) write each rank's file as the stager's thread does; a NaN on rank 1 refuses
+    the next save on both ranks, nothing written."""
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # as torchrun sets it: the writers' store is theirs still
     mesh = init_device_mesh("cpu", (world,))
     files = {}
     for in_process in (False, True):
