@@ -39,7 +39,7 @@ from optim_factory.checkpoint._fillers import filler_for
 from optim_factory.checkpoint._gated_planner import GatedPlanner
 from optim_factory.checkpoint._options import StagerOptions, option_names
 from optim_factory.checkpoint._record import StagedSave
-from optim_factory.checkpoint._verdict import complete_staging
+from optim_factory.checkpoint._verdict import Staging, complete_staging
 from optim_factory.checkpoint._writer_process import WriterProcess
 from optim_factory.errors import SaveRefused, first_line
 from optim_factory.optimizers.export import OffloadedStateDict
@@ -134,9 +134,10 @@ class AsyncSaveStager(AsyncStager):
         # the caller's GPU on the thread: a new thread's is 0, and its first CUDA call would create a context there
         device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         exports = self._exports if filling is None else None  # else the filler's fills complete the staging
+        staging = Staging(staged, copied, finite, device, exports, self.options.check)
         threading.Thread(
             target=complete_staging,
-            args=(save, staged, copied, finite, device, exports, self.options.check, self._group, gated),
+            args=(save, staging, self._group, gated),
             name="optim-factory-staging",
             daemon=True,
         ).start()
