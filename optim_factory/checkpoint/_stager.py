@@ -291,8 +291,9 @@ class AsyncSaveStager(AsyncStager):
 
     @property
     def writer_pid(self) -> int | None:
-        """The pid of this rank's writer process (``StagerOptions.write_in_process``), None before its first save,
-        after :meth:`close`, and without the option."""
+        """The pid of this rank's writer process (``StagerOptions.write_in_process``): None until the first save is
+        handed over to it (its staging agreed; :meth:`wait` returns after), after :meth:`close`, and without the
+        option."""
         return None if self._writer is None else self._writer.pid
 
     @property

@@ -17,10 +17,12 @@ process ends, so every rank sees the failure).
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import socket
 import threading
+import warnings
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
@@ -46,6 +48,11 @@ def _serve(conn: Any, rank: int, world: int, store: tuple[str, int] | None) -> N
     it does not pickle)."""
     import torch.distributed.checkpoint as dcp
 
+    # what this process does on purpose, not news to the person training: one process saves without a group (DCP
+    # warns of it at every save), and the staged DTensors' meshes arrive without their groups (planning reads
+    # only their layout)
+    warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+    logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
     if store is not None:  # the store made here (rank 0 serves it): never a launcher's, which env:// would reach
         address, port = store
         timeout = timedelta(seconds=_START_TIMEOUT_S)
@@ -192,7 +199,14 @@ class WriterProcess:
         self._process, self._conn = process, conn
         if not conn.poll(_START_TIMEOUT_S):
             raise WriterProcessEnded(f"the writer process did not start within {_START_TIMEOUT_S:.0f} s")
-        conn.recv()  # _READY, or EOF: it ended
+        try:
+            conn.recv()  # _READY
+        except EOFError:
+            process.join(5)
+            raise WriterProcessEnded(
+                f"the writer process (pid {process.pid}) ended with exit code {process.exitcode} as it started (its "
+                'stderr says why; a script whose top level is not under `if __name__ == "__main__":` runs again there)'
+            ) from None
 
 
 def _free_address() -> tuple[str, int]:
