@@ -104,8 +104,8 @@ class HostCopies:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def close(self) -> None:
-        self._buffers.clear()
-        for ptr in self._registered:  # after the buffers: unpinned where nothing copies into them any more
+        for ptr in self._registered:  # unpinned while the memory is still mapped, then let go
             unregister_host(ptr)
         self._registered.clear()
+        self._buffers.clear()
         self._streams.clear()

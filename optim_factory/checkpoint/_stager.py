@@ -50,7 +50,8 @@ class AsyncSaveStager(AsyncStager):
 
     ``optimizers``: the optimizer (or optimizers) whose exports the saved state dicts hold; any optimizer works, at
     most one with a host budget. ``options``: a :class:`StagerOptions` (a NaN/inf refusal, a ``check`` of the
-    filled state, pinned copies, the background export's timeout; its defaults without). ``process_group``: the
+    filled state, pinned copies, the background export's timeout, the write in a writer process; its defaults
+    without). ``process_group``: the
     gloo group on which the ranks agree on a refusal (default: one of its own over the default group's ranks, made
     here or at the first save, so every rank builds and first uses its stager in the same order; none on a single
     process).
@@ -179,8 +180,9 @@ class AsyncSaveStager(AsyncStager):
         return response.upload_completion.result()
 
     def async_save(self, state_dict: dict[str, Any], **dcp_kwargs: Any) -> AsyncSaveResponse:
-        """``dcp.async_save(state_dict, async_stager=self, **dcp_kwargs)`` on a writer thread, once the previous
-        save is over (:meth:`stage` waits for it); without a ``planner`` of the caller's DCP plans it at once with its
+        """``dcp.async_save(state_dict, async_stager=self, **dcp_kwargs)`` on a writer thread (with
+        ``write_in_process``: staged here, written by the rank's writer process), once the previous save is over
+        (:meth:`stage` waits for it); without a ``planner`` of the caller's DCP plans it at once with its
         default planner, whose last step waits for the filled state and the ranks' verdict (docs/design.md); the
         export buffers go back when its write is done.
         Returns DCP's ``AsyncSaveResponse``: ``staging_completion`` once the copies and exports are filled (the
@@ -233,6 +235,7 @@ class AsyncSaveStager(AsyncStager):
         rank's writer process (``_writer_process.py``). Returns the write's Future."""
         if self._writer is None:
             self._writer = WriterProcess(self._group)
+        self._writer.check(dcp_kwargs)
         with self.exporting(defer=False):  # a Stateful's export, as DCP's async_save makes it
             state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
         return self._writer.write(self.stage(state_dict), dcp_kwargs)

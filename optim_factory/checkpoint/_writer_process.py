@@ -4,38 +4,45 @@
 The training process then holds the interpreter only to stage a save and hand it over: DCP's planning, the
 serialization of each item and the storage writer's own work (a checksumming writer's hashing) run in the writer
 process. The staged tensors are handed over without a copy: their storages are in shared memory (the stager's host
-copies are made there; another host tensor, such as an export's pooled buffer, is moved there by torch's sharing at
-its first save and stays there), and a save sends each storage's handle, not its bytes.
+copies and its optimizers' pooled export buffers are made there; any other host tensor is moved there by torch's
+sharing), and a save sends each storage's handle, not its bytes.
 
 The process is started at the first save, from Python's forkserver (nothing of the training process is inherited:
 no CUDA context, no threads), and kept from save to save; on more than one rank the writer processes form a gloo
 group of their own (its store on a port rank 0 picks, told to every rank over the stager's group), on which DCP's
-collectives run. A save whose write failed, or whose writer process ended, fails in one line; every rank then starts
-its writer process again at the next save (DCP's collectives fail on every rank when one rank's write fails or its
-process ends, so every rank sees the failure).
+collectives run. Every rank pickles its save before any rank sends one, and the ranks agree on the outcome on the
+stager's group: a save one rank cannot hand over is handed over by none. A save whose write failed, or whose writer
+process ended, fails in one line; every rank then starts its writer process again at the next save (DCP's
+collectives fail on every rank when one rank's write fails or its process ends, so every rank sees the failure). At
+the interpreter's exit a write in flight is waited for before the process is ended, as DCP's writer thread is.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import socket
 import threading
 import warnings
+import weakref
 from concurrent.futures import Future
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing  # noqa: F401  (its picklers: a CPU tensor is sent as a shared-memory handle)
 
-from optim_factory.errors import first_line
+from optim_factory.checkpoint._agreement import agree
+from optim_factory.errors import SaveRefused, first_line
 
 __all__ = ["WriterProcess", "WriterProcessEnded"]
 
 _READY = "ready"
 _START_TIMEOUT_S = 300.0  # the writer processes' group forms within this (DCP's process executor waits 1800 s)
+_RUNNING: weakref.WeakSet = weakref.WeakSet()  # every WriterProcess of this process, for the exit's wait
 
 
 class WriterProcessEnded(RuntimeError):
@@ -57,7 +64,7 @@ def _serve(conn: Any, rank: int, world: int, store: tuple[str, int] | None) -> N
         address, port = store
         timeout = timedelta(seconds=_START_TIMEOUT_S)
         tcp = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout)
-        dist.init_process_group("gloo", store=tcp, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group("gloo", store=tcp, rank=rank, world_size=world)  # collectives: gloo's default wait
     conn.send(_READY)
     while True:
         try:
@@ -95,11 +102,22 @@ class WriterProcess:
         self._process: Any = None
         self._conn: Any = None
         self._start_again = False  # the last write failed: a new process (every rank's) at the next write
+        self._writing: threading.Thread | None = None  # the hand-over in flight (the exit waits for it)
+        _RUNNING.add(self)
 
     @property
     def pid(self) -> int | None:
         """The running writer process's pid (None before the first save and after :meth:`close`)."""
         return None if self._process is None else self._process.pid
+
+    def check(self, dcp_kwargs: dict[str, Any]) -> None:
+        """Refuse, before anything is staged, a ``process_group`` other than the stager's (the writer processes'
+        group mirrors it)."""
+        if dcp_kwargs.get("process_group") not in (None, self._group):
+            raise ValueError(
+                "AsyncSaveStager(StagerOptions(write_in_process=True)).async_save(process_group=...): the writer "
+                "processes' group mirrors the stager's; give the group to the stager (AsyncSaveStager(process_group=))"
+            )
 
     def write(self, staged: Future, dcp_kwargs: dict[str, Any]) -> Future:
         """A Future of ``dcp.save(staged.result(), **dcp_kwargs)`` run in the writer process once ``staged``
@@ -110,9 +128,10 @@ class WriterProcess:
         kwargs = {k: v for k, v in dcp_kwargs.items() if k != "process_group"}
 
         def hand_over(done: Future) -> None:  # the staging's thread, or this one: the writing has its own
-            threading.Thread(
+            self._writing = threading.Thread(
                 target=self._hand_over, args=(done, kwargs, written), name="optim-factory-writer", daemon=True
-            ).start()
+            )
+            self._writing.start()
 
         staged.add_done_callback(hand_over)
         return written
@@ -133,14 +152,25 @@ class WriterProcess:
         conn.close()
 
     def _hand_over(self, staged: Future, kwargs: dict[str, Any], written: Future) -> None:
-        """Send the staged save to the writer process (started first if need be), then wait for its answer."""
+        """Send the staged save to the writer process (started first if need be), once every rank could pickle its
+        own, then wait for its answer."""
         failure = staged.exception()
         if failure is not None:  # refused: nothing is handed over
             written.set_exception(failure)
             return
+        payload = line = None
         try:
             conn = self._connection()
-            conn.send((staged.result(), kwargs))
+            payload = ForkingPickler.dumps((staged.result(), kwargs))  # torch's: shared-memory handles
+        except BaseException as exc:  # noqa: BLE001  (this rank's failure must reach the others' agreement)
+            line = f"not handed to the writer process: {first_line(exc, named=True)}"
+        refusals = agree(line, self._group)
+        if refusals:  # no rank sends: none waits in DCP's collectives for a rank that never will
+            self._start_again = True
+            written.set_exception(SaveRefused(refusals))
+            return
+        try:
+            conn.send_bytes(payload)
             answer = conn.recv()
         except BaseException as exc:  # noqa: BLE001  (EOF, a broken pipe: the process ended)
             answer = self._ended(exc)
@@ -161,8 +191,8 @@ class WriterProcess:
     def _ended(self, exc: BaseException) -> BaseException:
         """A failed hand-over's exception: :class:`WriterProcessEnded` where the process ended."""
         process = self._process
-        if process is not None:
-            process.join(5)  # reaped once it ended (the pipe's EOF can come first)
+        if process is not None and isinstance(exc, (EOFError, OSError)):
+            process.join(5)  # reaped once it ended (the pipe's end of file can come first)
         if process is not None and not process.is_alive():
             return WriterProcessEnded(
                 f"the writer process (pid {process.pid}) ended with exit code {process.exitcode} before the save "
@@ -207,6 +237,20 @@ class WriterProcess:
                 f"the writer process (pid {process.pid}) ended with exit code {process.exitcode} as it started (its "
                 'stderr says why; a script whose top level is not under `if __name__ == "__main__":` runs again there)'
             ) from None
+
+
+def _wait_at_exit() -> None:
+    """At the exit of this process (the interpreter's, or a multiprocessing child's end): every write in flight is
+    waited for (the checkpoint is written, as DCP's writer thread writes it), then the processes are ended."""
+    for writer in list(_RUNNING):
+        if writer._writing is not None:
+            writer._writing.join()
+        writer.close()
+
+
+# multiprocessing's exit runs its finalizers with a priority before it terminates its daemon processes (ours): at
+# the interpreter's exit (its atexit handler) and at a multiprocessing child's end (mp.spawn's ranks; no atexit there)
+multiprocessing.util.Finalize(None, _wait_at_exit, exitpriority=100)
 
 
 def _free_address() -> tuple[str, int]:

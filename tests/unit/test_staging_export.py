@@ -330,7 +330,7 @@ def test_worker_threads_make_the_given_cuda_device_current(monkeypatch):
     thread's device is 0); for no device or a CPU device, nothing is set. Recorded on CPU: set_device replaced."""
     import threading
 
-    from optim_factory.optimizers.export.host_memory import worker_threads
+    from optim_factory.optimizers.export.threads import worker_threads
 
     seen: list[tuple[str, object]] = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append((threading.current_thread().name, d)))

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -124,10 +127,19 @@ def test_a_writer_process_killed_inside_a_write_fails_that_save_in_one_line_and_
     stager.close()
 
 
+class UnpicklableWriter(FileSystemWriter):
+    """DCP's file writer holding a lock: it cannot be pickled to a writer process."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.lock = threading.Lock()
+
+
 def two_ranks(rank: int, world: int, tmp: str) -> None:
     """FSDP's DTensor shards on 2 gloo ranks: the writer processes (a gloo group of their own, on a store of theirs
     under torchrun's environment too) write each rank's file as the stager's thread does; a NaN on rank 1 refuses
-    the next save on both ranks, nothing written."""
+    the next save on both ranks, nothing written; a save rank 1 cannot hand over is refused on both (none waits in
+    DCP's collectives for it), and the next save works."""
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # as torchrun sets it: the writers' store is theirs still
     mesh = init_device_mesh("cpu", (world,))
     files = {}
@@ -157,6 +169,13 @@ def two_ranks(rank: int, world: int, tmp: str) -> None:
     stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/after")
     stager.wait()
     assert stager.writer_pid == pid, "a refused save, handed nothing, started the writer process again"
+    # a save only rank 1 cannot hand over (its writer does not pickle): handed over by neither, refused on both
+    writer = UnpicklableWriter(f"{tmp}/unpicklable") if rank == 1 else FileSystemWriter(f"{tmp}/unpicklable")
+    stager.async_save(export_deferred(model, opt), storage_writer=writer)
+    with pytest.raises(SaveRefused, match=r"not handed to the writer process: TypeError: .*\(rank 1\)$"):
+        stager.wait()
+    stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/again")  # new writer processes
+    stager.wait()
     stager.close()
 
 
@@ -189,3 +208,32 @@ def test_a_shared_buffer_beyond_dev_shm_s_room_is_one_line_before_anything_is_al
     needed = 2 * room.f_bavail * room.f_frsize + 1
     with pytest.raises(OSError, match=rf"^shared memory: /dev/shm has \d+ bytes free, a buffer needs {needed} \("):
         shared_empty((needed,), torch.uint8)
+
+
+EXIT_WITHOUT_CLOSE = """
+import sys
+import torch
+from optim_factory import PortableFusedAdam
+from optim_factory.checkpoint import AsyncSaveStager, StagerOptions
+
+if __name__ == "__main__":
+    model = torch.nn.Linear(256, 256)
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    stager = AsyncSaveStager(opt, StagerOptions(write_in_process=True))
+    response = stager.async_save({"model": model.state_dict()}, checkpoint_id=sys.argv[1])
+    response.staging_completion.result()  # staged; the script ends without wait() or close()
+"""
+
+
+@pytest.mark.slow  # an interpreter of its own: its exit is what is tested
+def test_an_interpreter_that_exits_without_close_writes_the_save_in_flight_first(tmp_path):
+    """As DCP's writer thread is joined at the exit, the write in flight is waited for before multiprocessing's exit
+    ends the (daemon) writer process. Broken on purpose (no wait at the exit): no checkpoint, exit code 0."""
+    script = tmp_path / "loop.py"
+    script.write_text(EXIT_WITHOUT_CLOSE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "ck" / ".metadata").is_file(), done.stderr[-3000:]

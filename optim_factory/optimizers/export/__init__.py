@@ -8,6 +8,7 @@
 * :mod:`.stream`: chunk planning and the stream pipeline with its resources (``StateExporter``, ``StreamItem``);
 * :mod:`.host_memory`: host memory and pinning (``host_empty``, ``HostBufferPool``, ``Slot``, ``give_pages_back``,
   ``shared_empty``, ``register_host`` and ``unregister_host``);
+* :mod:`.threads`: the export's thread pools (``worker_threads``, ``ProcessThreads``);
 * :mod:`.tensors`: DTensor and BF16-remainder bit helpers, shared with the portable backend;
 * :mod:`.mixin`: ``OffloadedStateDict``, the ``state_dict`` family both optimizer classes inherit.
 """

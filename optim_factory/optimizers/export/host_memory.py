@@ -8,11 +8,12 @@ import ctypes
 import functools
 import mmap
 import os
+import resource
 import sys
 import warnings
 import weakref
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,15 +21,15 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from optim_factory.optimizers.export.options import Pinning
+from optim_factory.optimizers.export.threads import ProcessThreads
 
 __all__ = [
     "host_empty",
     "fault_in",
     "give_pages_back",
     "register_host",
+    "shared_empty",
     "unregister_host",
-    "worker_threads",
-    "ProcessThreads",
     "HostBufferPool",
     "Slot",
 ]
@@ -125,7 +126,16 @@ def shared_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> tor
                 f"shared memory: {_SHM} has {free} bytes free, a buffer needs {nbytes} (a container's --shm-size, or "
                 "save without write_in_process)"
             )
-    return torch.empty(shape, dtype=dtype).share_memory_()
+    try:
+        return torch.empty(shape, dtype=dtype).share_memory_()
+    except RuntimeError as exc:  # torch's sharing keeps each buffer's file descriptor open in this process
+        if "Too many open files" not in str(exc):
+            raise
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        raise OSError(
+            f"shared memory: too many open files (each shared buffer keeps one open; the limit is {soft}): raise it "
+            "(ulimit -n), or save without write_in_process"
+        ) from None
 
 
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the calling thread's
@@ -168,43 +178,6 @@ def _clear_last_cuda_error() -> None:
     get_last_error = _cuda_get_last_error()
     if get_last_error is not None:
         get_last_error()  # returns the error and resets it to cudaSuccess for this thread
-
-
-def worker_threads(workers: int, name: str, device: torch.device | None = None) -> ThreadPoolExecutor:
-    """A thread pool whose threads make CUDA ``device`` current first (a new thread's current device is 0: a
-    rank on another GPU would create a CUDA context on GPU 0 at its threads' first CUDA call). ``device``
-    ``None`` or not CUDA: plain threads."""
-    on_device = {}
-    if device is not None and device.type == "cuda":
-        on_device = dict(initializer=torch.cuda.set_device, initargs=(device,))
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name, **on_device)
-
-
-class ProcessThreads:
-    """A :func:`worker_threads` pool started by its first :meth:`submit`, and again by the first submit in a
-    forked child: a fork copies this object but not the threads, so the child's work would wait in a queue
-    that no thread empties. The threads make the ``device`` of the submit that starts them current."""
-
-    def __init__(self, workers: int, name: str) -> None:
-        self._workers, self._name = workers, name
-        self._executor: ThreadPoolExecutor | None = None
-        self._pid = 0
-
-    def submit(self, device: torch.device | None, fn: Any, *args: Any) -> Future:
-        if self._executor is None or self._pid != os.getpid():
-            self._executor, self._pid = worker_threads(self._workers, self._name, device), os.getpid()
-        return self._executor.submit(fn, *args)
-
-    @property
-    def started(self) -> bool:
-        """Whether this process has started the threads (and not shut them down)."""
-        return self._executor is not None and self._pid == os.getpid()
-
-    def shutdown(self) -> None:
-        """Wait for the submitted work, end the threads (started again by the next submit). Idempotent."""
-        if self.started:
-            self._executor.shutdown(wait=True)
-        self._executor = None
 
 
 def unregister_host(ptr: int) -> None:

@@ -16,13 +16,8 @@ from typing import Any
 
 import torch
 
-from optim_factory.optimizers.export.host_memory import (
-    fault_in,
-    host_empty,
-    register_host,
-    unregister_host,
-    worker_threads,
-)
+from optim_factory.optimizers.export.host_memory import fault_in, host_empty, register_host, unregister_host
+from optim_factory.optimizers.export.threads import worker_threads
 from optim_factory.rules.host import local_ranks as host_ranks
 
 __all__ = [

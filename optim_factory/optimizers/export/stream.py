@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from optim_factory.optimizers.export.host_memory import HostBufferPool, ProcessThreads
+from optim_factory.optimizers.export.host_memory import HostBufferPool
 from optim_factory.optimizers.export.staging import (
     SLOT_BYTES,
     STAGING_SLOTS,
@@ -21,6 +21,7 @@ from optim_factory.optimizers.export.staging import (
     UnstageWorkers,
     unstage_threads,
 )
+from optim_factory.optimizers.export.threads import ProcessThreads
 
 __all__ = ["StreamItem", "Piece", "plan_chunks", "StateExporter"]
 
