@@ -4,18 +4,12 @@ made in shared memory and registered), reused from save to save."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from optim_factory import PortableFusedAdam
 from optim_factory.checkpoint import AsyncSaveStager, StagerOptions
-from tests.unit.saves import OURS, export_deferred
-
-
-def _files(path: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.suffix == ".distcp"}
+from tests.unit.saves import OURS, data_files, export_deferred
 
 
 @pytest.mark.cuda_only
@@ -41,6 +35,6 @@ def test_a_writer_process_writes_the_thread_s_files_from_pinned_shared_memory(tm
             exported = [t for st in staged[1]["optim"]["state"].values() for t in st.values()]
             assert exported and all(t.is_shared() and t.is_pinned() for t in exported), "the export's buffers"
             assert stager.writer_pid is not None
-        files[in_process] = [_files(tmp_path / f"{in_process}{n}") for n in range(2)]
+        files[in_process] = [data_files(tmp_path / f"{in_process}{n}") for n in range(2)]
         stager.close()
     assert files[True] == files[False]

@@ -27,18 +27,13 @@ from optim_factory import PortableFusedAdam
 from optim_factory.checkpoint import AsyncSaveStager, SaveRefused, StagerOptions
 from tests import forked
 from tests.distributed.launch import PRELOAD, spawn
-from tests.unit.saves import OURS, assert_checkpoint, expected_tensors, export_deferred, make_model, train
+from tests.unit.saves import OURS, assert_checkpoint, data_files, expected_tensors, export_deferred, make_model, train
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _forkserver_with_torch():
     """The writer processes fork from this process's forkserver: started with torch imported, each starts at once."""
     forked.start_forkserver(PRELOAD)
-
-
-def _files(path: Path) -> dict[str, bytes]:
-    """The data files of a checkpoint (``.metadata`` holds the save's own id: it differs from save to save)."""
-    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.suffix == ".distcp"}
 
 
 def _saves(tmp: Path, in_process: bool, saves: int = 2, model=None) -> tuple[AsyncSaveStager, list[dict]]:
@@ -72,7 +67,7 @@ def test_a_writer_process_writes_the_thread_s_files_from_shared_memory_and_close
     pid = stager.writer_pid
     assert pid is not None and pid != os.getpid(), "no writer process of its own"
     for n in range(2):
-        assert _files(tmp_path / f"process{n}") == _files(tmp_path / f"thread{n}"), f"save {n} differs"
+        assert data_files(tmp_path / f"process{n}") == data_files(tmp_path / f"thread{n}"), f"save {n} differs"
     # handed over uncopied: every staged tensor in shared memory, the same storages from save to save
     for first, second in zip(staged[0]["model"].values(), staged[1]["model"].values()):
         assert first.is_shared() and first.data_ptr() == second.data_ptr()
@@ -152,7 +147,7 @@ def two_ranks(rank: int, world: int, tmp: str) -> None:
         stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/{_mode(in_process)}")
         stager.wait()
         dist.barrier()
-        files[in_process] = _files(Path(tmp, _mode(in_process)))
+        files[in_process] = data_files(Path(tmp, _mode(in_process)))
     assert files[True] == files[False] and len(files[True]) == world, sorted(files[True])
     pid, first = stager.writer_pid, next(iter(model.parameters())).to_local().view(-1)
     kept = first[0].item()
