@@ -14,7 +14,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory import PortableFusedAdam
 from optim_factory.checkpoint import AsyncSaveStager, BudgetSavePlanner
-from tests.unit.test_budget import Recording, _data_files
+from tests.unit.saves import data_files
+from tests.unit.test_budget import Recording
 
 pytestmark = pytest.mark.cuda_only
 CHUNK = 1 << 20
@@ -56,7 +57,7 @@ def test_saves_within_the_budget_on_cuda_write_the_plain_save_s_files(tmp_path):
     response.upload_completion.result()
     assert 0 < planner.peak_bytes <= 8 << 20 and 0 < stager.budget_peak_bytes <= 8 << 20
     for name in ("sync", "async"):
-        assert _data_files(tmp_path / name) == _data_files(tmp_path / "plain"), name
+        assert data_files(tmp_path / name) == data_files(tmp_path / "plain"), name
     stager.close()
 
 
@@ -78,6 +79,6 @@ def test_a_save_that_fits_the_budget_whole_fills_pinned_buffers_kept_for_the_nex
         with planner.exporting():
             msd, osd = get_state_dict(model, opt)
         planner.save({"model": msd, "optim": osd}, tmp_path / name, no_dist=True)
-        assert _data_files(tmp_path / name) == _data_files(tmp_path / f"{name}_plain"), name
+        assert data_files(tmp_path / name) == data_files(tmp_path / f"{name}_plain"), name
         _train(model, opt)
     assert planner.given[1] and all(a is b for a, b in zip(*planner.given))

@@ -1,9 +1,10 @@
 """What the async-save tests share: a small model, a few training steps, a deferred export as a checkpointer saves
 it, the tensors a checkpoint of a moment holds, a bitwise check of a written checkpoint, an export held unfilled,
-and a planner and a writer that say when DCP planned."""
+a planner and a writer that say when DCP planned, and a checkpoint's data files."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from pathlib import Path
 
@@ -101,6 +102,7 @@ class PlanWatcher(DefaultSavePlanner):
         return plan
 
 
-def data_files(path: Path) -> dict[str, bytes]:
-    """The data files of a checkpoint by name (``.metadata`` holds the save's own id: it differs from save to save)."""
-    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.suffix == ".distcp"}
+def data_files(path: Path) -> dict[str, str]:
+    """Each data file's hash (``.metadata`` names the checkpoint and a random save id: it differs between any two
+    saves)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir() if p.name != ".metadata"}

@@ -4,7 +4,6 @@ resident memory, reset before each save); bad budgets, and checkpointers that wo
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -27,6 +26,7 @@ from optim_factory.checkpoint import (
 from optim_factory.errors import ConfigError
 from optim_factory.rules.host import AUTO_HOST_SHARE, auto_host_budget
 from tests.recipe.runs import QUICK, cli, refused
+from tests.unit.saves import data_files
 
 CHUNK = 1 << 20
 STATE = 4 << 20  # each FP32 state of a Linear(1024, 1024) weight
@@ -65,12 +65,6 @@ def train(model, opt) -> None:
     opt.step()
 
 
-def _data_files(path: Path) -> dict[str, str]:
-    """Each data file's hash (``.metadata`` names the checkpoint and a random save id: it differs between any two
-    saves)."""
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir() if p.name != ".metadata"}
-
-
 def test_a_save_within_the_budget_writes_the_same_files_and_holds_at_most_the_budget(tmp_path):
     budget = 2 * STATE
     model, opt = _trained(budget)
@@ -93,7 +87,7 @@ def test_a_save_within_the_budget_writes_the_same_files_and_holds_at_most_the_bu
     # the budget, the fills' staging ring (two chunks), and DCP's and Python's own allocations: 0-380 KB measured
     # beyond the first two
     assert _peak_added(save_within) <= budget + 2 * CHUNK + (512 << 10)
-    assert _data_files(within) == _data_files(plain)
+    assert data_files(within) == data_files(plain)
     shutil.rmtree(plain)
 
 
@@ -126,7 +120,7 @@ def test_a_save_that_fits_the_budget_whole_keeps_its_buffers_for_the_next_and_wr
         with planner.exporting():
             osd = get_state_dict(model, opt)[1]
         planner.save({"optim": osd}, tmp_path / name, no_dist=True)
-        assert _data_files(tmp_path / name) == _data_files(tmp_path / f"{name}_plain")
+        assert data_files(tmp_path / name) == data_files(tmp_path / f"{name}_plain")
         assert planner.kept_bytes == whole
         assert all(t.count_nonzero() for t in planner.given[-1])  # kept with their values: no page given back
     assert len(planner.given[1]) == 48 and all(a is b for a, b in zip(*planner.given))
@@ -136,7 +130,7 @@ def test_a_save_that_fits_the_budget_whole_keeps_its_buffers_for_the_next_and_wr
     assert planner.kept_bytes == 0
     assert not any(a is b for a, b in zip(planner.given[2], planner.given[3]))
     planner.save({"optim": osd}, tmp_path / "third", no_dist=True)
-    assert planner.kept_bytes == whole and _data_files(tmp_path / "third") == _data_files(tmp_path / "second")
+    assert planner.kept_bytes == whole and data_files(tmp_path / "third") == data_files(tmp_path / "second")
 
 
 @pytest.mark.parametrize(
@@ -246,9 +240,9 @@ def test_the_export_saves_again_and_under_two_keys_with_the_same_files(tmp_path)
         msd, osd = get_state_dict(model, opt)
         planner.save({"optim": osd}, tmp_path / "inside", no_dist=True)  # as after the block
     planner.save({"optim": osd}, tmp_path / "a", no_dist=True)
-    assert _data_files(tmp_path / "inside") == _data_files(tmp_path / "a")
+    assert data_files(tmp_path / "inside") == data_files(tmp_path / "a")
     planner.save({"optim": osd}, tmp_path / "b", no_dist=True)
-    assert _data_files(tmp_path / "a") == _data_files(tmp_path / "b")
+    assert data_files(tmp_path / "a") == data_files(tmp_path / "b")
     train(model, opt)  # the documented path after a step: export again with the same planner
     with planner.exporting():
         osd = get_state_dict(model, opt)[1]

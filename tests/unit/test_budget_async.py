@@ -23,7 +23,8 @@ from optim_factory.optimizers.export.host_memory import HostBufferPool
 from optim_factory.optimizers.export.stream import StateExporter, StreamItem
 from optim_factory.tree import local_tensors
 from tests.distributed.launch import spawn
-from tests.unit.test_budget import CHUNK, OPTIONS, STATE, _data_files, _peak_added, _trained, train
+from tests.unit.saves import data_files
+from tests.unit.test_budget import CHUNK, OPTIONS, STATE, _peak_added, _trained, train
 
 
 class Optim:
@@ -65,7 +66,7 @@ def test_an_async_save_within_the_budget_saves_the_state_of_its_start_and_holds_
     # a step at once: it waits for the fills, which wait for the writes of all but the budget
     save_within(tmp_path / "stepped", then=lambda: train(model, opt))
     for path in ("within", "stepped"):
-        assert _data_files(tmp_path / path) == _data_files(tmp_path / "plain"), path
+        assert data_files(tmp_path / path) == data_files(tmp_path / "plain"), path
     stager.close()
 
 
@@ -81,7 +82,7 @@ def _fits_whole(rank: int, world: int, folder: str) -> None:
         response = stager.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / name), no_dist=True)
         train(model, opt)  # at once: it waits for the fills, the second save's into the first one's buffers
         response.upload_completion.result()
-        assert _data_files(tmp_path / name) == _data_files(tmp_path / f"{name}_plain"), name
+        assert data_files(tmp_path / name) == data_files(tmp_path / f"{name}_plain"), name
         assert stager.host_bytes == whole  # kept for the next save, counted with the stager's copies
     extra = torch.ones(whole // 3 // 4)  # copied when the save starts: the kept buffers are freed first
 
@@ -102,7 +103,7 @@ def _fits_whole(rank: int, world: int, folder: str) -> None:
         msd, osd = get_state_dict(model, opt)
     stager.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "third"), no_dist=True)
     stager.close()  # the save written, the kept buffers freed
-    assert stager.host_bytes == 0 and _data_files(tmp_path / "third") == _data_files(tmp_path / "third_plain")
+    assert stager.host_bytes == 0 and data_files(tmp_path / "third") == data_files(tmp_path / "third_plain")
 
 
 @pytest.mark.slow  # a forked process: its resident memory holds nothing of the tests before it
@@ -122,7 +123,7 @@ def test_a_stateful_optimizer_is_exported_within_the_budget_by_the_save(tmp_path
     )
     response.staging_completion.result()
     response.upload_completion.result()
-    assert _data_files(tmp_path / "within") == _data_files(tmp_path / "plain")
+    assert data_files(tmp_path / "within") == data_files(tmp_path / "plain")
     stager.close()
 
 
@@ -141,7 +142,7 @@ def test_a_save_within_the_budget_is_checked_before_it_is_filled_and_a_refusal_w
     with stager.exporting():
         msd, osd = get_state_dict(model, opt)
     stager.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "finite"), no_dist=True)
-    assert _data_files(tmp_path / "finite") == _data_files(tmp_path / "plain")
+    assert data_files(tmp_path / "finite") == data_files(tmp_path / "plain")
     assert any(meta for meta, _ in seen) and all(shape.numel() > 0 for _, shape in seen)
     state = next(iter(opt.state.values()))
     state["exp_avg"].view(-1)[3] = float("nan")  # in the live state the export streams from
@@ -290,7 +291,7 @@ def saves_what_step_does_not_change_as_at_the_start(tmp_path: Path, mesh=None) -
     trainer["rng"].add_(1)
     writer.release.set()
     response.upload_completion.result()
-    assert _data_files(tmp_path / "within") == _data_files(tmp_path / "plain")
+    assert data_files(tmp_path / "within") == data_files(tmp_path / "plain")
     stager.close()
 
 

@@ -8,6 +8,7 @@ on every rank before anything is written."""
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -171,6 +172,11 @@ def two_ranks(rank: int, world: int, tmp: str) -> None:
         stager.wait()
     stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/again")  # new writer processes
     stager.wait()
+    # another group than the stager's: refused before anything is staged
+    mirrors = r"async_save\(process_group=\.\.\.\): the writer processes' group mirrors the stager's"
+    with pytest.raises(ValueError, match=mirrors):
+        stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/other", process_group=dist.group.WORLD)
+    assert not Path(tmp, "other").exists()
     stager.close()
 
 
@@ -232,3 +238,21 @@ def test_an_interpreter_that_exits_without_close_writes_the_save_in_flight_first
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "ck" / ".metadata").is_file(), done.stderr[-3000:]
+
+
+def test_shared_buffers_beyond_the_open_files_limit_are_one_line_naming_it():
+    """Each shared buffer keeps a file descriptor open in this process: past the limit, one line naming it (torch's
+    own error is a multi-line traceback from inside its sharing)."""
+    from optim_factory.optimizers.export import shared_empty
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = len(os.listdir("/proc/self/fd")) + 8
+    kept = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        with pytest.raises(OSError, match=rf"^shared memory: too many open files \(.*the limit is {limit}\): raise it"):
+            for _ in range(64):
+                kept.append(shared_empty((4,), torch.float32))
+    finally:
+        kept.clear()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
