@@ -34,7 +34,9 @@ Modes (each steps an optimizer of its own, over the one model, built with its ex
   options (``f-titan-ours-process``: with ``write_in_process=True``, each rank's DCP write in a writer process of its
   own, as torchtitan's own mode writes in DCP's process executor); ``g-automodel-te`` /
   ``g-automodel-ours``: NeMo Automodel 0.7's ``Checkpointer`` (``is_async``) and
-  ``optim_factory.integrations.automodel.Checkpointer`` (``scripts.bench_save_frameworks``).
+  ``optim_factory.integrations.automodel.Checkpointer`` (``g-automodel-ours-process``: with
+  ``write_in_process=True``); ``h-checkpointing-te``: Meta's ``torch_checkpointing`` 0.1.1 around TE's class, its
+  default async saver (``scripts.bench_save_frameworks``).
 
 Per checkpoint: ``block_s`` (from the save call until training may resume: the save call plus any wait for staging
 or for the export before the next ``step()``; for the recipe's modes the part of the recipe's ``blocking_s`` up to
@@ -114,6 +116,8 @@ MODES = (
     "f-titan-ours-process",
     "g-automodel-te",
     "g-automodel-ours",
+    "g-automodel-ours-process",
+    "h-checkpointing-te",
     *(f"f-titan-ours-budget-{b}" for b in BUDGETS),
     *(f"c-ours-budget-{b}" for b in BUDGETS),
 )
@@ -396,11 +400,14 @@ def make_mode(name: str, ctx: dict):
     """The mode ``name``: :class:`Mode`, or a framework's (``scripts.bench_save_frameworks``, which imports the
     framework), whose ``-te`` modes step TE's class (its own ``state_dict()``) and ``-ours`` modes ours with
     (c)'s export options. Raises ``ModeSkipped`` where this machine cannot run it."""
-    if not name.startswith(("f-", "g-")):
+    if not name.startswith(FW):
         return Mode(name, ctx)
     from scripts.bench_save_frameworks import build_mode
 
-    export = ours_export(ctx) if name.endswith("-ours") else budget_export(ctx, name) if "-budget-" in name else {}
+    if "-budget-" in name:
+        export = budget_export(ctx, name)
+    else:  # -ours and -ours-process: (c)'s options; -te: TE's class as it is
+        export = ours_export(ctx) if "-ours" in name else {}
     stepper = switch_optimizer(ctx, container=name.startswith("f-"), **export)
     if export.get("state_dict_offload_reuse_buffers"):
         ctx["opt"].prepare_state_dict().result()  # the pool's buffers, as (c) prepares them
@@ -586,7 +593,7 @@ COLUMNS = (  # summary key, table label, divisor, digits
 )
 
 
-FW = ("f-", "g-")  # the framework modes' prefixes (scripts.bench_save_frameworks)
+FW = ("f-", "g-", "h-")  # the framework modes' prefixes (scripts.bench_save_frameworks)
 
 
 def stager_note(meta: dict) -> str:

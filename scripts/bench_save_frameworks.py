@@ -17,6 +17,15 @@ class in the framework's own async mode (``-te``) and with ours through our inte
   ``maybe_wait_for_staging()`` before the next ``optimizer.step()``, ``async_wait()`` to finish. Automodel builds a
   new ``DefaultStager`` (torch's defaults: pinned, shared memory, async staging, non-blocking copies) for every
   save. Its constructor builds one too, which needs an accelerator: without one the mode is skipped, in one line.
+  ``g-automodel-ours-process``: the integration's ``write_in_process=True``.
+* ``h-checkpointing-te``: Meta's ``torch_checkpointing`` 0.1.1 (what torchtitan's main branch saves through) around
+  TE's class: one ``CheckpointManager`` with its default async saver (a pooled staging of the whole payload, pinned
+  where CUDA is, in shared memory, and a background-process writer), kept across saves;
+  ``save(path, {"model": ..., "optim": ...})`` of DCP's ``get_model_state_dict`` / ``get_optimizer_state_dict``,
+  ``with manager.lock():`` (its guard of the step against a capture in progress) before the next
+  ``optimizer.step()``, the returned future awaited to finish. Its local storage writes through the page cache
+  (``use_direct_io=False``, as DCP's and ours do): its default ``O_DIRECT`` refuses the unaligned records that
+  ``torch.save`` writes on ext4 (``OSError: [Errno 22]`` at the first save, seen on CPU).
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from scripts.dcp_stagers import EMULATION, KeptStager
 IMPORTS = {  # mode prefix -> what its modes import (the framework's and our integration's)
     "f-": ("torchtitan.components.checkpointer", "optim_factory.integrations.torchtitan"),
     "g-": ("nemo_automodel.components.checkpoint.checkpointing", "optim_factory.integrations.automodel"),
+    "h-": ("torch_checkpointing",),
 }
 
 
@@ -182,14 +192,16 @@ class AutomodelMode(FrameworkMode):
         config = CheckpointingConfig(
             checkpoint_dir=str(ctx["root"]), model_save_format="torch_save", save_consolidated=False, is_async=True
         )
+        process = {"write_in_process": True} if name.endswith("-process") else {}  # the integration's option
         try:
-            self.checkpointer = Checkpointer(config, dp_rank=ctx["rank"], tp_rank=0, pp_rank=0)
+            self.checkpointer = Checkpointer(config, dp_rank=ctx["rank"], tp_rank=0, pp_rank=0, **process)
         except AssertionError as exc:  # torch's DefaultStager refuses non-blocking copies without an accelerator
             if torch.accelerator.is_available():
                 raise
             where = f"{Checkpointer.__module__}.Checkpointer"
             raise ModeSkipped(f"{where}(is_async=True) needs an accelerator here: {exc}") from None
         self.stager = "the integration's" if self.ours else "a new DefaultStager per save (Automodel's)"
+        self.stager += " (write_in_process)" if process else ""
 
     def save(self, step: int, path: Path) -> dict:
         model = self.ctx["model"]
@@ -202,10 +214,43 @@ class AutomodelMode(FrameworkMode):
         wait_pinning(self.ctx["opt"])
 
 
+class CheckpointingMode(FrameworkMode):
+    def __init__(self, name: str, ctx: dict) -> None:
+        super().__init__(name, ctx)
+        from torch_checkpointing import CheckpointManager
+        from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+        storage = LocalFileSystemStorageConfig(use_direct_io=False)
+        self.checkpointer = CheckpointManager(CheckpointManager.Config(storage_config=storage))
+        self.written = None  # the last save's future
+        self.stager = "torch_checkpointing's DefaultStager (kept), background-process writer"
+
+    def save(self, step: int, path: Path) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        model, opt = self.ctx["model"], self.ctx["opt"]
+        payload = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        self.written = self.checkpointer.save(str(path), payload)
+        return self.info()
+
+    def hook(self) -> None:
+        with self.checkpointer.lock():  # waits while its capture of the payload is in progress
+            pass
+
+    def finish(self) -> None:
+        self.written.result()
+        wait_pinning(self.ctx["opt"])
+
+    def close(self) -> None:
+        self.checkpointer.close()
+
+
 def build_mode(name: str, ctx: dict, stepper) -> FrameworkMode:
     """The framework mode ``name`` around the run's model and the mode's optimizer (``ctx["opt"]``); ``stepper``
     is what the trainer steps (torchtitan's ``OptimizersContainer`` for the ``f-`` modes). Raises
     :class:`ModeSkipped` where this machine cannot run it."""
     if name.startswith("f-titan-"):
         return TitanMode(name, ctx, stepper)
+    if name.startswith("h-"):
+        return CheckpointingMode(name, ctx)
     return AutomodelMode(name, ctx)
