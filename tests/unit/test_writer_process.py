@@ -37,6 +37,10 @@ def _forkserver_with_torch():
     forked.start_forkserver(PRELOAD)
 
 
+def _leased(opt, state: dict) -> list[torch.Tensor]:
+    return [t for st in state["state"].values() for t in st.values() if opt.is_leased_export_buffer(t)]
+
+
 def _saves(tmp: Path, in_process: bool, saves: int = 2, model=None) -> tuple[AsyncSaveStager, list[dict]]:
     """``saves`` async saves (one training step before each) of a fresh model and optimizer, into
     ``tmp/<thread|process><n>``; (the stager, left open, and what each save staged). With a writer process, the
@@ -49,7 +53,7 @@ def _saves(tmp: Path, in_process: bool, saves: int = 2, model=None) -> tuple[Asy
         train(model, opt, 1)
         expected = expected_tensors(model, opt)
         state = export_deferred(model, opt)
-        exported = [t for st in state["optim"]["state"].values() for t in st.values() if opt.is_leased_export_buffer(t)]
+        exported = _leased(opt, state["optim"])
         assert exported and all(t.is_shared() == in_process for t in exported), "the export's memory"
         stager.async_save(state, checkpoint_id=str(tmp / f"{_mode(in_process)}{n}"))
         stager.wait()
@@ -77,6 +81,32 @@ def test_a_writer_process_writes_the_thread_s_files_from_shared_memory_and_close
     assert stager.writer_pid == pid, "a second writer process"
     stager.close()
     assert stager.writer_pid is None and not Path(f"/proc/{pid}").exists(), "close() left the writer process"
+
+
+def test_an_export_leased_before_its_memory_is_made_shared_is_let_go_at_its_release(tmp_path):
+    """A buffer leased when the stager makes the export's memory shared is let go when released, not reused: handed
+    over, pickling would move it into shared memory in place (on CUDA its pinned memory freed while still
+    registered, and a later registration at that address refused)."""
+    model = make_model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    train(model, opt, 1)
+    held = opt.state_dict()  # an export the caller still holds when the stager is made
+    before = _leased(opt, held)
+    assert before and not any(t.is_shared() for t in before)
+    stager = AsyncSaveStager(opt, StagerOptions(write_in_process=True))
+    try:
+        opt.release_state_dict(held)
+        train(model, opt, 1)
+        expected = expected_tensors(model, opt)
+        state = export_deferred(model, opt)
+        exported = _leased(opt, state["optim"])
+        assert exported and all(t.is_shared() for t in exported), "a buffer leased before was reused"
+        stager.async_save(state, checkpoint_id=str(tmp_path / "ck"))
+        stager.wait()
+        assert_checkpoint(tmp_path / "ck", expected)
+        assert not any(t.is_shared() for t in before), "the hand-over moved a buffer into shared memory"
+    finally:
+        stager.close()
 
 
 class GatedFileWriter(FileSystemWriter):

@@ -180,12 +180,17 @@ def _clear_last_cuda_error() -> None:
         get_last_error()  # returns the error and resets it to cudaSuccess for this thread
 
 
-def unregister_host(ptr: int) -> None:
-    """Undo :func:`register_host` for the memory starting at ``ptr`` (nothing once CUDA has shut down)."""
+def unregister_host(ptr: int) -> bool:
+    """Undo :func:`register_host` for the memory starting at ``ptr``; ``False`` if CUDA refused (its error cleared
+    from the calling thread, as :func:`register_host` clears its own: left set, the next CUDA call there would raise
+    it as its own) or has shut down."""
     try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        if int(torch.cuda.cudart().cudaHostUnregister(ptr)) == 0:
+            return True
     except Exception:  # noqa: BLE001  (CUDA already shut down)
-        pass
+        return False
+    _clear_last_cuda_error()
+    return False
 
 
 @dataclass(frozen=True)
@@ -203,6 +208,7 @@ class _Buffer:
     """The pool's record of one of its buffers (kept by the pool, keyed by the tensor's id, never on the tensor)."""
 
     slot: Slot
+    shared: bool = False  # in shared memory (made after use_shared_memory)
     registered: bool = False  # pinned in place with cudaHostRegister
     registering: bool = False  # pinning scheduled or done
 
@@ -224,7 +230,9 @@ class HostBufferPool:
 
     After :meth:`use_shared_memory`, new buffers are in shared memory (torch's: another process maps them by their
     handle), ``register`` and ``alloc`` alike pinned in place with ``cudaHostRegister`` (shared memory cannot come
-    from torch's pinned allocator; ``alloc``'s are pinned when made).
+    from torch's pinned allocator; ``alloc``'s are pinned when made). A buffer leased before then is let go when it
+    is released, not kept: handed to another process, it would be moved into shared memory in place, its pinned
+    memory freed while still registered, and a later registration at that address refused.
     """
 
     def __init__(self, device: torch.device | None = None) -> None:
@@ -239,7 +247,7 @@ class HostBufferPool:
         self.shared = False  # new buffers in shared memory (use_shared_memory)
 
     def use_shared_memory(self) -> None:
-        """Make every later buffer in shared memory; the free ones are dropped (leased ones stay as they are)."""
+        """Make every later buffer in shared memory; the free ones are dropped, the leased ones when released."""
         self.shared = True
         self.clear()
 
@@ -251,7 +259,7 @@ class HostBufferPool:
             buf = torch.empty(slot.shape, dtype=slot.dtype, pin_memory=True)
         else:
             buf = host_empty(torch.Size(slot.shape), slot.dtype)
-        self._buffers[id(buf)] = _Buffer(slot)
+        self._buffers[id(buf)] = _Buffer(slot, shared=self.shared)
         weakref.finalize(buf, self._buffers.pop, id(buf), None).atexit = False
         if self.shared and slot.pinning is Pinning.alloc:
             self._buffers[id(buf)].registering = True
@@ -297,6 +305,8 @@ class HostBufferPool:
                 return 0
             del self._leased[id(obj)]
             record = self._buffers[id(obj)]
+            if record.shared != self.shared:  # made before use_shared_memory: let go
+                return 1
             self._free.setdefault(record.slot, []).append(obj)
             if record.slot.pinning is Pinning.register and not record.registering:
                 record.registering = True
