@@ -394,6 +394,8 @@ class Mode:
         if self.stager is not None:
             self.stager.close()
             self.stager = None
+        if self.manager is not None:  # the recipe's saver: its stager and writer process
+            self.manager.saver.close()
 
 
 def make_mode(name: str, ctx: dict):

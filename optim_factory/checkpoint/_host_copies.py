@@ -11,6 +11,7 @@ copied as they are, at once.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,6 @@ class HostCopies:
         (``cudaHostRegister``) with ``pinned``."""
         self.pinned, self.shared = pinned, shared
         self._buffers: dict[tuple, torch.Tensor] = {}
-        self._registered: list[int] = []  # the shared buffers pinned in place, unpinned at close()
         self._streams: dict[torch.device, Any] = {}
 
     def copy(self, obj: Any, keep: Callable[[torch.Tensor], bool] | None = None) -> tuple[Any, Callable[[], None]]:
@@ -96,7 +96,9 @@ class HostCopies:
             return torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
         buf = shared_empty(local.shape, local.dtype)
         if local.device.type == "cuda" and self.pinned and register_host(buf):
-            self._registered.append(buf.data_ptr())
+            # unpinned when the buffer is freed, before its memory is unmapped, whether or not close() ran: freed
+            # while still registered, its address would refuse the next registration there (another buffer's)
+            weakref.finalize(buf, unregister_host, buf.data_ptr()).atexit = False
         return buf
 
     def nbytes(self) -> int:
@@ -104,8 +106,5 @@ class HostCopies:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def close(self) -> None:
-        for ptr in self._registered:  # unpinned while the memory is still mapped, then let go
-            unregister_host(ptr)
-        self._registered.clear()
         self._buffers.clear()
         self._streams.clear()
