@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 59's measurement on one GPU (TE built: ../shared/gpu/README.md; the wheels of scripts/gpu_wheels.sh carried in
+# .gpu/wheels), in three device calls of under 10 minutes each, from the repository root:
+#     bash scripts/gpu_bench_loop.sh 1   # after the six part calls: TE's build, the wheels, every mode at 4.43 GB
+#     bash scripts/gpu_bench_loop.sh 2   # 17.7 GB: ours, thread and writer process (each framework in a run of its own)
+#     bash scripts/gpu_bench_loop.sh 3   # 17.7 GB: the anchors (TE's class; torch_checkpointing), budgets; tests/gpu
+# Each bench_save run is one of scripts/gpu_bench_run.sh (a mode that ends its run loses only that run's table; the
+# finished modes' lines stay in $OUT/TAG.modes). Results go to $OUT.
+set -u
+export PYTHONPATH="$PWD:/tmp/site" NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+run() { BENCH_TIMEOUT=$1 bash scripts/gpu_bench_run.sh "$2" "$3" "$4"; }
+case "${1:-}" in
+  1)
+    bash .gpu/install.sh build 2>&1 | tail -2
+    python3 -m pip install -q --no-deps --no-index --target /tmp/site .gpu/wheels/*.whl
+    run 470 l22 22 c-ours,c-ours-process,f-titan-ours,f-titan-ours-process,g-automodel-ours,g-automodel-ours-process,a-te-async-pinned,f-titan-te,g-automodel-te,h-checkpointing-te,f-titan-ours-budget-all,c-ours-budget-all ;;
+  2)
+    run 200 l88c 88 c-ours,c-ours-process
+    run 180 l88f 88 f-titan-ours,f-titan-ours-process
+    run 180 l88g 88 g-automodel-ours,g-automodel-ours-process ;;
+  3)
+    run 200 l88a 88 f-titan-te,h-checkpointing-te
+    run 200 l88b 88 f-titan-ours-budget-all,c-ours-budget-all
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1; tail -n 5 "$OUT/pytest_gpu.log" ;;
+  *) echo "usage: bash scripts/gpu_bench_loop.sh 1|2|3" >&2; exit 2 ;;
+esac
