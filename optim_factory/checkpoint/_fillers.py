@@ -62,9 +62,12 @@ class CopyAtStart:
         self.save_bytes = held + host_storage_bytes(state_dict, excluding=(staged, self._live))
         return staged, copied, None
 
-    def finite_check(self, state_dict: Any, staged: Any, exported_by: ExportedBy, streams: dict) -> FiniteCheck:
-        """Every tensor the save writes, read where it lives (a pooled export through its optimizer's states)."""
-        return FiniteCheck(state_dict, staged, exported_by, streams)
+    def finite_check(
+        self, state_dict: Any, staged: Any, exported_by: ExportedBy, streams: dict, host_here: bool = True
+    ) -> FiniteCheck:
+        """Every tensor the save writes, read where it lives (a pooled export through its optimizer's states); the
+        host's tensors by the writer process where not ``host_here``."""
+        return FiniteCheck(state_dict, staged, exported_by, streams, host_here)
 
     def end(self) -> None:
         """Nothing to give back: the copies' buffers are kept for the next save."""
@@ -96,7 +99,9 @@ class FillAsWritten:
         self.save_bytes = None
         return state_dict, lambda: None, self._planner.begin(state_dict, writer_checked=own_save)
 
-    def finite_check(self, state_dict: Any, staged: Any, exported_by: ExportedBy, streams: dict) -> FiniteCheck:
+    def finite_check(
+        self, state_dict: Any, staged: Any, exported_by: ExportedBy, streams: dict, host_here: bool = True
+    ) -> FiniteCheck:
         """What the save is filled from, read before it is filled (``step()`` waits for the fills): the state
         dict's tensors but the streamed states' placeholders, and the optimizer's live states in their place
         (the export copies them, widened, as ``step()`` reads them: a NaN or inf in one is one in the other)."""
@@ -107,7 +112,7 @@ class FillAsWritten:
         }
         for i, states in enumerate(self._planner.optimizer.state.values()):  # named as a refusal names them
             sources.update({f"optimizer.state[{i}].{k}": t for k, t in states.items() if isinstance(t, torch.Tensor)})
-        return FiniteCheck(sources, sources, lambda _: None, streams)
+        return FiniteCheck(sources, sources, lambda _: None, streams, host_here)
 
     def end(self) -> None:
         self._planner.end()

@@ -9,7 +9,9 @@ changes it. The pooled export buffers of an optimizer whose states are all plain
 per value are checked through those states (the export copies them, widens BF16/FP16 ones and scales FP16 ones as
 ``step()`` reads them: a NaN or inf in one is one in the other, except an FP16 value scaled past FP32's largest,
 which no Adam step stores). Any other tensor is checked on the host once staged (the copy, or the filled export,
-where FP8 states are widened). ``all_finite`` does not read one-byte tensors: an FP8 model tensor is not checked.
+where FP8 states are widened): by the stager's thread, or, with ``StagerOptions(write_in_process=True)``, by the
+writer process before it writes (:func:`host_refusal`; the writer processes agree on it). ``all_finite`` does not
+read one-byte tensors: an FP8 model tensor is not checked.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from optim_factory.errors import first_line
 from optim_factory.optimizers.export import all_finite, local_tensor
 from optim_factory.tree import leaves, local_tensors
 
-__all__ = ["NON_FINITE_LINE", "FiniteCheck"]
+__all__ = ["NON_FINITE_LINE", "FiniteCheck", "host_refusal"]
 
 NON_FINITE_LINE = "the model or optimizer state holds non-finite values (NaN/inf)"
 """The refusal of a save whose state holds NaN or inf."""
@@ -40,13 +42,16 @@ class FiniteCheck:
         staged: Any,
         exported_by: Callable[[torch.Tensor], torch.optim.Optimizer | None],
         streams: dict[torch.device, Any] | None = None,
+        host_here: bool = True,
     ) -> None:
         """``sources``: the state dict the caller saves; ``staged``: its host copy (the same structure, export
         buffers passed through); ``exported_by``: the optimizer a tensor is a pooled export buffer of, else None;
         ``streams``: the caller's side stream per device, kept from save to save (made here when missing: torch
         hands streams out of a small shared pool, round-robin, so a stream drawn per save would cycle through the
-        streams other work, e.g. FSDP2's, drew from it)."""
+        streams other work, e.g. FSDP2's, drew from it); ``host_here=False``: :attr:`host`, the staged tensors
+        read on the host, is left to the writer process (:func:`host_refusal`), :meth:`refusal` reads the GPU's."""
         self._streams = {} if streams is None else streams
+        self._host_here = host_here
         self.device: list[torch.Tensor] = []
         self.host: list[torch.Tensor] = []
         self._staged = staged  # what is written, searched for the tensor a refusal names
@@ -95,18 +100,29 @@ class FiniteCheck:
         return all_finite(self.host)
 
     def refusal(self, on_device: str | None) -> str | None:
-        """The save's verdict once staged, from :meth:`device_refusal`'s and the host's check: None when every value
-        is finite; a NaN/inf refusal names the first staged tensor that holds one (its keys joined by dots)."""
-        if on_device is None and self.on_host():
-            return None
-        if on_device not in (None, NON_FINITE_LINE):
+        """The save's verdict once staged, from :meth:`device_refusal`'s and the host's check (unless left to the
+        writer process): None when every value is finite; a NaN/inf refusal names the first staged tensor that
+        holds one (its keys joined by dots)."""
+        if on_device is None:
+            return host_refusal(self.host, self._staged) if self._host_here else None
+        if on_device != NON_FINITE_LINE:
             return on_device
-        where = next((".".join(map(str, path)) for path, t in _tensors(self._staged) if not all_finite([t])), None)
-        return NON_FINITE_LINE if where is None else f"{NON_FINITE_LINE}: {where}"
+        return _named(self._staged)
 
     def release(self) -> None:
         """Drop the references (the CUDA tensors stay alive until :meth:`on_device` has read them)."""
         self.device, self.host, self._ready, self._staged = [], [], {}, None
+
+
+def host_refusal(host: list[torch.Tensor], staged: Any) -> str | None:
+    """The host's part of the check: None when every tensor of ``host`` is finite, else the refusal naming the
+    first tensor of ``staged`` (the save, whose tensors ``host`` are) that holds a NaN or inf."""
+    return None if all_finite(host) else _named(staged)
+
+
+def _named(staged: Any) -> str:
+    where = next((".".join(map(str, path)) for path, t in _tensors(staged) if not all_finite([t])), None)
+    return NON_FINITE_LINE if where is None else f"{NON_FINITE_LINE}: {where}"
 
 
 def _on_gpu(t: torch.Tensor) -> bool:

@@ -23,3 +23,4 @@ class StagedSave:
     over: threading.Event = field(default_factory=threading.Event)  # written or failed, and its buffers given back
     stuck: bool = False  # an export did not fill in time: its buffers stay with it
     host_bytes: int | None = None  # the host memory it held at its peak, once it is over (the stager's)
+    host_check: list | None = None  # the staged host tensors the writer process checks for NaN/inf before it writes

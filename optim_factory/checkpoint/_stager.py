@@ -128,8 +128,10 @@ class AsyncSaveStager(AsyncStager):
             save.host_bytes = self._filler.save_bytes
             if filling is not None:  # the filler completes it as the save is written
                 filling.add_done_callback(lambda _: save.filled.set_result(None))
-            if self.options.refuse_non_finite:
-                finite = self._filler.finite_check(state_dict, staged, exported_by, self._check_streams)
+            if self.options.refuse_non_finite:  # the host's part in the writer process, where it writes
+                here = not (self.options.write_in_process and self._own_save and not self._waited)
+                finite = self._filler.finite_check(state_dict, staged, exported_by, self._check_streams, here)
+                save.host_check = None if here else finite.host
         except Exception as exc:  # noqa: BLE001  (this rank's refusal must reach every rank's agreement)
             staged, copied = exc, None
         # the caller's GPU on the thread: a new thread's is 0, and its first CUDA call would create a context there
@@ -238,7 +240,8 @@ class AsyncSaveStager(AsyncStager):
         self._writer.check(dcp_kwargs)
         with self.exporting(defer=False):  # a Stateful's export, as DCP's async_save makes it
             state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
-        return self._writer.write(self.stage(state_dict), dcp_kwargs)
+        staged = self.stage(state_dict)
+        return self._writer.write(staged, dcp_kwargs, self._save.host_check)
 
     @contextlib.contextmanager
     def exporting(self, *, defer: bool = True) -> Iterator[None]:

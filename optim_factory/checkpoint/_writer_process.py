@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing  # noqa: F401  (its picklers: a CPU tensor is sent as a shared-memory handle)
 
 from optim_factory.checkpoint._agreement import agree
+from optim_factory.checkpoint._finite_check import host_refusal
 from optim_factory.errors import SaveRefused, first_line
 
 __all__ = ["WriterProcess", "WriterProcessEnded"]
@@ -50,9 +51,10 @@ class WriterProcessEnded(RuntimeError):
 
 
 def _serve(conn: Any, rank: int, world: int, store: tuple[str, int] | None) -> None:
-    """The writer process: its gloo group (more than one rank), then one ``dcp.save`` per request until ``None``.
-    A save's answer is its ``Metadata`` and the storage writer as the save left it, or its exception (a line when
-    it does not pickle)."""
+    """The writer process: its gloo group (more than one rank), then one ``dcp.save`` per request until ``None``,
+    once the request's host tensors are found finite on every rank (the processes agree on their group). A save's
+    answer is its ``Metadata`` and the storage writer as the save left it, or its exception (:class:`SaveRefused`
+    where a rank found NaN or inf; a line when it does not pickle)."""
     import torch.distributed.checkpoint as dcp
 
     # what this process does on purpose, not news to the person training: one process saves without a group (DCP
@@ -65,6 +67,7 @@ def _serve(conn: Any, rank: int, world: int, store: tuple[str, int] | None) -> N
         timeout = timedelta(seconds=_START_TIMEOUT_S)
         tcp = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout)
         dist.init_process_group("gloo", store=tcp, rank=rank, world_size=world)  # collectives: gloo's default wait
+    group = None if store is None else dist.group.WORLD  # the processes' agreement (None: one process)
     conn.send(_READY)
     while True:
         try:
@@ -73,12 +76,15 @@ def _serve(conn: Any, rank: int, world: int, store: tuple[str, int] | None) -> N
             break
         if request is None:
             break
-        state_dict, kwargs = request
+        state_dict, kwargs, host = request
         try:
+            refused = agree(None if host is None else host_refusal(host, state_dict), group)
+            if refused:
+                raise SaveRefused(refused)
             answer: Any = (dcp.save(state_dict, **{"no_dist": store is None, **kwargs}), kwargs.get("storage_writer"))
         except BaseException as exc:  # noqa: BLE001  (the save's failure is its answer; the process serves on)
             answer = exc
-        del state_dict, request  # the shared storages are let go before the next request
+        del state_dict, request, host  # the shared storages are let go before the next request
         try:
             conn.send(answer)
         except Exception:  # noqa: BLE001  (an answer that does not pickle: its line)
@@ -119,17 +125,19 @@ class WriterProcess:
                 "processes' group mirrors the stager's; give the group to the stager (AsyncSaveStager(process_group=))"
             )
 
-    def write(self, staged: Future, dcp_kwargs: dict[str, Any]) -> Future:
+    def write(self, staged: Future, dcp_kwargs: dict[str, Any], host: list | None = None) -> Future:
         """A Future of ``dcp.save(staged.result(), **dcp_kwargs)`` run in the writer process once ``staged``
         completes (it fails as ``staged`` does: a refused save is handed nothing), on the writer processes' group in
-        place of ``process_group``. The ``storage_writer`` goes to the process pickled; where it has
-        ``take_written``, it is called with the copy the process saved with before the Future completes."""
+        place of ``process_group``; ``host``: the staged tensors the process checks for NaN and inf first (the
+        finite check's host part; a refusal is every rank's :class:`SaveRefused`, nothing written). The
+        ``storage_writer`` goes to the process pickled; where it has ``take_written``, it is called with the copy
+        the process saved with before the Future completes."""
         written: Future = Future()
         kwargs = {k: v for k, v in dcp_kwargs.items() if k != "process_group"}
 
         def hand_over(done: Future) -> None:  # the staging's thread, or this one: the writing has its own
             self._writing = threading.Thread(
-                target=self._hand_over, args=(done, kwargs, written), name="optim-factory-writer", daemon=True
+                target=self._hand_over, args=(done, kwargs, host, written), name="optim-factory-writer", daemon=True
             )
             self._writing.start()
 
@@ -151,7 +159,7 @@ class WriterProcess:
             process.join()
         conn.close()
 
-    def _hand_over(self, staged: Future, kwargs: dict[str, Any], written: Future) -> None:
+    def _hand_over(self, staged: Future, kwargs: dict[str, Any], host: list | None, written: Future) -> None:
         """Send the staged save to the writer process (started first if need be), once every rank could pickle its
         own, then wait for its answer."""
         failure = staged.exception()
@@ -161,7 +169,7 @@ class WriterProcess:
         payload = line = None
         try:
             conn = self._connection()
-            payload = ForkingPickler.dumps((staged.result(), kwargs))  # torch's: shared-memory handles
+            payload = ForkingPickler.dumps((staged.result(), kwargs, host))  # torch's: shared-memory handles
         except BaseException as exc:  # noqa: BLE001  (this rank's failure must reach the others' agreement)
             line = f"not handed to the writer process: {first_line(exc, named=True)}"
         refusals = agree(line, self._group)
@@ -175,7 +183,7 @@ class WriterProcess:
         except BaseException as exc:  # noqa: BLE001  (EOF, a broken pipe: the process ended)
             answer = self._ended(exc)
         if isinstance(answer, BaseException):
-            self._start_again = True
+            self._start_again = not isinstance(answer, SaveRefused)  # refused, nothing written: the process serves on
             written.set_exception(answer)
             return
         metadata, copy = answer

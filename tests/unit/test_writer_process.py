@@ -26,6 +26,7 @@ from torch.distributed.fsdp import fully_shard
 
 from optim_factory import PortableFusedAdam
 from optim_factory.checkpoint import AsyncSaveStager, SaveRefused, StagerOptions
+from optim_factory.optimizers.export import all_finite
 from tests import forked
 from tests.distributed.launch import PRELOAD, spawn
 from tests.unit.saves import OURS, assert_checkpoint, data_files, expected_tensors, export_deferred, make_model, train
@@ -105,6 +106,37 @@ def test_an_export_leased_before_its_memory_is_made_shared_is_let_go_at_its_rele
         stager.wait()
         assert_checkpoint(tmp_path / "ck", expected)
         assert not any(t.is_shared() for t in before), "the hand-over moved a buffer into shared memory"
+    finally:
+        stager.close()
+
+
+def test_the_host_s_finite_check_runs_in_the_writer_process_before_it_writes(tmp_path, monkeypatch):
+    """A NaN in a host tensor: the training process reads no host tensor for it (this process's ``all_finite`` is
+    watched; the writer process's is its own), the writer process refuses the save in one line naming the tensor,
+    nothing written, and serves the next save."""
+    model = make_model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    stager = AsyncSaveStager(opt, StagerOptions(refuse_non_finite=True, write_in_process=True))
+    read_here: list[int] = []
+    watched = "optim_factory.checkpoint._finite_check.all_finite"  # what the check reads with, in this process
+    monkeypatch.setattr(watched, lambda ts: read_here.append(1) or all_finite(ts))
+    try:
+        train(model, opt, 1)
+        stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "first"))
+        stager.wait()
+        pid, weight = stager.writer_pid, next(model.parameters())
+        with torch.no_grad():
+            weight.view(-1)[0] = float("nan")
+        response = stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "refused"))
+        with pytest.raises(SaveRefused, match=r"non-finite values \(NaN/inf\): model\.\S+ \(rank 0\)$"):
+            response.upload_completion.result()
+        assert not (tmp_path / "refused").exists()
+        with torch.no_grad():
+            weight.view(-1)[0] = 0.0
+        stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "after"))
+        stager.wait()
+        assert (tmp_path / "after" / ".metadata").exists() and stager.writer_pid == pid
+        assert not read_here, "the training process checked host tensors"
     finally:
         stager.close()
 
