@@ -15,9 +15,9 @@ case "${1:-}" in
     python3 -m pip install -q --no-deps --no-index --target /tmp/site .gpu/wheels/*.whl
     run 470 l22 22 c-ours,c-ours-process,f-titan-ours,f-titan-ours-process,g-automodel-ours,g-automodel-ours-process,a-te-async-pinned,f-titan-te,g-automodel-te,h-checkpointing-te,f-titan-ours-budget-all,c-ours-budget-all ;;
   2)
-    run 200 l88c 88 c-ours,c-ours-process
-    run 180 l88f 88 f-titan-ours,f-titan-ours-process
-    run 180 l88g 88 g-automodel-ours,g-automodel-ours-process ;;
+    run 190 l88c 88 c-ours,c-ours-process
+    run 170 l88f 88 f-titan-ours,f-titan-ours-process
+    run 170 l88g 88 g-automodel-ours,g-automodel-ours-process ;;
   3)
     run 200 l88a 88 f-titan-te,h-checkpointing-te
     run 200 l88b 88 f-titan-ours-budget-all,c-ours-budget-all

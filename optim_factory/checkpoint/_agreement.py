@@ -12,12 +12,13 @@ def agree(failure: str | None, group) -> list[str]:
     """Every rank's refusal (``line (rank N)``), gathered on ``group``; empty when none refused. ``group`` None: one
     process (the stager makes a group wherever there are more). A gathering that fails is this rank's refusal."""
     try:
-        return _gathered(failure, group)
+        return gathered(failure, group)
     except BaseException as exc:  # noqa: BLE001  (a collective's failure must not end the save's thread)
         return [f"{first_line(exc, named=True)} (rank {rank_in(group)})"]
 
 
-def _gathered(failure: str | None, group) -> list[str]:
+def gathered(failure: str | None, group) -> list[str]:
+    """:func:`agree`'s gathering, whose failure (a rank that ended) raises."""
     if group is None:
         return [] if failure is None else [f"{failure} (rank {rank_in(group)})"]
     lines: list[str | None] = [None] * dist.get_world_size(group)

@@ -98,7 +98,7 @@ class HostCopies:
         if local.device.type == "cuda" and self.pinned and register_host(buf):
             # unpinned when the buffer is freed, before its memory is unmapped, whether or not close() ran: freed
             # while still registered, its address would refuse the next registration there (another buffer's)
-            weakref.finalize(buf, unregister_host, buf.data_ptr()).atexit = False
+            weakref.finalize(buf, unregister_host, buf.data_ptr(), local.device).atexit = False
         return buf
 
     def nbytes(self) -> int:

@@ -42,7 +42,7 @@ from optim_factory.checkpoint._record import StagedSave
 from optim_factory.checkpoint._verdict import Staging, complete_staging
 from optim_factory.checkpoint._writer_process import WriterProcess
 from optim_factory.errors import SaveRefused, first_line
-from optim_factory.optimizers.export import OffloadedStateDict
+from optim_factory.optimizers.export import OffloadedStateDict, local_tensor
 
 
 class AsyncSaveStager(AsyncStager):
@@ -115,6 +115,7 @@ class AsyncSaveStager(AsyncStager):
         gated, self._gate_next = self._gate_next, False
         save = self._save = StagedSave(state_dict)
         tests = [(opt, opt.is_leased_export_buffer) for opt in self._ours]
+        here = not (self.options.write_in_process and self._own_save and not self._waited)  # else: a writer process
 
         def exported_by(t: torch.Tensor) -> torch.optim.Optimizer | None:
             return next((opt for opt, test in tests if test(t)), None)
@@ -122,14 +123,15 @@ class AsyncSaveStager(AsyncStager):
         finite = filling = None
         try:
             self._exports.begin(save, fill_fresh=not self._waited)
-            # the export's pooled buffers are passed through; in a waited save every tensor is
-            keep = (lambda _: True) if self._waited else (lambda t: exported_by(t) is not None)
+            # the export's pooled buffers are passed through (to a writer process only those in shared memory: pickling
+            # would move one leased before share_export_memory() there in place); in a waited save every tensor is
+            shared = (lambda _: True) if here else (lambda t: local_tensor(t).is_shared())
+            keep = (lambda _: True) if self._waited else (lambda t: exported_by(t) is not None and shared(t))
             staged, copied, filling = self._filler.begin(state_dict, keep, self._own_save)
             save.host_bytes = self._filler.save_bytes
             if filling is not None:  # the filler completes it as the save is written
                 filling.add_done_callback(lambda _: save.filled.set_result(None))
             if self.options.refuse_non_finite:  # the host's part in the writer process, where it writes
-                here = not (self.options.write_in_process and self._own_save and not self._waited)
                 finite = self._filler.finite_check(state_dict, staged, exported_by, self._check_streams, here)
                 save.host_check = None if here else finite.host
         except Exception as exc:  # noqa: BLE001  (this rank's refusal must reach every rank's agreement)

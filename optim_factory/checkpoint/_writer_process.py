@@ -11,14 +11,17 @@ The process is started at the first save, from Python's forkserver (nothing of t
 no CUDA context, no threads), and kept from save to save; on more than one rank the writer processes form a gloo
 group of their own (its store on a port rank 0 picks, told to every rank over the stager's group), on which DCP's
 collectives run. Every rank pickles its save before any rank sends one, and the ranks agree on the outcome on the
-stager's group: a save one rank cannot hand over is handed over by none. A save whose write failed, or whose writer
-process ended, fails in one line; every rank then starts its writer process again at the next save (DCP's
-collectives fail on every rank when one rank's write fails or its process ends, so every rank sees the failure). At
+stager's group: a save one rank cannot hand over is handed over by none. The writer processes run the finite
+check's host part and agree on it before they write: a refusal is every rank's, nothing written, and the processes
+serve on. A save whose write failed, or whose writer process ended, fails in one line; every rank then starts its
+writer process again at the next save (DCP's collectives, and the processes' agreement, fail on every rank when one
+rank's write fails or its process ends, so every rank sees the failure). At
 the interpreter's exit a write in flight is waited for before the process is ended, as DCP's writer thread is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.util
@@ -35,7 +38,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing  # noqa: F401  (its picklers: a CPU tensor is sent as a shared-memory handle)
 
-from optim_factory.checkpoint._agreement import agree
+from optim_factory.checkpoint._agreement import agree, gathered
 from optim_factory.checkpoint._finite_check import host_refusal
 from optim_factory.errors import SaveRefused, first_line
 
@@ -76,11 +79,10 @@ def _serve(conn: Any, rank: int, world: int, store: tuple[str, int] | None) -> N
             break
         if request is None:
             break
-        state_dict, kwargs, host = request
+        kwargs, state_dict, host = request
         try:
-            refused = agree(None if host is None else host_refusal(host, state_dict), group)
-            if refused:
-                raise SaveRefused(refused)
+            if host is not None:  # the stager's option, the same on every rank: every rank's request has it
+                _refuse_non_finite(host, state_dict, group)
             answer: Any = (dcp.save(state_dict, **{"no_dist": store is None, **kwargs}), kwargs.get("storage_writer"))
         except BaseException as exc:  # noqa: BLE001  (the save's failure is its answer; the process serves on)
             answer = exc
@@ -91,6 +93,19 @@ def _serve(conn: Any, rank: int, world: int, store: tuple[str, int] | None) -> N
             conn.send(RuntimeError(first_line(answer, named=True)))
     if store is not None:
         dist.destroy_process_group()
+
+
+def _refuse_non_finite(host: list, state_dict: Any, group: Any) -> None:
+    """The finite check's host part: every rank's :class:`SaveRefused` where a rank's ``host`` tensors hold NaN or
+    inf (or could not be read). A gathering that fails raises its own error, not a refusal: a rank whose writer
+    process ended fails the save on every rank, and every rank starts its writer process again."""
+    try:
+        line = host_refusal(host, state_dict)
+    except Exception as exc:  # noqa: BLE001  (this rank's failure must reach the others' gathering)
+        line = f"the finite check failed: {first_line(exc, named=True)}"
+    refused = gathered(line, group)
+    if refused:
+        raise SaveRefused(refused)
 
 
 class WriterProcess:
@@ -169,19 +184,27 @@ class WriterProcess:
         payload = line = None
         try:
             conn = self._connection()
-            payload = ForkingPickler.dumps((staged.result(), kwargs, host))  # torch's: shared-memory handles
+            # torch's picklers: shared-memory handles; the writer first (the part that may not pickle), so that a
+            # failure leaves no storage's handle waiting for a receiver
+            payload = ForkingPickler.dumps((kwargs, staged.result(), host))
         except BaseException as exc:  # noqa: BLE001  (this rank's failure must reach the others' agreement)
             line = f"not handed to the writer process: {first_line(exc, named=True)}"
         refusals = agree(line, self._group)
         if refusals:  # no rank sends: none waits in DCP's collectives for a rank that never will
             self._start_again = True
+            _unsent(payload)
             written.set_exception(SaveRefused(refusals))
             return
         try:
             conn.send_bytes(payload)
-            answer = conn.recv()
-        except BaseException as exc:  # noqa: BLE001  (EOF, a broken pipe: the process ended)
+        except BaseException as exc:  # noqa: BLE001  (a broken pipe: the process ended)
+            _unsent(payload)
             answer = self._ended(exc)
+        else:
+            try:
+                answer = conn.recv()
+            except BaseException as exc:  # noqa: BLE001  (EOF: the process ended)
+                answer = self._ended(exc)
         if isinstance(answer, BaseException):
             self._start_again = not isinstance(answer, SaveRefused)  # refused, nothing written: the process serves on
             written.set_exception(answer)
@@ -245,6 +268,15 @@ class WriterProcess:
                 f"the writer process (pid {process.pid}) ended with exit code {process.exitcode} as it started (its "
                 'stderr says why; a script whose top level is not under `if __name__ == "__main__":` runs again there)'
             ) from None
+
+
+def _unsent(payload: bytes | None) -> None:
+    """Close what a pickled save that is never sent holds open: torch pickles each shared storage with a duplicate
+    of its file descriptor, kept by multiprocessing's resource sharer until a receiver takes it; loading the payload
+    here takes them (and lets them go with it)."""
+    if payload is not None:
+        with contextlib.suppress(Exception):
+            ForkingPickler.loads(payload)
 
 
 def _wait_at_exit() -> None:

@@ -6,6 +6,7 @@ which imports torch, the recipe and the test bodies once.
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import runpy
 import signal
@@ -42,6 +43,9 @@ def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
+    # a writer process (StagerOptions.write_in_process) forks from the rank's own forkserver: torch imported there
+    # once, not again by every writer process a test starts
+    multiprocessing.set_forkserver_preload(["optim_factory.checkpoint"])
     try:
         # a collective that waits longer than this fails the test instead of hanging it
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))

@@ -84,19 +84,25 @@ def test_a_writer_process_writes_the_thread_s_files_from_shared_memory_and_close
     assert stager.writer_pid is None and not Path(f"/proc/{pid}").exists(), "close() left the writer process"
 
 
-def test_an_export_leased_before_its_memory_is_made_shared_is_let_go_at_its_release(tmp_path):
-    """A buffer leased when the stager makes the export's memory shared is let go when released, not reused: handed
-    over, pickling would move it into shared memory in place (on CUDA its pinned memory freed while still
-    registered, and a later registration at that address refused)."""
+def test_an_export_leased_before_its_memory_is_made_shared_is_copied_and_let_go_never_moved(tmp_path):
+    """An export the caller holds when the stager makes the export's memory shared: saved, its buffers are copied
+    into shared memory, not moved there by the hand-over's pickling (on CUDA its pinned memory would be freed while
+    still registered, and a later registration at that address refused); given back, they are let go, not reused."""
     model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     train(model, opt, 1)
-    held = opt.state_dict()  # an export the caller still holds when the stager is made
-    before = _leased(opt, held)
+    held = export_deferred(model, opt)  # held when the stager is made
+    expected = expected_tensors(model, opt)
+    before = _leased(opt, held["optim"])
+    where = [t.data_ptr() for t in before]
     assert before and not any(t.is_shared() for t in before)
     stager = AsyncSaveStager(opt, StagerOptions(write_in_process=True))
     try:
-        opt.release_state_dict(held)
+        stager.async_save(held, checkpoint_id=str(tmp_path / "held"))
+        stager.wait()
+        assert_checkpoint(tmp_path / "held", expected)
+        assert [t.data_ptr() for t in before] == where, "the hand-over moved a held buffer"
+        assert not any(t.is_shared() for t in before), "the hand-over moved a held buffer into shared memory"
         train(model, opt, 1)
         expected = expected_tensors(model, opt)
         state = export_deferred(model, opt)
@@ -105,7 +111,6 @@ def test_an_export_leased_before_its_memory_is_made_shared_is_let_go_at_its_rele
         stager.async_save(state, checkpoint_id=str(tmp_path / "ck"))
         stager.wait()
         assert_checkpoint(tmp_path / "ck", expected)
-        assert not any(t.is_shared() for t in before), "the hand-over moved a buffer into shared memory"
     finally:
         stager.close()
 
@@ -174,7 +179,7 @@ def test_a_writer_process_killed_inside_a_write_fails_that_save_in_one_line_and_
     assert "\n" not in line and f"writer process (pid {first}) ended with exit code -9" in line, line
     assert not (tmp_path / "killed" / ".metadata").exists()
     assert_checkpoint(tmp_path / "process0", good)  # the previous checkpoint, intact
-    leased = [t for st in state["optim"]["state"].values() for t in st.values() if opt.is_leased_export_buffer(t)]
+    leased = _leased(opt, state["optim"])
     assert not leased, "the failed save kept the export's buffers"
     train(model, opt, 1)
     expected = expected_tensors(model, opt)
@@ -193,11 +198,19 @@ class UnpicklableWriter(FileSystemWriter):
         self.lock = threading.Lock()
 
 
+def _ended(pid: int) -> None:
+    """Wait until process ``pid`` (this process's child) has exited: its sockets closed, a zombie until reaped."""
+    stat = Path(f"/proc/{pid}/stat")
+    while stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z":
+        time.sleep(0.01)
+
+
 def two_ranks(rank: int, world: int, tmp: str) -> None:
     """FSDP's DTensor shards on 2 gloo ranks: the writer processes (a gloo group of their own, on a store of theirs
     under torchrun's environment too) write each rank's file as the stager's thread does; a NaN on rank 1 refuses
-    the next save on both ranks, nothing written; a save rank 1 cannot hand over is refused on both (none waits in
-    DCP's collectives for it), and the next save works."""
+    the next save on both ranks (the writer processes agree on it), nothing written; a save rank 1 cannot hand over
+    is refused on both (none waits in DCP's collectives for it), and the next save works; rank 1's writer process
+    killed between saves fails the next save on both, and the one after works."""
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # as torchrun sets it: the writers' store is theirs still
     mesh = init_device_mesh("cpu", (world,))
     files = {}
@@ -226,13 +239,29 @@ def two_ranks(rank: int, world: int, tmp: str) -> None:
         first[0] = kept
     stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/after")
     stager.wait()
-    assert stager.writer_pid == pid, "a refused save, handed nothing, started the writer process again"
+    assert stager.writer_pid == pid, "a refused save started the writer process again"
     # a save only rank 1 cannot hand over (its writer does not pickle): handed over by neither, refused on both
     writer = UnpicklableWriter(f"{tmp}/unpicklable") if rank == 1 else FileSystemWriter(f"{tmp}/unpicklable")
+    open_files = len(os.listdir("/proc/self/fd"))
     stager.async_save(export_deferred(model, opt), storage_writer=writer)
     with pytest.raises(SaveRefused, match=r"not handed to the writer process: TypeError: .*\(rank 1\)$"):
         stager.wait()
+    # rank 0 pickled its save (a duplicate of each shared storage's file descriptor, held until a receiver takes
+    # it), which is never sent: those are closed
+    assert len(os.listdir("/proc/self/fd")) <= open_files, (rank, open_files, os.listdir("/proc/self/fd"))
     stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/again")  # new writer processes
+    stager.wait()
+    # rank 1's writer process killed between saves: the next save fails on both ranks (a failure, not a refusal),
+    # both start new writer processes, and the save after works
+    if rank == 1:
+        os.kill(stager.writer_pid, signal.SIGKILL)
+        _ended(stager.writer_pid)
+    dist.barrier()
+    stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/peer")
+    with pytest.raises(RuntimeError) as failed:
+        stager.wait()
+    assert not isinstance(failed.value, SaveRefused), failed.value
+    stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/restarted")
     stager.wait()
     # another group than the stager's: refused before anything is staged
     mirrors = r"async_save\(process_group=\.\.\.\): the writer processes' group mirrors the stager's"

@@ -4,6 +4,7 @@ export buffers with its background pinning thread. See docs/design.md, "Host mem
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import mmap
@@ -180,13 +181,15 @@ def _clear_last_cuda_error() -> None:
         get_last_error()  # returns the error and resets it to cudaSuccess for this thread
 
 
-def unregister_host(ptr: int) -> bool:
+def unregister_host(ptr: int, device: int | torch.device | None = None) -> bool:
     """Undo :func:`register_host` for the memory starting at ``ptr``; ``False`` if CUDA refused (its error cleared
     from the calling thread, as :func:`register_host` clears its own: left set, the next CUDA call there would raise
-    it as its own) or has shut down."""
+    it as its own) or has shut down. ``device``: made current for the call (a finalizer runs on whichever thread
+    lets the memory go, and on one that never set its device the call would create a context on GPU 0)."""
     try:
-        if int(torch.cuda.cudart().cudaHostUnregister(ptr)) == 0:
-            return True
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+            if int(torch.cuda.cudart().cudaHostUnregister(ptr)) == 0:
+                return True
     except Exception:  # noqa: BLE001  (CUDA already shut down)
         return False
     _clear_last_cuda_error()
@@ -322,7 +325,7 @@ class HostBufferPool:
         """Pin ``buf`` in place (background thread); it is unpinned when the tensor is freed."""
         if not register_host(buf):
             return  # stays pageable: exports keep filling it through the staging buffers
-        weakref.finalize(buf, unregister_host, buf.data_ptr()).atexit = False
+        weakref.finalize(buf, unregister_host, buf.data_ptr(), torch.cuda.current_device()).atexit = False
         self._buffers[id(buf)].registered = True
 
     def _background(self, fn, *args) -> Future:
