@@ -2,16 +2,16 @@
 # Fills .gpu/wheels/ (ignored by git) with the wheels a GPU machine (torch 2.11 image, Python 3.12, TE from
 # ../shared/gpu, no network) lacks for tests/integrations and for bench_save's framework modes (f-titan-*,
 # g-automodel-*, h-checkpointing-te): the pinned frameworks of tests/integrations/requirements.txt (the one list of
-# their versions), the two the image lacks from optim-factory's own dependencies (xxhash: the recipe's checksums,
-# c-ours; tqdm: huggingface_hub imports it) and the h- anchor's torch_checkpointing. Run on a CPU machine with PyPI,
-# from anywhere inside the checkout:
+# their versions, torch_checkpointing's too) and the two the image lacks from optim-factory's own dependencies
+# (xxhash: the recipe's checksums, c-ours; tqdm: huggingface_hub imports it). Run on a CPU machine with PyPI, from
+# anywhere inside the checkout:
 #     bash scripts/gpu_wheels.sh
 # Carry .gpu/wheels to the GPU machine (its size is printed; a transfer holds at most 64 MiB), then there:
 #     python3 -m pip install -q --no-deps --no-index --target /tmp/site .gpu/wheels/*.whl
 #     export PYTHONPATH="$PWD:/tmp/site"
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-EXTRA=(xxhash==4.1.0 tqdm==4.70.1 torch_checkpointing==0.1.1)
+EXTRA=(xxhash==4.1.0 tqdm==4.70.1)
 out=.gpu/wheels
 rm -rf "$out" && mkdir -p "$out"
 mapfile -t pins < <(sed -e 's/#.*//' -e 's/[[:space:]]//g' tests/integrations/requirements.txt | grep -v '^$')

@@ -260,12 +260,19 @@ def test_bench_save_runs_the_framework_modes_on_cpu(tmp_path, monkeypatch, capsy
     CPU staging with non-blocking copies."""
     pytest.importorskip("torchtitan", reason="needs tests/integrations/requirements.txt")
     pytest.importorskip("nemo_automodel", reason="needs tests/integrations/requirements.txt")
+    pytest.importorskip("torch_checkpointing", reason="needs tests/integrations/requirements.txt")
     import torch
+
+    from tests import forked
+    from tests.distributed.launch import PRELOAD
+
+    forked.start_forkserver(PRELOAD)  # the -process modes' writer processes fork from it (torch imported once)
 
     import scripts.bench_save as bench_save
 
     monkeypatch.setattr(bench_save, "DefaultStager", torch_211_stager())
     modes = ["f-titan-te", "f-titan-ours", "f-titan-ours-process", "g-automodel-te", "g-automodel-ours"]
+    modes += ["g-automodel-ours-process", "h-checkpointing-te"]
     args = ["--device", "cpu", "--width", "64", "--layers", "2", "--tokens", "16", "--repeats", "1"]
     args += ["--modes", ",".join(modes), "--out", str(tmp_path), "--scratch", str(tmp_path / "s")]
     code, err = run_script("bench_save", args, monkeypatch, capsys)
