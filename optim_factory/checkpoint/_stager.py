@@ -27,18 +27,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse  # torch >= 2.9
 from torch.distributed.checkpoint.stateful import Stateful
 
 from optim_factory.checkpoint._agreement import agree
-from optim_factory.checkpoint._budget import one_line_refusal
 from optim_factory.checkpoint._export_waits import ExportWaits
 from optim_factory.checkpoint._fillers import filler_for
 from optim_factory.checkpoint._gated_planner import GatedPlanner
 from optim_factory.checkpoint._options import StagerOptions, option_names
 from optim_factory.checkpoint._record import StagedSave
+from optim_factory.checkpoint._save_end import SaveEnd
 from optim_factory.checkpoint._verdict import Staging, complete_staging
 from optim_factory.checkpoint._writer_process import WriterProcess
 from optim_factory.errors import SaveRefused, first_line
@@ -51,10 +50,9 @@ class AsyncSaveStager(AsyncStager):
     ``optimizers``: the optimizer (or optimizers) whose exports the saved state dicts hold; any optimizer works, at
     most one with a host budget. ``options``: a :class:`StagerOptions` (a NaN/inf refusal, a ``check`` of the
     filled state, pinned copies, the background export's timeout, the write in a writer process; its defaults
-    without). ``process_group``: the
-    gloo group on which the ranks agree on a refusal (default: one of its own over the default group's ranks, made
-    here or at the first save, so every rank builds and first uses its stager in the same order; none on a single
-    process).
+    without). ``process_group``: the gloo group on which the ranks agree on a refusal (default: one of its own over
+    the default group's ranks, made here or at the first save, so every rank builds and first uses its stager in the
+    same order; none on a single process).
 
     Start a save with :meth:`async_save` (``dcp.async_save``'s arguments): at most one save is in flight, and its
     export buffers go back to the optimizer when its write is done. ``dcp.async_save(..., async_stager=stager)``
@@ -87,6 +85,7 @@ class AsyncSaveStager(AsyncStager):
         self._exports = ExportWaits(self._ours, self.options.export_timeout_s)  # their background exports waited for
         # the one part that gives a save its host tensors: copies at its start, or fills within a budget
         self._filler = filler_for(self.optimizers, self.options.pinned, shared=self.options.write_in_process)
+        self._ends = SaveEnd(self._filler, self._ours)  # a save's buffers given back, its upload completed
         for opt in self._ours if self.options.write_in_process else ():
             opt.share_export_memory()  # the writer process reads the export's pooled buffers where they are
         self._writer: WriterProcess | None = None  # write_in_process: the rank's writer process, from the first save
@@ -111,7 +110,7 @@ class AsyncSaveStager(AsyncStager):
                 "dcp.async_save(..., async_stager=stager) writes on DCP's own executor"
             )
         self._join_ranks()
-        self._end_previous()
+        self._ends.previous(self._save)
         gated, self._gate_next = self._gate_next, False
         save = self._save = StagedSave(state_dict)
         tests = [(opt, opt.is_leased_export_buffer) for opt in self._ours]
@@ -160,7 +159,7 @@ class AsyncSaveStager(AsyncStager):
         its threads end with the last reference, not in the interpreter's exit (where one can abort it)."""
         if self._closed:
             return
-        self._end_previous()
+        self._ends.previous(self._save)
         self._closed = True
         if self._writer is not None:
             self._writer.close()
@@ -212,7 +211,7 @@ class AsyncSaveStager(AsyncStager):
                 written = self._dcp_async_save(state_dict, dcp_kwargs).upload_completion
         except BaseException:
             if self._save is not previous:  # staged, never written: nothing reads its buffers
-                self._give_back(self._save)
+                self._ends.give_back(self._save)
             else:
                 self.discard(state_dict)
             raise
@@ -220,7 +219,7 @@ class AsyncSaveStager(AsyncStager):
             self._gate_next = self._own_save = False
         save = self._save
         save.upload = Future()
-        written.add_done_callback(lambda done: self._uploaded(save, done))
+        written.add_done_callback(lambda done: self._ends.uploaded(save, done))
         return AsyncSaveResponse(staging_completion=save.filled, upload_completion=save.upload)
 
     def _dcp_async_save(self, state_dict: dict[str, Any], dcp_kwargs: dict[str, Any]) -> AsyncSaveResponse:
@@ -348,36 +347,6 @@ class AsyncSaveStager(AsyncStager):
             self._group = dist.new_group(backend="gloo")
             self._own_group = True
 
-    def _end_previous(self) -> None:
-        """The previous save over: waited for (:meth:`async_save`'s), else its buffers given back."""
-        save = self._save
-        if save is None:
-            return
-        if save.upload is not None:
-            save.over.wait()
-        elif save.staged.done():
-            self._give_back(save)
-
-    def _uploaded(self, save: StagedSave, done: Future) -> None:
-        """DCP's upload is over (a gated one may fail in planning, before the fill): once this rank's verdict is in,
-        the buffers go back (not those of an export that never filled), then ``upload_completion`` completes with
-        DCP's outcome (a gated refusal as :class:`SaveRefused`, not the ``CheckpointException`` DCP wraps it in)."""
-        save.verdict.add_done_callback(lambda _: self._upload_over(save, done))
-
-    def _upload_over(self, save: StagedSave, done: Future) -> None:
-        try:
-            self._give_back(save)
-            returned = None
-        except Exception as exc:  # noqa: BLE001  (a callback's exception would be lost: the save's failure instead)
-            returned = RuntimeError(f"giving the save's buffers back failed: {first_line(exc, named=True)}")
-        failure = done.exception() or returned
-        if isinstance(failure, CheckpointException):  # a budget's refusal as its one line
-            failure = one_line_refusal(failure)
-        if failure is None:
-            save.upload.set_result(done.result())
-        else:
-            save.upload.set_exception(save.refused or failure)
-
     def _open_gate(self) -> None:
         """At every rank's last planning step of the save in flight (DCP's upload thread, :class:`GatedPlanner`): this
         rank's verdict, then every rank's; a refusal raises :class:`SaveRefused` on every rank."""
@@ -386,15 +355,3 @@ class AsyncSaveStager(AsyncStager):
         if refusals:
             save.refused = SaveRefused(refusals)
             raise save.refused
-
-    def _give_back(self, save: StagedSave) -> None:
-        if save.over.is_set():
-            return
-        try:
-            self._filler.end()
-            save.host_bytes = self._filler.save_bytes
-            if not save.stuck:
-                for opt in self._ours:
-                    opt.release_state_dict(save.state_dict)
-        finally:  # a waiter never waits for a save whose return failed
-            save.over.set()

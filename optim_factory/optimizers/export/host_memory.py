@@ -181,19 +181,19 @@ def _clear_last_cuda_error() -> None:
         get_last_error()  # returns the error and resets it to cudaSuccess for this thread
 
 
-def unregister_host(ptr: int, device: int | torch.device | None = None) -> bool:
-    """Undo :func:`register_host` for the memory starting at ``ptr``; ``False`` if CUDA refused (its error cleared
-    from the calling thread, as :func:`register_host` clears its own: left set, the next CUDA call there would raise
-    it as its own) or has shut down. ``device``: made current for the call (a finalizer runs on whichever thread
-    lets the memory go, and on one that never set its device the call would create a context on GPU 0)."""
+def unregister_host(ptr: int, device: int | torch.device | None = None) -> None:
+    """Undo :func:`register_host` for the memory starting at ``ptr`` (nothing once CUDA has shut down). Where CUDA
+    refuses, its error is cleared from the calling thread, as :func:`register_host` clears its own: left set, the
+    next CUDA call there would raise it as its own. ``device``: made current for the call (a finalizer runs on
+    whichever thread lets the memory go, and on one that never set its device the call would create a context on
+    GPU 0)."""
     try:
         with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
-            if int(torch.cuda.cudart().cudaHostUnregister(ptr)) == 0:
-                return True
+            refused = int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0
     except Exception:  # noqa: BLE001  (CUDA already shut down)
-        return False
-    _clear_last_cuda_error()
-    return False
+        return
+    if refused:
+        _clear_last_cuda_error()
 
 
 @dataclass(frozen=True)
