@@ -7,16 +7,17 @@ process. The staged tensors are handed over without a copy: their storages are i
 copies and its optimizers' pooled export buffers are made there; any other host tensor is moved there by torch's
 sharing), and a save sends each storage's handle, not its bytes.
 
-The process is started at the first save, from Python's forkserver (nothing of the training process is inherited:
-no CUDA context, no threads), and kept from save to save; on more than one rank the writer processes form a gloo
-group of their own (its store on a port rank 0 picks, told to every rank over the stager's group), on which DCP's
-collectives run. Every rank pickles its save before any rank sends one, and the ranks agree on the outcome on the
-stager's group: a save one rank cannot hand over is handed over by none. The writer processes run the finite
-check's host part and agree on it before they write: a refusal is every rank's, nothing written, and the processes
-serve on. A save whose write failed, or whose writer process ended, fails in one line; every rank then starts its
-writer process again at the next save (DCP's collectives, and the processes' agreement, fail on every rank when one
-rank's write fails or its process ends, so every rank sees the failure). At
-the interpreter's exit a write in flight is waited for before the process is ended, as DCP's writer thread is.
+The process is started at the first save, from Python's forkserver (nothing of the training process is inherited: no
+CUDA context, no threads), and kept from save to save; on more than one rank the writer processes form a gloo group of
+their own, on which DCP's collectives run. Its store is served by rank 0's training process, on a port the system gives
+it as it binds (no port is picked free and bound later, which another process could take in between), and told to every
+rank over the stager's group; it lives as long as the processes do. Every rank pickles its save before any rank sends
+one, and the ranks agree on the outcome on the stager's group: a save one rank cannot hand over is handed over by none.
+The writer processes run the finite check's host part and agree on it before they write: a refusal is every rank's,
+nothing written, and the processes serve on. A save whose write failed, or whose writer process ended, fails in one
+line; every rank then starts its writer process again at the next save (DCP's collectives, and the processes' agreement,
+fail on every rank when one rank's write fails or its process ends, so every rank sees the failure). At the
+interpreter's exit a write in flight is waited for before the process is ended, as DCP's writer thread is.
 """
 
 from __future__ import annotations
@@ -65,10 +66,9 @@ def _serve(conn: Any, rank: int, world: int, store: tuple[str, int] | None) -> N
     # only their layout)
     warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
     logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
-    if store is not None:  # the store made here (rank 0 serves it): never a launcher's, which env:// would reach
+    if store is not None:  # rank 0's training process serves it: never a launcher's, which env:// would reach
         address, port = store
-        timeout = timedelta(seconds=_START_TIMEOUT_S)
-        tcp = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout)
+        tcp = dist.TCPStore(address, port, world, is_master=False, timeout=timedelta(seconds=_START_TIMEOUT_S))
         dist.init_process_group("gloo", store=tcp, rank=rank, world_size=world)  # collectives: gloo's default wait
     group = None if store is None else dist.group.WORLD  # the processes' agreement (None: one process)
     conn.send(_READY)
@@ -122,6 +122,7 @@ class WriterProcess:
         self._group = group
         self._process: Any = None
         self._conn: Any = None
+        self._store: Any = None  # rank 0's: the writer processes' store, served here while they run
         self._start_again = False  # the last write failed: a new process (every rank's) at the next write
         self._writing: threading.Thread | None = None  # the hand-over in flight (the exit waits for it)
         _RUNNING.add(self)
@@ -173,6 +174,7 @@ class WriterProcess:
             process.terminate()
             process.join()
         conn.close()
+        self._store = None  # its server ends with the last reference
 
     def _hand_over(self, staged: Future, kwargs: dict[str, Any], host: list | None, written: Future) -> None:
         """Send the staged save to the writer process (started first if need be), once every rank could pickle its
@@ -247,9 +249,9 @@ class WriterProcess:
         rank = 0 if group is None else dist.get_rank(group)
         store = None
         if world > 1:
-            chosen = [_free_address() if rank == 0 else None]
-            dist.broadcast_object_list(chosen, src=dist.get_global_rank(group, 0), group=group)
-            store = chosen[0]
+            served = [self._serve_store(world) if rank == 0 else None]
+            dist.broadcast_object_list(served, src=dist.get_global_rank(group, 0), group=group)
+            store = served[0]
         context = multiprocessing.get_context("forkserver")
         conn, child = context.Pipe()
         process = context.Process(
@@ -268,6 +270,16 @@ class WriterProcess:
                 f"the writer process (pid {process.pid}) ended with exit code {process.exitcode} as it started (its "
                 'stderr says why; a script whose top level is not under `if __name__ == "__main__":` runs again there)'
             ) from None
+
+    def _serve_store(self, world: int) -> tuple[str, int]:
+        """Rank 0: the writer processes' store, served by this process on a port bound as the server starts
+        (port 0: the system's choice); returns the address the processes reach it at (``MASTER_ADDR``, else this
+        host's name) and its port."""
+        address = os.environ.get("MASTER_ADDR") or socket.getfqdn()
+        self._store = dist.TCPStore(
+            address, 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=_START_TIMEOUT_S)
+        )
+        return address, self._store.port
 
 
 def _unsent(payload: bytes | None) -> None:
@@ -291,11 +303,3 @@ def _wait_at_exit() -> None:
 # multiprocessing's exit runs its finalizers with a priority before it terminates its daemon processes (ours): at
 # the interpreter's exit (its atexit handler) and at a multiprocessing child's end (mp.spawn's ranks; no atexit there)
 multiprocessing.util.Finalize(None, _wait_at_exit, exitpriority=100)
-
-
-def _free_address() -> tuple[str, int]:
-    """Rank 0's address (``MASTER_ADDR``, else its host name) and a free port on it, for the writers' store."""
-    address = os.environ.get("MASTER_ADDR") or socket.getfqdn()
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return address, s.getsockname()[1]

@@ -7,13 +7,16 @@ on every rank before anything is written."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -205,12 +208,41 @@ def _ended(pid: int) -> None:
         time.sleep(0.01)
 
 
+@contextlib.contextmanager
+def _port_thief(stealing: bool) -> Iterator[list[int]]:
+    """While inside: where ``stealing``, every (address, port) the ranks are told over ``broadcast_object_list``
+    (the writers' store) is bound and listened on at once by this process, if it can be; yields the ports taken."""
+    real, sockets, taken = dist.broadcast_object_list, [], []
+
+    def broadcast_then_steal(*args, **kwargs):
+        real(*args, **kwargs)
+        told = (args[0] if args else kwargs["object_list"])[0]
+        if stealing and isinstance(told, tuple) and len(told) == 2 and isinstance(told[1], int):
+            thief = socket.socket()
+            try:
+                thief.bind(("", told[1]))
+                thief.listen()
+                sockets.append(thief)
+                taken.append(told[1])
+            except OSError:  # in use: served already
+                thief.close()
+
+    dist.broadcast_object_list = broadcast_then_steal
+    try:
+        yield taken
+    finally:
+        dist.broadcast_object_list = real
+        for thief in sockets:
+            thief.close()
+
+
 def two_ranks(rank: int, world: int, tmp: str) -> None:
     """FSDP's DTensor shards on 2 gloo ranks: the writer processes (a gloo group of their own, on a store of theirs
     under torchrun's environment too) write each rank's file as the stager's thread does; a NaN on rank 1 refuses
     the next save on both ranks (the writer processes agree on it), nothing written; a save rank 1 cannot hand over
     is refused on both (none waits in DCP's collectives for it), and the next save works; rank 1's writer process
-    killed between saves fails the next save on both, and the one after works."""
+    killed between saves fails the next save on both, and the one after works. The writers' store port is
+    served by the time any rank learns it: another process that tries to take it then (rank 1 here) cannot."""
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # as torchrun sets it: the writers' store is theirs still
     mesh = init_device_mesh("cpu", (world,))
     files = {}
@@ -220,8 +252,10 @@ def two_ranks(rank: int, world: int, tmp: str) -> None:
         opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
         stager = AsyncSaveStager(opt, StagerOptions(refuse_non_finite=True, write_in_process=in_process))
         train(model, opt, 1)
-        stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/{_mode(in_process)}")
-        stager.wait()
+        with _port_thief(rank == 1) as stolen:
+            stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/{_mode(in_process)}")
+            stager.wait()
+        assert not stolen, f"rank {rank} took the writers' store port {stolen} after it was told of it"
         dist.barrier()
         files[in_process] = data_files(Path(tmp, _mode(in_process)))
     assert files[True] == files[False] and len(files[True]) == world, sorted(files[True])
