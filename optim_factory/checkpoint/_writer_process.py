@@ -9,15 +9,16 @@ sharing), and a save sends each storage's handle, not its bytes.
 
 The process is started at the first save, from Python's forkserver (nothing of the training process is inherited: no
 CUDA context, no threads), and kept from save to save; on more than one rank the writer processes form a gloo group of
-their own, on which DCP's collectives run. Its store is served by rank 0's training process, on a port the system gives
-it as it binds (no port is picked free and bound later, which another process could take in between), and told to every
-rank over the stager's group; it lives as long as the processes do. Every rank pickles its save before any rank sends
-one, and the ranks agree on the outcome on the stager's group: a save one rank cannot hand over is handed over by none.
-The writer processes run the finite check's host part and agree on it before they write: a refusal is every rank's,
-nothing written, and the processes serve on. A save whose write failed, or whose writer process ended, fails in one
-line; every rank then starts its writer process again at the next save (DCP's collectives, and the processes' agreement,
-fail on every rank when one rank's write fails or its process ends, so every rank sees the failure). At the
-interpreter's exit a write in flight is waited for before the process is ended, as DCP's writer thread is.
+their own, on which DCP's collectives run. Its store is served by rank 0's training process from before the processes
+start until its :meth:`WriterProcess.close`, on a port the system gives it as it binds, which every rank is told over
+the stager's group once it is bound (a store that did not start is every rank's failure). Every rank pickles its save
+before any rank sends one, and the ranks agree on the outcome on the stager's group: a save one rank cannot hand over is
+handed over by none. The writer processes run the finite check's host part and agree on it before they write: a refusal
+is every rank's, nothing written, and the processes serve on. A save whose write failed, or whose writer process ended,
+fails in one line; every rank then starts its writer process again at the next save (DCP's collectives, and the
+processes' agreement, fail on every rank when one rank's write fails or its process ends, so every rank sees the
+failure). At the interpreter's exit a write in flight is waited for before the process is ended, as DCP's writer thread
+is.
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ class WriterProcess:
     def close(self) -> None:
         """End the writer process (asked to, then terminated if it does not within 30 s)."""
         process, conn, self._process, self._conn = self._process, self._conn, None, None
-        if process is None:
+        if process is None:  # none started (or its start failed after the store was made)
+            self._store = None
             return
         try:
             conn.send(None)
@@ -249,8 +251,15 @@ class WriterProcess:
         rank = 0 if group is None else dist.get_rank(group)
         store = None
         if world > 1:
-            served = [self._serve_store(world) if rank == 0 else None]
+            served: list[Any] = [None]
+            if rank == 0:
+                try:
+                    served = [self._serve_store(world)]
+                except Exception as exc:  # noqa: BLE001  (every rank waits for the broadcast: it carries the line)
+                    served = [f"the writer processes' store did not start: {first_line(exc, named=True)}"]
             dist.broadcast_object_list(served, src=dist.get_global_rank(group, 0), group=group)
+            if isinstance(served[0], str):
+                raise WriterProcessEnded(served[0])
             store = served[0]
         context = multiprocessing.get_context("forkserver")
         conn, child = context.Pipe()
@@ -272,14 +281,14 @@ class WriterProcess:
             ) from None
 
     def _serve_store(self, world: int) -> tuple[str, int]:
-        """Rank 0: the writer processes' store, served by this process on a port bound as the server starts
-        (port 0: the system's choice); returns the address the processes reach it at (``MASTER_ADDR``, else this
-        host's name) and its port."""
-        address = os.environ.get("MASTER_ADDR") or socket.getfqdn()
+        """Rank 0: the writer processes' store, served by this process on every interface, on a port bound as the
+        server starts (port 0: the system's choice; the server's own client reaches it on the loopback, with no name
+        to resolve); returns the address the processes reach it at (``MASTER_ADDR``, else this host's name) and its
+        port."""
         self._store = dist.TCPStore(
-            address, 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=_START_TIMEOUT_S)
+            "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=_START_TIMEOUT_S)
         )
-        return address, self._store.port
+        return os.environ.get("MASTER_ADDR") or socket.getfqdn(), self._store.port
 
 
 def _unsent(payload: bytes | None) -> None:

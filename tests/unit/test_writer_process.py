@@ -8,6 +8,7 @@ on every rank before anything is written."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import resource
 import signal
@@ -210,30 +211,44 @@ def _ended(pid: int) -> None:
 
 @contextlib.contextmanager
 def _port_thief(stealing: bool) -> Iterator[list[int]]:
-    """While inside: where ``stealing``, every (address, port) the ranks are told over ``broadcast_object_list``
-    (the writers' store) is bound and listened on at once by this process, if it can be; yields the ports taken."""
-    real, sockets, taken = dist.broadcast_object_list, [], []
+    """While inside: where ``stealing``, the port of every (address, port) the ranks are told over
+    ``broadcast_object_list`` (the writers' store) is bound at once by this process, then let go; yields each try's
+    errno (0: the port was free, so another process could have taken it)."""
+    real, tried = dist.broadcast_object_list, []
 
     def broadcast_then_steal(*args, **kwargs):
         real(*args, **kwargs)
         told = (args[0] if args else kwargs["object_list"])[0]
         if stealing and isinstance(told, tuple) and len(told) == 2 and isinstance(told[1], int):
-            thief = socket.socket()
-            try:
-                thief.bind(("", told[1]))
-                thief.listen()
-                sockets.append(thief)
-                taken.append(told[1])
-            except OSError:  # in use: served already
-                thief.close()
+            with socket.socket() as thief:
+                try:
+                    thief.bind(("", told[1]))
+                    tried.append(0)
+                except OSError as exc:
+                    tried.append(exc.errno)
 
     dist.broadcast_object_list = broadcast_then_steal
     try:
-        yield taken
+        yield tried
     finally:
         dist.broadcast_object_list = real
-        for thief in sockets:
-            thief.close()
+
+
+@contextlib.contextmanager
+def _no_store_server(refusing: bool) -> Iterator[None]:
+    """While inside: where ``refusing``, no ``TCPStore`` server starts in this process (its constructor raises)."""
+    real = dist.TCPStore
+
+    def no_server(*args, **kwargs):
+        if kwargs.get("is_master"):
+            raise RuntimeError("no server here (the test's)")
+        return real(*args, **kwargs)
+
+    dist.TCPStore = no_server if refusing else real
+    try:
+        yield
+    finally:
+        dist.TCPStore = real
 
 
 def two_ranks(rank: int, world: int, tmp: str) -> None:
@@ -241,8 +256,9 @@ def two_ranks(rank: int, world: int, tmp: str) -> None:
     under torchrun's environment too) write each rank's file as the stager's thread does; a NaN on rank 1 refuses
     the next save on both ranks (the writer processes agree on it), nothing written; a save rank 1 cannot hand over
     is refused on both (none waits in DCP's collectives for it), and the next save works; rank 1's writer process
-    killed between saves fails the next save on both, and the one after works. The writers' store port is
-    served by the time any rank learns it: another process that tries to take it then (rank 1 here) cannot."""
+    killed between saves fails the next save on both, and the one after works. The writers' store is served by
+    the time any rank learns its port: another process that tries to take it then (rank 1 here) cannot; a store
+    that rank 0 cannot start refuses that save on both ranks, and the next save starts it."""
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # as torchrun sets it: the writers' store is theirs still
     mesh = init_device_mesh("cpu", (world,))
     files = {}
@@ -252,10 +268,16 @@ def two_ranks(rank: int, world: int, tmp: str) -> None:
         opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
         stager = AsyncSaveStager(opt, StagerOptions(refuse_non_finite=True, write_in_process=in_process))
         train(model, opt, 1)
-        with _port_thief(rank == 1) as stolen:
+        if in_process:
+            with _no_store_server(rank == 0):
+                stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/no_store")
+                with pytest.raises(SaveRefused, match=r"the writer processes' store did not start: .*\(rank 1\)$"):
+                    stager.wait()
+            assert not Path(tmp, "no_store").exists()
+        with _port_thief(rank == 1) as tried:
             stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/{_mode(in_process)}")
             stager.wait()
-        assert not stolen, f"rank {rank} took the writers' store port {stolen} after it was told of it"
+        assert tried == ([errno.EADDRINUSE] if in_process and rank == 1 else []), (rank, tried)
         dist.barrier()
         files[in_process] = data_files(Path(tmp, _mode(in_process)))
     assert files[True] == files[False] and len(files[True]) == world, sorted(files[True])
