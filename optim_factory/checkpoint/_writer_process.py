@@ -55,12 +55,16 @@ class WriterProcessEnded(RuntimeError):
     """The writer process ended while a save was handed to it (killed, or out of memory)."""
 
 
-def _serve(conn: Any, rank: int, world: int, store: tuple[str, int] | None) -> None:
+def _serve(conn: Any, alive: Any, rank: int, world: int, store: tuple[str, int] | None) -> None:
     """The writer process: its gloo group (more than one rank), then one ``dcp.save`` per request until ``None``,
     once the request's host tensors are found finite on every rank (the processes agree on their group). A save's
     answer is its ``Metadata`` and the storage writer as the save left it, or its exception (:class:`SaveRefused`
-    where a rank found NaN or inf; a line when it does not pickle)."""
+    where a rank found NaN or inf; a line when it does not pickle). ``alive``: a pipe the training process never
+    writes to; its end of file (the training process ended, even killed) ends this process at once (:func:`_end_with`).
+    """
     import torch.distributed.checkpoint as dcp
+
+    threading.Thread(target=_end_with, args=(alive,), name="optim-factory-writer-watch", daemon=True).start()
 
     # what this process does on purpose, not news to the person training: one process saves without a group (DCP
     # warns of it at every save), and the staged DTensors' meshes arrive without their groups (planning reads
@@ -96,6 +100,14 @@ def _serve(conn: Any, rank: int, world: int, store: tuple[str, int] | None) -> N
         dist.destroy_process_group()
 
 
+def _end_with(alive: Any) -> None:
+    """End this process as soon as ``alive`` reaches its end of file: the training process ended (a save it
+    started is then never written, as DCP's writer thread ends with its process; no checkpoint is completed behind a
+    relaunched job's back)."""
+    alive.poll(None)  # readable only at its end of file: nothing is ever sent on it
+    os._exit(1)
+
+
 def _refuse_non_finite(host: list, state_dict: Any, group: Any) -> None:
     """The finite check's host part: every rank's :class:`SaveRefused` where a rank's ``host`` tensors hold NaN or
     inf (or could not be read). A gathering that fails raises its own error, not a refusal: a rank whose writer
@@ -123,6 +135,7 @@ class WriterProcess:
         self._group = group
         self._process: Any = None
         self._conn: Any = None
+        self._alive: Any = None  # the pipe's end the process watches for this process's end (never written to)
         self._store: Any = None  # rank 0's: the writer processes' store, served here while they run
         self._start_again = False  # the last write failed: a new process (every rank's) at the next write
         self._writing: threading.Thread | None = None  # the hand-over in flight (the exit waits for it)
@@ -163,7 +176,8 @@ class WriterProcess:
 
     def close(self) -> None:
         """End the writer process (asked to, then terminated if it does not within 30 s)."""
-        process, conn, self._process, self._conn = self._process, self._conn, None, None
+        process, conn, alive = self._process, self._conn, self._alive
+        self._process = self._conn = self._alive = None
         if process is None:  # none started (or its start failed after the store was made)
             self._store = None
             return
@@ -176,6 +190,7 @@ class WriterProcess:
             process.terminate()
             process.join()
         conn.close()
+        alive.close()
         self._store = None  # its server ends with the last reference
 
     def _hand_over(self, staged: Future, kwargs: dict[str, Any], host: list | None, written: Future) -> None:
@@ -263,12 +278,14 @@ class WriterProcess:
             store = served[0]
         context = multiprocessing.get_context("forkserver")
         conn, child = context.Pipe()
+        watched, alive = context.Pipe(duplex=False)
         process = context.Process(
-            target=_serve, args=(child, rank, world, store), name="optim-factory-writer", daemon=True
+            target=_serve, args=(child, watched, rank, world, store), name="optim-factory-writer", daemon=True
         )
         process.start()
         child.close()  # the child's end is the child's: a recv here sees EOF once it ends
-        self._process, self._conn = process, conn
+        watched.close()  # its end of file then comes with this process's end
+        self._process, self._conn, self._alive = process, conn, alive
         if not conn.poll(_START_TIMEOUT_S):
             raise WriterProcessEnded(f"the writer process did not start within {_START_TIMEOUT_S:.0f} s")
         try:

@@ -202,10 +202,17 @@ class UnpicklableWriter(FileSystemWriter):
         self.lock = threading.Lock()
 
 
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie until its parent reaps it, or gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def _ended(pid: int) -> None:
     """Wait until process ``pid`` (this process's child) has exited: its sockets closed, a zombie until reaped."""
-    stat = Path(f"/proc/{pid}/stat")
-    while stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z":
+    while not _gone(pid):
         time.sleep(0.01)
 
 
@@ -385,6 +392,57 @@ def test_an_interpreter_that_exits_without_close_writes_the_save_in_flight_first
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "ck" / ".metadata").is_file(), done.stderr[-3000:]
+
+
+KILLED_INSIDE_A_WRITE = """
+import sys
+import time
+import torch
+from optim_factory import PortableFusedAdam
+from optim_factory.checkpoint import AsyncSaveStager, StagerOptions
+from tests.unit.test_writer_process import GatedFileWriter
+
+if __name__ == "__main__":
+    model = torch.nn.Linear(256, 256)
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    stager = AsyncSaveStager(opt, StagerOptions(write_in_process=True))
+    stager.async_save({"model": model.state_dict()}, storage_writer=GatedFileWriter(sys.argv[1], sys.argv[2]))
+    while stager.writer_pid is None:
+        time.sleep(0.01)
+    print(stager.writer_pid, flush=True)
+    time.sleep(600)  # killed inside the write
+"""
+
+
+@pytest.mark.slow  # an interpreter of its own: killed -9 is what is tested
+def test_a_training_process_killed_inside_a_write_takes_its_writer_process_with_it(tmp_path):
+    """As DCP's writer thread ends with its process, a writer process ends with its training process: a save in
+    flight when the training process is killed is never completed afterwards (behind a relaunched job's back).
+    Broken on purpose (no watch of the training process): the writer process writes the checkpoint once its gate
+    opens."""
+    script, ck, gate = tmp_path / "loop.py", tmp_path / "ck", tmp_path / "gate"
+    script.write_text(KILLED_INSIDE_A_WRITE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    trainer = subprocess.Popen([sys.executable, str(script), str(ck), str(gate)], env=env, stdout=subprocess.PIPE)
+    try:
+        writer = int(trainer.stdout.readline())
+        for _ in range(6000):  # the writer process waits at the gate: planning is done, nothing is written yet
+            if ck.is_dir():
+                break
+            time.sleep(0.01)
+        assert ck.is_dir(), "the writer process did not reach its write"
+    finally:
+        trainer.kill()
+        trainer.wait()
+    gate.touch()  # a writer process still running would write the checkpoint now
+    for _ in range(3000):
+        if _gone(writer):
+            break
+        time.sleep(0.01)
+    assert _gone(writer), "the writer process outlived its training process"
+    assert not (ck / ".metadata").exists(), sorted(p.name for p in ck.iterdir())
 
 
 def test_shared_buffers_beyond_the_open_files_limit_are_one_line_naming_it():
