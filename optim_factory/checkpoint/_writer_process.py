@@ -18,7 +18,8 @@ is every rank's, nothing written, and the processes serve on. A save whose write
 fails in one line; every rank then starts its writer process again at the next save (DCP's collectives, and the
 processes' agreement, fail on every rank when one rank's write fails or its process ends, so every rank sees the
 failure). At the interpreter's exit a write in flight is waited for before the process is ended, as DCP's writer thread
-is.
+is; a training process that ends otherwise (killed) ends its writer process at once (:func:`_end_with`): a save in
+flight is never completed after it, as DCP's writer thread dies with its process.
 """
 
 from __future__ import annotations
