@@ -103,8 +103,8 @@ def _serve(conn: Any, alive: Any, rank: int, world: int, store: tuple[str, int] 
 
 def _end_with(alive: Any) -> None:
     """End this process as soon as ``alive`` reaches its end of file: the training process ended (a save it
-    started is then never written, as DCP's writer thread ends with its process; no checkpoint is completed behind a
-    relaunched job's back)."""
+    started is then never completed, as DCP's writer thread ends with its process; no checkpoint is completed behind
+    a relaunched job's back)."""
     alive.poll(None)  # readable only at its end of file: nothing is ever sent on it
     os._exit(1)
 
@@ -326,6 +326,16 @@ def _wait_at_exit() -> None:
             writer._writing.join()
         writer.close()
 
+
+def _forget_in_forked_child() -> None:
+    """In a child forked from this process (``os.fork``; a DataLoader's fork-started workers): its copy of each writer
+    process's watched pipe is closed, so that the pipe's end of file comes with this process's end alone."""
+    for writer in list(_RUNNING):
+        if writer._alive is not None:
+            writer._alive.close()
+
+
+os.register_at_fork(after_in_child=_forget_in_forked_child)
 
 # multiprocessing's exit runs its finalizers with a priority before it terminates its daemon processes (ours): at
 # the interpreter's exit (its atexit handler) and at a multiprocessing child's end (mp.spawn's ranks; no atexit there)

@@ -395,6 +395,7 @@ def test_an_interpreter_that_exits_without_close_writes_the_save_in_flight_first
 
 
 KILLED_INSIDE_A_WRITE = """
+import os
 import sys
 import time
 import torch
@@ -411,37 +412,48 @@ if __name__ == "__main__":
     stager.async_save({"model": model.state_dict()}, storage_writer=GatedFileWriter(sys.argv[1], sys.argv[2]))
     while stager.writer_pid is None:
         time.sleep(0.01)
-    print(stager.writer_pid, flush=True)
+    child = os.fork()  # a child of the training process that outlives it (as a fork-started worker can, a while)
+    if child == 0:
+        time.sleep(600)
+        os._exit(0)
+    print(stager.writer_pid, child, flush=True)
     time.sleep(600)  # killed inside the write
 """
 
 
 @pytest.mark.slow  # an interpreter of its own: killed -9 is what is tested
 def test_a_training_process_killed_inside_a_write_takes_its_writer_process_with_it(tmp_path):
-    """As DCP's writer thread ends with its process, a writer process ends with its training process: a save in
-    flight when the training process is killed is never completed afterwards (behind a relaunched job's back).
-    Broken on purpose (no watch of the training process): the writer process writes the checkpoint once its gate
+    """As DCP's writer thread ends with its process, a writer process ends with its training process, even while a
+    child the training process forked lives on: a save in flight when the training process is killed is never
+    completed afterwards (behind a relaunched job's back). Broken on purpose (no watch of the training process, or
+    the forked child's copy of the watched pipe kept): the writer process writes the checkpoint once its gate
     opens."""
     script, ck, gate = tmp_path / "loop.py", tmp_path / "ck", tmp_path / "gate"
     script.write_text(KILLED_INSIDE_A_WRITE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     trainer = subprocess.Popen([sys.executable, str(script), str(ck), str(gate)], env=env, stdout=subprocess.PIPE)
+    writer = child = None
     try:
-        writer = int(trainer.stdout.readline())
+        writer, child = (int(pid) for pid in trainer.stdout.readline().split())
         for _ in range(6000):  # the writer process waits at the gate: planning is done, nothing is written yet
             if ck.is_dir():
                 break
             time.sleep(0.01)
         assert ck.is_dir(), "the writer process did not reach its write"
+        trainer.kill()
+        trainer.wait()
+        for _ in range(3000):
+            if _gone(writer):
+                break
+            time.sleep(0.01)
+        gate.touch()  # a writer process still running writes the checkpoint now
+        assert _gone(writer), "the writer process outlived its training process"
     finally:
         trainer.kill()
         trainer.wait()
-    gate.touch()  # a writer process still running would write the checkpoint now
-    for _ in range(3000):
-        if _gone(writer):
-            break
-        time.sleep(0.01)
-    assert _gone(writer), "the writer process outlived its training process"
+        gate.touch()
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
     assert not (ck / ".metadata").exists(), sorted(p.name for p in ck.iterdir())
 
 
