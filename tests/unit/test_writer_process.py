@@ -365,8 +365,12 @@ def test_a_shared_buffer_beyond_dev_shm_s_room_is_one_line_before_anything_is_al
         shared_empty((needed,), torch.uint8)
 
 
-EXIT_WITHOUT_CLOSE = """
+# the start of the training scripts below, each run as an interpreter of its own: a step, then a stager whose saves
+# a writer process writes
+TRAINER = """
+import os
 import sys
+import time
 import torch
 from optim_factory import PortableFusedAdam
 from optim_factory.checkpoint import AsyncSaveStager, StagerOptions
@@ -377,9 +381,14 @@ if __name__ == "__main__":
     model(torch.randn(2, 256)).sum().backward()
     opt.step()
     stager = AsyncSaveStager(opt, StagerOptions(write_in_process=True))
-    response = stager.async_save({"model": model.state_dict()}, checkpoint_id=sys.argv[1])
+"""
+
+EXIT_WITHOUT_CLOSE = (
+    TRAINER
+    + """    response = stager.async_save({"model": model.state_dict()}, checkpoint_id=sys.argv[1])
     response.staging_completion.result()  # staged; the script ends without wait() or close()
 """
+)
 
 
 @pytest.mark.slow  # an interpreter of its own: its exit is what is tested
@@ -394,21 +403,10 @@ def test_an_interpreter_that_exits_without_close_writes_the_save_in_flight_first
     assert (tmp_path / "ck" / ".metadata").is_file(), done.stderr[-3000:]
 
 
-KILLED_INSIDE_A_WRITE = """
-import os
-import sys
-import time
-import torch
-from optim_factory import PortableFusedAdam
-from optim_factory.checkpoint import AsyncSaveStager, StagerOptions
-from tests.unit.test_writer_process import GatedFileWriter
+KILLED_INSIDE_A_WRITE = (
+    TRAINER
+    + """    from tests.unit.test_writer_process import GatedFileWriter
 
-if __name__ == "__main__":
-    model = torch.nn.Linear(256, 256)
-    opt = PortableFusedAdam(model.parameters(), lr=1e-3)
-    model(torch.randn(2, 256)).sum().backward()
-    opt.step()
-    stager = AsyncSaveStager(opt, StagerOptions(write_in_process=True))
     stager.async_save({"model": model.state_dict()}, storage_writer=GatedFileWriter(sys.argv[1], sys.argv[2]))
     while stager.writer_pid is None:
         time.sleep(0.01)
@@ -419,6 +417,7 @@ if __name__ == "__main__":
     print(stager.writer_pid, child, flush=True)
     time.sleep(600)  # killed inside the write
 """
+)
 
 
 @pytest.mark.slow  # an interpreter of its own: killed -9 is what is tested
