@@ -310,7 +310,11 @@ def two_ranks(rank: int, world: int, tmp: str) -> None:
     with pytest.raises(SaveRefused, match=r"not handed to the writer process: TypeError: .*\(rank 1\)$"):
         stager.wait()
     # rank 0 pickled its save (a duplicate of each shared storage's file descriptor, held until a receiver takes
-    # it), which is never sent: those are closed
+    # it), which is never sent: those are closed (by multiprocessing's resource-sharer thread, once each is taken)
+    for _ in range(3000):
+        if len(os.listdir("/proc/self/fd")) <= open_files:
+            break
+        time.sleep(0.01)
     assert len(os.listdir("/proc/self/fd")) <= open_files, (rank, open_files, os.listdir("/proc/self/fd"))
     stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/again")  # new writer processes
     stager.wait()
