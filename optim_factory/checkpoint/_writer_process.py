@@ -179,20 +179,18 @@ class WriterProcess:
         """End the writer process (asked to, then terminated if it does not within 30 s)."""
         process, conn, alive = self._process, self._conn, self._alive
         self._process = self._conn = self._alive = None
-        if process is None:  # none started (or its start failed after the store was made)
-            self._store = None
-            return
-        try:
-            conn.send(None)
-        except Exception:  # noqa: BLE001  (it ended already)
-            pass
-        process.join(30)
-        if process.is_alive():
-            process.terminate()
-            process.join()
-        conn.close()
-        alive.close()
-        self._store = None  # its server ends with the last reference
+        if process is not None:  # else none started (or its start failed after the store was made)
+            try:
+                conn.send(None)
+            except Exception:  # noqa: BLE001  (it ended already)
+                pass
+            process.join(30)
+            if process.is_alive():
+                process.terminate()
+                process.join()
+            conn.close()
+            alive.close()
+        self._store = None  # once no process uses it: its server ends with the last reference
 
     def _hand_over(self, staged: Future, kwargs: dict[str, Any], host: list | None, written: Future) -> None:
         """Send the staged save to the writer process (started first if need be), once every rank could pickle its
