@@ -8,15 +8,13 @@ Config: ``conf/train.yaml`` (groups optim, model, data, checkpoint, trainer; pre
 Every config value is checked before the process group, the model or a GPU allocation exists, and before
 anything is written: a config error is one line on stderr and exit code 2, and leaves the disk as it was.
 
-This module is the command line (``main``, ``compose_config``); the job itself is ``recipes/job.py`` (``train``),
-imported once Hydra has composed the config: a config error Hydra finds (an unknown key, a bad value) is refused
-before torch is imported.
+This module is the command line (``main``; ``compose_config``, from ``recipes/composing.py``); the job itself is
+``recipes/job.py`` (``train``), imported once Hydra has composed the config: a config error Hydra finds (an unknown
+key, a bad value) is refused before torch is imported.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
 import logging
 import os
 import sys
@@ -32,67 +30,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from optim_factory.errors import ConfigError
 from recipes.command_line import command_line_error, config_error_line, shared_run_dir_error
+from recipes.composing import compose_config
 from recipes.config import CONFIG_DIR, register_configs
 
 EXIT_INTERRUPTED = 130  # a plain run stopped by Ctrl-C, as for any interrupted command
 # a Ctrl-C outside the loop's clean stop (before it, or a second one: recipes/stop_signal.py)
 INTERRUPTED_LINE = "interrupted by Ctrl-C: the step in progress is not saved; the complete checkpoints are as they were"
-
-
-def compose_config(overrides: list[str] | None = None) -> DictConfig:
-    """Compose ``conf/train.yaml`` with overrides, as the command line would (for tests and notebooks).
-
-    The config-group choices (``experiment=quick``, ``optim=...``) and Hydra's own overrides are composed by Hydra
-    once per set of them (the last 16 kept: a composition takes about 0.3 s of CPU); the other overrides
-    (``key=value``, ``+key=``, ``~key``) are then applied to a copy by Hydra's own step that applies them after
-    composing, so the config and every error are Hydra's, and runs that differ in values compose once.
-
-    Raises:
-        ConfigError: Hydra's or OmegaConf's error, in the command line's one line.
-    """
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    overrides = list(overrides or [])
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-        ConfigLoaderImpl.validate_sweep_overrides_legal(parsed, run_mode=RunMode.RUN, from_shell=False)
-        groups = _config_groups()
-        # an override of a group's name (an option chosen; a dict merged, Hydra decides) or of Hydra's own config
-        chooses = [o.is_hydra_override() or o.key_or_group in groups for o in parsed]
-        cfg = copy.deepcopy(_composed(tuple(o.input_line for o, c in zip(parsed, chooses) if c)))
-        ConfigLoaderImpl._apply_overrides_to_config([o for o, c in zip(parsed, chooses) if not c], cfg)
-        OmegaConf.resolve(cfg)
-    except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(config_error_line(exc, overrides)) from None
-    return cfg
-
-
-@functools.lru_cache(maxsize=16)
-def _composed(choices: tuple[str, ...]) -> DictConfig:
-    """``conf/train.yaml`` composed by Hydra with ``choices`` (unresolved; callers copy it)."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="train", overrides=list(choices))
-
-
-@functools.lru_cache(maxsize=1)
-def _config_groups() -> frozenset[str]:
-    """The config groups Hydra finds for ``conf/train.yaml`` (``optim``, ``hydra/launcher``, ...)."""
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        loader = GlobalHydra.instance().config_loader()
-
-        def below(parent: str) -> list[str]:
-            names = [f"{parent}/{g}" if parent else g for g in loader.list_groups(parent)]
-            return [n for name in names for n in (name, *below(name))]
-
-        return frozenset(below(""))
 
 
 def _refuse(message: str) -> None:
