@@ -1,4 +1,5 @@
-# one scripts.bench_save run on the GPU machine (after the TE build, or without TE for gpu_bench_loop.sh p; PYTHONPATH set): bash scripts/gpu_bench_run.sh TAG LAYERS MODES
+# one scripts.bench_save run on the GPU machine (after the TE build, or without TE for gpu_bench_loop.sh p;
+# PYTHONPATH set): bash scripts/gpu_bench_run.sh TAG LAYERS MODES
 # writes $OUT/TAG.md, .jsonl, the log's tail and each finished mode's summary line (TAG.modes: kept when a later mode
 # ends the run); BENCH_TIMEOUT (s, default 340) bounds the run; the scratch folder is emptied
 tag=$1; layers=$2; modes=$3; S=/tmp/scratch
