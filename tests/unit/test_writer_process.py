@@ -203,10 +203,11 @@ class UnpicklableWriter(FileSystemWriter):
 
 
 def _gone(pid: int) -> bool:
-    """Whether process ``pid`` has exited (a zombie until its parent reaps it, or gone)."""
+    """Whether process ``pid`` has exited (a zombie until its parent reaps it, or gone: reaped before its stat file
+    was opened, or between the open and the read)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return True
 
 
