@@ -32,10 +32,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from optim_factory.errors import ConfigError
 from recipes.command_line import config_error_line
-from recipes.config import CONFIG_DIR
+from recipes.config import CONFIG_DIR, register_configs
 
 __all__ = ["compose_config"]
 
+register_configs()  # the schemas conf/train.yaml composes (the command line's Hydra finds them too)
 _SEEN_NODES: dict[int, Any] = {}  # every ConfigStore node a key named: kept, so that no later node reuses its id
 
 

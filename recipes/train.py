@@ -32,7 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from recipes.command_line import command_line_error, config_error_line, shared_run_dir_error
 from recipes.composing import compose_config
-from recipes.config import CONFIG_DIR, register_configs
+from recipes.config import CONFIG_DIR
 
 EXIT_INTERRUPTED = 130  # a plain run stopped by Ctrl-C, as for any interrupted command
 # a Ctrl-C outside the loop's clean stop (before it, or a second one: recipes/stop_signal.py)
@@ -128,8 +128,6 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["HYDRA_FULL_ERROR"] = saved_full_error
     return 0  # a -m sweep, --cfg, --info, --help
 
-
-register_configs()
 
 if __name__ == "__main__":
     code = main()  # a refusal raises SystemExit(2): the interpreter exits as usual
