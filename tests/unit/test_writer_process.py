@@ -211,10 +211,19 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _until(condition, seconds: float = 30) -> bool:
+    """Whether ``condition()`` became true within ``seconds`` (asked every 10 ms)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def _ended(pid: int) -> None:
     """Wait until process ``pid`` (this process's child) has exited: its sockets closed, a zombie until reaped."""
-    while not _gone(pid):
-        time.sleep(0.01)
+    assert _until(lambda: _gone(pid), 60), f"process {pid} did not end"
 
 
 @contextlib.contextmanager
@@ -312,11 +321,8 @@ def two_ranks(rank: int, world: int, tmp: str) -> None:
         stager.wait()
     # rank 0 pickled its save (a duplicate of each shared storage's file descriptor, held until a receiver takes
     # it), which is never sent: those are closed (by multiprocessing's resource-sharer thread, once each is taken)
-    for _ in range(3000):
-        if len(os.listdir("/proc/self/fd")) <= open_files:
-            break
-        time.sleep(0.01)
-    assert len(os.listdir("/proc/self/fd")) <= open_files, (rank, open_files, os.listdir("/proc/self/fd"))
+    closed = _until(lambda: len(os.listdir("/proc/self/fd")) <= open_files)
+    assert closed, (rank, open_files, os.listdir("/proc/self/fd"))
     stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/again")  # new writer processes
     stager.wait()
     # rank 1's writer process killed between saves: the next save fails on both ranks (a failure, not a refusal),
@@ -439,19 +445,13 @@ def test_a_training_process_killed_inside_a_write_takes_its_writer_process_with_
     writer = child = None
     try:
         writer, child = (int(pid) for pid in trainer.stdout.readline().split())
-        for _ in range(6000):  # the writer process waits at the gate: planning is done, nothing is written yet
-            if ck.is_dir():
-                break
-            time.sleep(0.01)
-        assert ck.is_dir(), "the writer process did not reach its write"
+        # the writer process waits at the gate: planning is done, nothing is written yet
+        assert _until(ck.is_dir, 60), "the writer process did not reach its write"
         trainer.kill()
         trainer.wait()
-        for _ in range(3000):
-            if _gone(writer):
-                break
-            time.sleep(0.01)
+        gone = _until(lambda: _gone(writer))
         gate.touch()  # a writer process still running writes the checkpoint now
-        assert _gone(writer), "the writer process outlived its training process"
+        assert gone, "the writer process outlived its training process"
     finally:
         trainer.kill()
         trainer.wait()
