@@ -37,6 +37,9 @@ Modes (each steps an optimizer of its own, over the one model, built with its ex
   ``optim_factory.integrations.automodel.Checkpointer`` (``g-automodel-ours-process``: with
   ``write_in_process=True``); ``h-checkpointing-te``: Meta's ``torch_checkpointing`` 0.1.1 around TE's class, its
   default async saver (``scripts.bench_save_frameworks``).
+* ``f-titan-ours-budget-<b>`` / ``c-ours-budget-<b>``: torchtitan's manager of the integration and the recipe, the
+  optimizer within a host budget (:data:`BUDGETS`); ``f-titan-ours-process-budget-<b>`` /
+  ``c-ours-process-budget-<b>``: the same written by a writer process (the fills asked for by it).
 
 Per checkpoint: ``block_s`` (from the save call until training may resume: the save call plus any wait for staging
 or for the export before the next ``step()``; for the recipe's modes the part of the recipe's ``blocking_s`` up to
@@ -120,6 +123,8 @@ MODES = (
     "h-checkpointing-te",
     *(f"f-titan-ours-budget-{b}" for b in BUDGETS),
     *(f"c-ours-budget-{b}" for b in BUDGETS),
+    "f-titan-ours-process-budget-all",
+    "c-ours-process-budget-all",
 )
 STEPS_AFTER = 8  # the steps after a save that count (the module docstring)
 
@@ -327,7 +332,7 @@ class Mode:
                 every_steps=1,
                 keep_last=0,
                 async_save=name != "e-ours-sync",
-                write_in_process=name == "c-ours-process",
+                write_in_process="-process" in name,
             )
             # hook() calls wait_export() before the next step(), as the recipe's loop does
             self.manager = CheckpointManager(cfg, rank=ctx["rank"], device=ctx["device"], waits_before_step=True)

@@ -127,7 +127,7 @@ class TitanMode(FrameworkMode):
         else:
             from torchtitan.components.checkpointer import CheckpointManager
         schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10**6)
-        process = {"write_in_process": True} if name.endswith("-process") else {}  # the integration's option
+        process = {"write_in_process": True} if "-process" in name else {}  # the integration's option
         config = CheckpointManager.Config(
             enable=True,
             folder=str(ctx["root"]),
@@ -192,7 +192,7 @@ class AutomodelMode(FrameworkMode):
         config = CheckpointingConfig(
             checkpoint_dir=str(ctx["root"]), model_save_format="torch_save", save_consolidated=False, is_async=True
         )
-        process = {"write_in_process": True} if name.endswith("-process") else {}  # the integration's option
+        process = {"write_in_process": True} if "-process" in name else {}  # the integration's option
         try:
             self.checkpointer = Checkpointer(config, dp_rank=ctx["rank"], tp_rank=0, pp_rank=0, **process)
         except AssertionError as exc:  # torch's DefaultStager refuses non-blocking copies without an accelerator

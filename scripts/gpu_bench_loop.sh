@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Issue 59's measurement on one GPU (TE built: ../shared/gpu/README.md; the wheels of scripts/gpu_wheels.sh carried in
-# .gpu/wheels), in three device calls of under 10 minutes each, from the repository root:
+# .gpu/wheels), in three device calls of under 10 minutes each (a fourth for the writer processes within a budget),
+# from the repository root:
 #     bash scripts/gpu_bench_loop.sh 1   # after the six part calls: TE's build, the wheels, every mode at 4.43 GB
 #     bash scripts/gpu_bench_loop.sh 2   # 17.7 GB: ours, thread and writer process (each framework in a run of its own)
 #     bash scripts/gpu_bench_loop.sh 3   # 17.7 GB: the anchors (TE's class; torch_checkpointing), budgets; tests/gpu
+#     bash scripts/gpu_bench_loop.sh 4   # budgets that fit the whole save, written by writer processes, both sizes,
+#                                        # beside the unbudgeted writer process
 #     bash scripts/gpu_bench_loop.sh p   # no TE (no part calls; .gpu/deps and .gpu/wheels carried), one call: tests/gpu
 #                                        # (what runs without TE), then ours at 17.7 GB with PortableFusedAdam, TE's
 #                                        # bitwise twin (its slower step flatters a save's loss: not for the ratios)
@@ -25,10 +28,13 @@ case "${1:-}" in
     run 200 l88a 88 f-titan-te,h-checkpointing-te
     run 200 l88b 88 f-titan-ours-budget-all,c-ours-budget-all
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1; tail -n 5 "$OUT/pytest_gpu.log" ;;
+  4)
+    run 240 l22p 22 f-titan-ours-process,f-titan-ours-process-budget-all,c-ours-process,c-ours-process-budget-all
+    run 300 l88p 88 f-titan-ours-process-budget-all,c-ours-process-budget-all ;;
   p)
     python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/site .gpu/wheels/*.whl \
       .gpu/deps/hydra_core-* .gpu/deps/omegaconf-* .gpu/deps/antlr4-* 2>&1 | tail -2
     timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1; tail -n 8 "$OUT/pytest_gpu.log"
     run 300 p88 88 c-ours,f-titan-ours ;;
-  *) echo "usage: bash scripts/gpu_bench_loop.sh 1|2|3|p" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_bench_loop.sh 1|2|3|4|p" >&2; exit 2 ;;
 esac

@@ -12,6 +12,12 @@ of its own, in the order the writer's threads ask for them (``_fills.py``), and 
 tensor, written once it asks for the next, is given back (``MADV_DONTNEED``) although DCP still references it.
 That order is that of DCP's ``FileSystemWriter`` without copy-ahead (whose overlapping loader asks ahead), which
 :meth:`BudgetSavePlanner.save` builds; a save with the planner that builds no writer of its own is refused.
+
+A save that a writer process plans and writes (``StagerOptions(write_in_process=True)``) is planned here first
+(:meth:`BudgetSavePlanner.for_writer_process`: its refusals), and the process is sent the state dict with a meta
+tensor in place of each tensor filled here; its planner there (``_remote_fills.RemoteFills``) asks for the fills in
+its plan's order (:meth:`BudgetSavePlanner.fill_in_order`) and for each tensor as its writer reaches it
+(:meth:`BudgetSavePlanner.take`), in shared memory.
 """
 
 from __future__ import annotations
@@ -30,32 +36,28 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from optim_factory.checkpoint._budget_rule import BudgetRefused, start_copies
+from optim_factory.checkpoint._budget_rule import BudgetRefused, one_line_refusal, refuse_writer, start_copies
 from optim_factory.checkpoint._fills import Fill, SaveFills
-from optim_factory.optimizers.export import HostBufferPool, StreamItem, local_tensor
+from optim_factory.checkpoint._remote_fills import sent_to_writer_process
+from optim_factory.optimizers.export import HostBufferPool, StreamItem, local_tensor, shared_empty
 from optim_factory.rules.export import size_text
 from optim_factory.tree import leaves, local_tensors
 
-__all__ = [
-    "BudgetSavePlanner",
-    "budget_planner",
-    "host_budget",
-    "refuse_writer",
-    "one_line_refusal",
-]
+__all__ = ["BudgetSavePlanner", "budget_planner", "host_budget"]
 
 _NAME = "BudgetSavePlanner"  # the start of this module's refusals
 
 
-def budget_planner(optimizers: Any, where: str) -> BudgetSavePlanner | None:
-    """The planner of ``where``'s async saves (host tensors filled too) for the one optimizer of ``optimizers`` with a
-    host budget; None when none has one; a :class:`BudgetRefused` when several have."""
+def budget_planner(optimizers: Any, where: str, shared: bool = False) -> BudgetSavePlanner | None:
+    """The planner of ``where``'s async saves (host tensors filled too; in shared memory where ``shared``) for the one
+    optimizer of ``optimizers`` with a host budget; None when none has one; a :class:`BudgetRefused` when several
+    have."""
     budgeted = [opt for opt in optimizers if host_budget(opt) is not None]
     if len(budgeted) > 1:
         raise BudgetRefused(
             f"state_dict_offload_host_budget: {where} saves one optimizer within a budget, not {len(budgeted)}"
         )
-    return BudgetSavePlanner(budgeted[0], copy_host_tensors=True) if budgeted else None
+    return BudgetSavePlanner(budgeted[0], copy_host_tensors=True, shared=shared) if budgeted else None
 
 
 def host_budget(optimizer: Any) -> int | None:
@@ -80,9 +82,11 @@ class BudgetSavePlanner(DefaultSavePlanner):
     ``step()``). The data files are those of a save without it, byte for byte. ``copy_host_tensors``: fill host
     tensors too (an async save, written while the next ``step()`` changes them; ``AsyncSaveStager``'s); otherwise
     they are written as they are. A checkpointer of its own calls :meth:`begin` before DCP plans and :meth:`end`
-    once DCP returned, with a ``FileSystemWriter`` without copy-ahead (:func:`refuse_writer`)."""
+    once DCP returned, with a ``FileSystemWriter`` without copy-ahead (:func:`refuse_writer`). ``shared``: the host
+    memory it fills and copies into is shared memory, for a save written by a writer process
+    (:meth:`for_writer_process`)."""
 
-    def __init__(self, optimizer: Any, *, copy_host_tensors: bool = False) -> None:
+    def __init__(self, optimizer: Any, *, copy_host_tensors: bool = False, shared: bool = False) -> None:
         budget = host_budget(optimizer)
         if budget is None:
             raise BudgetRefused(f"{_NAME}: the optimizer has no state_dict_offload_host_budget")
@@ -90,6 +94,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
             raise BudgetRefused(f"{_NAME}: needs Linux (pages are given back with madvise)")
         super().__init__()
         self.optimizer, self.limit, self.copy_host_tensors = optimizer, budget, copy_host_tensors
+        self.shared = shared
         self.peak_bytes = 0  # the most bytes this planner's saves held at once
         self.last_save_bytes: int | None = None  # the most the last save held at once (its fills and early copies)
         self._saving = False
@@ -103,9 +108,9 @@ class BudgetSavePlanner(DefaultSavePlanner):
         self._fills: SaveFills | None = None
         self._filled: Future | None = None
         self._streams: dict[torch.device, Any] = {}  # the fills' side stream per device, kept from save to save
-        self._kept = HostBufferPool()  # the buffers of the last save, when it fit the budget whole
-        self._kept_layout: list | None = None  # that save's (key, shape, dtype, pinning) of each tensor it filled
         self._device: torch.device | None = None  # the last save's GPU: where the kept buffers' thread pins them
+        self._kept = self._pool()  # the buffers of the last save, when it fit the budget whole
+        self._kept_layout: list | None = None  # that save's (key, shape, dtype, pinning) of each tensor it filled
 
     @contextlib.contextmanager
     def exporting(self) -> Iterator[None]:
@@ -204,7 +209,9 @@ class BudgetSavePlanner(DefaultSavePlanner):
         refusal = least.refusal(self.limit)
         if refusal is not None:
             raise refusal
-        return {key: t.detach().to("cpu", copy=True) for key, t in early.items()}
+        if not self.shared:
+            return {key: t.detach().to("cpu", copy=True) for key, t in early.items()}
+        return {key: shared_empty(t.shape, t.dtype).copy_(t.detach()) for key, t in early.items()}
 
     def _early_bytes(self) -> int:
         """Bytes of the copies made at the save's start, held until it ends (counted in the budget)."""
@@ -274,7 +281,13 @@ class BudgetSavePlanner(DefaultSavePlanner):
     def finish_plan(self, new_plan: Any) -> Any:
         """The final plan: its fills, in the order the writer asks for them (the plan's)."""
         plan = super().finish_plan(new_plan)
-        order = [self._fill(i) for i in plan.items if i.type != WriteItemType.BYTE_IO and i.index.fqn in self._sources]
+        self.fill_in_order([i.index.fqn for i in plan.items if i.type != WriteItemType.BYTE_IO])
+        return plan
+
+    def fill_in_order(self, fqns: list[str]) -> None:
+        """Start filling what the save writes of ``fqns`` (its final plan's tensors, in the order the writer asks for
+        them; the others are written as they are)."""
+        order = [self._fill(fqn) for fqn in fqns if fqn in self._sources]
         exporter, chunk = self.optimizer.state_exporter, self.optimizer.export_options.chunk_bytes
         fits = sum(f.nbytes for f in order) + self._early_bytes() <= self.limit
         layout = [(f.fqn, f.shape, f.dtype, f.pinning) for f in order] if fits else None
@@ -282,9 +295,17 @@ class BudgetSavePlanner(DefaultSavePlanner):
             self.drop_kept()
             self._kept_layout = layout
         kept = self._kept if fits else None
-        self._fills = SaveFills(order, self.limit - self._early_bytes(), exporter, chunk, self._streams, kept)
+        limit = self.limit - self._early_bytes()
+        self._fills = SaveFills(order, limit, exporter, chunk, self._streams, kept, shared=self.shared)
         self._fills.done.add_done_callback(lambda _: _complete(self._filled))
-        return plan
+
+    def for_writer_process(self, state_dict: Any) -> Any:
+        """A save started by :meth:`begin` that a writer process plans and writes: planned here first (the refusals
+        of DCP's planning here, raised here), and the state dict the process is sent: a meta tensor in place of
+        each tensor filled here, the copy made at the save's start of each other (in shared memory)."""
+        self.set_up_planner(state_dict)
+        self.create_local_plan()
+        return sent_to_writer_process(state_dict, self._early)
 
     @property
     def kept_bytes(self) -> int:
@@ -295,14 +316,29 @@ class BudgetSavePlanner(DefaultSavePlanner):
     def drop_kept(self) -> None:
         """Free the buffers kept for the next save (``HostBufferPool.clear``: on its thread, on the save's GPU)."""
         self._kept.clear()
-        self._kept, self._kept_layout = HostBufferPool(self._device), None
+        self._kept, self._kept_layout = self._pool(), None
+
+    def _pool(self) -> HostBufferPool:
+        """A pool for the kept buffers (pinned on the last save's GPU; in shared memory where :attr:`shared`)."""
+        pool = HostBufferPool(self._device)
+        if self.shared:
+            pool.use_shared_memory()
+        return pool
 
     def resolve_data(self, write_item: Any) -> Any:
-        self._check_saving()
         fqn = write_item.index.fqn
         if fqn in self._sources and self._fills is not None:
-            return self._fills.take(fqn)
+            return self.take(fqn)
+        self._check_saving()
         return self._early_by_fqn.get(fqn) if fqn in self._early_by_fqn else super().resolve_data(write_item)
+
+    def take(self, fqn: str) -> torch.Tensor:
+        """The filled host tensor of ``fqn`` once filled, the writer's previous one given back (it asks for its next
+        tensor once it has written the previous one)."""
+        self._check_saving()
+        if self._fills is None:
+            raise BudgetRefused(f"{_NAME}: {fqn} asked for before the save's plan was final")
+        return self._fills.take(fqn)
 
     def _check_saving(self) -> None:
         if self._refused is not None:  # the save's start refused it (begin): that line, not a misuse
@@ -310,8 +346,8 @@ class BudgetSavePlanner(DefaultSavePlanner):
         if not self._saving:
             raise BudgetRefused(f"{_NAME}: save with planner.save(...), which builds the writer it needs")
 
-    def _fill(self, write_item: Any) -> Fill:
-        fqn, source = write_item.index.fqn, self._sources[write_item.index.fqn]
+    def _fill(self, fqn: str) -> Fill:
+        source = self._sources[fqn]
         exported = isinstance(source, StreamItem)
         cuda = (source.source if exported else source).is_cuda
         pinning = self.optimizer.export_options.pinning_on("cuda" if cuda else "cpu")
@@ -323,29 +359,6 @@ class BudgetSavePlanner(DefaultSavePlanner):
 
         layout = source.dst if exported else source
         return Fill(fqn, layout.shape, layout.dtype, item, cuda, pinning)
-
-
-def refuse_writer(writer: Any) -> None:
-    """A :class:`BudgetRefused` unless ``writer`` asks for the plan's tensors in its order, one after the other: DCP's
-    ``FileSystemWriter`` (or a subclass) with one thread, one file and no copy-ahead (whose loader asks ahead)."""
-    if not (
-        isinstance(writer, FileSystemWriter)
-        and writer.per_thread_copy_ahead == 0
-        and writer.single_file_per_rank
-        and writer.thread_count == 1
-    ):
-        raise BudgetRefused(
-            f"{_NAME}: a save within the budget writes through DCP's FileSystemWriter(..., per_thread_copy_ahead=0) "
-            f"with one thread and one file; got {writer!r}"
-        )
-
-
-def one_line_refusal(exc: CheckpointException) -> BaseException:
-    """This planner's refusal that DCP wrapped in its multi-line ``CheckpointException``, as the one-line
-    :class:`BudgetRefused`; any other failure as it is."""
-    causes = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]  # (exception, traceback)
-    refusal = next((c for c in causes if isinstance(c, BudgetRefused)), None)
-    return exc if refusal is None else BudgetRefused(str(refusal))
 
 
 def _complete(future: Future | None) -> None:

@@ -1,6 +1,8 @@
-"""The least host budget of a save within ``state_dict_offload_host_budget`` (``_budget.py``): the rule
-its planner refuses a save by at the save's start, and that a trainer checks before its first step (the recipe:
-``CheckpointManager.check_first_save``). One source for both."""
+"""The rules of a save within ``state_dict_offload_host_budget`` (``_budget.py``), and its refusals
+(:class:`BudgetRefused`): the least host budget, which its planner refuses a save by at the save's start and which a
+trainer checks before its first step (the recipe: ``CheckpointManager.check_first_save``), one source for both; the
+writer such a save writes through (:func:`refuse_writer`); a refusal that DCP wrapped, as its one line
+(:func:`one_line_refusal`)."""
 
 from __future__ import annotations
 
@@ -8,13 +10,15 @@ import dataclasses
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from optim_factory.errors import ConfigError
 from optim_factory.optimizers.export import local_tensor
 from optim_factory.rules.export import size_text
 from optim_factory.tree import leaves
 
-__all__ = ["BudgetRefused", "LeastBudget", "least_host_budget", "start_copies"]
+__all__ = ["BudgetRefused", "LeastBudget", "least_host_budget", "start_copies", "refuse_writer", "one_line_refusal"]
 
 
 class BudgetRefused(ConfigError):
@@ -73,3 +77,26 @@ def start_copies(optimizer: Any, state_dict: Any) -> tuple[dict[int, torch.Tenso
     filled = (t.numel() * t.element_size() for key, t in tensors.items() if key not in early)
     least = LeastBudget(sum(t.numel() * t.element_size() for t in early.values()), max(filled, default=0))
     return early, least
+
+
+def refuse_writer(writer: Any) -> None:
+    """A :class:`BudgetRefused` unless ``writer`` asks for the plan's tensors in its order, one after the other: DCP's
+    ``FileSystemWriter`` (or a subclass) with one thread, one file and no copy-ahead (whose loader asks ahead)."""
+    if not (
+        isinstance(writer, FileSystemWriter)
+        and writer.per_thread_copy_ahead == 0
+        and writer.single_file_per_rank
+        and writer.thread_count == 1
+    ):
+        raise BudgetRefused(
+            "BudgetSavePlanner: a save within the budget writes through DCP's "
+            f"FileSystemWriter(..., per_thread_copy_ahead=0) with one thread and one file; got {writer!r}"
+        )
+
+
+def one_line_refusal(exc: CheckpointException) -> BaseException:
+    """A budget's refusal that DCP wrapped in its multi-line ``CheckpointException``, as the one-line
+    :class:`BudgetRefused`; any other failure as it is."""
+    causes = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]  # (exception, traceback)
+    refusal = next((c for c in causes if isinstance(c, BudgetRefused)), None)
+    return exc if refusal is None else BudgetRefused(str(refusal))

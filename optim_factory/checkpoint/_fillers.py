@@ -4,11 +4,14 @@ once for its optimizers (:func:`filler_for`), behind one interface (docs/design.
 * :class:`CopyAtStart`: every tensor copied when the save starts, into host buffers kept from save to save
   (``HostCopies``); the export's pooled buffers are passed through uncopied;
 * :class:`FillAsWritten`: within the optimizer's ``state_dict_offload_host_budget``, each tensor filled as the
-  writer reaches it (``BudgetSavePlanner``, whose planner and writer the save then uses).
+  writer reaches it (``BudgetSavePlanner``, whose planner and writer the save then uses);
+* :class:`FillForWriterProcess`: the same for a writer process (``StagerOptions(write_in_process=True)``), which
+  asks this process for each tensor (``_remote_fills.py``), filled into shared memory.
 
 A save goes: :meth:`exporting` around its export, :meth:`save_kwargs` on ``dcp.async_save``'s arguments where the
 stager starts the save itself, :meth:`begin` when DCP stages it (with :meth:`finite_check`, the NaN/inf check of
-what it holds, where the stager refuses non-finite saves), :meth:`end` once it is written or failed.
+what it holds, where the stager refuses non-finite saves), :meth:`for_writer_process` where a writer process writes
+it, :meth:`end` once it is written or failed.
 ``save_bytes`` is what that save held on the host at its peak (within a budget, known at its end).
 """
 
@@ -25,13 +28,15 @@ import torch
 from optim_factory.checkpoint._budget import BudgetSavePlanner, budget_planner
 from optim_factory.checkpoint._finite_check import FiniteCheck
 from optim_factory.checkpoint._host_copies import HostCopies
+from optim_factory.checkpoint._remote_fills import FillAsk, RemoteFills
 from optim_factory.optimizers.export import local_tensor
 from optim_factory.tree import host_storage_bytes, leaves
 
-__all__ = ["CopyAtStart", "FillAsWritten", "filler_for"]
+__all__ = ["CopyAtStart", "FillAsWritten", "FillForWriterProcess", "filler_for"]
 
 Staging = tuple[Any, Callable[[], None], "Future | None"]  # (the staged dict, wait for its copies, its fills)
 ExportedBy = Callable[[torch.Tensor], "torch.optim.Optimizer | None"]  # the optimizer a pooled export buffer is of
+Asks = Callable[[FillAsk], Any]  # a writer process's asks answered (FillForWriterProcess.serve)
 
 
 class CopyAtStart:
@@ -52,7 +57,11 @@ class CopyAtStart:
     def save_kwargs(self, dcp_kwargs: dict[str, Any]) -> dict[str, Any]:
         return dcp_kwargs
 
-    def begin(self, state_dict: Any, keep: Callable[[torch.Tensor], bool], own_save: bool) -> Staging:
+    def begin(
+        self, state_dict: Any, keep: Callable[[torch.Tensor], bool], own_save: bool, here: bool = True
+    ) -> Staging:
+        """``keep``: the tensors passed through (for a writer process, ``here`` false: those it reads where they
+        are)."""
         self.save_bytes = None
         staged, copied = self._copies.copy(state_dict, keep=keep)
         # held until written: its copies and the export's buffers (staged; the training's own tensors, passed through
@@ -68,6 +77,11 @@ class CopyAtStart:
         """Every tensor the save writes, read where it lives (a pooled export through its optimizer's states); the
         host's tensors by the writer process where not ``host_here``."""
         return FiniteCheck(state_dict, staged, exported_by, streams, host_here)
+
+    def for_writer_process(self, dcp_kwargs: dict[str, Any]) -> tuple[dict[str, Any], Asks | None]:
+        """The save's arguments as its writer process gets them, and what answers that process's asks (None: it asks
+        nothing; the copies are in shared memory)."""
+        return dcp_kwargs, None
 
     def end(self) -> None:
         """Nothing to give back: the copies' buffers are kept for the next save."""
@@ -94,7 +108,9 @@ class FillAsWritten:
     def save_kwargs(self, dcp_kwargs: dict[str, Any]) -> dict[str, Any]:
         return self._planner.async_save_kwargs(dcp_kwargs)  # its planner, and a writer in the order it fills
 
-    def begin(self, state_dict: Any, keep: Callable[[torch.Tensor], bool], own_save: bool) -> Staging:
+    def begin(
+        self, state_dict: Any, keep: Callable[[torch.Tensor], bool], own_save: bool, here: bool = True
+    ) -> Staging:
         """``own_save``: the stager started the save (:meth:`save_kwargs` built or checked its writer)."""
         self.save_bytes = None
         return state_dict, lambda: None, self._planner.begin(state_dict, writer_checked=own_save)
@@ -130,17 +146,40 @@ class FillAsWritten:
         self._planner.drop_kept()
 
 
+class FillForWriterProcess(FillAsWritten):
+    """:class:`FillAsWritten` for a stager whose saves a writer process writes: a save handed to it is planned here
+    (its refusals), then sent with a meta tensor in place of each tensor filled here; the process asks for them
+    (:meth:`serve`), filled into shared memory. The finite check reads what the save is filled from here, in the
+    training process (only it has the live states). A waited save, written here, is filled as on a writer thread."""
+
+    def begin(
+        self, state_dict: Any, keep: Callable[[torch.Tensor], bool], own_save: bool, here: bool = True
+    ) -> Staging:
+        staging = super().begin(state_dict, keep, own_save)
+        return staging if here else (self._planner.for_writer_process(state_dict), *staging[1:])
+
+    def for_writer_process(self, dcp_kwargs: dict[str, Any]) -> tuple[dict[str, Any], Asks | None]:
+        """The writer process plans with :class:`RemoteFills`, which asks :meth:`serve` for the fills."""
+        return {**dcp_kwargs, "planner": RemoteFills()}, self.serve
+
+    def serve(self, ask: FillAsk) -> Any:
+        """The answer to the writer process's ask: the fills started in its plan's order, or a filled tensor."""
+        if ask.kind == "order":
+            return self._planner.fill_in_order(ask.arg)
+        return self._planner.take(ask.arg)
+
+    def finite_check(
+        self, state_dict: Any, staged: Any, exported_by: ExportedBy, streams: dict, host_here: bool = True
+    ) -> FiniteCheck:
+        return super().finite_check(state_dict, staged, exported_by, streams, host_here=True)
+
+
 def filler_for(optimizers: Iterable[Any], pinned: bool, shared: bool = False) -> CopyAtStart | FillAsWritten:
-    """:class:`FillAsWritten` for the one optimizer with a host budget (several are refused: ``budget_planner``),
-    else :class:`CopyAtStart` (``shared``: its copies in shared memory, for a writer process; a budget's fills,
-    asked for by the writer as it writes, are refused there)."""
+    """:class:`FillAsWritten` for the one optimizer with a host budget (several are refused: ``budget_planner``;
+    :class:`FillForWriterProcess` where ``shared``), else :class:`CopyAtStart` (``shared``: its copies in shared
+    memory, for a writer process)."""
     optimizers = list(optimizers)
-    planner = budget_planner(optimizers, "AsyncSaveStager")
+    planner = budget_planner(optimizers, "AsyncSaveStager", shared=shared)
     if planner is None:
         return CopyAtStart(pinned, optimizers, shared)
-    if shared:
-        raise ValueError(
-            "AsyncSaveStager(StagerOptions(write_in_process=True)): a save within state_dict_offload_host_budget is "
-            "filled as it is written, in this process; save it without write_in_process"
-        )
-    return FillAsWritten(planner)
+    return FillForWriterProcess(planner) if shared else FillAsWritten(planner)

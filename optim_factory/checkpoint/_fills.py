@@ -1,8 +1,10 @@
 """``SaveFills``: the fills of one save within a host budget (``optim_factory.checkpoint``). Each tensor DCP's writer
 writes is filled into fresh host memory on one thread of its own, ahead of the writer and in the order it asks for
 them, while the bytes filled and not yet given back fit the budget; the writer's previous tensor is given back
-(``MADV_DONTNEED``) when it asks for its next one. A save that fits the budget whole fills buffers of a
-``HostBufferPool`` instead, kept for the next save and pinned once released (the device copies into them directly).
+when it asks for its next one. A save that fits the budget whole fills buffers of a ``HostBufferPool`` instead,
+kept for the next save and pinned once released (the device copies into them directly). For a writer process
+(``StagerOptions(write_in_process=True)``) the fresh memory is shared memory, which the process maps where it is, and
+a tensor given back has its pages removed from it (``give_pages_back``).
 See docs/export.md, "Saves within a host budget".
 
 The fills run through the optimizer's exporter (``StateExporter.stream``: on CUDA, through its pinned staging ring
@@ -30,6 +32,7 @@ from optim_factory.optimizers.export import (
     StreamItem,
     give_pages_back,
     host_empty,
+    shared_empty,
 )
 
 __all__ = ["Fill", "SaveFills", "FILL_BATCH_BYTES"]
@@ -67,10 +70,11 @@ class _Closed(Exception):
 class SaveFills:
     """The fills of one save: ``order``: the order the writer (one thread) asks for them; ``limit``: the budget in
     bytes; ``kept``: the pool whose buffers a save that fits the budget whole fills (None: fresh memory, given back
-    once written). :meth:`take` is the writer's ``resolve_data``; :meth:`close` ends the save's fills and gives back
-    everything still held (a kept buffer to its pool); ``done`` completes when every fill is done (or failed, or the
-    save ended), never with an exception. One writer thread: a thread of several whose write failed would leave its
-    fills holding the budget while the others wait for theirs."""
+    once written; its buffers in shared memory where ``shared``). :meth:`take` is the writer's ``resolve_data``;
+    :meth:`close` ends the save's fills and gives back everything still held (a kept buffer to its pool); ``done``
+    completes when every fill is done (or failed, or the save ended), never with an exception. One writer thread: a
+    thread of several whose write failed would leave its fills holding the budget while the others wait for theirs.
+    ``shared``: fresh memory in shared memory (a writer process reads it where it is)."""
 
     def __init__(
         self,
@@ -80,9 +84,11 @@ class SaveFills:
         chunk_bytes: int,
         streams: dict[torch.device, Any],
         kept: HostBufferPool | None = None,
+        shared: bool = False,
     ) -> None:
         """``streams``: the side stream per CUDA device that the fills run on (waiting for the save's point)."""
         self.limit, self.held, self.peak = limit, 0, 0
+        self._empty = shared_empty if shared else host_empty
         self._kept, self._leased = kept, []  # the kept buffers this save filled, back to the pool at close()
         self.done: Future = Future()
         self._exporter, self._chunk_bytes, self._streams = exporter, chunk_bytes, streams
@@ -203,7 +209,7 @@ class SaveFills:
         """The stream item of ``fill`` into its host tensor: fresh memory, or the pool's buffer (copied into
         directly where pinned, or the state is on the host)."""
         if self._kept is None:
-            fill.host = host_empty(fill.shape, fill.dtype)
+            fill.host = self._empty(fill.shape, fill.dtype)
             return fill.item(fill.host, False)
         fill.host = self._kept.take(Slot(fill.fqn, tuple(fill.shape), fill.dtype, fill.pinning))
         with self._cond:

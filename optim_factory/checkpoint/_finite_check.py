@@ -109,6 +109,11 @@ class FiniteCheck:
             return on_device
         return _named(self._staged)
 
+    @property
+    def left_to_writer(self) -> list[torch.Tensor] | None:
+        """The host tensors the writer process checks before it writes (:func:`host_refusal`); None: checked here."""
+        return None if self._host_here else self.host
+
     def release(self) -> None:
         """Drop the references (the CUDA tensors stay alive until :meth:`on_device` has read them)."""
         self.device, self.host, self._ready, self._staged = [], [], {}, None

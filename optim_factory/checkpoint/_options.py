@@ -20,9 +20,9 @@ class StagerOptions:
     """Attributes:
     refuse_non_finite: refuse a save whose state holds NaN or inf (``NON_FINITE_LINE``), each value read where it
         lives (``_finite_check.py``); within a host budget, what the save is filled from (the optimizer's live
-        states in place of the streamed ones) before it is filled. With ``write_in_process`` the host's tensors
-        are read by the writer process before it writes: the staging completes (and ``check`` runs) before that
-        part, and its refusal comes with ``upload_completion``.
+        states in place of the streamed ones) before it is filled, in this process. With ``write_in_process`` (and
+        no budget) the host's tensors are read by the writer process before it writes: the staging completes (and
+        ``check`` runs) before that part, and its refusal comes with ``upload_completion``.
     check: called on the staging's completion thread with the staged state dict before DCP writes it (filled;
         within a host budget its streamed states are still meta tensors of their shape and dtype, filled as they
         are written); a returned line refuses the save on every rank.
@@ -31,7 +31,8 @@ class StagerOptions:
     write_in_process: :meth:`~AsyncSaveStager.async_save` hands each staged save to a writer process of this
         rank's own (``_writer_process.py``), started at the first save and kept until ``close()``: DCP's planning
         and writing run outside the training process's interpreter, reading the staged tensors in shared memory.
-        A waited save (:meth:`~AsyncSaveStager.save`) is written in this process; a host budget is refused. The
+        A waited save (:meth:`~AsyncSaveStager.save`) is written in this process. Within a host budget the process
+        asks this one for each tensor as it writes it (filled into shared memory, within the budget). The
         ``storage_writer`` is pickled to the process; one with ``take_written(copy)`` is given the copy the process
         saved with once it is written (what it learned there: the recipe's checksums).
     """

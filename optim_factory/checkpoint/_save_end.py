@@ -9,7 +9,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from optim_factory.checkpoint._budget import one_line_refusal
+from optim_factory.checkpoint._budget_rule import one_line_refusal
 from optim_factory.checkpoint._record import StagedSave
 from optim_factory.errors import first_line
 

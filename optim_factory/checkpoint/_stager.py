@@ -126,13 +126,13 @@ class AsyncSaveStager(AsyncStager):
             # would move one leased before share_export_memory() there in place); in a waited save every tensor is
             shared = (lambda _: True) if here else (lambda t: local_tensor(t).is_shared())
             keep = (lambda _: True) if self._waited else (lambda t: exported_by(t) is not None and shared(t))
-            staged, copied, filling = self._filler.begin(state_dict, keep, self._own_save)
+            staged, copied, filling = self._filler.begin(state_dict, keep, self._own_save, here)
             save.host_bytes = self._filler.save_bytes
             if filling is not None:  # the filler completes it as the save is written
                 filling.add_done_callback(lambda _: save.filled.set_result(None))
             if self.options.refuse_non_finite:  # the host's part in the writer process, where it writes
                 finite = self._filler.finite_check(state_dict, staged, exported_by, self._check_streams, here)
-                save.host_check = None if here else finite.host
+                save.host_check = finite.left_to_writer
         except Exception as exc:  # noqa: BLE001  (this rank's refusal must reach every rank's agreement)
             staged, copied = exc, None
         # the caller's GPU on the thread: a new thread's is 0, and its first CUDA call would create a context there
@@ -242,7 +242,8 @@ class AsyncSaveStager(AsyncStager):
         with self.exporting(defer=False):  # a Stateful's export, as DCP's async_save makes it
             state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
         staged = self.stage(state_dict)
-        return self._writer.write(staged, dcp_kwargs, self._save.host_check)
+        kwargs, asks = self._filler.for_writer_process(dcp_kwargs)  # a budget's planner asks for its fills here
+        return self._writer.write(staged, kwargs, self._save.host_check, asks)
 
     @contextlib.contextmanager
     def exporting(self, *, defer: bool = True) -> Iterator[None]:

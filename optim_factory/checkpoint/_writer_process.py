@@ -19,7 +19,9 @@ fails in one line; every rank then starts its writer process again at the next s
 processes' agreement, fail on every rank when one rank's write fails or its process ends, so every rank sees the
 failure). At the interpreter's exit a write in flight is waited for before the process is ended, as DCP's writer thread
 is; a training process that ends otherwise (killed) ends its writer process at once (:func:`_end_with`): a save in
-flight is never completed after it, as DCP's writer thread dies with its process.
+flight is never completed after it, as DCP's writer thread dies with its process. A save within a host budget is
+filled in the training process as the writer process asks for each tensor, on the pipe its save came on
+(``_remote_fills.py``): the hand-over's thread answers each ask until the save's answer comes.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import socket
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
@@ -43,6 +46,7 @@ import torch.multiprocessing  # noqa: F401  (its picklers: a CPU tensor is sent 
 
 from optim_factory.checkpoint._agreement import agree, gathered
 from optim_factory.checkpoint._finite_check import host_refusal
+from optim_factory.checkpoint._remote_fills import FillAsk, RemoteFills
 from optim_factory.errors import SaveRefused, first_line
 
 __all__ = ["WriterProcess", "WriterProcessEnded"]
@@ -86,6 +90,8 @@ def _serve(conn: Any, alive: Any, rank: int, world: int, store: tuple[str, int] 
         if request is None:
             break
         kwargs, state_dict, host = request
+        if isinstance(kwargs.get("planner"), RemoteFills):  # a budget's: it asks the training process for its fills
+            kwargs["planner"].connect(conn)
         try:
             if host is not None:  # the stager's option, the same on every rank: every rank's request has it
                 _refuse_non_finite(host, state_dict, group)
@@ -156,19 +162,27 @@ class WriterProcess:
                 "processes' group mirrors the stager's; give the group to the stager (AsyncSaveStager(process_group=))"
             )
 
-    def write(self, staged: Future, dcp_kwargs: dict[str, Any], host: list | None = None) -> Future:
+    def write(
+        self,
+        staged: Future,
+        dcp_kwargs: dict[str, Any],
+        host: list | None = None,
+        asks: Callable[[FillAsk], Any] | None = None,
+    ) -> Future:
         """A Future of ``dcp.save(staged.result(), **dcp_kwargs)`` run in the writer process once ``staged``
         completes (it fails as ``staged`` does: a refused save is handed nothing), on the writer processes' group in
         place of ``process_group``; ``host``: the staged tensors the process checks for NaN and inf first (the
-        finite check's host part; a refusal is every rank's :class:`SaveRefused`, nothing written). The
-        ``storage_writer`` goes to the process pickled; where it has ``take_written``, it is called with the copy
-        the process saved with before the Future completes."""
+        finite check's host part; a refusal is every rank's :class:`SaveRefused`, nothing written); ``asks``: what
+        answers the process's :class:`FillAsk` during the save (a budget's fills). The ``storage_writer`` goes to
+        the process pickled; where it has ``take_written``, it is called with the copy the process saved with
+        before the Future completes."""
         written: Future = Future()
         kwargs = {k: v for k, v in dcp_kwargs.items() if k != "process_group"}
+        args = (kwargs, host, asks, written)
 
         def hand_over(done: Future) -> None:  # the staging's thread, or this one: the writing has its own
             self._writing = threading.Thread(
-                target=self._hand_over, args=(done, kwargs, host, written), name="optim-factory-writer", daemon=True
+                target=self._hand_over, args=(done, *args), name="optim-factory-writer", daemon=True
             )
             self._writing.start()
 
@@ -192,9 +206,9 @@ class WriterProcess:
             alive.close()
         self._store = None  # once no process uses it: its server ends with the last reference
 
-    def _hand_over(self, staged: Future, kwargs: dict[str, Any], host: list | None, written: Future) -> None:
+    def _hand_over(self, staged: Future, kwargs: dict[str, Any], host: list | None, asks: Any, written: Future) -> None:
         """Send the staged save to the writer process (started first if need be), once every rank could pickle its
-        own, then wait for its answer."""
+        own, then answer its asks until its answer comes."""
         failure = staged.exception()
         if failure is not None:  # refused: nothing is handed over
             written.set_exception(failure)
@@ -219,10 +233,7 @@ class WriterProcess:
             _unsent(payload)
             answer = self._ended(exc)
         else:
-            try:
-                answer = conn.recv()
-            except BaseException as exc:  # noqa: BLE001  (EOF: the process ended)
-                answer = self._ended(exc)
+            answer = self._answer(conn, asks)
         if isinstance(answer, BaseException):
             self._start_again = not isinstance(answer, SaveRefused)  # refused, nothing written: the process serves on
             written.set_exception(answer)
@@ -236,6 +247,25 @@ class WriterProcess:
             written.set_exception(exc)
             return
         written.set_result(metadata)
+
+    def _answer(self, conn: Any, asks: Any) -> Any:
+        """The writer process's answer to the save sent on ``conn``, its asks answered by ``asks`` meanwhile (an ask's
+        failure is its answer, in one line where it does not pickle); an exception where the process ended."""
+        try:
+            answer = conn.recv()
+            while isinstance(answer, FillAsk):
+                try:
+                    reply = asks(answer)
+                except BaseException as exc:  # noqa: BLE001  (the save's failure, raised by the process's planner)
+                    reply = exc
+                try:
+                    conn.send(reply)
+                except Exception:  # noqa: BLE001  (a failure that does not pickle: its line; a broken pipe again)
+                    conn.send(RuntimeError(first_line(reply, named=True)))
+                answer = conn.recv()
+        except BaseException as exc:  # noqa: BLE001  (EOF or a broken pipe: the process ended)
+            return self._ended(exc)
+        return answer
 
     def _ended(self, exc: BaseException) -> BaseException:
         """A failed hand-over's exception: :class:`WriterProcessEnded` where the process ended."""

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from optim_factory.checkpoint import host_budget, least_host_budget, release_export
-from optim_factory.errors import ConfigError
 from recipes.checkpoint.checksums import writer_threads
 from recipes.checkpoint.layout import CheckpointError, complete, first_save_bytes
 from recipes.checkpoint.load import Loader
@@ -91,17 +90,14 @@ class CheckpointManager:
         fit in ``checkpoint.dir`` (``Saver.first_save_space_problem``), and the optimizer's ``ConfigError`` naming
         ``optim.state_dict_offload_host_budget=<bytes>`` and the least budget when that budget is below what its
         saves hold at their start (``optim_factory.checkpoint.least_host_budget`` of the save's own export,
-        the largest of every rank's), or ``checkpoint.write_in_process``'s with a budget. A fresh optimizer's states
-        are created first (``initialize_states``: those of its first ``step()``), which its export needs."""
+        the largest of every rank's). A fresh optimizer's states are created first (``initialize_states``: those
+        of its first ``step()``), which its export needs."""
         space = self.saver.first_save_space_problem(first_save_bytes(model))
         if space is not None:
             raise CheckpointError(no_room(space, resumed_from))
         limit = host_budget(optimizer)
         if limit is None:
             return
-        if self.saver.cfg.write_in_process:  # the budget as resolved (auto: where the export's mode has one)
-            filled = f"a save within the host budget ({limit} bytes) is filled as it is written, in this process"
-            raise ConfigError("checkpoint.write_in_process", True, filled, shown="true")
         optimizer.initialize_states()
         msd, osd, *_ = self.saver.export(model, optimizer)  # placeholders: no memory
         try:

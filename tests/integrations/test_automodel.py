@@ -442,12 +442,14 @@ def test_async_checkpointer_refuses_remote_storage():
 
 
 @needs_checkpointer
-@pytest.mark.parametrize("is_async", [False, True])
+@pytest.mark.parametrize(
+    "is_async, in_process", [(False, False), (True, False), (True, True)], ids=["sync", "async", "writer-process"]
+)
 @pytest.mark.parametrize("budget", [1024, 1 << 16], ids=["below-the-state", "whole-save"])
-def test_an_optimizer_with_a_host_budget_saves_within_it_and_loads_bitwise(tmp_path, is_async, budget):
+def test_an_optimizer_with_a_host_budget_saves_within_it_and_loads_bitwise(tmp_path, is_async, in_process, budget):
     """Sync or async, the optimizer's save goes through the stager, which fills each state as DCP writes it (a
-    budget of 16 chunks, a third of the state; or one the whole save fits, into kept buffers); the optimizer loads
-    back bitwise, the next step the same."""
+    budget of 16 chunks, a third of the state; or one the whole save fits, into kept buffers), also as a writer
+    process asks for each (``write_in_process=True``); the optimizer loads back bitwise, the next step the same."""
     from nemo_automodel.components.checkpoint.config import CheckpointingConfig
 
     from optim_factory.integrations.automodel import Checkpointer
@@ -459,10 +461,11 @@ def test_an_optimizer_with_a_host_budget_saves_within_it_and_loads_bitwise(tmp_p
     (o2,) = optimizer_config(tmp_path, *options).build(m2, device_mesh=None)
     train(m1, o1, range(2))
     config = CheckpointingConfig(checkpoint_dir=str(tmp_path / "ck"), save_consolidated=False, is_async=is_async)
-    checkpointer = Checkpointer(config, dp_rank=0, tp_rank=0, pp_rank=0)
+    checkpointer = Checkpointer(config, dp_rank=0, tp_rank=0, pp_rank=0, write_in_process=in_process)
     checkpointer.save_optimizer(o1, m1, str(tmp_path / "ck" / "step_2"))
     checkpointer.maybe_wait_for_staging()
     checkpointer.async_wait()
+    assert (checkpointer.stagers["optim"].writer_pid is not None) == in_process
     assert 0 < checkpointer.stagers["optim"].budget_peak_bytes <= budget
     assert (checkpointer.stagers["optim"].host_bytes > 0) == (budget > 1024)  # the whole save's buffers kept
     m2.load_state_dict(m1.state_dict())

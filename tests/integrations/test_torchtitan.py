@@ -110,15 +110,23 @@ def snapshot(model: Net, optimizers, full: bool = False) -> dict:
 
 
 def roundtrip_two_ranks(
-    rank: int, world: int, folder: str, async_mode: str, name: str = "PortableFusedAdam", options: dict = OPTIONS
+    rank: int,
+    world: int,
+    folder: str,
+    async_mode: str,
+    name: str = "PortableFusedAdam",
+    options: dict = OPTIONS,
+    fields: dict | None = None,
 ) -> None:
     """Save after 3 steps, load into fresh objects (other weights): same state and parameters, and the next step
     gives the same bits as the run that never stopped. Writes the whole state for the 1-rank resume. TE's class
     (on CUDA, one rank): the parameters are plain tensors. ``options``: the saving optimizer's (other than
-    :data:`OPTIONS`: saved by our manager)."""
+    :data:`OPTIONS`: saved by our manager); ``fields``: more of our manager's config's."""
     mesh = init_device_mesh("cpu", (world,)) if name == "PortableFusedAdam" else None
     manager = CheckpointManager if options is OPTIONS else integration.CheckpointManager
-    model, optimizers, schedulers, checkpointer = build(0, mesh, folder, async_mode, name, manager, options)
+    model, optimizers, schedulers, checkpointer = build(
+        0, mesh, folder, async_mode, name, manager, options, **(fields or {})
+    )
     train(model, optimizers, schedulers, 0, STEPS)
     assert optimizers.optimizers[0].state_dict()["state"][0]["exp_avg"].device.type == "cpu"
     checkpointer.save(curr_step=STEPS)
@@ -211,6 +219,15 @@ def two_rank_folders(tmp_path_factory):
         checks.append((f"whole: {mode}", roundtrip_two_ranks, (whole_folder, mode, "PortableFusedAdam", WHOLE)))
     for mode in ASYNC_MODES:
         checks.append((f"ours: {mode}", saves_through_one_stager, (str(tmp_path_factory.mktemp(f"ours-{mode}")), mode)))
+    in_process = {"write_in_process": True}  # within the budget, the fills asked for by the writer processes
+    budget_process = (
+        str(tmp_path_factory.mktemp("budget-process")),
+        "async",
+        "PortableFusedAdam",
+        BUDGETED,
+        in_process,
+    )
+    checks.append(("budget: writer process", roundtrip_two_ranks, budget_process))
     process = (str(tmp_path_factory.mktemp("process")), "async_with_pinned_mem", True)
     checks.append(("ours in a writer process", saves_through_one_stager, process))
     return folders, spawn_checks(2, checks, tmp_path_factory.mktemp("titan-done"))
@@ -248,6 +265,12 @@ def test_checkpoint_manager_round_trip_on_two_ranks_is_bitwise(two_rank_folders,
 def test_an_optimizer_with_a_host_budget_saves_within_it_and_resumes_bitwise(two_rank_folders, async_mode, budget):
     _, outcome = two_rank_folders
     assert outcome[f"{budget}: {async_mode}"] is None, outcome[f"{budget}: {async_mode}"]
+
+
+@pytest.mark.slow  # forked ranks
+def test_saves_within_a_host_budget_written_in_writer_processes_resume_bitwise(two_rank_folders):
+    _, outcome = two_rank_folders
+    assert outcome["budget: writer process"] is None, outcome["budget: writer process"]
 
 
 @pytest.mark.slow

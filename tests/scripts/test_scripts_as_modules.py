@@ -272,7 +272,7 @@ def test_bench_save_runs_the_framework_modes_on_cpu(tmp_path, monkeypatch, capsy
 
     monkeypatch.setattr(bench_save, "DefaultStager", torch_211_stager())
     modes = ["f-titan-te", "f-titan-ours", "f-titan-ours-process", "g-automodel-te", "g-automodel-ours"]
-    modes += ["g-automodel-ours-process", "h-checkpointing-te"]
+    modes += ["g-automodel-ours-process", "h-checkpointing-te", "f-titan-ours-process-budget-all"]
     args = ["--device", "cpu", "--width", "64", "--layers", "2", "--tokens", "16", "--repeats", "1"]
     args += ["--modes", ",".join(modes), "--out", str(tmp_path), "--scratch", str(tmp_path / "s")]
     code, err = run_script("bench_save", args, monkeypatch, capsys)
@@ -285,6 +285,7 @@ def test_bench_save_runs_the_framework_modes_on_cpu(tmp_path, monkeypatch, capsy
     assert all(r["disk_bytes"] > 0 and r["optim_bytes"] > 0 for r in rows)  # written, the export counted
     assert meta["stagers"]["f-titan-te"].startswith("KeptStager (torch 2.13's, emulated")
     assert meta["stagers"]["f-titan-ours-process"] == "AsyncSaveStager (write_in_process)"
+    assert meta["stagers"]["f-titan-ours-process-budget-all"] == "AsyncSaveStager (write_in_process)"
     accelerator = torch.accelerator.is_available()
     assert set(skipped) <= ({"g-automodel-te", "g-automodel-ours"} if not accelerator else set())
     assert accelerator or "g-automodel-te" in skipped

@@ -1,11 +1,13 @@
 """What the async-save tests share: a small model, a few training steps, a deferred export as a checkpointer saves
 it, the tensors a checkpoint of a moment holds, a bitwise check of a written checkpoint, an export held unfilled,
-a planner and a writer that say when DCP planned, and a checkpoint's data files."""
+a planner and a writer that say when DCP planned, a writer held at a gate, and a checkpoint's data files."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -87,6 +89,20 @@ class PlannedWriter(FileSystemWriter):
     def prepare_local_plan(self, plan):
         self.planned.set()
         return super().prepare_local_plan(plan)
+
+
+class GatedFileWriter(FileSystemWriter):
+    """DCP's file writer whose ``write_data`` waits until the file ``gate`` exists (a write in flight, held also in a
+    writer process: it pickles); ``kwargs``: ``FileSystemWriter``'s."""
+
+    def __init__(self, path: str, gate: str, **kwargs) -> None:
+        super().__init__(path, **kwargs)
+        self.gate = gate
+
+    def write_data(self, plan, planner):
+        while not os.path.exists(self.gate):
+            time.sleep(0.01)
+        return super().write_data(plan, planner)
 
 
 class PlanWatcher(DefaultSavePlanner):

@@ -5,7 +5,6 @@ state saved as it was when the save started although ``step()`` is called at onc
 from __future__ import annotations
 
 import re
-import threading
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from optim_factory.optimizers.export.host_memory import HostBufferPool
 from optim_factory.optimizers.export.stream import StateExporter, StreamItem
 from optim_factory.tree import local_tensors
 from tests.distributed.launch import spawn
-from tests.unit.saves import data_files
+from tests.unit.saves import GatedFileWriter, data_files
 from tests.unit.test_budget import CHUNK, OPTIONS, STATE, _peak_added, _trained, train
 
 
@@ -244,24 +243,13 @@ def test_a_gpu_tensor_is_copied_directly_only_into_a_pinned_kept_buffer(pinned, 
     assert exporter.staged == [staged]
 
 
-class HeldWriter(FileSystemWriter):
-    """DCP's file writer whose ``write_data`` (and so every fill, which the first write starts) waits for
-    ``release``."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.release = threading.Event()
-
-    def write_data(self, plan, planner):
-        assert self.release.wait(60)
-        return super().write_data(plan, planner)
-
-
 def saves_what_step_does_not_change_as_at_the_start(tmp_path: Path, mesh=None) -> None:
     """A buffer (BatchNorm's running statistics), which the next forward changes before step(), and a trainer's
     tensor are saved as they were when the save started; the optimizer's parameters and states are filled later.
-    ``mesh``: the model's tensors as DTensors replicated over it (``distribute_module``), saved with gloo, a step
-    from DTensor gradients and the next forward's change of the statistics made through ``to_local()``."""
+    So too with the write in a writer process (the copies made at the start in shared memory, sent as they are; the
+    fills asked for by the process, each into shared memory). ``mesh``: the model's tensors as DTensors replicated
+    over it (``distribute_module``), saved with gloo, a step from DTensor gradients and the next forward's change of
+    the statistics made through ``to_local()``."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.BatchNorm1d(1024))
     if mesh is not None:
@@ -278,21 +266,27 @@ def saves_what_step_does_not_change_as_at_the_start(tmp_path: Path, mesh=None) -
     trainer = {"rng": torch.arange(8.0)}
     writer = FileSystemWriter(tmp_path / "plain", per_thread_copy_ahead=0)
     dcp.save({"model": msd, "optim": osd, "trainer": trainer}, storage_writer=writer, **local)
-    stager = AsyncSaveStager(opt)
-    with stager.exporting():
-        msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd, "trainer": trainer}
-    writer = HeldWriter(tmp_path / "within", per_thread_copy_ahead=0)  # no fill before the forward below
-    response = stager.async_save(state, storage_writer=writer, **local)
-    if mesh is None:
-        model(torch.randn(4, 1024))  # the next forward changes the running statistics
-    else:
-        model[1].running_mean.to_local().add_(1)  # as a forward would (to_local(): a view of the local tensor)
-    trainer["rng"].add_(1)
-    writer.release.set()
-    response.upload_completion.result()
-    assert data_files(tmp_path / "within") == data_files(tmp_path / "plain")
-    stager.close()
+    kept = [t.clone() for t in (*model.buffers(), trainer["rng"])]
+    for in_process in (False, True):
+        stager = AsyncSaveStager(opt, StagerOptions(write_in_process=in_process))
+        with stager.exporting():
+            msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd, "trainer": trainer}
+        gate = tmp_path / f"gate-{in_process}"  # no write, and so no fill, before the forward below
+        writer = GatedFileWriter(str(tmp_path / f"within-{in_process}"), str(gate), per_thread_copy_ahead=0)
+        response = stager.async_save(state, storage_writer=writer, **local)
+        if mesh is None:
+            model(torch.randn(4, 1024))  # the next forward changes the running statistics
+        else:
+            model[1].running_mean.to_local().add_(1)  # as a forward would (to_local(): a view of the local tensor)
+        trainer["rng"].add_(1)
+        gate.touch()
+        response.upload_completion.result()
+        assert data_files(tmp_path / f"within-{in_process}") == data_files(tmp_path / "plain"), in_process
+        stager.close()
+        with torch.no_grad():  # as they were at the save, for the next mode's
+            for t, was in zip((*model.buffers(), trainer["rng"]), kept, strict=True):
+                t.copy_(was)
 
 
 def test_tensors_step_does_not_change_are_copied_when_the_async_save_starts(tmp_path):

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import pytest
@@ -25,15 +26,29 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from optim_factory import PortableFusedAdam
 from optim_factory.checkpoint import AsyncSaveStager, SaveRefused, StagerOptions
-from optim_factory.optimizers.export import all_finite
+from optim_factory.optimizers.export import all_finite, give_pages_back, host_empty, shared_empty
 from tests import forked
 from tests.distributed.launch import PRELOAD, spawn
-from tests.unit.saves import OURS, assert_checkpoint, data_files, expected_tensors, export_deferred, make_model, train
+from tests.unit.saves import (
+    OURS,
+    GatedFileWriter,
+    assert_checkpoint,
+    data_files,
+    expected_tensors,
+    export_deferred,
+    make_model,
+    train,
+)
+from tests.unit.test_budget import CHUNK, STATE, _peak_added, _status, _trained
+from tests.unit.test_budget import train as _budget_train
+from tests.unit.test_budget_async import save_plain
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -148,19 +163,6 @@ def test_the_host_s_finite_check_runs_in_the_writer_process_before_it_writes(tmp
         assert not read_here, "the training process checked host tensors"
     finally:
         stager.close()
-
-
-class GatedFileWriter(FileSystemWriter):
-    """DCP's file writer that waits, in the writer process, until the file ``gate`` exists (a write in flight)."""
-
-    def __init__(self, path: str, gate: str):
-        super().__init__(path)
-        self.gate = gate
-
-    def write_data(self, plan, planner):
-        while not os.path.exists(self.gate):
-            time.sleep(0.01)
-        return super().write_data(plan, planner)
 
 
 def test_a_writer_process_killed_inside_a_write_fails_that_save_in_one_line_and_the_next_save_works(tmp_path):
@@ -350,18 +352,143 @@ def test_two_ranks_write_the_thread_s_files_and_refuse_together(tmp_path):
     spawn(two_ranks, 2, str(tmp_path))
 
 
-def test_a_budget_or_dcp_s_own_async_save_with_a_writer_process_is_one_line(tmp_path):
+def test_dcp_s_own_async_save_with_a_writer_process_s_stager_is_one_line(tmp_path):
     model = make_model()
-    budget = dict(state_dict_offload_chunk_bytes=4096, state_dict_offload_host_budget=2**20)
-    budgeted = PortableFusedAdam(model.parameters(), lr=1e-3, state_dict_cpu_offload=True, **budget)
-    with pytest.raises(ValueError, match=r"^AsyncSaveStager\(StagerOptions\(write_in_process=True\)\): a save within"):
-        AsyncSaveStager(budgeted, StagerOptions(write_in_process=True))
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     stager = AsyncSaveStager(opt, StagerOptions(write_in_process=True))
     train(model, opt, 1)
     with pytest.raises(RuntimeError, match=r"start its saves with stager.async_save"):
         dcp.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "s"), async_stager=stager)
     assert not (tmp_path / "s").exists() and stager.writer_pid is None
+    stager.close()
+
+
+def _shared_resident() -> int:
+    """Bytes of shared memory resident in this process (``RssShmem``: the pages it mapped and touched, gone once
+    removed from the shared file), whatever other processes hold in /dev/shm meanwhile."""
+    return _status("RssShmem")
+
+
+def _budget_saves(tmp: Path, budget: int, in_process: bool) -> tuple[AsyncSaveStager, int]:
+    """Three async saves within ``budget`` into ``tmp/<thread|process><n>``, the first two with a step at once (it
+    waits for the fills); (the stager, left open, and the bytes the third save added to this process's peak: the
+    step's own temporaries, a fresh process's first ones above all, are not the save's)."""
+    model, opt = _trained(budget)
+    stager = AsyncSaveStager(opt, StagerOptions(write_in_process=in_process))
+
+    def save(n: int, step: bool) -> None:
+        with stager.exporting():
+            msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        response = stager.async_save(state, checkpoint_id=str(tmp / f"{_mode(in_process)}{n}"), no_dist=True)
+        if step:
+            _budget_train(model, opt)
+        response.upload_completion.result()
+
+    save(0, step=True)
+    save(1, step=True)
+    return stager, _peak_added(lambda: save(2, step=False))
+
+
+def budget_in_a_writer_process(rank: int, world: int, folder: str) -> None:
+    """The writer process's saves within a budget against the thread's, measured in this forked process (the peak
+    resident memory of a process that ran other tests depends on them: their threads, their freed memory)."""
+    tmp_path, budget = Path(folder), 2 * STATE
+    thread, _ = _budget_saves(tmp_path, budget, in_process=False)
+    thread.close()
+    shared = _shared_resident()
+    stager, added = _budget_saves(tmp_path, budget, in_process=True)
+    assert stager.writer_pid not in (None, os.getpid())
+    for n in range(3):
+        assert data_files(tmp_path / f"process{n}") == data_files(tmp_path / f"thread{n}"), f"save {n} differs"
+    # the fills' staging ring, and DCP's, the threads' and Python's own beyond the budget: 0.0-0.2 MB measured
+    # beyond the ring in a forked process, as on a writer thread (tests/unit/test_budget_async.py)
+    assert added <= budget + 2 * CHUNK + (1 << 20), added
+    assert 0 < stager.budget_peak_bytes <= budget and stager.host_bytes == 0
+    assert _shared_resident() <= shared, "the fills' shared memory was not given back"
+    stager.close()
+    whole = 3 * 12 * (1024 * 1024 + 1024) * 4  # the parameters and their two states, FP32
+    kept, _ = _budget_saves(tmp_path / "whole", whole, in_process=True)
+    assert kept.host_bytes == whole and _shared_resident() >= shared + whole, "not kept in shared memory"
+    for n in range(3):
+        assert data_files(tmp_path / "whole" / f"process{n}") == data_files(tmp_path / f"thread{n}"), n
+    kept.close()
+    assert _shared_resident() <= shared, "close() kept the shared buffers"
+
+
+@pytest.mark.slow  # a forked process: its resident memory holds nothing of the tests before it
+def test_a_save_within_the_budget_is_filled_as_the_writer_process_asks_at_most_the_budget_held(tmp_path):
+    """The writer process plans the save and asks for each tensor as its writer reaches it; this process fills it
+    into shared memory and takes back the previous one: the thread's files, at most the budget (and the fills'
+    staging ring) added to this process's peak (the shared memory it fills counts there), nothing of it left once
+    written; a save that fits the budget whole fills shared buffers kept for the next."""
+    spawn(budget_in_a_writer_process, 1, str(tmp_path))
+
+
+def test_a_tensor_given_back_from_shared_memory_leaves_no_page_in_it_for_any_process():
+    """A writer process still maps the tensor it wrote when this process gives it back (DCP's loop holds it until the
+    next one is filled): its pages are removed from the shared file, as the budget counts them gone, not only
+    unmapped here (``MADV_DONTNEED`` would leave them in /dev/shm, and read back, until every mapping goes)."""
+    shared = shared_empty((1 << 20,), torch.float32).fill_(1)
+    other = ForkingPickler.loads(ForkingPickler.dumps(shared))  # as the writer process receives it
+    private = host_empty(torch.Size([1 << 20]), torch.float32).fill_(1)
+    assert give_pages_back(shared) and give_pages_back(private)
+    assert not shared.any() and not other.any() and not private.any()
+
+
+class _HeldAtSecond:
+    """A planner's ``resolve_data`` (what DCP's file writer asks its planner for) that waits, before the second
+    tensor, until the file ``gate`` exists."""
+
+    def __init__(self, planner, gate: str) -> None:
+        self.planner, self.gate, self.tensors = planner, gate, 0
+
+    def resolve_data(self, item):
+        if item.type != WriteItemType.BYTE_IO:
+            self.tensors += 1
+            while self.tensors == 2 and not os.path.exists(self.gate):
+                time.sleep(0.01)
+        return self.planner.resolve_data(item)
+
+
+class HeldAtSecondTensor(FileSystemWriter):
+    """DCP's file writer (one thread, no copy-ahead: a budget's) held, in the writer process, after its first tensor
+    until the file ``gate`` exists: the fills have started."""
+
+    def __init__(self, path: str, gate: str) -> None:
+        super().__init__(path, per_thread_copy_ahead=0)
+        self.gate = gate
+
+    def write_data(self, plan, planner):
+        return super().write_data(plan, _HeldAtSecond(planner, self.gate))
+
+
+def test_a_writer_process_killed_inside_a_save_within_the_budget_gives_its_fills_back(tmp_path):
+    """Killed -9 while the fills are held for it (its writer held after its first tensor): the save fails in one
+    line, the shared memory they were filled into is given back, ``step()`` does not wait for fills that will never
+    be asked for, and the next save (a new writer process) writes the thread's files."""
+    model, opt = _trained(2 * STATE)
+    stager = AsyncSaveStager(opt, StagerOptions(write_in_process=True))
+    shared = _shared_resident()
+    with stager.exporting():
+        msd, osd = get_state_dict(model, opt)
+    writer = HeldAtSecondTensor(str(tmp_path / "killed"), str(tmp_path / "never"))
+    stager.async_save({"model": msd, "optim": osd}, storage_writer=writer, no_dist=True)
+    # the fills hold what the budget lets them (the first 4 MiB weight, taken, and the bias after it), the writer
+    # waiting
+    assert _until(lambda: _shared_resident() >= shared + STATE), "the fills did not start"
+    first = stager.writer_pid
+    os.kill(first, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=rf"writer process \(pid {first}\) ended with exit code -9"):
+        stager.wait()
+    assert _shared_resident() <= shared, "the killed save's fills were not given back"
+    _budget_train(model, opt)  # waits for no fill
+    save_plain(model, opt, tmp_path / "plain")
+    with stager.exporting():
+        msd, osd = get_state_dict(model, opt)
+    stager.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "after"), no_dist=True)
+    stager.wait()
+    assert stager.writer_pid not in (None, first) and data_files(tmp_path / "after") == data_files(tmp_path / "plain")
     stager.close()
 
 
@@ -416,7 +543,7 @@ def test_an_interpreter_that_exits_without_close_writes_the_save_in_flight_first
 
 KILLED_INSIDE_A_WRITE = (
     TRAINER
-    + """    from tests.unit.test_writer_process import GatedFileWriter
+    + """    from tests.unit.saves import GatedFileWriter
 
     stager.async_save({"model": model.state_dict()}, storage_writer=GatedFileWriter(sys.argv[1], sys.argv[2]))
     while stager.writer_pid is None:

@@ -71,8 +71,11 @@ def _madvise() -> Any:
 
 
 def give_pages_back(t: torch.Tensor) -> bool:
-    """Give the whole pages of contiguous host tensor ``t`` back to the system (``MADV_DONTNEED``: reads afterwards
-    see zeros, writes fault fresh pages in); False off Linux, where nothing is given back."""
+    """Give the whole pages of contiguous host tensor ``t`` back to the system (reads afterwards see zeros, writes
+    fault fresh pages in); False off Linux, where nothing is given back. A tensor in shared memory
+    (:func:`shared_empty`) has its pages removed from the shared file (``MADV_REMOVE``: for every process that maps
+    it; ``MADV_DONTNEED`` would only unmap them here, the file keeping them), any other its pages dropped
+    (``MADV_DONTNEED``)."""
     madvise = _madvise()
     if madvise is None:
         return False
@@ -80,7 +83,7 @@ def give_pages_back(t: torch.Tensor) -> bool:
     start = -(-t.data_ptr() // page) * page
     end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
     if end > start:
-        madvise(start, end - start, 4)  # MADV_DONTNEED
+        madvise(start, end - start, 9 if t.is_shared() else 4)  # MADV_REMOVE, MADV_DONTNEED
     return True
 
 
@@ -114,9 +117,12 @@ _SHM = "/dev/shm"  # where torch's shared memory lives on Linux (shm_open), a tm
 
 
 def shared_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A fresh host tensor in torch's shared memory (another process maps it by its handle). Where ``/dev/shm`` has
-    less room than it needs (a container's default is 64 MiB), a one-line ``OSError`` naming both instead of the
-    bus error that touching a page beyond the room would raise."""
+    """A fresh host tensor in torch's shared memory (another process maps it by its handle), made there directly
+    (torch's own constructor of shared storage, as its multiprocessing uses it): no memory is taken until a page is
+    first written (``Tensor.share_memory_()`` of a fresh tensor would copy a private tensor into it, touching every
+    page, and leave that tensor's memory to the allocator). Where ``/dev/shm`` has less room than it needs (a
+    container's default is 64 MiB), a one-line ``OSError`` naming both instead of the bus error that touching a
+    page beyond the room would raise."""
     t = torch.empty(0, dtype=dtype)
     nbytes = torch.Size(shape).numel() * t.element_size()
     if os.path.isdir(_SHM):
@@ -128,7 +134,8 @@ def shared_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> tor
                 "save without write_in_process)"
             )
     try:
-        return torch.empty(shape, dtype=dtype).share_memory_()
+        storage = torch.UntypedStorage._new_shared(nbytes)  # the sharing strategy's (a file descriptor's on Linux)
+        return torch.empty(0, dtype=dtype).set_(storage, 0, torch.Size(shape))
     except RuntimeError as exc:  # torch's sharing keeps each buffer's file descriptor open in this process
         if "Too many open files" not in str(exc):
             raise
