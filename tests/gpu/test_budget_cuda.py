@@ -1,6 +1,7 @@
 """A save within a host budget on CUDA (BF16 parameters, BF16 moments exported as FP32): the fills stream the
 states and the model's parameters through the exporter's staging ring on a side stream; the async save writes the
-same data files as a plain save of the state at its start, although ``step()`` is called at once."""
+same data files as a plain save of the state at its start, although ``step()`` is called at once; written by a writer
+process (the fills into shared memory, a whole save's kept buffers pinned in place), the thread's files."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from optim_factory import PortableFusedAdam
-from optim_factory.checkpoint import AsyncSaveStager, BudgetSavePlanner
+from optim_factory.checkpoint import AsyncSaveStager, BudgetSavePlanner, StagerOptions
 from tests.unit.saves import data_files
 from tests.unit.test_budget import Recording
 
@@ -82,3 +83,22 @@ def test_a_save_that_fits_the_budget_whole_fills_pinned_buffers_kept_for_the_nex
         assert data_files(tmp_path / name) == data_files(tmp_path / f"{name}_plain"), name
         _train(model, opt)
     assert planner.given[1] and all(a is b for a, b in zip(*planner.given))
+
+
+@pytest.mark.parametrize("budget", [8 << 20, 1 << 30], ids=["streamed", "whole"])
+def test_async_saves_within_the_budget_written_by_a_writer_process_are_the_thread_s_files(tmp_path, budget):
+    files = {}
+    for in_process in (False, True):
+        model, opt = _trained(budget)
+        stager = AsyncSaveStager(opt, StagerOptions(write_in_process=in_process))
+        for n in range(2):  # whole: the second save fills the first one's kept buffers
+            with stager.exporting():
+                msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd}
+            response = stager.async_save(state, checkpoint_id=str(tmp_path / f"{in_process}{n}"), no_dist=True)
+            _train(model, opt)  # at once: it waits for the fills
+            response.upload_completion.result()
+        assert 0 < stager.budget_peak_bytes <= budget and (stager.writer_pid is not None) == in_process
+        files[in_process] = [data_files(tmp_path / f"{in_process}{n}") for n in range(2)]
+        stager.close()
+    assert files[True] == files[False]
