@@ -9,7 +9,7 @@ streamed state (``unfilled_state_dict``): no memory; a reader that copies its da
 ``dcp.save``) fails loudly, while pickling it (``torch.save``) stores a tensor without data. The planner knows each
 placeholder's key in the flattened state dict; once DCP's plan is final it fills every tensor it writes on a thread
 of its own, in the order the writer's threads ask for them (``_fills.py``), and a writer thread's previous
-tensor, written once it asks for the next, is given back (``MADV_DONTNEED``) although DCP still references it.
+tensor, written once it asks for the next, is given back (``give_pages_back``) although DCP still references it.
 That order is that of DCP's ``FileSystemWriter`` without copy-ahead (whose overlapping loader asks ahead), which
 :meth:`BudgetSavePlanner.save` builds; a save with the planner that builds no writer of its own is refused.
 
@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from optim_factory.checkpoint._budget_rule import BudgetRefused, one_line_refusal, refuse_writer, start_copies
 from optim_factory.checkpoint._fills import Fill, SaveFills
 from optim_factory.checkpoint._remote_fills import sent_to_writer_process
-from optim_factory.optimizers.export import HostBufferPool, StreamItem, local_tensor, shared_empty
+from optim_factory.optimizers.export import HostBufferPool, StreamItem, give_pages_back, local_tensor, shared_empty
 from optim_factory.rules.export import size_text
 from optim_factory.tree import leaves, local_tensors
 
@@ -220,7 +220,9 @@ class BudgetSavePlanner(DefaultSavePlanner):
     def end(self) -> None:
         """The save is over: stop its fills and give back everything they hold."""
         early = self._early_bytes()
-        self._saving, self._early = False, {}
+        for copy in self._early.values() if self.shared else ():  # sent in a dict the stager's record keeps
+            give_pages_back(copy)
+        self._saving, self._early, self._early_by_fqn = False, {}, {}
         fills, self._fills = self._fills, None
         if fills is not None:
             fills.close()

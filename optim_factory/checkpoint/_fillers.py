@@ -150,7 +150,8 @@ class FillForWriterProcess(FillAsWritten):
     """:class:`FillAsWritten` for a stager whose saves a writer process writes: a save handed to it is planned here
     (its refusals), then sent with a meta tensor in place of each tensor filled here; the process asks for them
     (:meth:`serve`), filled into shared memory. The finite check reads what the save is filled from here, in the
-    training process (only it has the live states). A waited save, written here, is filled as on a writer thread."""
+    training process (only it has the live states). A waited save, written here, is filled as on a writer thread,
+    into the same shared memory."""
 
     def begin(
         self, state_dict: Any, keep: Callable[[torch.Tensor], bool], own_save: bool, here: bool = True

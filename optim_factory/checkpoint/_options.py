@@ -25,7 +25,8 @@ class StagerOptions:
         ``check`` runs) before that part, and its refusal comes with ``upload_completion``.
     check: called on the staging's completion thread with the staged state dict before DCP writes it (filled;
         within a host budget its streamed states are still meta tensors of their shape and dtype, filled as they
-        are written); a returned line refuses the save on every rank.
+        are written, and with ``write_in_process`` every tensor filled for the writer process is); a returned line
+        refuses the save on every rank.
     pinned: the model's host copies of CUDA tensors in pinned memory kept from save to save.
     export_timeout_s: how long a save waits for a background export to fill before refusing it.
     write_in_process: :meth:`~AsyncSaveStager.async_save` hands each staged save to a writer process of this

@@ -98,11 +98,8 @@ def _serve(conn: Any, alive: Any, rank: int, world: int, store: tuple[str, int] 
             answer: Any = (dcp.save(state_dict, **{"no_dist": store is None, **kwargs}), kwargs.get("storage_writer"))
         except BaseException as exc:  # noqa: BLE001  (the save's failure is its answer; the process serves on)
             answer = exc
-        del state_dict, request, host  # the shared storages are let go before the next request
-        try:
-            conn.send(answer)
-        except Exception:  # noqa: BLE001  (an answer that does not pickle: its line)
-            conn.send(RuntimeError(first_line(answer, named=True)))
+        del kwargs, state_dict, request, host  # the shared storages (a planner's too) let go before the next request
+        _send(conn, answer)
     if store is not None:
         dist.destroy_process_group()
 
@@ -258,10 +255,7 @@ class WriterProcess:
                     reply = asks(answer)
                 except BaseException as exc:  # noqa: BLE001  (the save's failure, raised by the process's planner)
                     reply = exc
-                try:
-                    conn.send(reply)
-                except Exception:  # noqa: BLE001  (a failure that does not pickle: its line; a broken pipe again)
-                    conn.send(RuntimeError(first_line(reply, named=True)))
+                _send(conn, reply)
                 answer = conn.recv()
         except BaseException as exc:  # noqa: BLE001  (EOF or a broken pipe: the process ended)
             return self._ended(exc)
@@ -335,6 +329,18 @@ class WriterProcess:
             "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=_START_TIMEOUT_S)
         )
         return os.environ.get("MASTER_ADDR") or socket.getfqdn(), self._store.port
+
+
+def _send(conn: Any, answer: Any) -> None:
+    """Send ``answer`` on ``conn``; where it does not pickle (an exception, a tensor beyond the open-files limit), the
+    line of the failure it is or of the one sending it raised. A broken pipe raises (the other process ended)."""
+    try:
+        conn.send(answer)
+    except (BrokenPipeError, ConnectionError):
+        raise
+    except Exception as exc:  # noqa: BLE001
+        failure = answer if isinstance(answer, BaseException) else exc
+        conn.send(RuntimeError(first_line(failure, named=True)))
 
 
 def _unsent(payload: bytes | None) -> None:

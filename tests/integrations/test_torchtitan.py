@@ -132,6 +132,8 @@ def roundtrip_two_ranks(
     checkpointer.save(curr_step=STEPS)
     saved, saved_full = snapshot(model, optimizers), snapshot(model, optimizers, full=True)
     checkpointer.maybe_wait_for_saving()  # async: the write goes on while this rank trains on
+    if (fields or {}).get("write_in_process"):
+        assert checkpointer.stager.writer_pid is not None, "not written by a writer process"
     train(model, optimizers, schedulers, STEPS, 1)
     next_step, next_full = snapshot(model, optimizers), snapshot(model, optimizers, full=True)
     checkpointer.close()

@@ -7,6 +7,7 @@ in one line naming the override and the least budget."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import random
 import re
 
@@ -39,9 +40,17 @@ def test_checkpoints_within_the_budget_equal_unbudgeted_ones_bitwise(tmp_path, c
         "sync-whole": WHOLE,
         "async-whole": [*WHOLE, "checkpoint.async_save=true"],
     }
+    writers: dict[str, set[str]] = {name: set() for name in runs}
     for name, options in runs.items():
+
+        def seen(phase: str, step: int, path, name=name) -> None:  # the save's write is over at its marker
+            writers[name].update(p.name for p in multiprocessing.active_children() if phase == "marker")
+
         with caplog.at_level(logging.INFO, logger="recipes.train"):
-            train(compose_config([*QUICK, f"run_dir={tmp_path / name}", "trainer.max_steps=20", *options]))
+            train(
+                compose_config([*QUICK, f"run_dir={tmp_path / name}", "trainer.max_steps=20", *options]), on_phase=seen
+            )
+    assert [name for name, names in writers.items() if "optim-factory-writer" in names] == ["process"], writers
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoints: ")]
     assert len(said) == len(runs) and all(line.startswith("checkpoints: 1 writer thread(s)") for line in said[1:]), said
     assert all(line.endswith("; one within optim.state_dict_offload_host_budget)") for line in said[1:]), said

@@ -72,19 +72,17 @@ def _madvise() -> Any:
 
 def give_pages_back(t: torch.Tensor) -> bool:
     """Give the whole pages of contiguous host tensor ``t`` back to the system (reads afterwards see zeros, writes
-    fault fresh pages in); False off Linux, where nothing is given back. A tensor in shared memory
-    (:func:`shared_empty`) has its pages removed from the shared file (``MADV_REMOVE``: for every process that maps
-    it; ``MADV_DONTNEED`` would only unmap them here, the file keeping them), any other its pages dropped
-    (``MADV_DONTNEED``)."""
+    fault fresh pages in); False off Linux, or where the system refused, where nothing is given back. A tensor in
+    shared memory (:func:`shared_empty`) has its pages removed from the shared file (``MADV_REMOVE``: for every
+    process that maps it; ``MADV_DONTNEED`` would only unmap them here, the file keeping them), any other its pages
+    dropped (``MADV_DONTNEED``)."""
     madvise = _madvise()
     if madvise is None:
         return False
     page = mmap.PAGESIZE
     start = -(-t.data_ptr() // page) * page
     end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-    if end > start:
-        madvise(start, end - start, 9 if t.is_shared() else 4)  # MADV_REMOVE, MADV_DONTNEED
-    return True
+    return end <= start or madvise(start, end - start, 9 if t.is_shared() else 4) == 0  # MADV_REMOVE, MADV_DONTNEED
 
 
 def fault_in(t: torch.Tensor, populate: bool = True) -> str:
@@ -118,11 +116,11 @@ _SHM = "/dev/shm"  # where torch's shared memory lives on Linux (shm_open), a tm
 
 def shared_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A fresh host tensor in torch's shared memory (another process maps it by its handle), made there directly
-    (torch's own constructor of shared storage, as its multiprocessing uses it): no memory is taken until a page is
-    first written (``Tensor.share_memory_()`` of a fresh tensor would copy a private tensor into it, touching every
-    page, and leave that tensor's memory to the allocator). Where ``/dev/shm`` has less room than it needs (a
-    container's default is 64 MiB), a one-line ``OSError`` naming both instead of the bus error that touching a
-    page beyond the room would raise."""
+    (torch's own constructor of shared storage, as its multiprocessing uses it): its room in ``/dev/shm`` is taken
+    as it is made, and no private tensor is made and copied in (``Tensor.share_memory_()`` of a fresh tensor would,
+    touching a private buffer's pages and leaving them to the allocator). Where ``/dev/shm`` has less room than it
+    needs (a container's default is 64 MiB), a one-line ``OSError`` naming both instead of the bus error that
+    touching a page beyond the room would raise."""
     t = torch.empty(0, dtype=dtype)
     nbytes = torch.Size(shape).numel() * t.element_size()
     if os.path.isdir(_SHM):
