@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -211,7 +212,8 @@ def set_aside(path: Path) -> None:
     """Rename a checkpoint that failed verification to ``<name>.damaged`` (``.damaged.<n>`` if taken), out of
     discovery and retention, so that it never takes a good checkpoint's ``keep_last`` place; kept for
     inspection, said in one line. Of the set-aside checkpoints in its folder the :data:`DAMAGED_KEPT` set aside
-    last stay (their modification time, set then): the others are deleted, so that a run that meets damage again
+    last stay (their modification time, set then, later than every other's: the clock's ticks are coarse, 4 ms on
+    ext4, and two set aside within one would tie): the others are deleted, so that a run that meets damage again
     and again does not fill the disk."""
     aside, n = path.with_name(f"{path.name}.damaged"), 1
     while aside.exists():
@@ -222,8 +224,10 @@ def set_aside(path: Path) -> None:
         log.warning("could not set aside the damaged checkpoint %s: %s", path, first_line(exc, named=True))
         return
     log.warning("set aside the damaged checkpoint %s as %s: neither resume nor keep_last counts it", path, aside.name)
-    os.utime(aside)  # its modification time: when it was set aside (the order of the folders kept)
-    aside_all = sorted(path.parent.glob("step_*.damaged*"), key=lambda p: p.stat().st_mtime_ns)
+    others = [(p.stat().st_mtime_ns, p) for p in path.parent.glob("step_*.damaged*") if p != aside]
+    stamp = max([time.time_ns(), *(t + 1 for t, _ in others)])  # the order of the folders kept
+    os.utime(aside, ns=(stamp, stamp))
+    aside_all = [p for _, p in sorted(others, key=lambda o: o[0])] + [aside]
     for old in aside_all[:-DAMAGED_KEPT]:
         log.info("deleting the set-aside checkpoint %s (the newest %d stay)", old, DAMAGED_KEPT)
         shutil.rmtree(old, ignore_errors=True)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -284,14 +286,22 @@ def test_keep_last_never_deletes_the_newest_verified_checkpoint(run_dir):
 
 def test_set_aside_checkpoints_are_bounded_to_the_newest(tmp_path):
     """Four checkpoints written in the order of their steps, found damaged and set aside in another order: the
-    DAMAGED_KEPT set aside last stay, whatever their steps, names and the times they were written."""
+    DAMAGED_KEPT set aside last stay, whatever their steps, names and the times they were written, also where the
+    clock gave two of them one time (its ticks are coarse) or one set aside earlier has a later time than now (a
+    clock set back, another host's). Broken on purpose (each folder's time the clock's): the last one set aside
+    here was deleted."""
     assert DAMAGED_KEPT == 2
-    for step in (1, 2, 3, 4):
+    for step in (1, 2, 3, 4, 5):
         (tmp_path / f"step_{step:08d}").mkdir()
         (tmp_path / f"step_{step:08d}" / "__0_0.distcp").write_text(str(step))
     for step in (3, 2, 4, 1):
         set_aside(tmp_path / f"step_{step:08d}")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001.damaged", "step_00000004.damaged"]
+    assert sorted(p.name for p in tmp_path.glob("*.damaged")) == ["step_00000001.damaged", "step_00000004.damaged"]
+    later = time.time_ns() + 60 * 10**9  # a minute ahead of this clock, 4 set aside after 1
+    for n, step in enumerate((1, 4)):
+        os.utime(tmp_path / f"step_{step:08d}.damaged", ns=(later + n, later + n))
+    set_aside(tmp_path / "step_00000005")
+    assert sorted(p.name for p in tmp_path.glob("*.damaged")) == ["step_00000004.damaged", "step_00000005.damaged"]
 
 
 def test_a_damaged_checkpoint_takes_no_keep_last_place(tmp_path, caplog):
