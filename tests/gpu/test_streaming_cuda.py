@@ -11,6 +11,7 @@ import torch
 
 from optim_factory import PortableFusedAdam
 from optim_factory.optimizers.export import Pinning, export_state
+from optim_factory.optimizers.te_fused_adam import TE_AVAILABLE
 from tests.gpu.pinning import host_registered
 from tests.gpu.test_te_fused_adam import measure, te_cls
 from tests.helpers import FP8, assert_state_dicts_bitwise, local, make_params, run_steps
@@ -102,7 +103,10 @@ def test_prepared_buffers_are_pinned_before_the_first_export():
     assert_state_dicts_bitwise(sd, export_state(opt, cpu_offload=True), "first export into prepared buffers")
 
 
-@pytest.mark.parametrize("backend", ["portable", "te"])
+NEEDS_TE = pytest.mark.skipif(not TE_AVAILABLE, reason="TE's FusedAdam: Transformer Engine not importable")
+
+
+@pytest.mark.parametrize("backend", ["portable", pytest.param("te", marks=NEEDS_TE)])
 def test_cuda_background_export_overlaps_kernels_and_step_waits(backend, record):
     """The background export converts on a side stream while the caller's stream runs other kernels; ``step()``
     (TE's, too) waits for it; the result equals the synchronous export, and the GPU holds at most two chunks more
