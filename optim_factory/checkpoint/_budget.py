@@ -13,7 +13,7 @@ tensor, written once it asks for the next, is given back (``give_pages_back``) a
 That order is that of DCP's ``FileSystemWriter`` without copy-ahead (whose overlapping loader asks ahead), which
 :meth:`BudgetSavePlanner.save` builds; a save with the planner that builds no writer of its own is refused.
 
-A save that a writer process plans and writes (``StagerOptions(write_in_process=True)``) is planned here first
+A save that a writer process plans and writes (``StagerOptions(write_in_process=True)``) is set up here first
 (:meth:`BudgetSavePlanner.for_writer_process`: its refusals), and the process is sent the state dict with a meta
 tensor in place of each tensor filled here; its planner there (``_remote_fills.RemoteFills``) asks for the fills in
 its plan's order (:meth:`BudgetSavePlanner.fill_in_order`) and for each tensor as its writer reaches it
@@ -302,11 +302,12 @@ class BudgetSavePlanner(DefaultSavePlanner):
         self._fills.done.add_done_callback(lambda _: _complete(self._filled))
 
     def for_writer_process(self, state_dict: Any) -> Any:
-        """A save started by :meth:`begin` that a writer process plans and writes: planned here first (the refusals
-        of DCP's planning here, raised here), and the state dict the process is sent: a meta tensor in place of
-        each tensor filled here, the copy made at the save's start of each other (in shared memory)."""
+        """A save started by :meth:`begin` (whose budget refusal, the copies at its start and the largest tensor it
+        fills, is the local plan's too) that a writer process plans and writes: the state dict's keys and what fills
+        each are set up here (``set_up_planner``'s refusals, raised here), and the state dict the process is sent is
+        returned: a meta tensor in place of each tensor filled here, the copy made at the save's start of each other
+        (in shared memory)."""
         self.set_up_planner(state_dict)
-        self.create_local_plan()
         return sent_to_writer_process(state_dict, self._early)
 
     @property

@@ -2,8 +2,8 @@
 "The writer process"): the fills stay in the training process, which has the optimizer, its exporter and the GPU;
 the writer process plans the save and asks for each tensor as its writer reaches it.
 
-The training process plans the save first (``BudgetSavePlanner.for_writer_process``: its refusals before anything is
-handed over) and sends :func:`sent_to_writer_process`'s state dict: a meta tensor in place of each tensor it fills.
+The training process sets the save up first (``BudgetSavePlanner.for_writer_process``: its refusals before anything
+is handed over) and sends :func:`sent_to_writer_process`'s state dict: a meta tensor in place of each tensor it fills.
 In the writer process :class:`RemoteFills`, DCP's default planner, asks over the pipe the process was handed its save
 on (a :class:`FillAsk`, answered before the process reads on): for the fills in its final plan's order, then for each
 meta tensor as DCP's writer resolves it. The answer is the filled tensor in shared memory, sent as its handle; the

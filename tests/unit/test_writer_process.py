@@ -46,7 +46,7 @@ from tests.unit.saves import (
     make_model,
     train,
 )
-from tests.unit.test_budget import CHUNK, STATE, _peak_added, _status, _trained
+from tests.unit.test_budget import CHUNK, STATE, _peak_added, _trained
 from tests.unit.test_budget import train as _budget_train
 from tests.unit.test_budget_async import save_plain
 
@@ -366,9 +366,7 @@ def test_dcp_s_own_async_save_with_a_writer_process_s_stager_is_one_line(tmp_pat
 def _shared_resident(pid: int | None = None) -> int:
     """Bytes of shared memory resident in this process (or process ``pid``): ``RssShmem``, the shared pages it has
     mapped and touched (gone once removed from the shared file), whatever other processes hold in /dev/shm."""
-    if pid is None:
-        return _status("RssShmem")
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    for line in Path(f"/proc/{pid or 'self'}/status").read_text().splitlines():
         if line.startswith("RssShmem:"):
             return int(line.split()[1]) * 1024
     raise KeyError("RssShmem")
