@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["host_storage_bytes", "leaves", "local_tensors", "map_leaves", "state_bytes"]
+__all__ = ["host_storages", "leaves", "local_tensors", "map_leaves", "state_bytes"]
 
 
 def leaves(tree: Any, path: tuple = (), *, dicts_only: bool = False) -> Iterator[tuple[tuple, Any]]:
@@ -34,16 +34,14 @@ def map_leaves(fn: Callable[[tuple, Any], Any], tree: Any, path: tuple = ()) -> 
     return fn(path, tree)
 
 
-def local_tensors(tree: Any) -> Iterator[torch.Tensor]:
+def local_tensors(tree: Any) -> list[torch.Tensor]:
     """Every tensor of ``tree`` (the local shard of a DTensor), depth first."""
     import torch  # here, not at the top: the command line walks configs with leaves() before torch is imported
 
-    for _, v in leaves(tree):
-        if isinstance(v, torch.Tensor):
-            if hasattr(v, "to_local"):
-                with torch.no_grad():  # the local tensor itself: with grad on, an autograd Function call per DTensor
-                    v = v.to_local()
-            yield v
+    # the local tensor itself: with grad on, to_local() is an autograd Function call per DTensor; one no_grad block for
+    # the walk (a save's walks meet every tensor it writes: a block per DTensor cost as much as the rest of the walk)
+    with torch.no_grad():
+        return [v.to_local() if hasattr(v, "to_local") else v for _, v in leaves(tree) if isinstance(v, torch.Tensor)]
 
 
 def state_bytes(tree: Any) -> int:
@@ -51,15 +49,11 @@ def state_bytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in local_tensors(tree))
 
 
-def host_storage_bytes(tree: Any, excluding: Any = ()) -> int:
-    """Bytes of host memory that the tensors of ``tree`` (local shards of DTensors) hold: each CPU storage once,
-    whole (views of one buffer share it), other than the storages of the tensors of ``excluding`` (a nested state
-    dict, or tensors: the training's own, which a save that writes them directly does not add)."""
-    live = {t.untyped_storage().data_ptr() for t in local_tensors(excluding) if t.device.type == "cpu"}
-    seen: dict[int, int] = {}
-    for t in local_tensors(tree):
-        if t.device.type == "cpu" and not t.is_meta:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in live:
-                seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+def host_storages(tree: Any) -> dict[int, int]:
+    """The host memory that the tensors of ``tree`` (local shards of DTensors) hold: each CPU storage once, whole
+    (views of one buffer share it), its address -> its bytes."""
+    return {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in local_tensors(tree)
+        if t.device.type == "cpu" and not t.is_meta
+    }

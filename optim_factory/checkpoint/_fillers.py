@@ -30,7 +30,7 @@ from optim_factory.checkpoint._finite_check import FiniteCheck
 from optim_factory.checkpoint._host_copies import HostCopies
 from optim_factory.checkpoint._remote_fills import FillAsk, RemoteFills
 from optim_factory.optimizers.export import local_tensor
-from optim_factory.tree import host_storage_bytes, leaves
+from optim_factory.tree import host_storages, leaves
 
 __all__ = ["CopyAtStart", "FillAsWritten", "FillForWriterProcess", "filler_for"]
 
@@ -67,8 +67,10 @@ class CopyAtStart:
         # held until written: its copies and the export's buffers (staged; the training's own tensors, passed through
         # to a waited save, are not held for it), and the caller's other host tensors (an export into fresh host
         # memory, copied again, is held too)
-        held = host_storage_bytes(staged, excluding=(self._live,))
-        self.save_bytes = held + host_storage_bytes(state_dict, excluding=(staged, self._live))
+        live, copies = host_storages(self._live), host_storages(staged)
+        held = sum(n for ptr, n in copies.items() if ptr not in live)
+        others = host_storages(state_dict)
+        self.save_bytes = held + sum(n for ptr, n in others.items() if ptr not in live and ptr not in copies)
         return staged, copied, None
 
     def finite_check(

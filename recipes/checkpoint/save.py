@@ -157,11 +157,12 @@ class Saver:
         try:
             self.on_phase("export", step, path)
             self._clear_in_the_way(step, path)
+            export_bytes = state_bytes(osd)
             report = ExportReport(
                 step=step,
                 path=str(path),
                 export_s=export_s,
-                export_bytes=state_bytes(osd),
+                export_bytes=export_bytes,
                 gpu_peak_mib=peak,
                 save_s=0.0,  # set once the save call returns
                 async_save=self.cfg.async_save,
@@ -170,7 +171,7 @@ class Saver:
             )
             writer = ChecksumFileSystemWriter(path, key=self.key, **self._writer_options)
             save = InFlight(step, path, writer, report, held_since, deferred=report.deferred)
-            self._needed = self._needed_bytes(state_bytes({"model": msd, "optim": osd}))
+            self._needed = self._needed_bytes(export_bytes + state_bytes(msd))
         except BaseException:
             self._stager.discard(osd)  # nothing staged it: its buffers back, its failure taken
             raise
