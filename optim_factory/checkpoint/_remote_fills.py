@@ -6,8 +6,9 @@ The training process sets the save up first (``BudgetSavePlanner.for_writer_proc
 is handed over) and sends :func:`sent_to_writer_process`'s state dict: a meta tensor in place of each tensor it fills.
 In the writer process :class:`RemoteFills`, DCP's default planner, asks over the pipe the process was handed its save
 on (a :class:`FillAsk`, answered before the process reads on): for the fills in its final plan's order, then for each
-meta tensor as DCP's writer resolves it. The answer is the filled tensor in shared memory, sent as its handle; the
-training process gives it back once the writer asks for the next one, as on a writer thread.
+meta tensor as DCP's writer resolves it. The answer is the filled tensor in shared memory, its storage sent by its
+descriptor (``_shared_send.py``); the training process gives it back once the writer asks for the next one, as on a
+writer thread.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.tensor import DTensor
 
+from optim_factory.checkpoint._shared_send import recv_with_fds
 from optim_factory.optimizers.export import local_tensor, wrap_host_local
 from optim_factory.tree import map_leaves
 
@@ -87,7 +89,7 @@ class RemoteFills(DefaultSavePlanner):
         if self._connection is None:
             raise RuntimeError("RemoteFills: plans a save within a host budget in a writer process only")
         self._connection.send(FillAsk(kind, arg))
-        answer = self._connection.recv()
+        answer = recv_with_fds(self._connection)  # a filled tensor's storage by its descriptor
         if isinstance(answer, BaseException):
             raise answer
         return answer

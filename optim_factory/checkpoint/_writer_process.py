@@ -26,7 +26,6 @@ filled in the training process as the writer process asks for each tensor, on th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import multiprocessing.util
@@ -38,7 +37,6 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch.distributed as dist
@@ -47,6 +45,7 @@ import torch.multiprocessing  # noqa: F401  (its picklers: a CPU tensor is sent 
 from optim_factory.checkpoint._agreement import agree, gathered
 from optim_factory.checkpoint._finite_check import host_refusal
 from optim_factory.checkpoint._remote_fills import FillAsk, RemoteFills
+from optim_factory.checkpoint._shared_send import pickle_with_fds, recv_with_fds, send_with_fds
 from optim_factory.errors import SaveRefused, first_line
 
 __all__ = ["WriterProcess", "WriterProcessEnded"]
@@ -84,7 +83,7 @@ def _serve(conn: Any, alive: Any, rank: int, world: int, store: tuple[str, int] 
     conn.send(_READY)
     while True:
         try:
-            request = conn.recv()
+            request = recv_with_fds(conn)
         except EOFError:  # the training process ended without close(): nothing more will come
             break
         if request is None:
@@ -213,21 +212,19 @@ class WriterProcess:
         payload = line = None
         try:
             conn = self._connection()
-            # torch's picklers: shared-memory handles; the writer first (the part that may not pickle), so that a
-            # failure leaves no storage's handle waiting for a receiver
-            payload = ForkingPickler.dumps((kwargs, staged.result(), host))
+            # the storages by their shared-memory descriptors (_shared_send.py); the writer first (the part that may
+            # not pickle)
+            payload, storages = pickle_with_fds((kwargs, staged.result(), host))
         except BaseException as exc:  # noqa: BLE001  (this rank's failure must reach the others' agreement)
             line = f"not handed to the writer process: {first_line(exc, named=True)}"
         refusals = agree(line, self._group)
         if refusals:  # no rank sends: none waits in DCP's collectives for a rank that never will
             self._start_again = True
-            _unsent(payload)
             written.set_exception(SaveRefused(refusals))
             return
         try:
-            conn.send_bytes(payload)
+            send_with_fds(conn, payload, storages)
         except BaseException as exc:  # noqa: BLE001  (a broken pipe: the process ended)
-            _unsent(payload)
             answer = self._ended(exc)
         else:
             answer = self._answer(conn, asks)
@@ -255,7 +252,7 @@ class WriterProcess:
                     reply = asks(answer)
                 except BaseException as exc:  # noqa: BLE001  (the save's failure, raised by the process's planner)
                     reply = exc
-                _send(conn, reply)
+                _reply(conn, reply)
                 answer = conn.recv()
         except BaseException as exc:  # noqa: BLE001  (EOF or a broken pipe: the process ended)
             return self._ended(exc)
@@ -331,9 +328,21 @@ class WriterProcess:
         return os.environ.get("MASTER_ADDR") or socket.getfqdn(), self._store.port
 
 
+def _reply(conn: Any, reply: Any) -> None:
+    """Send the answer to a writer process's ask on ``conn``, a filled tensor's storage by its descriptor (as the save
+    went); where it does not pickle, the line of the failure it is or of the one pickling it raised."""
+    try:
+        payload, storages = pickle_with_fds(reply)
+    except Exception as exc:  # noqa: BLE001
+        failure = reply if isinstance(reply, BaseException) else exc
+        payload, storages = pickle_with_fds(RuntimeError(first_line(failure, named=True)))
+    send_with_fds(conn, payload, storages)
+
+
 def _send(conn: Any, answer: Any) -> None:
-    """Send ``answer`` on ``conn``; where it does not pickle (an exception, a tensor beyond the open-files limit), the
-    line of the failure it is or of the one sending it raised. A broken pipe raises (the other process ended)."""
+    """Send a save's ``answer`` on ``conn`` (to the training process); where it does not pickle (an exception with an
+    argument that does not), the line of the failure it is or of the one sending it raised. A broken pipe raises (the
+    other process ended)."""
     try:
         conn.send(answer)
     except (BrokenPipeError, ConnectionError):
@@ -341,15 +350,6 @@ def _send(conn: Any, answer: Any) -> None:
     except Exception as exc:  # noqa: BLE001
         failure = answer if isinstance(answer, BaseException) else exc
         conn.send(RuntimeError(first_line(failure, named=True)))
-
-
-def _unsent(payload: bytes | None) -> None:
-    """Close what a pickled save that is never sent holds open: torch pickles each shared storage with a duplicate
-    of its file descriptor, kept by multiprocessing's resource sharer until a receiver takes it; loading the payload
-    here takes them (and lets them go with it)."""
-    if payload is not None:
-        with contextlib.suppress(Exception):
-            ForkingPickler.loads(payload)
 
 
 def _wait_at_exit() -> None:

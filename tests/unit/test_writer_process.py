@@ -321,8 +321,8 @@ def two_ranks(rank: int, world: int, tmp: str) -> None:
     stager.async_save(export_deferred(model, opt), storage_writer=writer)
     with pytest.raises(SaveRefused, match=r"not handed to the writer process: TypeError: .*\(rank 1\)$"):
         stager.wait()
-    # rank 0 pickled its save (a duplicate of each shared storage's file descriptor, held until a receiver takes
-    # it), which is never sent: those are closed (by multiprocessing's resource-sharer thread, once each is taken)
+    # rank 0 pickled its save, which is never sent: nothing of it stays open (its storages' descriptors are theirs,
+    # sent beside the pickle only once it is sent)
     closed = _until(lambda: len(os.listdir("/proc/self/fd")) <= open_files)
     assert closed, (rank, open_files, os.listdir("/proc/self/fd"))
     stager.async_save(export_deferred(model, opt), checkpoint_id=f"{tmp}/again")  # new writer processes
