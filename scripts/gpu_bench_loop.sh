@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Issue 59's measurement on one GPU (TE built: ../shared/gpu/README.md; the wheels of scripts/gpu_wheels.sh carried in
-# .gpu/wheels), in three device calls of under 10 minutes each (a fourth for the writer processes within a budget),
-# from the repository root:
+# .gpu/wheels), in device calls of under 10 minutes each, from the repository root, most needed first (a session's 30
+# device-minutes hold the six part calls and cases 1-3):
 #     bash scripts/gpu_bench_loop.sh 1   # after the six part calls: TE's build, the wheels, every mode at 4.43 GB
-#     bash scripts/gpu_bench_loop.sh 2   # 17.7 GB: ours, thread and writer process (each framework in a run of its own)
-#     bash scripts/gpu_bench_loop.sh 3   # 17.7 GB: the anchors (TE's class; torch_checkpointing), budgets; tests/gpu
-#     bash scripts/gpu_bench_loop.sh 4   # budgets that fit the whole save, written by writer processes, both sizes,
+#     bash scripts/gpu_bench_loop.sh 2   # 17.7 GB: the recipe and Automodel, thread and writer process
+#     bash scripts/gpu_bench_loop.sh 3   # 17.7 GB: torchtitan, thread and writer process; tests/gpu
+#     bash scripts/gpu_bench_loop.sh 4   # 17.7 GB: the anchors (TE's class; torch_checkpointing), budgets
+#     bash scripts/gpu_bench_loop.sh 5   # budgets that fit the whole save, written by writer processes, both sizes,
 #                                        # beside the unbudgeted writer process
 #     bash scripts/gpu_bench_loop.sh p   # no TE (no part calls; .gpu/deps and .gpu/wheels carried), one call: tests/gpu
 #                                        # (what runs without TE), then ours at 17.7 GB with PortableFusedAdam, TE's
 #                                        # bitwise twin (its slower step flatters a save's loss: not for the ratios)
-# Each bench_save run is one of scripts/gpu_bench_run.sh (a mode that ends its run loses only that run's table; the
-# finished modes' lines stay in $OUT/TAG.modes). Results go to $OUT.
+# Cases 2-5 carry .gpu/wheels only (the machine kept warm since case 1: TE stays installed). Each bench_save run is one
+# of scripts/gpu_bench_run.sh (a mode that ends its run loses only that run's table; the finished modes' lines stay in
+# $OUT/TAG.modes); its limit is about 1.3x the run's time on an H100 on 2026-12-07. Results go to $OUT.
 set -u
 export PYTHONPATH="$PWD:/tmp/site" NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 run() { BENCH_TIMEOUT=$1 bash scripts/gpu_bench_run.sh "$2" "$3" "$4"; }
@@ -21,14 +23,15 @@ case "${1:-}" in
     python3 -m pip install -q --no-deps --no-index --target /tmp/site .gpu/wheels/*.whl
     run 470 l22 22 c-ours,c-ours-process,f-titan-ours,f-titan-ours-process,g-automodel-ours,g-automodel-ours-process,a-te-async-pinned,f-titan-te,g-automodel-te,h-checkpointing-te,f-titan-ours-budget-all,c-ours-budget-all ;;
   2)
-    run 190 l88c 88 c-ours,c-ours-process
-    run 170 l88f 88 f-titan-ours,f-titan-ours-process
-    run 170 l88g 88 g-automodel-ours,g-automodel-ours-process ;;
+    run 240 l88c 88 c-ours,c-ours-process
+    run 280 l88g 88 g-automodel-ours,g-automodel-ours-process ;;
   3)
-    run 200 l88a 88 f-titan-te,h-checkpointing-te
-    run 200 l88b 88 f-titan-ours-budget-all,c-ours-budget-all
+    run 330 l88f 88 f-titan-ours,f-titan-ours-process
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1; tail -n 5 "$OUT/pytest_gpu.log" ;;
   4)
+    run 260 l88a 88 f-titan-te,h-checkpointing-te
+    run 260 l88b 88 f-titan-ours-budget-all,c-ours-budget-all ;;
+  5)
     run 240 l22p 22 f-titan-ours-process,f-titan-ours-process-budget-all,c-ours-process,c-ours-process-budget-all
     run 300 l88p 88 f-titan-ours-process-budget-all,c-ours-process-budget-all ;;
   p)
@@ -36,5 +39,5 @@ case "${1:-}" in
       .gpu/deps/hydra_core-* .gpu/deps/omegaconf-* .gpu/deps/antlr4-* 2>&1 | tail -2
     timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1; tail -n 8 "$OUT/pytest_gpu.log"
     run 300 p88 88 c-ours,f-titan-ours ;;
-  *) echo "usage: bash scripts/gpu_bench_loop.sh 1|2|3|4|p" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_bench_loop.sh 1|2|3|4|5|p" >&2; exit 2 ;;
 esac
