@@ -6,46 +6,67 @@ storage's descriptor through multiprocessing's resource sharer instead: the rece
 with its authentication handshake, and a thread of the sending process answers each, holding its interpreter. On the
 2-core CPU machine 700 storages took 0.30 s to arrive that way and 0.17 ms of the sender's CPU each; a save of 88
 layers holds 352. Here the pickle names each storage by its place among the descriptors sent; torch's own reductions
-make everything else (the tensors on those storages, DTensors, meta tensors). Under the ``file_system`` strategy (a
-user's choice) no descriptor is sent: torch sends each storage by its name, as it does.
+make everything else (the tensors on those storages, DTensors, meta tensors). The receiver holds at most one
+descriptor more than the storages it maps (each received one is closed once its storage maps its own duplicate).
+Under the ``file_system`` strategy (a user's choice) no descriptor is sent: torch sends each storage by its name, as
+it does, and a pickle that is never sent is loaded here by :func:`discard` (torch counts a reference to each shared
+file until the pickle is loaded).
 """
 
 from __future__ import annotations
 
+import array
+import contextlib
 import io
 import os
 import pickle
+import resource
 import socket
-from multiprocessing.reduction import ForkingPickler, recvfds, sendfds
+from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
 import torch.multiprocessing  # noqa: F401  (its reductions: the tensors, DTensors and meta tensors around storages)
 
-__all__ = ["pickle_with_fds", "recv_with_fds", "send_with_fds"]
+__all__ = ["Pickled", "discard", "pickle_with_fds", "recv_with_fds", "send_with_fds"]
 
 _BATCH = 250  # descriptors a message: SCM_RIGHTS carries at most 253 (Linux's SCM_MAX_FD)
+_INT = array.array("i").itemsize
+
+
+@dataclass
+class Pickled:
+    """A pickle and the storages it names by their place (each storage object, held until sent: its descriptor is
+    its own, valid while it lives; and its bytes)."""
+
+    payload: bytes
+    storages: list[torch.UntypedStorage] = field(default_factory=list)
+    descriptors: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
 
 
 class _Pickler(ForkingPickler):
-    """torch's pickler, but each non-empty CPU storage is named by its place in :attr:`storages` (the same storage,
-    under several tensors, once)."""
+    """torch's pickler, but each non-empty CPU storage is named by its place in :attr:`sent` (the same storage,
+    under several tensors, once: known by its storage object, whose address moving it into shared memory changes)."""
 
-    def __init__(self, file: io.BytesIO, by_descriptor: bool) -> None:
+    def __init__(self, file: io.BytesIO, sent: Pickled | None) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
-        self._by_descriptor = by_descriptor
-        self._places: dict[int, int] = {}  # a storage's address -> its place
-        self.storages: list[tuple[int, int]] = []  # (descriptor, bytes) of each storage, in shared memory
+        self._sent = sent
+        self._places: dict[int, int] = {}  # a storage's identity (its StorageImpl) -> its place
 
     def persistent_id(self, obj: Any) -> Any:
-        if not (self._by_descriptor and type(obj) is torch.UntypedStorage and obj.device.type == "cpu"):
+        if self._sent is None or type(obj) is not torch.UntypedStorage or obj.device.type != "cpu":
             return None
         if obj.nbytes() == 0:  # nothing to map: torch sends an empty storage without one
             return None
-        place = self._places.get(obj.data_ptr())
+        place = self._places.get(obj._cdata)
         if place is None:
-            place = self._places[obj.data_ptr()] = len(self.storages)
-            self.storages.append(obj._share_fd_cpu_())  # moved into shared memory first where it is not there
+            fd, size = obj._share_fd_cpu_()  # moved into shared memory first where it is not there
+            place = self._places[obj._cdata] = len(self._sent.storages)
+            self._sent.storages.append(obj)
+            self._sent.descriptors.append(fd)
+            self._sent.sizes.append(size)
         return place
 
 
@@ -58,38 +79,94 @@ class _Unpickler(pickle.Unpickler):
         return self._storages[pid]
 
 
-def pickle_with_fds(obj: Any) -> tuple[bytes, list[tuple[int, int]]]:
-    """``obj`` pickled for :func:`send_with_fds`, and (descriptor, bytes) of each storage it names (the descriptors
-    are the storages' own: valid while they live, nothing to close)."""
+def pickle_with_fds(obj: Any) -> Pickled:
+    """``obj`` pickled for :func:`send_with_fds`, with the storages it names (none under the ``file_system``
+    strategy)."""
     buffer = io.BytesIO()
-    pickler = _Pickler(buffer, torch.multiprocessing.get_sharing_strategy() == "file_descriptor")
-    pickler.dump(obj)
-    return buffer.getvalue(), pickler.storages
+    by_descriptor = torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
+    sent = Pickled(b"")
+    _Pickler(buffer, sent if by_descriptor else None).dump(obj)
+    sent.payload = buffer.getvalue()
+    return sent
 
 
-def send_with_fds(conn: Any, payload: bytes, storages: list[tuple[int, int]]) -> None:
-    """Send what :func:`pickle_with_fds` made on ``conn`` (a ``multiprocessing`` duplex pipe: a Unix socket), for
-    :func:`recv_with_fds` at its other end."""
-    conn.send([size for _, size in storages])
-    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:  # a duplicate of the pipe's end
-        for start in range(0, len(storages), _BATCH):
-            sendfds(sock, [fd for fd, _ in storages[start : start + _BATCH]])
-    conn.send_bytes(payload)
+def discard(pickled: Pickled) -> None:
+    """Let go of what a pickle that is never sent holds: under the ``file_system`` strategy, torch's reference to each
+    shared file it names (given back as it is loaded); nothing under ``file_descriptor`` (the storages' own
+    descriptors)."""
+    if not pickled.storages:
+        with contextlib.suppress(Exception):
+            pickle.loads(pickled.payload)
+
+
+def send_with_fds(conn: Any, pickled: Pickled) -> None:
+    """Send ``pickled`` on ``conn`` (a ``multiprocessing`` duplex pipe: a Unix socket), for :func:`recv_with_fds` at
+    its other end."""
+    conn.send(pickled.sizes)
+    with _socket(conn) as sock:
+        for start in range(0, len(pickled.descriptors), _BATCH):
+            batch = array.array("i", pickled.descriptors[start : start + _BATCH])
+            sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, batch)])
+    conn.send_bytes(pickled.payload)
 
 
 def recv_with_fds(conn: Any) -> Any:
     """What :func:`send_with_fds` sent on ``conn``'s other end, its storages mapped here; None where None was sent (a
-    ``conn.send(None)``, the end of the requests)."""
+    ``conn.send(None)``, the end of the requests). Where it fails once the descriptors' count was read, ``conn`` is
+    closed (what is left of the message would be read as the next one)."""
     sizes = conn.recv()
     if sizes is None:
         return None
+    try:
+        fds = _recv_fds(conn, len(sizes))
+        payload = conn.recv_bytes()  # all of it read before anything is mapped
+        storages, mapped = [], 0
+        try:
+            for fd, size in zip(fds, sizes, strict=True):
+                try:
+                    storages.append(torch.UntypedStorage._new_shared_fd_cpu(fd, size))  # maps a duplicate
+                finally:
+                    os.close(fd)  # at most one descriptor more than the storages mapped, at any time
+                    mapped += 1
+        finally:
+            for fd in fds[mapped:]:
+                os.close(fd)
+        return _Unpickler(io.BytesIO(payload), storages).load()
+    except BaseException:
+        conn.close()
+        raise
+
+
+def _recv_fds(conn: Any, count: int) -> list[int]:
+    """``count`` descriptors sent beside a pickle on ``conn``; every one received is closed where they do not all
+    arrive (a message cut short: this process's open-files limit)."""
     fds: list[int] = []
     try:
-        with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            for start in range(0, len(sizes), _BATCH):
-                fds += recvfds(sock, len(sizes[start : start + _BATCH]))
-        storages = [torch.UntypedStorage._new_shared_fd_cpu(fd, size) for fd, size in zip(fds, sizes, strict=True)]
-        return _Unpickler(io.BytesIO(conn.recv_bytes()), storages).load()
-    finally:
-        for fd in fds:  # each storage maps its own duplicate
+        with _socket(conn) as sock:
+            while len(fds) < count:
+                want = min(_BATCH, count - len(fds))
+                msg, ancdata, flags, _ = sock.recvmsg(1, socket.CMSG_SPACE(want * _INT))
+                for level, kind, data in ancdata:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds += array.array("i", data[: len(data) - len(data) % _INT]).tolist()
+                if not msg:
+                    raise EOFError("the pipe ended before its file descriptors")
+                if flags & socket.MSG_CTRUNC:
+                    raise OSError(
+                        "a save's shared-memory file descriptors did not all arrive (open-files limit "
+                        f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}: "
+                        "raise it with ulimit -n)"
+                    )
+        return fds
+    except BaseException:
+        for fd in fds:
             os.close(fd)
+        raise
+
+
+def _socket(conn: Any) -> socket.socket:
+    """A socket on a duplicate of ``conn``'s descriptor, blocking as ``conn`` is (a socket made under
+    ``socket.setdefaulttimeout`` would set the descriptor, shared with ``conn``, non-blocking)."""
+    sock = socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(True)
+    return sock

@@ -5,7 +5,7 @@ The training process then holds the interpreter only to stage a save and hand it
 serialization of each item and the storage writer's own work (a checksumming writer's hashing) run in the writer
 process. The staged tensors are handed over without a copy: their storages are in shared memory (the stager's host
 copies and its optimizers' pooled export buffers are made there; any other host tensor is moved there by torch's
-sharing), and a save sends each storage's handle, not its bytes.
+sharing), and a save sends each storage's file descriptor beside its pickle (``_shared_send.py``), not its bytes.
 
 The process is started at the first save, from Python's forkserver (nothing of the training process is inherited: no
 CUDA context, no threads), and kept from save to save; on more than one rank the writer processes form a gloo group of
@@ -40,12 +40,11 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-import torch.multiprocessing  # noqa: F401  (its picklers: a CPU tensor is sent as a shared-memory handle)
 
 from optim_factory.checkpoint._agreement import agree, gathered
 from optim_factory.checkpoint._finite_check import host_refusal
 from optim_factory.checkpoint._remote_fills import FillAsk, RemoteFills
-from optim_factory.checkpoint._shared_send import pickle_with_fds, recv_with_fds, send_with_fds
+from optim_factory.checkpoint._shared_send import discard, pickle_with_fds, recv_with_fds, send_with_fds
 from optim_factory.errors import SaveRefused, first_line
 
 __all__ = ["WriterProcess", "WriterProcessEnded"]
@@ -209,21 +208,22 @@ class WriterProcess:
         if failure is not None:  # refused: nothing is handed over
             written.set_exception(failure)
             return
-        payload = line = None
+        pickled = line = None
         try:
             conn = self._connection()
-            # the storages by their shared-memory descriptors (_shared_send.py); the writer first (the part that may
-            # not pickle)
-            payload, storages = pickle_with_fds((kwargs, staged.result(), host))
+            # the storages named by their shared-memory descriptors, sent beside the pickle (_shared_send.py)
+            pickled = pickle_with_fds((kwargs, staged.result(), host))
         except BaseException as exc:  # noqa: BLE001  (this rank's failure must reach the others' agreement)
             line = f"not handed to the writer process: {first_line(exc, named=True)}"
         refusals = agree(line, self._group)
         if refusals:  # no rank sends: none waits in DCP's collectives for a rank that never will
             self._start_again = True
+            if pickled is not None:
+                discard(pickled)
             written.set_exception(SaveRefused(refusals))
             return
         try:
-            send_with_fds(conn, payload, storages)
+            send_with_fds(conn, pickled)
         except BaseException as exc:  # noqa: BLE001  (a broken pipe: the process ended)
             answer = self._ended(exc)
         else:
@@ -332,17 +332,17 @@ def _reply(conn: Any, reply: Any) -> None:
     """Send the answer to a writer process's ask on ``conn``, a filled tensor's storage by its descriptor (as the save
     went); where it does not pickle, the line of the failure it is or of the one pickling it raised."""
     try:
-        payload, storages = pickle_with_fds(reply)
+        pickled = pickle_with_fds(reply)
     except Exception as exc:  # noqa: BLE001
         failure = reply if isinstance(reply, BaseException) else exc
-        payload, storages = pickle_with_fds(RuntimeError(first_line(failure, named=True)))
-    send_with_fds(conn, payload, storages)
+        pickled = pickle_with_fds(RuntimeError(first_line(failure, named=True)))
+    send_with_fds(conn, pickled)
 
 
 def _send(conn: Any, answer: Any) -> None:
-    """Send a save's ``answer`` on ``conn`` (to the training process); where it does not pickle (an exception with an
-    argument that does not), the line of the failure it is or of the one sending it raised. A broken pipe raises (the
-    other process ended)."""
+    """Send a save's ``answer`` on ``conn`` (to the training process); where it does not pickle (an exception, or the
+    metadata and storage writer), the line of the failure it is or of the one sending it raised. A broken pipe raises
+    (the other process ended)."""
     try:
         conn.send(answer)
     except (BrokenPipeError, ConnectionError):
