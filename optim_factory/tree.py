@@ -40,8 +40,12 @@ def local_tensors(tree: Any) -> list[torch.Tensor]:
 
     # the local tensor itself: with grad on, to_local() is an autograd Function call per DTensor; one no_grad block for
     # the whole walk (a save's walks meet every tensor it writes: a block per DTensor took a quarter of their time)
+    found: list[torch.Tensor] = []
     with torch.no_grad():
-        return [v.to_local() if hasattr(v, "to_local") else v for _, v in leaves(tree) if isinstance(v, torch.Tensor)]
+        for _, v in leaves(tree):
+            if isinstance(v, torch.Tensor):
+                found.append(v.to_local() if hasattr(v, "to_local") else v)
+    return found
 
 
 def state_bytes(tree: Any) -> int:

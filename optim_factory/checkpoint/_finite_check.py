@@ -71,6 +71,8 @@ class FiniteCheck:
             else:
                 self.host += buffers
         self._ready = {d: torch.cuda.current_stream(d).record_event() for d in {t.device for t in self.device}}
+        # the host tensors the writer process checks before it writes (host_refusal); None: checked here
+        self.left_to_writer: list[torch.Tensor] | None = None if host_here else self.host
 
     def on_device(self) -> bool:
         """Whether every CUDA tensor of the save is finite (blocks until the GPU has read them; then drops them)."""
@@ -109,14 +111,9 @@ class FiniteCheck:
             return on_device
         return _named(self._staged)
 
-    @property
-    def left_to_writer(self) -> list[torch.Tensor] | None:
-        """The host tensors the writer process checks before it writes (:func:`host_refusal`); None: checked here."""
-        return None if self._host_here else self.host
-
     def release(self) -> None:
         """Drop the references (the CUDA tensors stay alive until :meth:`on_device` has read them)."""
-        self.device, self.host, self._ready, self._staged = [], [], {}, None
+        self.device, self.host, self._ready, self._staged, self.left_to_writer = [], [], {}, None, None
 
 
 def host_refusal(host: list[torch.Tensor], staged: Any) -> str | None:
