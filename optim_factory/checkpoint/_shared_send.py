@@ -7,10 +7,11 @@ with its authentication handshake, and a thread of the sending process answers e
 2-core CPU machine 700 storages took 0.30 s to arrive that way and 0.17 ms of the sender's CPU each; a save of 88
 layers holds 352. Here the pickle names each storage by its place among the descriptors sent; torch's own reductions
 make everything else (the tensors on those storages, DTensors, meta tensors). The receiver holds at most one
-descriptor more than the storages it maps (each received one is closed once its storage maps its own duplicate).
+descriptor more than the storages it maps (each received one is closed once its storage maps its own duplicate), and
+reads a message whole before it fails (the pipe serves on).
 Under the ``file_system`` strategy (a user's choice) no descriptor is sent: torch sends each storage by its name, as
-it does, and a pickle that is never sent is loaded here by :func:`discard` (torch counts a reference to each shared
-file until the pickle is loaded).
+it does, and a pickle that is not received is loaded here by :func:`discard` (torch counts a reference to each
+shared file until the pickle is loaded).
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ _INT = array.array("i").itemsize
 @dataclass
 class Pickled:
     """A pickle and the storages it names by their place (each storage object, held until sent: its descriptor is
-    its own, valid while it lives; and its bytes)."""
+    its own, valid while it lives; and its bytes); ``by_name``: pickled under the ``file_system`` strategy."""
 
     payload: bytes
+    by_name: bool = False
     storages: list[torch.UntypedStorage] = field(default_factory=list)
     descriptors: list[int] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
@@ -83,85 +85,93 @@ def pickle_with_fds(obj: Any) -> Pickled:
     """``obj`` pickled for :func:`send_with_fds`, with the storages it names (none under the ``file_system``
     strategy)."""
     buffer = io.BytesIO()
-    by_descriptor = torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
-    sent = Pickled(b"")
-    _Pickler(buffer, sent if by_descriptor else None).dump(obj)
+    sent = Pickled(b"", by_name=torch.multiprocessing.get_sharing_strategy() != "file_descriptor")
+    _Pickler(buffer, None if sent.by_name else sent).dump(obj)
     sent.payload = buffer.getvalue()
     return sent
 
 
 def discard(pickled: Pickled) -> None:
-    """Let go of what a pickle that is never sent holds: under the ``file_system`` strategy, torch's reference to each
-    shared file it names (given back as it is loaded); nothing under ``file_descriptor`` (the storages' own
+    """Let go of what a pickle that is not received holds: under the ``file_system`` strategy, torch's reference to
+    each shared file it names (given back as it is loaded); nothing under ``file_descriptor`` (the storages' own
     descriptors)."""
-    if not pickled.storages:
-        with contextlib.suppress(Exception):
+    if pickled.by_name:
+        with contextlib.suppress(Exception):  # what does not load holds what it held: nothing more to give back here
             pickle.loads(pickled.payload)
 
 
 def send_with_fds(conn: Any, pickled: Pickled) -> None:
-    """Send ``pickled`` on ``conn`` (a ``multiprocessing`` duplex pipe: a Unix socket), for :func:`recv_with_fds` at
-    its other end."""
-    conn.send(pickled.sizes)
-    with _socket(conn) as sock:
-        for start in range(0, len(pickled.descriptors), _BATCH):
-            batch = array.array("i", pickled.descriptors[start : start + _BATCH])
-            sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, batch)])
-    conn.send_bytes(pickled.payload)
+    """Send ``pickled`` on ``conn`` (a ``multiprocessing`` duplex pipe: a Unix socket, used by no other thread
+    meanwhile), for :func:`recv_with_fds` at its other end; where the send fails (the other end is gone), what the
+    pickle holds is let go (:func:`discard`)."""
+    try:
+        conn.send(pickled.sizes)
+        if pickled.descriptors:
+            with _socket(conn) as sock:
+                for start in range(0, len(pickled.descriptors), _BATCH):
+                    batch = array.array("i", pickled.descriptors[start : start + _BATCH])
+                    sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, batch)])
+        conn.send_bytes(pickled.payload)
+    except BaseException:
+        discard(pickled)  # not received: a pickle is loaded only once it has all arrived
+        raise
 
 
 def recv_with_fds(conn: Any) -> Any:
     """What :func:`send_with_fds` sent on ``conn``'s other end, its storages mapped here; None where None was sent (a
-    ``conn.send(None)``, the end of the requests). Where it fails once the descriptors' count was read, ``conn`` is
-    closed (what is left of the message would be read as the next one)."""
+    ``conn.send(None)``, the end of the requests). The whole message is read before anything fails (the descriptors
+    cut short by this process's open-files limit: one line naming it, every one received closed), so that the pipe
+    serves on."""
     sizes = conn.recv()
     if sizes is None:
         return None
+    fds, cut_short = _recv_fds(conn, len(sizes))
     try:
-        fds = _recv_fds(conn, len(sizes))
-        payload = conn.recv_bytes()  # all of it read before anything is mapped
-        storages, mapped = [], 0
-        try:
-            for fd, size in zip(fds, sizes, strict=True):
-                try:
-                    storages.append(torch.UntypedStorage._new_shared_fd_cpu(fd, size))  # maps a duplicate
-                finally:
-                    os.close(fd)  # at most one descriptor more than the storages mapped, at any time
-                    mapped += 1
-        finally:
-            for fd in fds[mapped:]:
-                os.close(fd)
+        payload = conn.recv_bytes()
+        if cut_short:
+            raise OSError(
+                "a save's shared-memory file descriptors did not all arrive (open-files limit "
+                f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}: raise it with ulimit -n)"
+            )
+        storages = []
+        while fds:
+            fd = fds.pop(0)
+            try:
+                storages.append(torch.UntypedStorage._new_shared_fd_cpu(fd, sizes[len(storages)]))  # a duplicate
+            finally:
+                os.close(fd)  # at most one descriptor more than the storages mapped, at any time
         return _Unpickler(io.BytesIO(payload), storages).load()
-    except BaseException:
-        conn.close()
-        raise
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
-def _recv_fds(conn: Any, count: int) -> list[int]:
-    """``count`` descriptors sent beside a pickle on ``conn``; every one received is closed where they do not all
-    arrive (a message cut short: this process's open-files limit)."""
+def _recv_fds(conn: Any, count: int) -> tuple[list[int], bool]:
+    """The descriptors sent beside a pickle on ``conn`` (``count`` of them), and whether a message came cut short (none
+    of them kept then: every one received is closed, the messages read to the last)."""
     fds: list[int] = []
+    cut_short = False
+    if not count:
+        return fds, cut_short
     try:
         with _socket(conn) as sock:
-            while len(fds) < count:
-                want = min(_BATCH, count - len(fds))
+            for start in range(0, count, _BATCH):
+                want = min(_BATCH, count - start)
                 msg, ancdata, flags, _ = sock.recvmsg(1, socket.CMSG_SPACE(want * _INT))
                 for level, kind, data in ancdata:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                         fds += array.array("i", data[: len(data) - len(data) % _INT]).tolist()
                 if not msg:
                     raise EOFError("the pipe ended before its file descriptors")
-                if flags & socket.MSG_CTRUNC:
-                    raise OSError(
-                        "a save's shared-memory file descriptors did not all arrive (open-files limit "
-                        f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}: "
-                        "raise it with ulimit -n)"
-                    )
-        return fds
+                cut_short = cut_short or bool(flags & socket.MSG_CTRUNC) or len(fds) != start + want
+                if cut_short:
+                    while fds:
+                        os.close(fds.pop())
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
+    return fds, cut_short
 
 
 def _socket(conn: Any) -> socket.socket:

@@ -85,6 +85,9 @@ def _serve(conn: Any, alive: Any, rank: int, world: int, store: tuple[str, int] 
             request = recv_with_fds(conn)
         except EOFError:  # the training process ended without close(): nothing more will come
             break
+        except Exception as exc:  # noqa: BLE001  (read whole, the save not received: its answer; the process serves on)
+            _send(conn, exc)
+            continue
         if request is None:
             break
         kwargs, state_dict, host = request
