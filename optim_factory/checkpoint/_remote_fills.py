@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.tensor import DTensor
 
-from optim_factory.checkpoint._shared_send import recv_with_fds
+from optim_factory.checkpoint._shared_send import recv_with_fds, send_answer
 from optim_factory.optimizers.export import local_tensor, wrap_host_local
 from optim_factory.tree import map_leaves
 
@@ -88,7 +88,7 @@ class RemoteFills(DefaultSavePlanner):
     def _ask(self, kind: str, arg: Any) -> Any:
         if self._connection is None:
             raise RuntimeError("RemoteFills: plans a save within a host budget in a writer process only")
-        self._connection.send(FillAsk(kind, arg))
+        send_answer(self._connection, FillAsk(kind, arg))
         answer = recv_with_fds(self._connection)  # a filled tensor's storage by its descriptor
         if isinstance(answer, BaseException):
             raise answer

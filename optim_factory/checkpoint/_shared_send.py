@@ -1,5 +1,7 @@
 """A save handed to its writer process on the save's own pipe: the pickled save, and the file descriptors of its host
-tensors' shared-memory storages beside it, a few messages of up to 250 descriptors each (``SCM_RIGHTS``).
+tensors' shared-memory storages beside it, a few messages of up to 250 descriptors each (``SCM_RIGHTS``). Every
+message on that pipe, either way, goes so (:func:`send_with_fds` or :func:`send_answer`, :func:`recv_with_fds`), but
+the end of the requests (``None``).
 
 torch's pickler (``torch.multiprocessing``'s reductions, the ``file_descriptor`` sharing strategy) sends each
 storage's descriptor through multiprocessing's resource sharer instead: the receiver opens one connection per storage,
@@ -30,7 +32,9 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401  (its reductions: the tensors, DTensors and meta tensors around storages)
 
-__all__ = ["Pickled", "discard", "pickle_with_fds", "recv_with_fds", "send_with_fds"]
+from optim_factory.errors import first_line
+
+__all__ = ["Pickled", "discard", "pickle_with_fds", "recv_with_fds", "send_answer", "send_with_fds"]
 
 _BATCH = 250  # descriptors a message: SCM_RIGHTS carries at most 253 (Linux's SCM_MAX_FD)
 _INT = array.array("i").itemsize
@@ -115,6 +119,18 @@ def send_with_fds(conn: Any, pickled: Pickled) -> None:
     except BaseException:
         discard(pickled)  # not received: a pickle is loaded only once it has all arrived
         raise
+
+
+def send_answer(conn: Any, answer: Any) -> None:
+    """Send ``answer`` on ``conn`` as :func:`send_with_fds` does; where it does not pickle (an exception, a save's
+    metadata and storage writer), the line of the failure it is or of the one pickling it raised, as a
+    ``RuntimeError``. A send that fails raises (the other end is gone)."""
+    try:
+        pickled = pickle_with_fds(answer)
+    except Exception as exc:  # noqa: BLE001
+        failure = answer if isinstance(answer, BaseException) else exc
+        pickled = pickle_with_fds(RuntimeError(first_line(failure, named=True)))
+    send_with_fds(conn, pickled)
 
 
 def recv_with_fds(conn: Any) -> Any:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from optim_factory.checkpoint._agreement import agree, gathered
 from optim_factory.checkpoint._finite_check import host_refusal
 from optim_factory.checkpoint._remote_fills import FillAsk, RemoteFills
-from optim_factory.checkpoint._shared_send import discard, pickle_with_fds, recv_with_fds, send_with_fds
+from optim_factory.checkpoint._shared_send import discard, pickle_with_fds, recv_with_fds, send_answer, send_with_fds
 from optim_factory.errors import SaveRefused, first_line
 
 __all__ = ["WriterProcess", "WriterProcessEnded"]
@@ -79,14 +79,14 @@ def _serve(conn: Any, alive: Any, rank: int, world: int, store: tuple[str, int] 
         tcp = dist.TCPStore(address, port, world, is_master=False, timeout=timedelta(seconds=_START_TIMEOUT_S))
         dist.init_process_group("gloo", store=tcp, rank=rank, world_size=world)  # collectives: gloo's default wait
     group = None if store is None else dist.group.WORLD  # the processes' agreement (None: one process)
-    conn.send(_READY)
+    send_answer(conn, _READY)
     while True:
         try:
             request = recv_with_fds(conn)
         except EOFError:  # the training process ended without close(): nothing more will come
             break
         except Exception as exc:  # noqa: BLE001  (read whole, the save not received: its answer; the process serves on)
-            _send(conn, exc)
+            send_answer(conn, exc)
             continue
         if request is None:
             break
@@ -100,7 +100,7 @@ def _serve(conn: Any, alive: Any, rank: int, world: int, store: tuple[str, int] 
         except BaseException as exc:  # noqa: BLE001  (the save's failure is its answer; the process serves on)
             answer = exc
         del kwargs, state_dict, request, host  # the shared storages (a planner's too) let go before the next request
-        _send(conn, answer)
+        send_answer(conn, answer)
     if store is not None:
         dist.destroy_process_group()
 
@@ -249,14 +249,14 @@ class WriterProcess:
         """The writer process's answer to the save sent on ``conn``, its asks answered by ``asks`` meanwhile (an ask's
         failure is its answer, in one line where it does not pickle); an exception where the process ended."""
         try:
-            answer = conn.recv()
+            answer = recv_with_fds(conn)
             while isinstance(answer, FillAsk):
                 try:
                     reply = asks(answer)
                 except BaseException as exc:  # noqa: BLE001  (the save's failure, raised by the process's planner)
                     reply = exc
-                _reply(conn, reply)
-                answer = conn.recv()
+                send_answer(conn, reply)
+                answer = recv_with_fds(conn)
         except BaseException as exc:  # noqa: BLE001  (EOF or a broken pipe: the process ended)
             return self._ended(exc)
         return answer
@@ -312,7 +312,7 @@ class WriterProcess:
         if not conn.poll(_START_TIMEOUT_S):
             raise WriterProcessEnded(f"the writer process did not start within {_START_TIMEOUT_S:.0f} s")
         try:
-            conn.recv()  # _READY
+            recv_with_fds(conn)  # _READY
         except EOFError:
             process.join(5)
             raise WriterProcessEnded(
@@ -329,30 +329,6 @@ class WriterProcess:
             "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=_START_TIMEOUT_S)
         )
         return os.environ.get("MASTER_ADDR") or socket.getfqdn(), self._store.port
-
-
-def _reply(conn: Any, reply: Any) -> None:
-    """Send the answer to a writer process's ask on ``conn``, a filled tensor's storage by its descriptor (as the save
-    went); where it does not pickle, the line of the failure it is or of the one pickling it raised."""
-    try:
-        pickled = pickle_with_fds(reply)
-    except Exception as exc:  # noqa: BLE001
-        failure = reply if isinstance(reply, BaseException) else exc
-        pickled = pickle_with_fds(RuntimeError(first_line(failure, named=True)))
-    send_with_fds(conn, pickled)
-
-
-def _send(conn: Any, answer: Any) -> None:
-    """Send a save's ``answer`` on ``conn`` (to the training process); where it does not pickle (an exception, or the
-    metadata and storage writer), the line of the failure it is or of the one sending it raised. A broken pipe raises
-    (the other process ended)."""
-    try:
-        conn.send(answer)
-    except (BrokenPipeError, ConnectionError):
-        raise
-    except Exception as exc:  # noqa: BLE001
-        failure = answer if isinstance(answer, BaseException) else exc
-        conn.send(RuntimeError(first_line(failure, named=True)))
 
 
 def _wait_at_exit() -> None:
