@@ -25,6 +25,7 @@ import os
 import pickle
 import resource
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -190,9 +191,14 @@ def _recv_fds(conn: Any, count: int) -> tuple[list[int], bool]:
     return fds, cut_short
 
 
-def _socket(conn: Any) -> socket.socket:
-    """A socket on a duplicate of ``conn``'s descriptor, blocking as ``conn`` is (a socket made under
+@contextlib.contextmanager
+def _socket(conn: Any) -> Iterator[socket.socket]:
+    """A socket on ``conn``'s own descriptor, blocking as ``conn`` is, left open when done: no descriptor is opened
+    for it, so a process at its open-files limit still reads each message whole (a socket made under
     ``socket.setdefaulttimeout`` would set the descriptor, shared with ``conn``, non-blocking)."""
-    sock = socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.setblocking(True)
-    return sock
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=conn.fileno())
+    try:
+        sock.setblocking(True)
+        yield sock
+    finally:
+        sock.detach()  # the descriptor stays conn's

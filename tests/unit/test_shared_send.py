@@ -173,6 +173,40 @@ def test_descriptors_cut_short_by_the_limit_are_one_line_none_stays_open_and_the
     assert line.endswith("; left open 0; then next"), line
 
 
+def _send_at_the_limit(sender, report) -> None:
+    """The child of the test below: its storages shared and pickled, then its open-files limit at the lowest free
+    descriptor number (nothing more can open), then the save and a second message sent."""
+    pickled = pickle_with_fds([torch.full((4,), float(i)).share_memory_() for i in range(10)])
+    lowest = os.dup(0)  # the number the next descriptor would get
+    os.close(lowest)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    try:
+        send_with_fds(sender, pickled)
+        send_with_fds(sender, pickle_with_fds("next"))
+        line = "sent"
+    except BaseException as exc:  # noqa: BLE001
+        line = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    report.send(line)
+
+
+@pytest.mark.slow  # a child process
+def test_a_sender_at_its_open_files_limit_sends_whole_messages():
+    """Sending opens no descriptor (the storages' own go): a training process at its limit still hands a save over
+    whole, and the pipe stays in step."""
+    context = multiprocessing.get_context("forkserver")
+    sender, receiver = context.Pipe()
+    report, reported = context.Pipe()
+    child = context.Process(target=_send_at_the_limit, args=(sender, reported))
+    child.start()
+    sender.close()
+    reported.close()
+    line = report.recv() if report.poll(60) else "no report"
+    assert line == "sent", line
+    assert [float(t[0]) for t in recv_with_fds(receiver)] == [float(i) for i in range(10)]
+    assert recv_with_fds(receiver) == "next"
+    child.join(60)
+
+
 def test_the_end_of_the_requests_is_none():
     sender, receiver = multiprocessing.Pipe()
     sender.send(None)

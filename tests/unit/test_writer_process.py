@@ -196,16 +196,20 @@ def test_a_writer_process_killed_inside_a_write_fails_that_save_in_one_line_and_
     stager.close()
 
 
-def test_a_save_the_writer_process_cannot_receive_is_one_line_naming_its_limit_and_the_next_save_works(tmp_path):
-    """The writer process's open-files limit below the storages a save sends: the save fails in the training process
-    with the writer process's one line naming the limit, nothing written, the previous checkpoint intact."""
+@pytest.mark.parametrize("room", [2, 0], ids=["room-for-two", "at-its-limit"])
+def test_a_save_the_writer_process_cannot_receive_is_one_line_naming_its_limit_and_the_next_save_works(room, tmp_path):
+    """The writer process's open-files limit below the storages a save sends (``room`` descriptors more than it has
+    open: none, and it can open nothing to receive with): the save fails in the training process with the writer
+    process's one line naming the limit, nothing written, the previous checkpoint intact."""
     model = make_model()
     stager, _ = _saves(tmp_path, in_process=True, saves=1, model=model)
     opt = stager.optimizers[0]
     good, pid = expected_tensors(model, opt), stager.writer_pid
-    opened = len(os.listdir(f"/proc/{pid}/fd"))
+    opened = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+    # the limit bounds a new descriptor's number (the lowest free one): ``room`` free numbers below it
+    limit = [n for n in range(max(opened) + room + 2) if n not in opened][room]
     hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)[1]
-    resource.prlimit(pid, resource.RLIMIT_NOFILE, (opened + 2, hard))  # fewer than the save's storages
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, hard))  # fewer than the save's storages
     train(model, opt, 1)
     stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "cut"))
     with pytest.raises(RuntimeError) as info:
@@ -214,7 +218,7 @@ def test_a_save_the_writer_process_cannot_receive_is_one_line_naming_its_limit_a
     assert "\n" not in line, line
     assert (
         "the async save failed: OSError: a save's shared-memory file descriptors did not all arrive (open-files "
-        f"limit {opened + 2}: raise it with ulimit -n)"
+        f"limit {limit}: raise it with ulimit -n)"
     ) in line, line
     assert not (tmp_path / "cut").exists()
     assert_checkpoint(tmp_path / "process0", good)
