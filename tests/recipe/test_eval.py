@@ -110,8 +110,9 @@ def test_run_reports_eval_in_log_bar_metrics_and_summary(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     evals = [r for r in metrics(tmp_path) if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [10, 20]
+    size = compose_config(list(QUICK)).data.eval_size  # experiment=quick's
     for r in evals:
-        assert 0 <= r["accuracy"] <= 1 and r["eval_loss"] > 0 and r["eval_examples"] == 256 and r["eval_s"] > 0
+        assert 0 <= r["accuracy"] <= 1 and r["eval_loss"] > 0 and r["eval_examples"] == size and r["eval_s"] > 0
     assert "eval step 20: accuracy" in proc.stderr and "answer loss" in proc.stderr
     assert "acc=" in proc.stderr and "eval_loss=" in proc.stderr  # the progress bar's postfix
     summary = [r for r in metrics(tmp_path) if r["kind"] == "summary"][-1]
