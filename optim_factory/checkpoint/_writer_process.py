@@ -176,11 +176,16 @@ class WriterProcess:
         before the Future completes."""
         written: Future = Future()
         kwargs = {k: v for k, v in dcp_kwargs.items() if k != "process_group"}
-        args = (kwargs, host, asks, written)
+        # taken by the callback: ``staged`` keeps its callbacks, and ``written``'s lead back to the save's record, so a
+        # callback that kept them would hold the whole save (its tensors, DCP's metadata) in a reference cycle until
+        # a garbage collection, a long one, inside some later step
+        args = [kwargs, host, asks, written]
 
         def hand_over(done: Future) -> None:  # the staging's thread, or this one: the writing has its own
+            taken = (done, *args)
+            args.clear()
             self._writing = threading.Thread(
-                target=self._hand_over, args=(done, *args), name="optim-factory-writer", daemon=True
+                target=self._hand_over, args=taken, name="optim-factory-writer", daemon=True
             )
             self._writing.start()
 

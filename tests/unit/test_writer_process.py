@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import mmap
 import os
 import resource
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,37 @@ def _saves(tmp: Path, in_process: bool, saves: int = 2, model=None) -> tuple[Asy
         stager.wait()
         assert_checkpoint(tmp / f"{_mode(in_process)}{n}", expected)
     return stager, staged
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["thread", "writer-process"])
+def test_a_save_leaves_no_reference_cycle_holding_what_it_held(in_process, tmp_path):
+    """What a save held (its record and futures, its tensors, DCP's metadata) is freed by reference counts once it
+    is over: in a reference cycle it would wait for a garbage collection, a long one, inside some later step."""
+    model = make_model()
+    stager, _ = _saves(tmp_path, in_process=in_process, saves=1, model=model)
+    opt = stager.optimizers[0]
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection would free is kept in gc.garbage instead
+    try:
+        for n in range(2):
+            train(model, opt, 1)
+            stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / f"again{n}"))
+            stager.wait()
+        gc.collect()
+        held = [
+            o
+            for o in gc.garbage
+            if isinstance(o, (torch.Tensor, Future))
+            or type(o).__module__.startswith(("optim_factory", "torch.distributed.checkpoint"))
+        ]
+        kinds = sorted({type(o).__name__ for o in held})
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+        gc.enable()
+        stager.close()
+    assert not kinds, kinds
 
 
 def _mode(in_process: bool) -> str:
