@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import io
 import os
 import pickle
 import resource
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
@@ -39,6 +41,7 @@ __all__ = ["Pickled", "discard", "pickle_with_fds", "recv_with_fds", "send_answe
 
 _BATCH = 250  # descriptors a message: SCM_RIGHTS carries at most 253 (Linux's SCM_MAX_FD)
 _INT = array.array("i").itemsize
+_INFLIGHT_WAIT_S = 30.0  # a sender past the limit of descriptors in flight waits this long for the receivers
 
 
 @dataclass
@@ -114,12 +117,33 @@ def send_with_fds(conn: Any, pickled: Pickled) -> None:
         if pickled.descriptors:
             with _socket(conn) as sock:
                 for start in range(0, len(pickled.descriptors), _BATCH):
-                    batch = array.array("i", pickled.descriptors[start : start + _BATCH])
-                    sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, batch)])
+                    _send_batch(sock, array.array("i", pickled.descriptors[start : start + _BATCH]))
         conn.send_bytes(pickled.payload)
     except BaseException:
         discard(pickled)  # not received: a pickle is loaded only once it has all arrived
         raise
+
+
+def _send_batch(sock: socket.socket, batch: array.array) -> None:
+    """One message of descriptors. Linux counts the descriptors sent and not yet received by every process of a user
+    against the sender's open-files limit (root excepted): past it, ``ETOOMANYREFS``, retried while the receivers take
+    theirs (``_INFLIGHT_WAIT_S``), then one line naming the limit."""
+    deadline = time.monotonic() + _INFLIGHT_WAIT_S
+    while True:
+        try:
+            sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, batch)])
+            return
+        except OSError as exc:
+            if exc.errno != errno.ETOOMANYREFS:
+                raise
+            if time.monotonic() > deadline:
+                raise OSError(
+                    exc.errno,
+                    "a save's shared-memory file descriptors could not all be sent: those not yet received count "
+                    f"against the open-files limit {resource.getrlimit(resource.RLIMIT_NOFILE)[0]} (raise it with "
+                    "ulimit -n)",
+                ) from None
+            time.sleep(0.001)
 
 
 def send_answer(conn: Any, answer: Any) -> None:

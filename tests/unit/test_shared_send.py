@@ -11,6 +11,7 @@ import os
 import resource
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -126,10 +127,14 @@ def _fds_open() -> int:
 
 
 def _receive(receiver, room: int, report) -> None:
-    """The child of :func:`_receive_under_a_limit`: its open-files limit ``room`` beyond what it has open; then a second
-    message on the same pipe (whether it serves on)."""
+    """The child of :func:`_receive_under_a_limit`: its open-files limit leaving ``room`` free descriptor numbers
+    below it (the limit bounds a new descriptor's number); then a second message on the same pipe (whether it
+    serves on)."""
     opened = _fds_open()
-    resource.setrlimit(resource.RLIMIT_NOFILE, (opened + room, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    probes = [os.dup(0) for _ in range(room + 1)]  # the lowest free numbers, in order
+    for fd in probes:
+        os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (probes[room], resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     try:
         got = recv_with_fds(receiver)
         line = f"received {len(got)}"
@@ -204,6 +209,43 @@ def test_a_sender_at_its_open_files_limit_sends_whole_messages():
     assert line == "sent", line
     assert [float(t[0]) for t in recv_with_fds(receiver)] == [float(i) for i in range(10)]
     assert recv_with_fds(receiver) == "next"
+    child.join(60)
+
+
+def _send_two_past_the_limit(sender, report) -> None:
+    """The child of the test below: its open-files limit at 32 (not root: Linux exempts root from the count of
+    descriptors in flight), then two messages of 40 storages each, the second sent while the first's are in flight."""
+    first = pickle_with_fds([torch.full((4,), float(i)).share_memory_() for i in range(40)])
+    second = pickle_with_fds([torch.full((4,), float(i)).share_memory_() for i in range(40, 80)])
+    if os.geteuid() == 0:
+        os.setgid(65534)
+        os.setuid(65534)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (32, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    try:
+        send_with_fds(sender, first)
+        send_with_fds(sender, second)  # past the limit until the receiver takes the first's
+        line = "sent"
+    except BaseException as exc:  # noqa: BLE001
+        line = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    report.send(line)
+
+
+@pytest.mark.slow  # a child process
+def test_a_sender_past_the_limit_of_descriptors_in_flight_waits_for_the_receiver():
+    """Descriptors sent and not yet received count against the sender's open-files limit (every process of its user
+    together: the ranks of a node): a message past it waits until the receiver takes what is in flight."""
+    context = multiprocessing.get_context("forkserver")
+    sender, receiver = context.Pipe()
+    report, reported = context.Pipe()
+    child = context.Process(target=_send_two_past_the_limit, args=(sender, reported))
+    child.start()
+    sender.close()
+    reported.close()
+    time.sleep(0.5)  # the second message meets the limit meanwhile
+    assert [float(t[0]) for t in recv_with_fds(receiver)] == [float(i) for i in range(40)]
+    line = report.recv() if report.poll(60) else "no report"
+    assert line == "sent", line
+    assert [float(t[0]) for t in recv_with_fds(receiver)] == [float(i) for i in range(40, 80)]
     child.join(60)
 
 
