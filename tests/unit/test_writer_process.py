@@ -231,8 +231,8 @@ def test_a_writer_process_killed_inside_a_write_fails_that_save_in_one_line_and_
 
 @pytest.mark.parametrize("room", [2, 0], ids=["room-for-two", "at-its-limit"])
 def test_a_save_the_writer_process_cannot_receive_is_one_line_naming_its_limit_and_the_next_save_works(room, tmp_path):
-    """The writer process's open-files limit below the storages a save sends (``room`` descriptors more than it has
-    open: none, and it can open nothing to receive with): the save fails in the training process with the writer
+    """The writer process's open-files limit below the storages a save sends (``room`` free descriptor numbers below
+    it; with none it can open nothing to receive with): the save fails in the training process with the writer
     process's one line naming the limit, nothing written, the previous checkpoint intact."""
     model = make_model()
     stager, _ = _saves(tmp_path, in_process=True, saves=1, model=model)
