@@ -51,7 +51,8 @@ after the following steps: an upper bound) and the ``--steps-after`` following s
 3 before (8 by default: enough steps to hold the start of the save's DCP write, whose planning and small pickled
 items run on DCP's upload thread beside them, on every path; with 3 the recipe's write, which starts after its finite
 check, fell after the counted steps and the frameworks' within them), and the generation-2 garbage collections that
-ended in that window (how many, the longest). ``--gc frozen`` (the default) runs each mode with what its setup made
+ended in that window (how many, the longest; in the jsonl each one's pause, the objects it scanned, those it freed and
+its thread). ``--gc frozen`` (the default) runs each mode with what its setup made
 frozen out of the collector, as the recipe's loop runs (torchtitan's and Automodel's trainers turn automatic
 collection off); ``--gc automatic`` leaves Python's collector as it is, every object scanned by each gen-2 pass.
 Each mode's loss is set against its floor, measured in the same run: the bytes it moves to the host (its optimizer
@@ -77,6 +78,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -131,25 +133,39 @@ STEPS_AFTER = 8  # the steps after a save that count (the module docstring)
 
 class Gen2Pauses:
     """The generation-2 garbage collections of this process (``gc.callbacks``): when each ended and how long it
-    took, so that a row can say which fell into its save's window."""
+    took, so that a row can say which fell into its save's window; and for each, what it had to scan (the objects
+    the collector tracked outside the frozen ones, counted before its clock starts), what it freed, and the thread
+    it ran on (a long pass that scanned little spent its time freeing: finalizers, deallocations)."""
 
     def __init__(self) -> None:
-        self.ended: list[tuple[float, float]] = []  # (perf_counter at its end, ms)
+        self.ended: list[tuple[float, float, dict]] = []  # (perf_counter at its end, ms, what it scanned and freed)
         self._start = 0.0
+        self._scanned = 0
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if info["generation"] != 2:
             return
         if phase == "start":
+            self._scanned = sum(len(gc.get_objects(generation)) for generation in range(3))
             self._start = time.perf_counter()
         else:
             now = time.perf_counter()
-            self.ended.append((now, (now - self._start) * 1e3))
+            detail = dict(
+                scanned=self._scanned,
+                collected=info["collected"],
+                uncollectable=info["uncollectable"],
+                thread=threading.current_thread().name,
+            )
+            self.ended.append((now, (now - self._start) * 1e3, detail))
 
     def since(self, t0: float) -> list[float]:
         """The pauses (ms) of the collections that ended after ``t0``."""
-        return [ms for end, ms in self.ended if end > t0]
+        return [ms for end, ms, _ in self.ended if end > t0]
+
+    def details_since(self, t0: float) -> list[dict]:
+        """Each collection that ended after ``t0``: its pause (ms), what it scanned and freed, its thread."""
+        return [{"ms": ms, **detail} for end, ms, detail in self.ended if end > t0]
 
     def close(self) -> None:
         """Stop recording (the callback leaves ``gc.callbacks``)."""
@@ -481,6 +497,7 @@ def _measured(mode, name: str, ctx: dict, repeats: int, step: int) -> tuple[list
         after = [first_s - hook_s] + [trainer.step()[0] for _ in range(ctx["steps_after"] - 1)]
         step += ctx["steps_after"]
         gen2 = ctx["gen2"].since(t0)  # the save's window: the call and the steps counted after it
+        gen2_details = ctx["gen2"].details_since(t0)
         mode.finish()
         complete_s = time.perf_counter() - t0
         dist.barrier()
@@ -508,6 +525,7 @@ def _measured(mode, name: str, ctx: dict, repeats: int, step: int) -> tuple[list
                 frozen_objects=gc.get_freeze_count(),
                 gen2_count=len(gen2),
                 gen2_max_ms=max(gen2, default=0.0),
+                gen2_details=gen2_details,
                 **info,
             )
         )

@@ -118,6 +118,9 @@ def test_bench_save_counts_the_gen2_collections_in_each_save_s_window(tmp_path, 
         gc.collect(1)  # a younger generation's: not counted
         gc.collect()
         assert len(pauses.since(t0)) == 1 and pauses.since(time.perf_counter()) == []
+        (detail,) = pauses.details_since(t0)  # what it scanned (the unfrozen objects) and freed, and where it ran
+        assert detail["scanned"] >= detail["collected"] >= 0 and detail["scanned"] > 0, detail
+        assert detail["thread"] == "MainThread" and detail["ms"] == pauses.since(t0)[0], detail
     finally:
         pauses.close()
 
@@ -134,6 +137,8 @@ def test_bench_save_counts_the_gen2_collections_in_each_save_s_window(tmp_path, 
         rows = [json.loads(ln) for ln in (out / "bench_save.jsonl").read_text().splitlines()]
         assert rows[0]["meta"]["gc"] == ("frozen" if policy == "default" else policy)
         assert all(r["gen2_count"] >= 1 and r["gen2_max_ms"] > 0 for r in rows[1:]), rows[1:]
+        assert all(len(r["gen2_details"]) == r["gen2_count"] for r in rows[1:]), rows[1:]
+        assert all(any(d["thread"] == "MainThread" for d in r["gen2_details"]) for r in rows[1:]), rows[1:]
         frozen = [r["frozen_objects"] for r in rows[1:]]
         assert all(n > 10_000 for n in frozen) if policy == "default" else frozen == [0, 0], frozen
     assert "longest gen-2 collection in the window (ms)" in (out / "bench_save.md").read_text()
