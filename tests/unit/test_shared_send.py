@@ -178,74 +178,71 @@ def test_descriptors_cut_short_by_the_limit_are_one_line_none_stays_open_and_the
     assert line.endswith("; left open 0; then next"), line
 
 
-def _send_at_the_limit(sender, report) -> None:
-    """The child of the test below: its storages shared and pickled, then its open-files limit at the lowest free
-    descriptor number (nothing more can open), then the save and a second message sent."""
-    pickled = pickle_with_fds([torch.full((4,), float(i)).share_memory_() for i in range(10)])
-    lowest = os.dup(0)  # the number the next descriptor would get
-    os.close(lowest)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+def _send_under_a_limit(sender, report, messages: list, limit: int | None, nobody: bool) -> None:
+    """The child of :func:`_start_sending`: each of ``messages`` pickled (a range: that many shared tensors, each
+    holding its number), then its open-files limit lowered (to ``limit``, else to the lowest free descriptor number:
+    nothing more can open), as ``nobody`` where asked and it can (Linux exempts root from the count of descriptors
+    in flight), then the messages sent; its outcome's line reported."""
+    pickled = [
+        pickle_with_fds([torch.full((4,), float(i)).share_memory_() for i in m] if isinstance(m, range) else m)
+        for m in messages
+    ]
+    if limit is None:
+        limit = os.dup(0)  # the number the next descriptor would get
+        os.close(limit)
+    if nobody and os.geteuid() == 0:
+        os.setgid(65534)
+        os.setuid(65534)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     try:
-        send_with_fds(sender, pickled)
-        send_with_fds(sender, pickle_with_fds("next"))
+        for one in pickled:
+            send_with_fds(sender, one)
         line = "sent"
     except BaseException as exc:  # noqa: BLE001
         line = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     report.send(line)
+
+
+def _start_sending(messages: list, limit: int | None = None, nobody: bool = False):
+    """A child (forked from the forkserver) sending ``messages`` under a limit (:func:`_send_under_a_limit`): (the
+    pipe's receiving end, the child's report, the child)."""
+    context = multiprocessing.get_context("forkserver")
+    sender, receiver = context.Pipe()
+    report, reported = context.Pipe()
+    child = context.Process(target=_send_under_a_limit, args=(sender, reported, messages, limit, nobody))
+    child.start()
+    sender.close()
+    reported.close()
+    return receiver, report, child
+
+
+def _numbers(received: list[torch.Tensor]) -> list[float]:
+    return [float(t[0]) for t in received]
 
 
 @pytest.mark.slow  # a child process
 def test_a_sender_at_its_open_files_limit_sends_whole_messages():
     """Sending opens no descriptor (the storages' own go): a training process at its limit still hands a save over
     whole, and the pipe stays in step."""
-    context = multiprocessing.get_context("forkserver")
-    sender, receiver = context.Pipe()
-    report, reported = context.Pipe()
-    child = context.Process(target=_send_at_the_limit, args=(sender, reported))
-    child.start()
-    sender.close()
-    reported.close()
+    receiver, report, child = _start_sending([range(10), "next"])
     line = report.recv() if report.poll(60) else "no report"
     assert line == "sent", line
-    assert [float(t[0]) for t in recv_with_fds(receiver)] == [float(i) for i in range(10)]
+    assert _numbers(recv_with_fds(receiver)) == [float(i) for i in range(10)]
     assert recv_with_fds(receiver) == "next"
     child.join(60)
-
-
-def _send_two_past_the_limit(sender, report) -> None:
-    """The child of the test below: its open-files limit at 32 (not root: Linux exempts root from the count of
-    descriptors in flight), then two messages of 40 storages each, the second sent while the first's are in flight."""
-    first = pickle_with_fds([torch.full((4,), float(i)).share_memory_() for i in range(40)])
-    second = pickle_with_fds([torch.full((4,), float(i)).share_memory_() for i in range(40, 80)])
-    if os.geteuid() == 0:
-        os.setgid(65534)
-        os.setuid(65534)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (32, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-    try:
-        send_with_fds(sender, first)
-        send_with_fds(sender, second)  # past the limit until the receiver takes the first's
-        line = "sent"
-    except BaseException as exc:  # noqa: BLE001
-        line = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-    report.send(line)
 
 
 @pytest.mark.slow  # a child process
 def test_a_sender_past_the_limit_of_descriptors_in_flight_waits_for_the_receiver():
     """Descriptors sent and not yet received count against the sender's open-files limit (every process of its user
-    together: the ranks of a node): a message past it waits until the receiver takes what is in flight."""
-    context = multiprocessing.get_context("forkserver")
-    sender, receiver = context.Pipe()
-    report, reported = context.Pipe()
-    child = context.Process(target=_send_two_past_the_limit, args=(sender, reported))
-    child.start()
-    sender.close()
-    reported.close()
+    together: the ranks of a node): a message past it waits until the receiver takes what is in flight. Here a
+    child whose limit is 32 sends two messages of 40 storages, the second while the first's are in flight."""
+    receiver, report, child = _start_sending([range(40), range(40, 80)], limit=32, nobody=True)
     time.sleep(0.5)  # the second message meets the limit meanwhile
-    assert [float(t[0]) for t in recv_with_fds(receiver)] == [float(i) for i in range(40)]
+    assert _numbers(recv_with_fds(receiver)) == [float(i) for i in range(40)]
     line = report.recv() if report.poll(60) else "no report"
     assert line == "sent", line
-    assert [float(t[0]) for t in recv_with_fds(receiver)] == [float(i) for i in range(40, 80)]
+    assert _numbers(recv_with_fds(receiver)) == [float(i) for i in range(40, 80)]
     child.join(60)
 
 
