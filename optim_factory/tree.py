@@ -56,8 +56,9 @@ def state_bytes(tree: Any) -> int:
 def host_storages(tree: Any) -> dict[int, int]:
     """The host memory that the tensors of ``tree`` (local shards of DTensors) hold: each CPU storage once, whole
     (views of one buffer share it), its address -> its bytes."""
-    return {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in local_tensors(tree)
-        if t.device.type == "cpu" and not t.is_meta
-    }
+    found: dict[int, int] = {}
+    for t in local_tensors(tree):
+        if t.device.type == "cpu" and not t.is_meta:
+            storage = t.untyped_storage()  # one storage object a tensor (each call makes a new one)
+            found[storage.data_ptr()] = storage.nbytes()
+    return found
