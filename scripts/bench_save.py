@@ -134,12 +134,15 @@ STEPS_AFTER = 8  # the steps after a save that count (the module docstring)
 class Gen2Pauses:
     """The generation-2 garbage collections of this process (``gc.callbacks``): when each ended and how long it
     took, so that a row can say which fell into its save's window; and for each, what it had to scan (the objects
-    the collector tracked outside the frozen ones, counted before its clock starts), what it freed, and the thread
-    it ran on (a long pass that scanned little spent its time freeing: finalizers, deallocations)."""
+    the collector tracked outside the frozen ones, counted before its clock starts), what it freed, the thread it
+    ran on and the CPU time that thread spent in it. A long pass that scanned little spent its time freeing
+    (finalizers, deallocations); one whose CPU time is far below its wall time waited there (a lock, a device call,
+    the interpreter's lock held by another thread)."""
 
     def __init__(self) -> None:
         self.ended: list[tuple[float, float, dict]] = []  # (perf_counter at its end, ms, what it scanned and freed)
         self._start = 0.0
+        self._cpu_start = 0.0
         self._scanned = 0
         gc.callbacks.append(self._on_gc)
 
@@ -149,9 +152,11 @@ class Gen2Pauses:
         if phase == "start":
             self._scanned = sum(len(gc.get_objects(generation)) for generation in range(3))
             self._start = time.perf_counter()
+            self._cpu_start = time.thread_time()
         else:
-            now = time.perf_counter()
+            now, cpu = time.perf_counter(), time.thread_time()
             detail = dict(
+                cpu_ms=(cpu - self._cpu_start) * 1e3,
                 scanned=self._scanned,
                 collected=info["collected"],
                 uncollectable=info["uncollectable"],
@@ -164,7 +169,8 @@ class Gen2Pauses:
         return [ms for end, ms, _ in self.ended if end > t0]
 
     def details_since(self, t0: float) -> list[dict]:
-        """Each collection that ended after ``t0``: its pause (ms), what it scanned and freed, its thread."""
+        """Each collection that ended after ``t0``: its pause (ms), its thread's CPU time in it, what it scanned
+        and freed, its thread."""
         return [{"ms": ms, **detail} for end, ms, detail in self.ended if end > t0]
 
     def close(self) -> None:

@@ -121,6 +121,7 @@ def test_bench_save_counts_the_gen2_collections_in_each_save_s_window(tmp_path, 
         (detail,) = pauses.details_since(t0)  # what it scanned (the unfrozen objects) and freed, and where it ran
         assert detail["scanned"] >= detail["collected"] >= 0 and detail["scanned"] > 0, detail
         assert detail["thread"] == "MainThread" and detail["ms"] == pauses.since(t0)[0], detail
+        assert 0 <= detail["cpu_ms"] <= detail["ms"] * 1.01 + 0.1, detail  # the collecting thread's CPU time in it
     finally:
         pauses.close()
 
