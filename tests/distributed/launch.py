@@ -39,10 +39,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ranks_store() -> dist.TCPStore:
+    """A store for the ranks' rendezvous, served by this process on a port it binds itself: the ranks are told to
+    use it, as torchrun's agent tells its workers (``TORCHELASTIC_USE_AGENT_STORE``), instead of rank 0 binding a
+    port found free earlier, which another process (an outgoing connection's port, another test's ranks) can take
+    meanwhile (``EADDRINUSE``). Keep it until the ranks have ended."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
 def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the store is the spawning process's (ranks_store)
     # a writer process (StagerOptions.write_in_process) forks from the rank's own forkserver: torch imported there
     # once, not again by every writer process a test starts
     multiprocessing.set_forkserver_preload(["optim_factory.checkpoint"])
@@ -66,9 +75,10 @@ def spawn(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; re-raise the first failure with its traceback."""
     forked.start_forkserver(PRELOAD)
     errors = mp.get_context("forkserver").SimpleQueue()
+    store = ranks_store()
     try:
         mp.start_processes(
-            _entry, args=(world, free_port(), fn, args, errors), nprocs=world, join=True, start_method="forkserver"
+            _entry, args=(world, store.port, fn, args, errors), nprocs=world, join=True, start_method="forkserver"
         )
     except Exception as exc:
         msgs = []
@@ -154,7 +164,7 @@ def _ranks(target, args: tuple, world: int, out: Path, timeout: float, shown: li
     (without torchrun's agent), on the CPU as in CI, CUDA hidden (on a machine with fewer GPUs than ranks, two
     ranks would share one GPU, which NCCL refuses): per rank, its exit code (None: killed after ``timeout`` s),
     stdout and stderr (kept under ``out``), as ``subprocess.run`` gives them for the command ``shown``."""
-    port = free_port()
+    store = ranks_store()
     out.mkdir(parents=True, exist_ok=True)
     stems = [out / f"rank{rank}" for rank in range(world)]
     procs = [
@@ -164,7 +174,8 @@ def _ranks(target, args: tuple, world: int, out: Path, timeout: float, shown: li
             stems[r],
             PRELOAD,
             {
-                **dict(zip(TORCHRUN_VARIABLES, (str(r), str(world), str(r), str(world), "127.0.0.1", str(port)))),
+                **dict(zip(TORCHRUN_VARIABLES, (str(r), str(world), str(r), str(world), "127.0.0.1", str(store.port)))),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",  # the store is this process's (ranks_store)
                 "CUDA_VISIBLE_DEVICES": "",
             },
         )
