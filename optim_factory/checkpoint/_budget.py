@@ -338,10 +338,18 @@ class BudgetSavePlanner(DefaultSavePlanner):
     def take(self, fqn: str) -> torch.Tensor:
         """The filled host tensor of ``fqn`` once filled, the writer's previous one given back (it asks for its next
         tensor once it has written the previous one)."""
+        return self._started_fills(fqn).take(fqn)
+
+    def take_ready(self, fqn: str) -> dict[str, torch.Tensor]:
+        """:meth:`take` for a writer process: ``fqn``'s tensor and, in a save that fits the budget whole, every later
+        one filled already (``SaveFills.take_ready``), by their keys."""
+        return self._started_fills(fqn).take_ready(fqn)
+
+    def _started_fills(self, fqn: str) -> SaveFills:
         self._check_saving()
         if self._fills is None:
             raise BudgetRefused(f"{_NAME}: {fqn} asked for before the save's plan was final")
-        return self._fills.take(fqn)
+        return self._fills
 
     def _check_saving(self) -> None:
         if self._refused is not None:  # the save's start refused it (begin): that line, not a misuse

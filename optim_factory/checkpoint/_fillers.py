@@ -166,10 +166,11 @@ class FillForWriterProcess(FillAsWritten):
         return {**dcp_kwargs, "planner": RemoteFills()}, self.serve
 
     def serve(self, ask: FillAsk) -> Any:
-        """The answer to the writer process's ask: the fills started in its plan's order, or a filled tensor."""
+        """The answer to the writer process's ask: the fills started in its plan's order, or the filled tensor asked
+        for with those after it that are ready (``BudgetSavePlanner.take_ready``)."""
         if ask.kind == "order":
             return self._planner.fill_in_order(ask.arg)
-        return self._planner.take(ask.arg)
+        return self._planner.take_ready(ask.arg)
 
     def finite_check(
         self, state_dict: Any, staged: Any, exported_by: ExportedBy, streams: dict, host_here: bool = True

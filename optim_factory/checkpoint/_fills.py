@@ -133,6 +133,20 @@ class SaveFills:
             self._taken = host
         return host
 
+    def take_ready(self, fqn: str) -> dict[str, torch.Tensor]:
+        """:meth:`take` of ``fqn``, and where the save fills kept buffers (nothing is given back before its end) every
+        tensor after it that is filled already, in order, taken as the writer would ask for them: by their keys. A
+        writer process asks for the next tensor it does not have, one message each way for all of them."""
+        taken = {fqn: self.take(fqn)}
+        if self._kept is None:  # each one given back when the writer asks for the next: one at a time
+            return taken
+        with self._cond:
+            while self._next < len(self._order) and self._order[self._next].ready:
+                fill = self._order[self._next]
+                taken[fill.fqn], fill.host = fill.host, None
+                self._next += 1
+        return taken
+
     def close(self) -> None:
         """End the fills (a fill in progress is finished first) and give back every tensor still held."""
         with self._cond:

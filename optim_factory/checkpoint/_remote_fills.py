@@ -6,9 +6,10 @@ The training process sets the save up first (``BudgetSavePlanner.for_writer_proc
 is handed over) and sends :func:`sent_to_writer_process`'s state dict: a meta tensor in place of each tensor it fills.
 In the writer process :class:`RemoteFills`, DCP's default planner, asks over the pipe the process was handed its save
 on (a :class:`FillAsk`, answered before the process reads on): for the fills in its final plan's order, then for each
-meta tensor as DCP's writer resolves it. The answer is the filled tensor in shared memory, its storage sent by its
-descriptor (``_shared_send.py``); the training process gives it back once the writer asks for the next one, as on a
-writer thread.
+meta tensor as DCP's writer resolves it that it was not given yet. The answer is the filled tensor in shared memory,
+its storage sent by its descriptor (``_shared_send.py``), with, in a save that fits the budget whole, every later one
+filled by then (one message each way for all of them, not one per tensor); otherwise the training process gives each
+back once the writer asks for the next one, as on a writer thread.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ __all__ = ["FillAsk", "RemoteFills", "sent_to_writer_process"]
 class FillAsk:
     """The writer process's question to the training process during a save: ``kind`` ``"order"`` (``arg``: the final
     plan's tensor keys, in the order the writer asks for them) or ``"take"`` (``arg``: the key of the tensor the
-    writer writes next). The answer: None, the filled host tensor, or the exception that refuses the save."""
+    writer writes next). The answer: None, the filled host tensors by their keys (the one asked for first), or the
+    exception that refuses the save."""
 
     kind: str
     arg: Any
@@ -64,6 +66,7 @@ class RemoteFills(DefaultSavePlanner):
     def __init__(self) -> None:
         super().__init__()
         self._connection: Any = None
+        self._given: dict[str, torch.Tensor] = {}  # filled tensors answered ahead of the writer's asks
 
     def connect(self, connection: Any) -> None:
         """The pipe to the training process (the one the save came on)."""
@@ -76,7 +79,10 @@ class RemoteFills(DefaultSavePlanner):
 
     def resolve_data(self, write_item: Any) -> Any:
         if self._filled(write_item):
-            return self._ask("take", write_item.index.fqn)
+            fqn = write_item.index.fqn
+            if fqn not in self._given:
+                self._given = self._ask("take", fqn)
+            return self._given.pop(fqn)
         return super().resolve_data(write_item)
 
     def _filled(self, write_item: Any) -> bool:

@@ -187,7 +187,19 @@ def test_misuses_of_a_budget_with_the_stager_are_one_line(tmp_path):
 
 
 def test_a_writer_thread_asking_out_of_the_planned_order_is_refused_not_waited_for():
-    fills = [
+    save = SaveFills(_three_fills(), limit=32, exporter=StateExporter(), chunk_bytes=64, streams={})
+    assert torch.equal(save.take("t0"), torch.zeros(4))
+    with pytest.raises(
+        ValueError, match=r"^BudgetSavePlanner: DCP's writer asked for t2 out of the order .* expected 1"
+    ):
+        save.take("t2")
+    save.close()
+    assert save.held == 0 and save.done.done()
+
+
+def _three_fills() -> list[Fill]:
+    """Three tensors of 4 values each, ``t<i>`` filled with ``i``."""
+    return [
         Fill(
             f"t{i}",
             torch.Size([4]),
@@ -196,14 +208,30 @@ def test_a_writer_thread_asking_out_of_the_planned_order_is_refused_not_waited_f
         )
         for i in range(3)
     ]
-    save = SaveFills(fills, limit=32, exporter=StateExporter(), chunk_bytes=64, streams={})
-    assert torch.equal(save.take("t0"), torch.zeros(4))
-    with pytest.raises(
-        ValueError, match=r"^BudgetSavePlanner: DCP's writer asked for t2 out of the order .* expected 1"
-    ):
-        save.take("t2")
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["kept", "fresh"])
+def test_a_writer_process_is_handed_every_filled_tensor_at_once_where_nothing_is_given_back_mid_save(kept):
+    """A save that fits the budget whole (kept buffers) hands the tensor asked for and every later one filled already,
+    in order, in one answer; fresh memory, each given back when the next is asked for, goes one at a time."""
+    save = SaveFills(
+        _three_fills(),
+        limit=48,
+        exporter=StateExporter(),
+        chunk_bytes=64,
+        streams={},
+        kept=_Pool(False) if kept else None,
+    )
+    save.start()
+    save.done.result(timeout=60)  # every fill ready before the first ask
+    answers = [save.take_ready(fqn) for fqn in ("t0", "t1", "t2")[: 1 if kept else 3]]
+    assert [list(a) for a in answers] == ([["t0", "t1", "t2"]] if kept else [["t0"], ["t1"], ["t2"]])
+    assert all(torch.equal(t, torch.full([4], int(k[1]))) for a in answers for k, t in a.items())
+    if kept:  # taken: asked for again, out of the order
+        with pytest.raises(ValueError, match=r"asked for t2 out of the order .* \(item 2, expected 3\)"):
+            save.take("t2")
     save.close()
-    assert save.held == 0 and save.done.done()
+    assert kept or save.held == 0  # each fresh one given back
 
 
 class _Pool(HostBufferPool):
