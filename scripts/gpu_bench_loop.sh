@@ -3,6 +3,8 @@
 # .gpu/wheels), in device calls of under 10 minutes each, from the repository root, most needed first (a session's 30
 # device-minutes hold the six part calls and cases 1-3):
 #     bash scripts/gpu_bench_loop.sh 1   # after the six part calls: TE's build, the wheels, every mode at 4.43 GB
+#     bash scripts/gpu_bench_loop.sh build && bash scripts/gpu_bench_loop.sh 3   # TE's build and the wheels alone,
+#                                        # then another case first (each of 2-5 needs them once on the machine)
 #     bash scripts/gpu_bench_loop.sh 2   # 17.7 GB: the recipe and Automodel, thread and writer process
 #     bash scripts/gpu_bench_loop.sh 3   # 17.7 GB: torchtitan, thread and writer process; tests/gpu
 #     bash scripts/gpu_bench_loop.sh 4   # 17.7 GB: the anchors (TE's class; torch_checkpointing), budgets
@@ -17,10 +19,14 @@
 set -u
 export PYTHONPATH="$PWD:/tmp/site" NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 run() { BENCH_TIMEOUT=$1 bash scripts/gpu_bench_run.sh "$2" "$3" "$4"; }
+install() {
+  bash .gpu/install.sh build 2>&1 | tail -2
+  python3 -m pip install -q --no-deps --no-index --target /tmp/site .gpu/wheels/*.whl
+}
 case "${1:-}" in
+  build) install ;;
   1)
-    bash .gpu/install.sh build 2>&1 | tail -2
-    python3 -m pip install -q --no-deps --no-index --target /tmp/site .gpu/wheels/*.whl
+    install
     run 470 l22 22 c-ours,c-ours-process,f-titan-ours,f-titan-ours-process,g-automodel-ours,g-automodel-ours-process,a-te-async-pinned,f-titan-te,g-automodel-te,h-checkpointing-te,f-titan-ours-budget-all,c-ours-budget-all ;;
   2)
     run 240 l88c 88 c-ours,c-ours-process
@@ -39,5 +45,5 @@ case "${1:-}" in
       .gpu/deps/hydra_core-* .gpu/deps/omegaconf-* .gpu/deps/antlr4-* 2>&1 | tail -2
     timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1; tail -n 8 "$OUT/pytest_gpu.log"
     run 300 p88 88 c-ours,f-titan-ours ;;
-  *) echo "usage: bash scripts/gpu_bench_loop.sh 1|2|3|4|5|p" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_bench_loop.sh build|1|2|3|4|5|p" >&2; exit 2 ;;
 esac
