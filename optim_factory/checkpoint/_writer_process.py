@@ -49,6 +49,7 @@ from optim_factory.errors import SaveRefused, first_line
 
 __all__ = ["WriterProcess", "WriterProcessEnded"]
 
+log = logging.getLogger(__name__)
 _READY = "ready"
 _START_TIMEOUT_S = 300.0  # the writer processes' group forms within this (DCP's process executor waits 1800 s)
 _RUNNING: weakref.WeakSet = weakref.WeakSet()  # every WriterProcess of this process, for the exit's wait
@@ -324,6 +325,7 @@ class WriterProcess:
                 f"the writer process (pid {process.pid}) ended with exit code {process.exitcode} as it started (its "
                 'stderr says why; a script whose top level is not under `if __name__ == "__main__":` runs again there)'
             ) from None
+        log.info("writer process started (pid %d): this rank's async saves are written there", process.pid)
 
     def _serve_store(self, world: int) -> tuple[str, int]:
         """Rank 0: the writer processes' store, served by this process on every interface, on a port bound as the

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import gc
+import logging
 import mmap
 import os
 import resource
@@ -122,12 +123,16 @@ def _mode(in_process: bool) -> str:
     return "process" if in_process else "thread"
 
 
-def test_a_writer_process_writes_the_thread_s_files_from_shared_memory_and_close_ends_it(tmp_path):
+def test_a_writer_process_writes_the_thread_s_files_from_shared_memory_and_close_ends_it(tmp_path, caplog):
     thread, _ = _saves(tmp_path, in_process=False)
     thread.close()
-    stager, staged = _saves(tmp_path, in_process=True)
+    with caplog.at_level(logging.INFO, logger="optim_factory.checkpoint"):
+        stager, staged = _saves(tmp_path, in_process=True)
     pid = stager.writer_pid
     assert pid is not None and pid != os.getpid(), "no writer process of its own"
+    # said once in the log, as it started (the recipe's train.log has it)
+    started = [r.getMessage() for r in caplog.records if "writer process started" in r.getMessage()]
+    assert started == [f"writer process started (pid {pid}): this rank's async saves are written there"], started
     for n in range(2):
         assert data_files(tmp_path / f"process{n}") == data_files(tmp_path / f"thread{n}"), f"save {n} differs"
     # handed over uncopied: every staged tensor in shared memory, the same storages from save to save
