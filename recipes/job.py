@@ -43,6 +43,8 @@ class TrainingDiverged(RuntimeError):
 
 USER_ERRORS = (ConfigError, CheckpointError, DataError, LaunchError, TrainingDiverged)
 DEFAULT_THREADS = torch.get_num_threads()  # torch's own count in this process (trainer.threads=0)
+# the objects frozen out of the garbage collector before the recipe's start: the interpreter's own (setup_frozen)
+_FROZEN_AT_IMPORT = gc.get_freeze_count()
 
 
 def _finish_saves(saver: Saver) -> None:
@@ -231,10 +233,10 @@ def setup_frozen() -> Iterator[None]:
     (``gc.freeze``): the generation-2 collections that a save's many small objects trigger then scan only what the
     block made, not the hundreds of thousands of objects that torch, the model and the optimizer hold
     (docs/recipe.md, "Garbage collection"). Garbage is collected once before the freeze, and the objects are
-    unfrozen when the block ends. Where most of the heap is frozen already (more objects frozen than the collector
-    tracks), the process has an owner of that policy: the block runs as it is, nothing collected, frozen or
-    unfrozen. A few frozen objects are not an owner's: Python 3.12 starts with 375 of its own frozen."""
-    if gc.get_freeze_count() > len(gc.get_objects()):
+    unfrozen when the block ends. Where the process froze objects itself (more are frozen than when this module was
+    imported: Python 3.12 starts with 375 of its own frozen, which are no owner's), it has an owner of that policy:
+    the block runs as it is, nothing collected, frozen or unfrozen."""
+    if gc.get_freeze_count() > _FROZEN_AT_IMPORT:
         yield
         return
     gc.collect()

@@ -201,35 +201,39 @@ def test_the_loop_runs_with_its_setup_frozen_out_of_the_collector(tmp_path, unow
     assert gc.get_freeze_count() == 0
 
 
-def test_objects_frozen_already_that_the_collector_s_outnumber_are_no_owner_s_the_loop_freezes(
-    tmp_path, unowned_collector
+def test_objects_frozen_before_the_recipe_s_import_are_no_owner_s_the_loop_freezes_its_setup(
+    tmp_path, unowned_collector, monkeypatch
 ):
-    """Python 3.12 starts with 375 objects of its own frozen: frozen objects that the tracked ones outnumber (here
-    this process's heap frozen, then more objects than that made) are not an owner's policy. The loop freezes
-    its setup (every object made before it: the count rises past them) and unfreezes everything when it ends."""
+    """Python 3.12 starts with 375 objects of its own frozen: what was frozen when the recipe was imported is not an
+    owner's policy (here this process's heap frozen, counted as frozen at the import). The loop freezes its setup
+    (the count rises past them) and unfreezes everything when it ends."""
+    import recipes.job
+
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
-        made_after = [[] for _ in range(frozen + 1000)]  # tracked by the collector, not frozen
+        at_import = gc.get_freeze_count()
+        monkeypatch.setattr(recipes.job, "_FROZEN_AT_IMPORT", at_import)
         seen = []
         phases = lambda phase, step, path: seen.append(gc.get_freeze_count())  # noqa: E731
         train(compose_config([*QUICK, f"run_dir={tmp_path}"]), on_phase=phases)
-        assert len(seen) == 6 and min(seen) > frozen + len(made_after), (frozen, seen)
+        assert len(seen) == 6 and min(seen) > at_import, (at_import, seen)
         assert gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()
 
 
 def test_where_objects_are_frozen_already_the_loop_leaves_the_collector_to_that_owner(tmp_path, unowned_collector):
-    """A process that froze objects itself keeps its policy: the recipe neither freezes its own (they would never
-    be collected) nor unfreezes the owner's."""
+    """A process that froze objects itself keeps its policy, though it made more than it froze afterwards: the
+    recipe neither freezes its own (they would never be collected) nor unfreezes the owner's."""
     gc.freeze()
+    made_after = [[] for _ in range(gc.get_freeze_count() + 1000)]  # tracked, outnumbering the frozen ones
     try:
         owner = gc.get_freeze_count()
         seen = []
         phases = lambda phase, step, path: seen.append(gc.get_freeze_count())  # noqa: E731
         train(compose_config([*QUICK, f"run_dir={tmp_path}"]), on_phase=phases)
         # frozen objects that die leave the count: it may only fall, never rise with the recipe's own
+        assert len(made_after) > owner, "the made objects do not outnumber the frozen ones"
         assert len(seen) == 6 and max(seen) <= owner and gc.get_freeze_count() > owner // 2, (owner, seen)
     finally:
         gc.unfreeze()
