@@ -13,20 +13,22 @@
 #     bash scripts/gpu_bench_loop.sh p   # no TE (no part calls; .gpu/deps and .gpu/wheels carried), one call: tests/gpu
 #                                        # (what runs without TE), then ours at 17.7 GB with PortableFusedAdam, TE's
 #                                        # bitwise twin (its slower step flatters a save's loss: not for the ratios)
-# Cases 2-5 carry .gpu/wheels only (the machine kept warm since case 1: TE stays installed). Each bench_save run is one
-# of scripts/gpu_bench_run.sh (a mode that ends its run loses only that run's table; the finished modes' lines stay in
+# Cases 2-5 carry .gpu/wheels only (the machine kept warm since case 1 or build: TE stays installed). Each bench_save
+# run is one of scripts/gpu_bench_run.sh (a mode that ends its run loses only that run's table; the finished modes' lines stay in
 # $OUT/TAG.modes); its limit is about 1.3x the run's time on an H100 on 2026-12-07. Results go to $OUT.
 set -u
 export PYTHONPATH="$PWD:/tmp/site" NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 run() { BENCH_TIMEOUT=$1 bash scripts/gpu_bench_run.sh "$2" "$3" "$4"; }
-install() {
-  bash .gpu/install.sh build 2>&1 | tail -2
+install_te_and_wheels() {  # fails where TE's build does (its log's tail shown either way)
+  local log
+  log=$(bash .gpu/install.sh build 2>&1) || { echo "$log" | tail -20; return 1; }
+  echo "$log" | tail -2
   python3 -m pip install -q --no-deps --no-index --target /tmp/site .gpu/wheels/*.whl
 }
 case "${1:-}" in
-  build) install ;;
+  build) install_te_and_wheels ;;
   1)
-    install
+    install_te_and_wheels || exit 1
     run 470 l22 22 c-ours,c-ours-process,f-titan-ours,f-titan-ours-process,g-automodel-ours,g-automodel-ours-process,a-te-async-pinned,f-titan-te,g-automodel-te,h-checkpointing-te,f-titan-ours-budget-all,c-ours-budget-all ;;
   2)
     run 240 l88c 88 c-ours,c-ours-process

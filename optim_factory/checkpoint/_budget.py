@@ -16,8 +16,8 @@ That order is that of DCP's ``FileSystemWriter`` without copy-ahead (whose overl
 A save that a writer process plans and writes (``StagerOptions(write_in_process=True)``) is set up here first
 (:meth:`BudgetSavePlanner.for_writer_process`: its refusals), and the process is sent the state dict with a meta
 tensor in place of each tensor filled here; its planner there (``_remote_fills.RemoteFills``) asks for the fills in
-its plan's order (:meth:`BudgetSavePlanner.fill_in_order`) and for each tensor as its writer reaches it
-(:meth:`BudgetSavePlanner.take`), in shared memory.
+its plan's order (:meth:`BudgetSavePlanner.fill_in_order`) and for each tensor as its writer reaches it that it does
+not have yet (:meth:`BudgetSavePlanner.take_ready`), in shared memory.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ In the writer process :class:`RemoteFills`, DCP's default planner, asks over the
 on (a :class:`FillAsk`, answered before the process reads on): for the fills in its final plan's order, then for each
 meta tensor as DCP's writer resolves it that it was not given yet. The answer is the filled tensor in shared memory,
 its storage sent by its descriptor (``_shared_send.py``), with, in a save that fits the budget whole, every later one
-filled by then (one message each way for all of them, not one per tensor); otherwise the training process gives each
+filled by then (one message each way for all of them); otherwise the training process gives each
 back once the writer asks for the next one, as on a writer thread.
 """
 
@@ -81,6 +81,8 @@ class RemoteFills(DefaultSavePlanner):
         if self._filled(write_item):
             fqn = write_item.index.fqn
             if fqn not in self._given:
+                if self._given:  # the writer moved past tensors it was handed: out of the order they were filled in
+                    raise RuntimeError(f"RemoteFills: {fqn} asked for before {', '.join(self._given)}")
                 self._given = self._ask("take", fqn)
             return self._given.pop(fqn)
         return super().resolve_data(write_item)

@@ -31,6 +31,8 @@ if not torch.cuda.is_available():
     PRELOAD += ["optim_factory.integrations.torchtitan", "optim_factory.integrations.automodel"]
 # what torchrun gives its workers and the recipe reads (LOCAL_WORLD_SIZE: the host's CPUs shared between the ranks)
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# the ranks' rendezvous store is the spawning process's (ranks_store), at MASTER_ADDR:MASTER_PORT
+AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def free_port() -> int:
@@ -40,10 +42,10 @@ def free_port() -> int:
 
 
 def ranks_store() -> dist.TCPStore:
-    """A store for the ranks' rendezvous, served by this process on a port it binds itself: the ranks are told to
-    use it, as torchrun's agent tells its workers (``TORCHELASTIC_USE_AGENT_STORE``), instead of rank 0 binding a
-    port found free earlier, which another process (an outgoing connection's port, another test's ranks) can take
-    meanwhile (``EADDRINUSE``). Keep it until the ranks have ended."""
+    """A store for the ranks' rendezvous, served by this process on a port it binds itself (port 0), which the ranks
+    are told to use (:data:`AGENT_STORE`, as torchrun's agent tells its workers): no port is found free first and bound
+    later, which another process (an outgoing connection's port, another test's ranks) could take in between
+    (``EADDRINUSE``). Keep it until the ranks have ended."""
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
@@ -51,7 +53,7 @@ def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the store is the spawning process's (ranks_store)
+    os.environ.update(AGENT_STORE)
     # a writer process (StagerOptions.write_in_process) forks from the rank's own forkserver: torch imported there
     # once, not again by every writer process a test starts
     multiprocessing.set_forkserver_preload(["optim_factory.checkpoint"])
@@ -175,7 +177,7 @@ def _ranks(target, args: tuple, world: int, out: Path, timeout: float, shown: li
             PRELOAD,
             {
                 **dict(zip(TORCHRUN_VARIABLES, (str(r), str(world), str(r), str(world), "127.0.0.1", str(store.port)))),
-                "TORCHELASTIC_USE_AGENT_STORE": "True",  # the store is this process's (ranks_store)
+                **AGENT_STORE,
                 "CUDA_VISIBLE_DEVICES": "",
             },
         )

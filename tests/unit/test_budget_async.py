@@ -5,6 +5,7 @@ state saved as it was when the save started although ``step()`` is called at onc
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -214,14 +215,8 @@ def _three_fills() -> list[Fill]:
 def test_a_writer_process_is_handed_every_filled_tensor_at_once_where_nothing_is_given_back_mid_save(kept):
     """A save that fits the budget whole (kept buffers) hands the tensor asked for and every later one filled already,
     in order, in one answer; fresh memory, each given back when the next is asked for, goes one at a time."""
-    save = SaveFills(
-        _three_fills(),
-        limit=48,
-        exporter=StateExporter(),
-        chunk_bytes=64,
-        streams={},
-        kept=_Pool(False) if kept else None,
-    )
+    pool = _Pool(False) if kept else None
+    save = SaveFills(_three_fills(), limit=48, exporter=StateExporter(), chunk_bytes=64, streams={}, kept=pool)
     save.start()
     save.done.result(timeout=60)  # every fill ready before the first ask
     answers = [save.take_ready(fqn) for fqn in ("t0", "t1", "t2")[: 1 if kept else 3]]
@@ -230,8 +225,39 @@ def test_a_writer_process_is_handed_every_filled_tensor_at_once_where_nothing_is
     if kept:  # taken: asked for again, out of the order
         with pytest.raises(ValueError, match=r"asked for t2 out of the order .* \(item 2, expected 3\)"):
             save.take("t2")
+    else:  # t0 and t1 given back as the next was asked for; t2 until the save ends
+        assert save.held == 16
     save.close()
-    assert kept or save.held == 0  # each fresh one given back
+    assert pool is None or pool.free_bytes() == 48  # the kept buffers back in their pool for the next save
+
+
+def test_a_writer_process_is_handed_only_tensors_filled_by_then_never_one_being_filled(monkeypatch):
+    """Kept buffers filled in two calls of the exporter (t0 and t1, then t2, held): the answer to t0 holds t0 and t1,
+    not t2, which is still being filled; t2 comes at the next ask, once filled."""
+    from optim_factory.checkpoint import _fills
+
+    monkeypatch.setattr(_fills, "FILL_BATCH_BYTES", 32)  # two tensors of 16 bytes a call
+    release = threading.Event()
+
+    class HeldSecondCall(StateExporter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def stream(self, items, *args, **kwargs) -> None:
+            self.calls += 1
+            if self.calls == 2:
+                release.wait(60)
+            super().stream(items, *args, **kwargs)
+
+    save = SaveFills(_three_fills(), limit=48, exporter=HeldSecondCall(), chunk_bytes=64, streams={}, kept=_Pool(False))
+    try:
+        first = save.take_ready("t0")
+        assert list(first) == ["t0", "t1"] and torch.equal(first["t1"], torch.ones(4)), first
+    finally:
+        release.set()
+    assert list(save.take_ready("t2")) == ["t2"]
+    save.close()
 
 
 class _Pool(HostBufferPool):
