@@ -14,8 +14,8 @@
 #                                        # (what runs without TE), then ours at 17.7 GB with PortableFusedAdam, TE's
 #                                        # bitwise twin (its slower step flatters a save's loss: not for the ratios)
 # Cases 2-5 carry .gpu/wheels only (the machine kept warm since case 1 or build: TE stays installed). Each bench_save
-# run is one of scripts/gpu_bench_run.sh (a mode that ends its run loses only that run's table; the finished modes' lines stay in
-# $OUT/TAG.modes); its limit is about 1.3x the run's time on an H100 on 2026-12-07. Results go to $OUT.
+# run is one of scripts/gpu_bench_run.sh (a mode that ends its run loses only that run's table; the finished modes'
+# lines stay in $OUT/TAG.modes); its limit is about 1.3x the run's time on an H100 on 2026-12-07. Results go to $OUT.
 set -u
 export PYTHONPATH="$PWD:/tmp/site" NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 run() { BENCH_TIMEOUT=$1 bash scripts/gpu_bench_run.sh "$2" "$3" "$4"; }
