@@ -300,6 +300,9 @@ class BudgetSavePlanner(DefaultSavePlanner):
         limit = self.limit - self._early_bytes()
         self._fills = SaveFills(order, limit, exporter, chunk, self._streams, kept, shared=self.shared)
         self._fills.done.add_done_callback(lambda _: _complete(self._filled))
+        # now, not at the writer's first tensor, which comes later (a writer process's own steps before it): step()
+        # waits for the fills
+        self._fills.start()
 
     def for_writer_process(self, state_dict: Any) -> Any:
         """A save started by :meth:`begin` (whose budget refusal, the copies at its start and the largest tensor it

@@ -297,6 +297,33 @@ def test_a_gpu_tensor_is_copied_directly_only_into_a_pinned_kept_buffer(pinned, 
     assert exporter.staged == [staged]
 
 
+@pytest.mark.parametrize("in_process", [False, True], ids=["thread", "writer-process"])
+def test_the_fills_start_once_the_plan_is_final_not_at_the_writer_s_first_tensor(in_process, tmp_path):
+    """With the budget holding the whole save and the writer held before it writes anything, the fills run anyway:
+    ``step()``, which waits for them, returns while the writer is held, and the files are those of the state at the
+    save."""
+    whole = 12 * 2 * (1024 * 1024 + 1024) * 4  # exp_avg and exp_avg_sq of every parameter, FP32
+    model, opt = _trained(whole + 12 * (1024 * 1024 + 1024) * 4)  # and the parameters
+    save_plain(model, opt, tmp_path / "plain")
+    stager = AsyncSaveStager(opt, StagerOptions(write_in_process=in_process))
+    with stager.exporting():
+        msd, osd = get_state_dict(model, opt)
+    gate = tmp_path / "gate"
+    writer = GatedFileWriter(str(tmp_path / "within"), str(gate), per_thread_copy_ahead=0)
+    response = stager.async_save({"model": msd, "optim": osd}, storage_writer=writer, no_dist=True)
+    stepped = threading.Thread(target=train, args=(model, opt))
+    stepped.start()
+    stepped.join(60)
+    try:
+        assert not stepped.is_alive(), "step() waited for fills that waited for the writer"
+    finally:
+        gate.touch()
+        response.upload_completion.result()
+        stepped.join()
+        stager.close()
+    assert data_files(tmp_path / "within") == data_files(tmp_path / "plain")
+
+
 def saves_what_step_does_not_change_as_at_the_start(tmp_path: Path, mesh=None) -> None:
     """A buffer (BatchNorm's running statistics), which the next forward changes before step(), and a trainer's
     tensor are saved as they were when the save started; the optimizer's parameters and states are filled later.
