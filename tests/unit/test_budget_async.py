@@ -260,6 +260,36 @@ def test_a_writer_process_is_handed_only_tensors_filled_by_then_never_one_being_
     save.close()
 
 
+def test_a_writer_process_asking_past_tensors_it_was_handed_is_one_line():
+    """The writer process's planner is handed t0 and t1 at its ask for t0 (kept buffers, both filled); a writer that
+    then reaches t2 before t1 is refused in one line naming both, not answered out of the order they were filled in."""
+    import multiprocessing
+
+    from optim_factory.checkpoint._remote_fills import RemoteFills
+    from optim_factory.checkpoint._shared_send import recv_with_fds, send_answer
+
+    here, there = multiprocessing.Pipe()
+    asked = []
+
+    def training_process() -> None:  # answers the one take: t0 and t1, filled
+        asked.append(recv_with_fds(here))
+        send_answer(here, {"t0": torch.zeros(4), "t1": torch.ones(4)})
+        here.close()  # no other answer: a second ask meets the pipe's end
+
+    answering = threading.Thread(target=training_process)
+    answering.start()
+    planner = RemoteFills()
+    planner.connect(there)
+    planner.set_up_planner({f"t{i}": torch.empty(4, device="meta") for i in range(3)})
+    items = {item.index.fqn: item for item in planner.create_local_plan().items}
+    assert torch.equal(planner.resolve_data(items["t0"]), torch.zeros(4))
+    answering.join(60)
+    assert [(a.kind, a.arg) for a in asked] == [("take", "t0")]
+    with pytest.raises(RuntimeError, match=r"^RemoteFills: t2 asked for before t1$"):
+        planner.resolve_data(items["t2"])
+    assert torch.equal(planner.resolve_data(items["t1"]), torch.ones(4))  # still handed out, in its order
+
+
 class _Pool(HostBufferPool):
     """A pool whose buffers are pinned, or not, as the test says (pinning needs CUDA)."""
 
