@@ -23,8 +23,8 @@ The modules behind this face are private (``_stager``, ``_options``, ``_fillers`
 from here.
 """
 
-from optim_factory.checkpoint._budget import BudgetSavePlanner, host_budget
-from optim_factory.checkpoint._budget_rule import BudgetRefused, LeastBudget, least_host_budget
+from optim_factory.checkpoint._budget import BudgetSavePlanner
+from optim_factory.checkpoint._budget_rule import BudgetRefused, LeastBudget, host_budget, least_host_budget
 from optim_factory.checkpoint._deferral import (
     deferred_export,
     defers_export,

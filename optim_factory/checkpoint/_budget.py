@@ -1,14 +1,16 @@
 """A save within a host-memory budget: ``BudgetSavePlanner``, DCP's save planner that exports each optimizer state
 (and copies each CUDA tensor) into fresh host memory ahead of DCP's writer and gives that memory back once written,
 so that a save holds at most the budget, plus the staging of the fills (a ring of at most 128 MiB). A save that fits
-the budget whole fills host buffers kept for the next save instead, pinned once written (``_fills.py``).
+the budget whole fills host buffers kept for the next save instead, pinned once written (``_fills.py``), from the
+start of its planning and in any order, as a copy at the save's start would: nothing is given back before it ends.
 See docs/export.md, "Saves within a host budget".
 
 An optimizer's chunked export made inside :meth:`BudgetSavePlanner.exporting` returns a meta tensor in place of each
 streamed state (``unfilled_state_dict``): no memory; a reader that copies its data out (``.cpu()``, a plain
 ``dcp.save``) fails loudly, while pickling it (``torch.save``) stores a tensor without data. The planner knows each
 placeholder's key in the flattened state dict; once DCP's plan is final it fills every tensor it writes on a thread
-of its own, in the order the writer's threads ask for them (``_fills.py``), and a writer thread's previous
+of its own, in the order the writer's threads ask for them (``_fills.py``; a save that fits the budget whole: from
+its ``set_up_planner``, in the state dict's order), and a writer thread's previous
 tensor, written once it asks for the next, is given back (``give_pages_back``) although DCP still references it.
 That order is that of DCP's ``FileSystemWriter`` without copy-ahead (whose overlapping loader asks ahead), which
 :meth:`BudgetSavePlanner.save` builds; a save with the planner that builds no writer of its own is refused.
@@ -36,33 +38,22 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from optim_factory.checkpoint._budget_rule import BudgetRefused, one_line_refusal, refuse_writer, start_copies
+from optim_factory.checkpoint._budget_rule import (
+    BudgetRefused,
+    host_budget,
+    one_line_refusal,
+    refuse_writer,
+    start_copies,
+)
 from optim_factory.checkpoint._fills import Fill, SaveFills
 from optim_factory.checkpoint._remote_fills import sent_to_writer_process
 from optim_factory.optimizers.export import HostBufferPool, StreamItem, give_pages_back, local_tensor, shared_empty
 from optim_factory.rules.export import size_text
 from optim_factory.tree import leaves, local_tensors
 
-__all__ = ["BudgetSavePlanner", "budget_planner", "host_budget"]
+__all__ = ["BudgetSavePlanner"]
 
 _NAME = "BudgetSavePlanner"  # the start of this module's refusals
-
-
-def budget_planner(optimizers: Any, where: str, shared: bool = False) -> BudgetSavePlanner | None:
-    """The planner of ``where``'s async saves (host tensors filled too; in shared memory where ``shared``) for the one
-    optimizer of ``optimizers`` with a host budget; None when none has one; a :class:`BudgetRefused` when several
-    have."""
-    budgeted = [opt for opt in optimizers if host_budget(opt) is not None]
-    if len(budgeted) > 1:
-        raise BudgetRefused(
-            f"state_dict_offload_host_budget: {where} saves one optimizer within a budget, not {len(budgeted)}"
-        )
-    return BudgetSavePlanner(budgeted[0], copy_host_tensors=True, shared=shared) if budgeted else None
-
-
-def host_budget(optimizer: Any) -> int | None:
-    """An optimizer's ``state_dict_offload_host_budget`` in bytes (None: none, or not one of ours)."""
-    return getattr(getattr(optimizer, "export_options", None), "host_budget", None)
 
 
 def _item_bytes(item: Any) -> int:
@@ -264,6 +255,9 @@ class BudgetSavePlanner(DefaultSavePlanner):
                 f"{_NAME}: {missing} of the export's states are not values of the state dict saved (a copy of a "
                 "placeholder, or one inside a pickled value, holds no data): save the export itself"
             )
+        whole = [self._fill(fqn) for fqn in self._sources]
+        if self._fills is None and self._fits_whole(whole):  # filled from now, in any order, as a copy would be
+            self._start_fills(whole)
 
     def create_local_plan(self) -> Any:
         """DCP's local plan, refused when the writer could hold more than the budget: the tensor it writes (the
@@ -287,11 +281,19 @@ class BudgetSavePlanner(DefaultSavePlanner):
         return plan
 
     def fill_in_order(self, fqns: list[str]) -> None:
-        """Start filling what the save writes of ``fqns`` (its final plan's tensors, in the order the writer asks for
-        them; the others are written as they are)."""
-        order = [self._fill(fqn) for fqn in fqns if fqn in self._sources]
+        """What the save writes of ``fqns`` (its final plan's tensors, in the order the writer asks for them; the
+        others are written as they are): filled from now, or, for a save that fits the budget whole and is filled
+        since its plan began, all the writer will ask for."""
+        if self._fills is not None:
+            self._fills.written(fqns)
+            return
+        self._start_fills([self._fill(fqn) for fqn in fqns if fqn in self._sources])
+
+    def _start_fills(self, order: list[Fill]) -> None:
+        """Fill ``order`` from now (``step()`` waits for the fills), into the buffers kept from the last save when
+        they fit the budget whole."""
         exporter, chunk = self.optimizer.state_exporter, self.optimizer.export_options.chunk_bytes
-        fits = sum(f.nbytes for f in order) + self._early_bytes() <= self.limit
+        fits = self._fits_whole(order)
         layout = [(f.fqn, f.shape, f.dtype, f.pinning) for f in order] if fits else None
         if layout != self._kept_layout:  # buffers other than those kept: the kept ones are freed (and unpinned)
             self.drop_kept()
@@ -300,9 +302,10 @@ class BudgetSavePlanner(DefaultSavePlanner):
         limit = self.limit - self._early_bytes()
         self._fills = SaveFills(order, limit, exporter, chunk, self._streams, kept, shared=self.shared)
         self._fills.done.add_done_callback(lambda _: _complete(self._filled))
-        # now, not at the writer's first tensor, which comes later (a writer process's own steps before it): step()
-        # waits for the fills
         self._fills.start()
+
+    def _fits_whole(self, order: list[Fill]) -> bool:
+        return sum(f.nbytes for f in order) + self._early_bytes() <= self.limit
 
     def for_writer_process(self, state_dict: Any) -> Any:
         """A save started by :meth:`begin` (whose budget refusal, the copies at its start and the largest tensor it

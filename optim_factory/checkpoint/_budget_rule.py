@@ -1,4 +1,5 @@
-"""The rules of a save within ``state_dict_offload_host_budget`` (``_budget.py``), and its refusals
+"""The rules of a save within ``state_dict_offload_host_budget`` (``_budget.py``; an optimizer's budget:
+:func:`host_budget`), and its refusals
 (:class:`BudgetRefused`): the least host budget, which its planner refuses a save by at the save's start and which a
 trainer checks before its first step (the recipe: ``CheckpointManager.check_first_save``), one source for both; the
 writer such a save writes through (:func:`refuse_writer`); a refusal that DCP wrapped, as its one line
@@ -18,7 +19,15 @@ from optim_factory.optimizers.export import local_tensor
 from optim_factory.rules.export import size_text
 from optim_factory.tree import leaves
 
-__all__ = ["BudgetRefused", "LeastBudget", "least_host_budget", "start_copies", "refuse_writer", "one_line_refusal"]
+__all__ = [
+    "BudgetRefused",
+    "LeastBudget",
+    "host_budget",
+    "least_host_budget",
+    "start_copies",
+    "refuse_writer",
+    "one_line_refusal",
+]
 
 
 class BudgetRefused(ConfigError):
@@ -26,6 +35,11 @@ class BudgetRefused(ConfigError):
     writer or a use the budget cannot serve. Its type, not its words, tells a caller (and ``one_line_refusal``, which
     finds it among DCP's gathered failures) that the budget refused; a ``ConfigError`` (a ``ValueError``), keyed
     where one value is refused, so that ``ConfigError.under`` names the config's override."""
+
+
+def host_budget(optimizer: Any) -> int | None:
+    """An optimizer's ``state_dict_offload_host_budget`` in bytes (None: none, or not one of ours)."""
+    return getattr(getattr(optimizer, "export_options", None), "host_budget", None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from optim_factory.checkpoint._budget import BudgetSavePlanner, budget_planner
+from optim_factory.checkpoint._budget import BudgetSavePlanner
+from optim_factory.checkpoint._budget_rule import BudgetRefused, host_budget
 from optim_factory.checkpoint._finite_check import FiniteCheck
 from optim_factory.checkpoint._host_copies import HostCopies
 from optim_factory.checkpoint._remote_fills import FillAsk, RemoteFills
@@ -179,11 +180,16 @@ class FillForWriterProcess(FillAsWritten):
 
 
 def filler_for(optimizers: Iterable[Any], pinned: bool, shared: bool = False) -> CopyAtStart | FillAsWritten:
-    """:class:`FillAsWritten` for the one optimizer with a host budget (several are refused: ``budget_planner``;
+    """:class:`FillAsWritten` for the one optimizer with a host budget (several are refused in one line;
     :class:`FillForWriterProcess` where ``shared``), else :class:`CopyAtStart` (``shared``: its copies in shared
     memory, for a writer process)."""
     optimizers = list(optimizers)
-    planner = budget_planner(optimizers, "AsyncSaveStager", shared=shared)
-    if planner is None:
+    budgeted = [opt for opt in optimizers if host_budget(opt) is not None]
+    if len(budgeted) > 1:
+        raise BudgetRefused(
+            f"state_dict_offload_host_budget: AsyncSaveStager saves one optimizer within a budget, not {len(budgeted)}"
+        )
+    if not budgeted:
         return CopyAtStart(pinned, optimizers, shared)
+    planner = BudgetSavePlanner(budgeted[0], copy_host_tensors=True, shared=shared)  # host tensors filled too
     return FillForWriterProcess(planner) if shared else FillAsWritten(planner)

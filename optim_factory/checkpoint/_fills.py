@@ -2,7 +2,8 @@
 writes is filled into fresh host memory on one thread of its own, ahead of the writer and in the order it asks for
 them, while the bytes filled and not yet given back fit the budget; the writer's previous tensor is given back
 when it asks for its next one. A save that fits the budget whole fills buffers of a ``HostBufferPool`` instead,
-kept for the next save and pinned once released (the device copies into them directly). For a writer process
+kept for the next save and pinned once released (the device copies into them directly); nothing is given back
+before the save ends, so the writer may ask for them in any order. For a writer process
 (``StagerOptions(write_in_process=True)``) the fresh memory is shared memory, which the process maps where it is, and
 a tensor given back has its pages removed from it (``give_pages_back``).
 See docs/export.md, "Saves within a host budget".
@@ -68,7 +69,8 @@ class _Closed(Exception):
 
 
 class SaveFills:
-    """The fills of one save: ``order``: the order the writer (one thread) asks for them; ``limit``: the budget in
+    """The fills of one save: ``order``: the order they are filled in (of fresh memory: the order the writer, one
+    thread, asks for them); ``limit``: the budget in
     bytes; ``kept``: the pool whose buffers a save that fits the budget whole fills (None: fresh memory, given back
     once written; its buffers in shared memory where ``shared``). :meth:`take` is the writer's ``resolve_data``;
     :meth:`close` ends the save's fills and gives back everything still held (a kept buffer to its pool); ``done``
@@ -94,7 +96,8 @@ class SaveFills:
         self._exporter, self._chunk_bytes, self._streams = exporter, chunk_bytes, streams
         self._order = order
         self._where = {f.fqn: pos for pos, f in enumerate(order)}
-        self._next = 0  # the position the writer asks for next
+        self._handed: set[int] = set()  # the positions of the fills handed to the writer
+        self._written = set(self._where)  # the keys the writer asks for
         self._taken: torch.Tensor | None = None  # the tensor the writer was given last
         self._cond = threading.Condition()
         self._closed = False
@@ -111,17 +114,14 @@ class SaveFills:
 
     def take(self, fqn: str) -> torch.Tensor:
         """The filled host tensor of ``fqn``, once filled; the previous one is given back first (the writer asks for
-        its next tensor once it has written the previous one)."""
+        its next tensor once it has written the previous one). Fresh memory is filled in the writer's order and
+        asked for in it; kept buffers, never given back before the save ends, are asked for in any order."""
         taken, self._taken = self._taken, None
         self._give_back(taken)
         with self._cond:
             position = self._where[fqn]
-            if self._next != position:
-                raise BudgetRefused(
-                    f"BudgetSavePlanner: DCP's writer asked for {fqn} out of the order the budget fills in (item "
-                    f"{position}, expected {self._next}): nothing more is filled"
-                )
-            self._next += 1
+            self._check_order(fqn, position)
+            self._handed.add(position)
         fill = self._order[position]
         self.start()
         with self._cond:
@@ -135,17 +135,33 @@ class SaveFills:
 
     def take_ready(self, fqn: str) -> dict[str, torch.Tensor]:
         """:meth:`take` of ``fqn``, and where the save fills kept buffers (nothing is given back before its end) every
-        tensor after it that is filled already, in order, taken as the writer would ask for them: by their keys. A
-        writer process asks for the next tensor it does not have, one message each way for all of them."""
+        other tensor the writer will ask for (:meth:`written`) that is filled already and not yet taken, in the
+        order filled, by their keys. A writer process asks for the next tensor it does not have, one message each
+        way for all of them."""
         taken = {fqn: self.take(fqn)}
         if self._kept is None:  # each one given back when the writer asks for the next: one at a time
             return taken
         with self._cond:
-            while self._next < len(self._order) and self._order[self._next].ready:
-                fill = self._order[self._next]
-                taken[fill.fqn], fill.host = fill.host, None
-                self._next += 1
+            for position, fill in enumerate(self._order):
+                if fill.ready and position not in self._handed and fill.fqn in self._written:
+                    taken[fill.fqn], fill.host = fill.host, None
+                    self._handed.add(position)
         return taken
+
+    def written(self, fqns: list[str]) -> None:
+        """The keys of the tensors the writer will ask for (the save's final plan; before it is known, all of them):
+        :meth:`take_ready` hands out no other."""
+        with self._cond:
+            self._written = set(fqns)
+
+    def _check_order(self, fqn: str, position: int) -> None:
+        if self._kept is None and position != len(self._handed):
+            raise BudgetRefused(
+                f"BudgetSavePlanner: DCP's writer asked for {fqn} out of the order the budget fills in (item "
+                f"{position}, expected {len(self._handed)}): nothing more is filled"
+            )
+        if position in self._handed:
+            raise BudgetRefused(f"BudgetSavePlanner: DCP's writer asked for {fqn} twice in one save")
 
     def close(self) -> None:
         """End the fills (a fill in progress is finished first) and give back every tensor still held."""

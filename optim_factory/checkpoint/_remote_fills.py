@@ -80,10 +80,8 @@ class RemoteFills(DefaultSavePlanner):
     def resolve_data(self, write_item: Any) -> Any:
         if self._filled(write_item):
             fqn = write_item.index.fqn
-            if fqn not in self._given:
-                if self._given:  # the writer moved past tensors it was handed: out of the order they were filled in
-                    raise RuntimeError(f"RemoteFills: {fqn} asked for before {', '.join(self._given)}")
-                self._given = self._ask("take", fqn)
+            if fqn not in self._given:  # kept buffers handed ahead are taken in any order
+                self._given.update(self._ask("take", fqn))
             return self._given.pop(fqn)
         return super().resolve_data(write_item)
 

@@ -93,16 +93,26 @@ class PlannedWriter(FileSystemWriter):
 
 class GatedFileWriter(FileSystemWriter):
     """DCP's file writer whose ``write_data`` waits until the file ``gate`` exists (a write in flight, held also in a
-    writer process: it pickles); ``kwargs``: ``FileSystemWriter``'s."""
+    writer process: it pickles); ``planning``: its ``prepare_local_plan`` waits instead (the save's plan held before
+    it is final); ``kwargs``: ``FileSystemWriter``'s."""
 
-    def __init__(self, path: str, gate: str, **kwargs) -> None:
+    def __init__(self, path: str, gate: str, planning: bool = False, **kwargs) -> None:
         super().__init__(path, **kwargs)
-        self.gate = gate
+        self.gate, self.planning = gate, planning
+
+    def prepare_local_plan(self, plan):
+        if self.planning:
+            self._wait()
+        return super().prepare_local_plan(plan)
 
     def write_data(self, plan, planner):
+        if not self.planning:
+            self._wait()
+        return super().write_data(plan, planner)
+
+    def _wait(self) -> None:
         while not os.path.exists(self.gate):
             time.sleep(0.01)
-        return super().write_data(plan, planner)
 
 
 class PlanWatcher(DefaultSavePlanner):

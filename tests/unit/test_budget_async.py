@@ -222,8 +222,8 @@ def test_a_writer_process_is_handed_every_filled_tensor_at_once_where_nothing_is
     answers = [save.take_ready(fqn) for fqn in ("t0", "t1", "t2")[: 1 if kept else 3]]
     assert [list(a) for a in answers] == ([["t0", "t1", "t2"]] if kept else [["t0"], ["t1"], ["t2"]])
     assert all(torch.equal(t, torch.full([4], int(k[1]))) for a in answers for k, t in a.items())
-    if kept:  # taken: asked for again, out of the order
-        with pytest.raises(ValueError, match=r"asked for t2 out of the order .* \(item 2, expected 3\)"):
+    if kept:  # taken: asked for again
+        with pytest.raises(ValueError, match=r"^BudgetSavePlanner: DCP's writer asked for t2 twice in one save$"):
             save.take("t2")
     else:  # t0 and t1 given back as the next was asked for; t2 until the save ends
         assert save.held == 16
@@ -260,9 +260,24 @@ def test_a_writer_process_is_handed_only_tensors_filled_by_then_never_one_being_
     save.close()
 
 
-def test_a_writer_process_asking_past_tensors_it_was_handed_is_one_line():
+def test_kept_buffers_are_taken_in_any_order_and_handed_only_as_the_plan_writes_them():
+    """Kept buffers, nothing given back before the save ends: the writer may ask for them in any order. A writer
+    process asking for t2 first is handed the others filled by then that its plan writes (t0, not t1), each once."""
+    save = SaveFills(_three_fills(), limit=48, exporter=StateExporter(), chunk_bytes=64, streams={}, kept=_Pool(False))
+    save.start()
+    save.done.result(timeout=60)
+    save.written(["t2", "t0"])  # the final plan: t1 is written by another rank
+    answer = save.take_ready("t2")
+    assert list(answer) == ["t2", "t0"] and torch.equal(answer["t0"], torch.zeros(4))
+    assert torch.equal(save.take("t1"), torch.ones(4))  # a writer thread is not bound by the plan's keys
+    with pytest.raises(ValueError, match=r"^BudgetSavePlanner: DCP's writer asked for t0 twice in one save$"):
+        save.take("t0")
+    save.close()
+
+
+def test_a_writer_process_reaching_past_tensors_it_was_handed_asks_and_keeps_them_for_their_turn():
     """The writer process's planner is handed t0 and t1 at its ask for t0 (kept buffers, both filled); a writer that
-    then reaches t2 before t1 is refused in one line naming both, not answered out of the order they were filled in."""
+    then reaches t2 first asks for it, and t1 is still there at its turn."""
     import multiprocessing
 
     from optim_factory.checkpoint._remote_fills import RemoteFills
@@ -271,10 +286,11 @@ def test_a_writer_process_asking_past_tensors_it_was_handed_is_one_line():
     here, there = multiprocessing.Pipe()
     asked = []
 
-    def training_process() -> None:  # answers the one take: t0 and t1, filled
-        asked.append(recv_with_fds(here))
-        send_answer(here, {"t0": torch.zeros(4), "t1": torch.ones(4)})
-        here.close()  # no other answer: a second ask meets the pipe's end
+    def training_process() -> None:  # answers two takes: t0 with t1, then t2
+        for answer in ({"t0": torch.zeros(4), "t1": torch.ones(4)}, {"t2": torch.full([4], 2.0)}):
+            asked.append(recv_with_fds(here))
+            send_answer(here, answer)
+        here.close()
 
     answering = threading.Thread(target=training_process)
     answering.start()
@@ -282,12 +298,10 @@ def test_a_writer_process_asking_past_tensors_it_was_handed_is_one_line():
     planner.connect(there)
     planner.set_up_planner({f"t{i}": torch.empty(4, device="meta") for i in range(3)})
     items = {item.index.fqn: item for item in planner.create_local_plan().items}
-    assert torch.equal(planner.resolve_data(items["t0"]), torch.zeros(4))
+    for fqn in ("t0", "t2", "t1"):
+        assert torch.equal(planner.resolve_data(items[fqn]), torch.full([4], float(fqn[1])))
     answering.join(60)
-    assert [(a.kind, a.arg) for a in asked] == [("take", "t0")]
-    with pytest.raises(RuntimeError, match=r"^RemoteFills: t2 asked for before t1$"):
-        planner.resolve_data(items["t2"])
-    assert torch.equal(planner.resolve_data(items["t1"]), torch.ones(4))  # still handed out, in its order
+    assert [(a.kind, a.arg) for a in asked] == [("take", "t0"), ("take", "t2")]
 
 
 class _Pool(HostBufferPool):
@@ -328,10 +342,10 @@ def test_a_gpu_tensor_is_copied_directly_only_into_a_pinned_kept_buffer(pinned, 
 
 
 @pytest.mark.parametrize("in_process", [False, True], ids=["thread", "writer-process"])
-def test_the_fills_start_once_the_plan_is_final_not_at_the_writer_s_first_tensor(in_process, tmp_path):
-    """With the budget holding the whole save and the writer held before it writes anything, the fills run anyway:
-    ``step()``, which waits for them, returns while the writer is held, and the files are those of the state at the
-    save."""
+def test_a_save_that_fits_the_budget_whole_fills_from_its_start_not_once_planned(in_process, tmp_path):
+    """With the budget holding the whole save and its plan held before it is final, the fills run anyway (kept
+    buffers, in any order: as a copy at the save's start): ``step()``, which waits for them, returns while the plan
+    is held, and the files are those of the state at the save."""
     whole = 12 * 2 * (1024 * 1024 + 1024) * 4  # exp_avg and exp_avg_sq of every parameter, FP32
     model, opt = _trained(whole + 12 * (1024 * 1024 + 1024) * 4)  # and the parameters
     save_plain(model, opt, tmp_path / "plain")
@@ -339,13 +353,13 @@ def test_the_fills_start_once_the_plan_is_final_not_at_the_writer_s_first_tensor
     with stager.exporting():
         msd, osd = get_state_dict(model, opt)
     gate = tmp_path / "gate"
-    writer = GatedFileWriter(str(tmp_path / "within"), str(gate), per_thread_copy_ahead=0)
+    writer = GatedFileWriter(str(tmp_path / "within"), str(gate), planning=True, per_thread_copy_ahead=0)
     response = stager.async_save({"model": msd, "optim": osd}, storage_writer=writer, no_dist=True)
     stepped = threading.Thread(target=train, args=(model, opt))
     stepped.start()
     stepped.join(60)
     try:
-        assert not stepped.is_alive(), "step() waited for fills that waited for the writer"
+        assert not stepped.is_alive(), "step() waited for fills that waited for the save's plan"
     finally:
         gate.touch()
         response.upload_completion.result()
