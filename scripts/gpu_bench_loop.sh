@@ -4,17 +4,18 @@
 # device-minutes hold the six part calls and cases 1-3):
 #     bash scripts/gpu_bench_loop.sh 1   # after the six part calls: TE's build, the wheels, every mode at 4.43 GB
 #     bash scripts/gpu_bench_loop.sh build && bash scripts/gpu_bench_loop.sh 3   # TE's build and the wheels alone,
-#                                        # then another case first (each of 2-6 needs them once on the machine)
+#                                        # then another case first (each of 2-7 needs them once on the machine)
 #     bash scripts/gpu_bench_loop.sh 2   # 17.7 GB: the recipe and Automodel, thread and writer process
 #     bash scripts/gpu_bench_loop.sh 3   # 17.7 GB: torchtitan, thread and writer process; tests/gpu
 #     bash scripts/gpu_bench_loop.sh 4   # 17.7 GB: the anchors (TE's class; torch_checkpointing), budgets
 #     bash scripts/gpu_bench_loop.sh 5   # 4.43 GB: budgets that fit the whole save, written by writer processes,
 #                                        # beside the unbudgeted writer process
-#     bash scripts/gpu_bench_loop.sh 6   # the same at 17.7 GB (torchtitan, then the recipe)
+#     bash scripts/gpu_bench_loop.sh 6   # the same at 17.7 GB, torchtitan
+#     bash scripts/gpu_bench_loop.sh 7   # the same at 17.7 GB, the recipe
 #     bash scripts/gpu_bench_loop.sh p   # no TE (no part calls; .gpu/deps and .gpu/wheels carried), one call: tests/gpu
 #                                        # (what runs without TE), then ours at 17.7 GB with PortableFusedAdam, TE's
 #                                        # bitwise twin (its slower step flatters a save's loss: not for the ratios)
-# Cases 2-6 carry .gpu/wheels only (the machine kept warm since case 1 or build: TE stays installed). Each bench_save
+# Cases 2-7 carry .gpu/wheels only (the machine kept warm since case 1 or build: TE stays installed). Each bench_save
 # run is one of scripts/gpu_bench_run.sh (a mode that ends its run loses only that run's table; the finished modes'
 # lines stay in $OUT/TAG.modes); its limit is about 1.3x the run's time on an H100 on 2026-12-07. Results go to $OUT.
 set -u
@@ -42,13 +43,12 @@ case "${1:-}" in
     run 260 l88b 88 f-titan-ours-budget-all,c-ours-budget-all ;;
   5)
     run 240 l22p 22 f-titan-ours-process,f-titan-ours-process-budget-all,c-ours-process,c-ours-process-budget-all ;;
-  6)
-    run 270 l88p 88 f-titan-ours-process,f-titan-ours-process-budget-all
-    run 270 l88q 88 c-ours-process,c-ours-process-budget-all ;;
+  6) run 380 l88p 88 f-titan-ours-process,f-titan-ours-process-budget-all ;;
+  7) run 300 l88q 88 c-ours-process,c-ours-process-budget-all ;;
   p)
     python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/site .gpu/wheels/*.whl \
       .gpu/deps/hydra_core-* .gpu/deps/omegaconf-* .gpu/deps/antlr4-* 2>&1 | tail -2
     timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1; tail -n 8 "$OUT/pytest_gpu.log"
     run 300 p88 88 c-ours,f-titan-ours ;;
-  *) echo "usage: bash scripts/gpu_bench_loop.sh build|1|2|3|4|5|6|p" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_bench_loop.sh build|1|2|3|4|5|6|7|p" >&2; exit 2 ;;
 esac
