@@ -9,8 +9,9 @@ An optimizer's chunked export made inside :meth:`BudgetSavePlanner.exporting` re
 streamed state (``unfilled_state_dict``): no memory; a reader that copies its data out (``.cpu()``, a plain
 ``dcp.save``) fails loudly, while pickling it (``torch.save``) stores a tensor without data. The planner knows each
 placeholder's key in the flattened state dict; once DCP's plan is final it fills every tensor it writes on a thread
-of its own, in the order the writer's threads ask for them (``_fills.py``; a save that fits the budget whole: from
-its ``set_up_planner``, in the state dict's order), and a writer thread's previous
+of its own, in the order the writer's threads ask for them (``_fills.py``; a save whose every tensor this rank fills
+fits the budget whole: from its ``set_up_planner``, in the state dict's order, those the plan gives another rank
+too, as a copy at the save's start copies them), and a writer thread's previous
 tensor, written once it asks for the next, is given back (``give_pages_back``) although DCP still references it.
 That order is that of DCP's ``FileSystemWriter`` without copy-ahead (whose overlapping loader asks ahead), which
 :meth:`BudgetSavePlanner.save` builds; a save with the planner that builds no writer of its own is refused.
@@ -152,6 +153,8 @@ class BudgetSavePlanner(DefaultSavePlanner):
         queued so far on the current CUDA streams, and the optimizer's ``step()`` waits for them. Returns the
         Future done once every fill is (or the save has ended). ``writer_checked``: its caller built the writer
         (:meth:`save`) or checked it (:meth:`async_save_kwargs`) for this save; else refused."""
+        if self._fills is not None:  # a save that never reached end(): its fills are not this save's
+            self.end()
         if self._current:  # saved inside the block that exported it
             self._items, self._steps = list(self._current), None
         self._refused, self.last_save_bytes = None, None  # this save's, once it is over
@@ -275,7 +278,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         return plan
 
     def finish_plan(self, new_plan: Any) -> Any:
-        """The final plan: its fills, in the order the writer asks for them (the plan's)."""
+        """The final plan: the tensors the writer asks for, in its order (``fill_in_order``)."""
         plan = super().finish_plan(new_plan)
         self.fill_in_order([i.index.fqn for i in plan.items if i.type != WriteItemType.BYTE_IO])
         return plan
@@ -347,8 +350,8 @@ class BudgetSavePlanner(DefaultSavePlanner):
         return self._started_fills(fqn).take(fqn)
 
     def take_ready(self, fqn: str) -> dict[str, torch.Tensor]:
-        """:meth:`take` for a writer process: ``fqn``'s tensor and, in a save that fits the budget whole, every later
-        one filled already (``SaveFills.take_ready``), by their keys."""
+        """:meth:`take` for a writer process: ``fqn``'s tensor and, in a save that fits the budget whole, every other
+        one of the plan filled already and not yet handed (``SaveFills.take_ready``), by their keys."""
         return self._started_fills(fqn).take_ready(fqn)
 
     def _started_fills(self, fqn: str) -> SaveFills:

@@ -121,7 +121,7 @@ class FillAsWritten:
     def finite_check(
         self, state_dict: Any, staged: Any, exported_by: ExportedBy, streams: dict, host_here: bool = True
     ) -> FiniteCheck:
-        """What the save is filled from, read before it is filled (``step()`` waits for the fills): the state
+        """What the save is filled from, which ``step()`` does not change before the fills are done: the state
         dict's tensors but the streamed states' placeholders, and the optimizer's live states in their place
         (the export copies them, widened, as ``step()`` reads them: a NaN or inf in one is one in the other)."""
         sources = {
@@ -167,8 +167,9 @@ class FillForWriterProcess(FillAsWritten):
         return {**dcp_kwargs, "planner": RemoteFills()}, self.serve
 
     def serve(self, ask: FillAsk) -> Any:
-        """The answer to the writer process's ask: the fills started in its plan's order, or the filled tensor asked
-        for with those after it that are ready (``BudgetSavePlanner.take_ready``)."""
+        """The answer to the writer process's ask: its plan's tensors, in its order (``fill_in_order``: the fills
+        start in it, or, filled since the save's start, the writer is handed only these), or the filled tensor asked
+        for with the others of the plan that are ready (``BudgetSavePlanner.take_ready``)."""
         if ask.kind == "order":
             return self._planner.fill_in_order(ask.arg)
         return self._planner.take_ready(ask.arg)

@@ -97,6 +97,7 @@ class SaveFills:
         self._order = order
         self._where = {f.fqn: pos for pos, f in enumerate(order)}
         self._handed: set[int] = set()  # the positions of the fills handed to the writer
+        self._unhanded = 0  # the first position neither handed nor left out of the plan
         self._written = set(self._where)  # the keys the writer asks for
         self._taken: torch.Tensor | None = None  # the tensor the writer was given last
         self._cond = threading.Condition()
@@ -142,10 +143,17 @@ class SaveFills:
         if self._kept is None:  # each one given back when the writer asks for the next: one at a time
             return taken
         with self._cond:
-            for position, fill in enumerate(self._order):
-                if fill.ready and position not in self._handed and fill.fqn in self._written:
+            for position in range(self._unhanded, len(self._order)):
+                fill = self._order[position]
+                if not fill.ready:
+                    break  # filled in order: none after it is ready either
+                if position not in self._handed and fill.fqn in self._written:
                     taken[fill.fqn], fill.host = fill.host, None
                     self._handed.add(position)
+            while self._unhanded < len(self._order) and (
+                self._unhanded in self._handed or self._order[self._unhanded].fqn not in self._written
+            ):
+                self._unhanded += 1  # where the next answer's scan starts
         return taken
 
     def written(self, fqns: list[str]) -> None:

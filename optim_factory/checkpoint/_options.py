@@ -20,9 +20,9 @@ class StagerOptions:
     """Attributes:
     refuse_non_finite: refuse a save whose state holds NaN or inf (``NON_FINITE_LINE``), each value read where it
         lives (``_finite_check.py``); within a host budget, what the save is filled from (the optimizer's live
-        states in place of the streamed ones) before it is filled, in this process. With ``write_in_process`` (and
-        no budget) the host's tensors are read by the writer process before it writes: the staging completes (and
-        ``check`` runs) before that part, and its refusal comes with ``upload_completion``.
+        states in place of the streamed ones; ``step()`` waits for the fills), in this process. With
+        ``write_in_process`` (and no budget) the host's tensors are read by the writer process before it writes: the
+        staging completes (and ``check`` runs) before that part, and its refusal comes with ``upload_completion``.
     check: called on the staging's completion thread with the staged state dict before DCP writes it (filled;
         within a host budget its streamed states are still meta tensors of their shape and dtype, filled as they
         are written, and with ``write_in_process`` every tensor filled for the writer process is); a returned line

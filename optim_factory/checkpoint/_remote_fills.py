@@ -5,10 +5,12 @@ the writer process plans the save and asks for each tensor as its writer reaches
 The training process sets the save up first (``BudgetSavePlanner.for_writer_process``: its refusals before anything
 is handed over) and sends :func:`sent_to_writer_process`'s state dict: a meta tensor in place of each tensor it fills.
 In the writer process :class:`RemoteFills`, DCP's default planner, asks over the pipe the process was handed its save
-on (a :class:`FillAsk`, answered before the process reads on): for the fills in its final plan's order, then for each
-meta tensor as DCP's writer resolves it that it was not given yet. The answer is the filled tensor in shared memory,
-its storage sent by its descriptor (``_shared_send.py``), with, in a save that fits the budget whole, every later one
-filled by then (one message each way for all of them); otherwise the training process gives each
+on (a :class:`FillAsk`, answered before the process reads on): for the fills in its final plan's order (a save that
+fits the budget whole is filled from the training process's ``set_up_planner`` on: the order names what the writer
+will ask for), then for each meta tensor as DCP's writer resolves it that it was not given yet. The answer is the
+filled tensor in shared memory, its storage sent by its descriptor (``_shared_send.py``), with, in a save that fits
+the budget whole, every other one of the plan filled by then and not yet handed (one message each way for all of
+them; kept here until the writer reaches each, in whatever order); otherwise the training process gives each
 back once the writer asks for the next one, as on a writer thread.
 """
 

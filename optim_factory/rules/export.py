@@ -128,7 +128,10 @@ def _check_budget(value: Any, chunk: int, reuse_buffers: bool, background: bool)
         raise ConfigError(key, value, f"cannot be combined with state_dict_offload_{other}=True, which {why}")
     if budget < 2 * chunk:
         raise ConfigError(
-            key, value, f"expected at least two chunks of state_dict_offload_chunk_bytes={chunk} ({2 * chunk} bytes)"
+            key,
+            value,
+            f"expected at least two chunks of state_dict_offload_chunk_bytes={chunk} ({2 * chunk} bytes; a smaller "
+            "chunk lowers it)",
         )
     return budget
 

@@ -138,7 +138,11 @@ def test_a_save_that_fits_the_budget_whole_keeps_its_buffers_for_the_next_and_wr
     [
         ("lots", "expected null (no cap), auto (a share of the host), bytes as an int or a size like 512MiB"),
         (True, "expected null (no cap), auto (a share of the host), bytes as an int or a size like 512MiB"),
-        (CHUNK, "expected at least two chunks of state_dict_offload_chunk_bytes=1048576 (2097152 bytes)"),
+        (
+            CHUNK,
+            "expected at least two chunks of state_dict_offload_chunk_bytes=1048576 (2097152 bytes; a smaller chunk "
+            "lowers it)",
+        ),
     ],
 )
 def test_a_budget_that_is_not_a_size_of_two_chunks_is_one_line(value, reason):
@@ -261,7 +265,10 @@ def test_the_export_saves_again_and_under_two_keys_with_the_same_files(tmp_path)
 def test_a_planner_without_a_budget_and_a_recipe_budget_that_is_not_a_size_are_one_line(tmp_path):
     with pytest.raises(ValueError, match="^BudgetSavePlanner: the optimizer has no state_dict_offload_host_budget$"):
         BudgetSavePlanner(_trained()[1])
-    two_chunks = "expected at least two chunks of optim.state_dict_offload_chunk_bytes=67108864 (134217728 bytes)"
+    two_chunks = (
+        "expected at least two chunks of optim.state_dict_offload_chunk_bytes=67108864 (134217728 bytes; a smaller "
+        "chunk lowers it)"
+    )
     not_a_size = "expected null (no cap), auto (a share of the host), bytes as an int or a size like 512MiB"
     for value, reason in (("lots", not_a_size), ("1KiB", two_chunks)):
         budget = ["optim.state_dict_cpu_offload=true", f"optim.state_dict_offload_host_budget={value}"]

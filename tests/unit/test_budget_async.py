@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_module, distribute_tensor
 
 from optim_factory import PortableFusedAdam
-from optim_factory.checkpoint import AsyncSaveStager, BudgetRefused, SaveRefused, StagerOptions
+from optim_factory.checkpoint import AsyncSaveStager, BudgetRefused, BudgetSavePlanner, SaveRefused, StagerOptions
 from optim_factory.checkpoint._fills import Fill, SaveFills
 from optim_factory.optimizers.export.host_memory import HostBufferPool
 from optim_factory.optimizers.export.stream import StateExporter, StreamItem
@@ -213,8 +213,9 @@ def _three_fills() -> list[Fill]:
 
 @pytest.mark.parametrize("kept", [True, False], ids=["kept", "fresh"])
 def test_a_writer_process_is_handed_every_filled_tensor_at_once_where_nothing_is_given_back_mid_save(kept):
-    """A save that fits the budget whole (kept buffers) hands the tensor asked for and every later one filled already,
-    in order, in one answer; fresh memory, each given back when the next is asked for, goes one at a time."""
+    """A save that fits the budget whole (kept buffers) hands the tensor asked for and every other one filled already,
+    in the order filled, in one answer; fresh memory, each given back when the next is asked for, goes one at a
+    time."""
     pool = _Pool(False) if kept else None
     save = SaveFills(_three_fills(), limit=48, exporter=StateExporter(), chunk_bytes=64, streams={}, kept=pool)
     save.start()
@@ -366,6 +367,47 @@ def test_a_save_that_fits_the_budget_whole_fills_from_its_start_not_once_planned
         stepped.join()
         stager.close()
     assert data_files(tmp_path / "within") == data_files(tmp_path / "plain")
+
+
+WHOLE = 12 * 3 * (1024 * 1024 + 1024) * 4  # exp_avg, exp_avg_sq and the parameters of every Linear, FP32
+
+
+def test_a_writer_process_is_handed_only_what_its_plan_writes_of_a_save_filled_from_its_start():
+    """A save that fits the budget whole is filled from ``set_up_planner`` on, every tensor this rank has; the writer
+    process's final plan (its order ask) writes half of them (DCP gives the others to another rank): the answer to its
+    first ask holds the plan's tensors, every one filled by then, and no other."""
+    model, opt = _trained(WHOLE)
+    planner = BudgetSavePlanner(opt, copy_host_tensors=True)
+    with planner.exporting():
+        msd, osd = get_state_dict(model, opt)
+    state_dict = {"model": msd, "optim": osd}
+    filled = planner.begin(state_dict, writer_checked=True)
+    try:
+        planner.for_writer_process(state_dict)  # set_up_planner: the fills start
+        filled.result(timeout=60)  # every tensor filled before the writer process's plan is final
+        keys = [k for k, v in planner.state_dict.items() if isinstance(v, torch.Tensor)]
+        plan = keys[::2]
+        planner.fill_in_order(plan)
+        answer = planner.take_ready(plan[0])
+        assert sorted(answer) == sorted(plan), sorted(set(answer) ^ set(plan))
+    finally:
+        planner.end()
+
+
+def test_a_save_that_never_reached_its_end_leaves_nothing_to_the_next(tmp_path):
+    """A checkpointer of its own that begins two saves without ending the first: the second save is filled and
+    written whole (the first's fills ended at its begin), the same files."""
+    model, opt = _trained(WHOLE)
+    planner = BudgetSavePlanner(opt)
+    with planner.exporting():
+        msd, osd = get_state_dict(model, opt)
+    state_dict = {"model": msd, "optim": osd}
+    for name in ("first", "second"):
+        planner.begin(state_dict, writer_checked=True)
+        writer = FileSystemWriter(str(tmp_path / name), per_thread_copy_ahead=0)
+        dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=True)
+    planner.end()
+    assert data_files(tmp_path / "second") == data_files(tmp_path / "first")
 
 
 def saves_what_step_does_not_change_as_at_the_start(tmp_path: Path, mesh=None) -> None:
