@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,12 @@ def figures(text: str) -> tuple[str, ...] | None:
 def machine() -> str:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return f"{cpus} CPUs for this process, load average {os.getloadavg()[0]:.2f}"
+
+
+def suite_arguments(readme: str) -> list[str]:
+    """The README's test command from its ``-m pytest`` on: its pytest part, as the interpreter's arguments."""
+    line = next(line for line in readme.splitlines() if "python -m pytest" in line)
+    return shlex.split(line[line.index("-m pytest") :])
 
 
 def timed(command: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:
@@ -69,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"README: steps 0-{claimed[0]}, loss {claimed[1]} -> {claimed[2]}; accuracy {claimed[3]}")
     print(f"run:    steps 0-{measured[0]}, loss {measured[1]} -> {measured[2]}; accuracy {measured[3]}")
     if args.suite:
-        command = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder"]
+        command = [sys.executable, *suite_arguments((ROOT / "README.md").read_text())]
         print(f"before the suite: {machine()}")
         suite, wall = timed(command, env)
         counts = COUNTS.search(suite.stdout.strip().splitlines()[-1] if suite.stdout.strip() else "")

@@ -1,9 +1,9 @@
 """Suite-wide test configuration.
 
-The README's command runs the suite on two pytest-xdist workers, a test file to a worker (``-n 2 --dist
-loadfile``: a module's fixtures, such as the local Slurm cluster of tests/recipe/test_slurm.py, live in one
-process). The tests marked ``slow`` (each starts processes of its own) come first, so that their files are handed
-out before the quick ones and no long file is left running alone at the end.
+The suite runs on two pytest-xdist workers, a test file to a worker (``-n 2 --dist loadfile``: a module's
+fixtures, such as the local Slurm cluster of tests/recipe/test_slurm.py, live in one process). Where a run holds
+tests marked ``slow`` and others (the whole suite; CI runs ``-m "not slow"``), the slow ones come first, so that
+their files are handed out before the quick ones and no long file is left running alone at the end.
 
 Once every test module is imported, the suite's process freezes what the imports made out of the garbage collector
 (``gc.freeze``), as a long-lived owner of its collector would: the recipe's loop then leaves the collector to it

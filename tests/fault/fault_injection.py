@@ -1,7 +1,7 @@
 """Fault injection: kill -9 the trainer at random moments and inside saves; every resume must be exact.
 
     python -m tests.fault.fault_injection --trials 20 --modes sync,async --out table.md   # full
-    python -m tests.fault.fault_injection --trials 2                                      # the reduced test's
+    python -m tests.fault.fault_injection --trials 2                                      # test_reliability's
     python -m tests.fault.fault_injection --trials 4 --overrides "optim=fused_adam_lowmem model.dtype=bf16"  # streamed
 
 Per mode (``checkpoint.async_save`` false/true) an uninterrupted reference run is made once, in this process.

@@ -475,6 +475,14 @@ def test_readme_figures_reads_the_readme_s_done_line():
     assert steps == at and float(first) > float(last) and 0 < float(accuracy) <= 1
 
 
+def test_readme_figures_times_the_readme_s_test_command():
+    """``--suite`` runs the README's test command from its ``-m pytest`` on: CI's tier, its markers' quotes undone."""
+    from scripts.readme_figures import suite_arguments
+
+    arguments = suite_arguments((ROOT / "README.md").read_text())
+    assert arguments[:2] == ["-m", "pytest"] and arguments[-2:] == ["-m", "not slow"], arguments
+
+
 def test_count_hops_follows_a_save_onto_the_threads_that_write_it(tmp_path):
     """The recipe's save, traced: the calls on the loop's thread and those on DCP's upload thread (the gate)."""
     from scripts.count_hops import recipe_save
