@@ -29,7 +29,7 @@ BUDGET = [
     "optim.state_dict_offload_host_budget=512KiB",
 ]
 WHOLE = [*BUDGET[:2], "optim.state_dict_offload_host_budget=64MiB"]  # every save fits: its buffers kept
-SAVES = ["trainer.max_steps=4", "checkpoint.every_steps=2"]  # two saves: the second one reuses what the first kept
+SAVES = ["trainer.max_steps=4", "checkpoint.every_steps=2"]  # two saves: the whole runs keep buffers for the second
 
 
 def test_checkpoints_within_the_budget_equal_unbudgeted_ones_bitwise(tmp_path, caplog):
