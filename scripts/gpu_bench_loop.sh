@@ -18,6 +18,8 @@
 # Cases 2-7 carry .gpu/wheels only (the machine kept warm since case 1 or build: TE stays installed). Each bench_save
 # run is one of scripts/gpu_bench_run.sh (a mode that ends its run loses only that run's table; the finished modes'
 # lines stay in $OUT/TAG.modes); its limit is about 1.3x the run's time on an H100 on 2026-12-07. Results go to $OUT.
+# tests/gpu runs verbose: each test's outcome is in $OUT/pytest_gpu.log as it ends, so a run cut short by its limit
+# (95-100 s on a warm H100; more than 150 s once, right after TE's build) still names what failed.
 set -u
 export PYTHONPATH="$PWD:/tmp/site" NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 run() { BENCH_TIMEOUT=$1 bash scripts/gpu_bench_run.sh "$2" "$3" "$4"; }
@@ -37,7 +39,7 @@ case "${1:-}" in
     run 280 l88g 88 g-automodel-ours,g-automodel-ours-process ;;
   3)
     run 330 l88f 88 f-titan-ours,f-titan-ours-process
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1; tail -n 5 "$OUT/pytest_gpu.log" ;;
+    timeout 240 python3 -m pytest -v -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1; tail -n 5 "$OUT/pytest_gpu.log" ;;
   4)
     run 260 l88a 88 f-titan-te,h-checkpointing-te
     run 260 l88b 88 f-titan-ours-budget-all,c-ours-budget-all ;;
@@ -48,7 +50,7 @@ case "${1:-}" in
   p)
     python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/site .gpu/wheels/*.whl \
       .gpu/deps/hydra_core-* .gpu/deps/omegaconf-* .gpu/deps/antlr4-* 2>&1 | tail -2
-    timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1; tail -n 8 "$OUT/pytest_gpu.log"
+    timeout 220 python3 -m pytest -v -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1; tail -n 8 "$OUT/pytest_gpu.log"
     run 300 p88 88 c-ours,f-titan-ours ;;
   *) echo "usage: bash scripts/gpu_bench_loop.sh build|1|2|3|4|5|6|7|p" >&2; exit 2 ;;
 esac
