@@ -1,7 +1,7 @@
 """A save within a host-memory budget: ``BudgetSavePlanner``, DCP's save planner that exports each optimizer state
 (and copies each CUDA tensor) into fresh host memory ahead of DCP's writer and gives that memory back once written,
 so that a save holds at most the budget, plus the staging of the fills (a ring of at most 128 MiB). A save that fits
-the budget whole fills host buffers kept for the next save instead, pinned once written (``_fills.py``), from the
+the budget whole fills host buffers kept for the next save instead, pinned once written (``_fill_memory.py``), from the
 start of its planning and in any order, as a copy at the save's start would: nothing is given back before it ends.
 See docs/export.md, "Saves within a host budget".
 
@@ -26,7 +26,6 @@ not have yet (:meth:`BudgetSavePlanner.take_ready`), in shared memory.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import sys
 from collections.abc import Iterator
@@ -46,9 +45,10 @@ from optim_factory.checkpoint._budget_rule import (
     refuse_writer,
     start_copies,
 )
+from optim_factory.checkpoint._fill_memory import FillMemory
 from optim_factory.checkpoint._fills import Fill, SaveFills
 from optim_factory.checkpoint._remote_fills import sent_to_writer_process
-from optim_factory.optimizers.export import HostBufferPool, StreamItem, give_pages_back, local_tensor, shared_empty
+from optim_factory.optimizers.export import give_pages_back, local_tensor, shared_empty
 from optim_factory.rules.export import size_text
 from optim_factory.tree import leaves, local_tensors
 
@@ -99,10 +99,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         self._early_by_fqn: dict[str, torch.Tensor] = {}  # those copies by the save's flattened keys
         self._fills: SaveFills | None = None
         self._filled: Future | None = None
-        self._streams: dict[torch.device, Any] = {}  # the fills' side stream per device, kept from save to save
-        self._device: torch.device | None = None  # the last save's GPU: where the kept buffers' thread pins them
-        self._kept = self._pool()  # the buffers of the last save, when it fit the budget whole
-        self._kept_layout: list | None = None  # that save's (key, shape, dtype, pinning) of each tensor it filled
+        self._memory = FillMemory(optimizer, budget, shared)  # what the fills fill, kept buffers included
 
     @contextlib.contextmanager
     def exporting(self) -> Iterator[None]:
@@ -166,13 +163,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
             raise
         devices = {t.device for t in local_tensors(state_dict) if t.is_cuda}
         devices |= {local_tensor(item.source).device for item in self._items if item.source.is_cuda}
-        current = torch.device("cuda", torch.cuda.current_device()) if devices else None  # the caller's
-        self._device = current if current in devices else min(devices, key=lambda d: d.index, default=None)
-        for device in devices:
-            side = self._streams.get(device)
-            if side is None:
-                side = self._streams[device] = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))  # the states are final here
+        self._memory.begin(devices)
         self._saving, self._filled = True, Future()
         self.optimizer.state_exporter.hold(self._filled)
         return self._filled
@@ -294,21 +285,13 @@ class BudgetSavePlanner(DefaultSavePlanner):
 
     def _start_fills(self, order: list[Fill]) -> None:
         """Fill ``order`` from now (``step()`` waits for the fills), into the buffers kept from the last save when
-        they fit the budget whole."""
-        exporter, chunk = self.optimizer.state_exporter, self.optimizer.export_options.chunk_bytes
-        fits = self._fits_whole(order)
-        layout = [(f.fqn, f.shape, f.dtype, f.pinning) for f in order] if fits else None
-        if layout != self._kept_layout:  # buffers other than those kept: the kept ones are freed (and unpinned)
-            self.drop_kept()
-            self._kept_layout = layout
-        kept = self._kept if fits else None
-        limit = self.limit - self._early_bytes()
-        self._fills = SaveFills(order, limit, exporter, chunk, self._streams, kept, shared=self.shared)
+        they fit the budget whole (``FillMemory.fills``)."""
+        self._fills = self._memory.fills(order, self._early_bytes())
         self._fills.done.add_done_callback(lambda _: _complete(self._filled))
         self._fills.start()
 
     def _fits_whole(self, order: list[Fill]) -> bool:
-        return sum(f.nbytes for f in order) + self._early_bytes() <= self.limit
+        return self._memory.fits_whole(order, self._early_bytes())
 
     def for_writer_process(self, state_dict: Any) -> Any:
         """A save started by :meth:`begin` (whose budget refusal, the copies at its start and the largest tensor it
@@ -323,19 +306,11 @@ class BudgetSavePlanner(DefaultSavePlanner):
     def kept_bytes(self) -> int:
         """Bytes of host buffers kept for the next save (those of the last, when it fit the budget whole; during a
         save that fills them, 0)."""
-        return self._kept.free_bytes()
+        return self._memory.kept_bytes
 
     def drop_kept(self) -> None:
         """Free the buffers kept for the next save (``HostBufferPool.clear``: on its thread, on the save's GPU)."""
-        self._kept.clear()
-        self._kept, self._kept_layout = self._pool(), None
-
-    def _pool(self) -> HostBufferPool:
-        """A pool for the kept buffers (pinned on the last save's GPU; in shared memory where :attr:`shared`)."""
-        pool = HostBufferPool(self._device)
-        if self.shared:
-            pool.use_shared_memory()
-        return pool
+        self._memory.drop_kept()
 
     def resolve_data(self, write_item: Any) -> Any:
         fqn = write_item.index.fqn
@@ -367,18 +342,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
             raise BudgetRefused(f"{_NAME}: save with planner.save(...), which builds the writer it needs")
 
     def _fill(self, fqn: str) -> Fill:
-        source = self._sources[fqn]
-        exported = isinstance(source, StreamItem)
-        cuda = (source.source if exported else source).is_cuda
-        pinning = self.optimizer.export_options.pinning_on("cuda" if cuda else "cpu")
-
-        def item(host: torch.Tensor, direct: bool) -> StreamItem:
-            if exported:  # a fresh destination is staged, on the host too (as a fresh export's: plan.py)
-                return dataclasses.replace(source, dst=host, result=host, staged=not direct)
-            return StreamItem(source.reshape(-1), None, host, host, staged=cuda and not direct)
-
-        layout = source.dst if exported else source
-        return Fill(fqn, layout.shape, layout.dtype, item, cuda, pinning)
+        return self._memory.fill(fqn, self._sources[fqn])
 
 
 def _complete(future: Future | None) -> None:
