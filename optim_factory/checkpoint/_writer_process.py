@@ -39,6 +39,7 @@ from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from optim_factory.checkpoint._agreement import agree, gathered
@@ -47,10 +48,14 @@ from optim_factory.checkpoint._remote_fills import FillAsk, RemoteFills
 from optim_factory.checkpoint._shared_send import discard, pickle_with_fds, recv_with_fds, send_answer, send_with_fds
 from optim_factory.errors import SaveRefused, first_line
 
-__all__ = ["WriterProcess", "WriterProcessEnded"]
+__all__ = ["TORCH_THREADS", "WriterProcess", "WriterProcessEnded"]
 
 log = logging.getLogger(__name__)
 _READY = "ready"
+TORCH_THREADS = 1
+"""The writer process's torch threads (its torch work on the CPU: the finite check's host part). One, as torch's
+DataLoader workers run: a background process of the rank never takes the cores the training process's loop runs on
+(torch's default is a thread per core)."""
 _START_TIMEOUT_S = 300.0  # the writer processes' group forms within this (DCP's process executor waits 1800 s)
 _RUNNING: weakref.WeakSet = weakref.WeakSet()  # every WriterProcess of this process, for the exit's wait
 
@@ -68,6 +73,7 @@ def _serve(conn: Any, alive: Any, rank: int, world: int, store: tuple[str, int] 
     """
     import torch.distributed.checkpoint as dcp
 
+    torch.set_num_threads(TORCH_THREADS)
     threading.Thread(target=_end_with, args=(alive,), name="optim-factory-writer-watch", daemon=True).start()
 
     # what this process does on purpose, not news to the person training: one process saves without a group (DCP

@@ -36,6 +36,7 @@ from torch.distributed.fsdp import fully_shard
 
 from optim_factory import PortableFusedAdam
 from optim_factory.checkpoint import AsyncSaveStager, SaveRefused, StagerOptions
+from optim_factory.checkpoint._writer_process import TORCH_THREADS
 from optim_factory.optimizers.export import all_finite, give_pages_back, host_empty, shared_empty
 from tests import forked
 from tests.distributed.launch import PRELOAD, spawn
@@ -204,6 +205,38 @@ def test_the_host_s_finite_check_runs_in_the_writer_process_before_it_writes(tmp
         assert (tmp_path / "after" / ".metadata").exists() and stager.writer_pid == pid
         assert not read_here, "the training process checked host tensors"
     finally:
+        stager.close()
+
+
+class _ThreadsSeen(FileSystemWriter):
+    """A writer that notes torch's thread count where it writes; ``take_written`` gives it back to the caller's."""
+
+    threads: int | None = None
+
+    def write_data(self, plan, planner):
+        self.threads = torch.get_num_threads()
+        return super().write_data(plan, planner)
+
+    def take_written(self, copy: _ThreadsSeen) -> None:
+        self.threads = copy.threads
+
+
+def test_the_writer_process_runs_torch_on_its_own_threads_not_the_training_process_s(tmp_path):
+    """The writer process's torch work (the finite check's host part) runs on ``TORCH_THREADS``, whatever the
+    training process runs on: it never takes the cores of the training process's loop."""
+    model = make_model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    stager = AsyncSaveStager(opt, StagerOptions(refuse_non_finite=True, write_in_process=True))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the training process's, which the writer process must not take
+    try:
+        train(model, opt, 1)
+        writer = _ThreadsSeen(str(tmp_path / "save"))
+        stager.async_save(export_deferred(model, opt), storage_writer=writer)
+        stager.wait()
+        assert writer.threads == TORCH_THREADS != torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
         stager.close()
 
 
