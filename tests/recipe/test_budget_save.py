@@ -48,9 +48,7 @@ def test_checkpoints_within_the_budget_equal_unbudgeted_ones_bitwise(tmp_path, c
             writers[name].update(p.name for p in multiprocessing.active_children() if phase == "marker")
 
         with caplog.at_level(logging.INFO, logger="recipes.train"):
-            train(
-                compose_config([*QUICK, f"run_dir={tmp_path / name}", *SAVES, *options]), on_phase=seen
-            )
+            train(compose_config([*QUICK, f"run_dir={tmp_path / name}", *SAVES, *options]), on_phase=seen)
     assert all(complete_steps(tmp_path / name) == [2, 4] for name in runs)  # two saves each, compared below
     assert [name for name, names in writers.items() if "optim-factory-writer" in names] == ["process"], writers
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoints: ")]

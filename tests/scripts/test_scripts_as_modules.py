@@ -9,6 +9,7 @@ import importlib
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -93,6 +94,9 @@ def test_bench_save_runs_every_mode_on_cpu(tmp_path, monkeypatch, capsys):
     rows = [json.loads(ln) for ln in lines[1:]]
     assert [(r["mode"], r["repeat"]) for r in rows] == [(m, i) for m in MODES for i in (-1, 0)]
     assert all(r["disk_bytes"] > 0 and r["block_s"] > 0 for r in rows)  # every checkpoint was written
+    # the baseline step: the median of as many steps before the save as are counted after it
+    assert all(len(r["steps_before_s"]) == len(r["steps_after_s"]) == 8 for r in rows)
+    assert all(r["step_before_s"] == statistics.median(r["steps_before_s"]) for r in rows)
     table = (tmp_path / "bench_save.md").read_text()
     assert all(f"| {m} |" in table for m in MODES) and "## Goals" in table
     assert not list((tmp_path / "s" / "bench_save").iterdir())  # each mode's checkpoints deleted
