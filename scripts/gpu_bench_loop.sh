@@ -3,8 +3,9 @@
 # .gpu/wheels), in device calls of under 10 minutes each, from the repository root, most needed first (a session's 30
 # device-minutes hold the six part calls and cases 1-3):
 #     bash scripts/gpu_bench_loop.sh 1   # after the six part calls: TE's build, the wheels, every mode at 4.43 GB
-#     bash scripts/gpu_bench_loop.sh build && bash scripts/gpu_bench_loop.sh 3   # TE's build and the wheels alone,
-#                                        # then another case first (each of 2-7 needs them once on the machine)
+#     bash scripts/gpu_bench_loop.sh build && bash scripts/gpu_bench_loop.sh t   # TE's build and the wheels alone,
+#                                        # then another case first (each of 2-7 and t needs them once on the machine)
+#     bash scripts/gpu_bench_loop.sh t   # tests/gpu alone (also the end of case 3)
 #     bash scripts/gpu_bench_loop.sh 2   # 17.7 GB: the recipe and Automodel, thread and writer process
 #     bash scripts/gpu_bench_loop.sh 3   # 17.7 GB: torchtitan, thread and writer process; tests/gpu
 #     bash scripts/gpu_bench_loop.sh 4   # 17.7 GB: the anchors (TE's class; torch_checkpointing), budgets
@@ -15,14 +16,16 @@
 #     bash scripts/gpu_bench_loop.sh p   # no TE (no part calls; .gpu/deps and .gpu/wheels carried), one call: tests/gpu
 #                                        # (what runs without TE), then ours at 17.7 GB with PortableFusedAdam, TE's
 #                                        # bitwise twin (its slower step flatters a save's loss: not for the ratios)
-# Cases 2-7 carry .gpu/wheels only (the machine kept warm since case 1 or build: TE stays installed). Each bench_save
+# Cases 2-7 and t carry .gpu/wheels only (the machine kept warm since case 1 or build: TE stays installed). Each bench_save
 # run is one of scripts/gpu_bench_run.sh (a mode that ends its run loses only that run's table; the finished modes'
-# lines stay in $OUT/TAG.modes); its limit is about 1.3x the run's time on an H100 on 2026-12-07. Results go to $OUT.
+# lines stay in $OUT/TAG.modes); its limit is about 1.3x the run's time on an H100 on 2026-12-07, measured with 3
+# baseline steps a save (now 8: 20 steps more a mode, 3 s at 17.7 GB). Results go to $OUT.
 # tests/gpu runs verbose: each test's outcome is in $OUT/pytest_gpu.log as it ends, so a run cut short by its limit
 # (95-100 s on a warm H100; more than 150 s once, right after TE's build) still names what failed.
 set -u
 export PYTHONPATH="$PWD:/tmp/site" NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 run() { BENCH_TIMEOUT=$1 bash scripts/gpu_bench_run.sh "$2" "$3" "$4"; }
+gpu_tests() { timeout 240 python3 -m pytest -v -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1; tail -n 5 "$OUT/pytest_gpu.log"; }
 install_te_and_wheels() {  # fails where TE's build does (its log's tail shown either way)
   local log
   log=$(bash .gpu/install.sh build 2>&1) || { echo "$log" | tail -20; return 1; }
@@ -39,7 +42,8 @@ case "${1:-}" in
     run 280 l88g 88 g-automodel-ours,g-automodel-ours-process ;;
   3)
     run 330 l88f 88 f-titan-ours,f-titan-ours-process
-    timeout 240 python3 -m pytest -v -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1; tail -n 5 "$OUT/pytest_gpu.log" ;;
+    gpu_tests ;;
+  t) gpu_tests ;;
   4)
     run 260 l88a 88 f-titan-te,h-checkpointing-te
     run 260 l88b 88 f-titan-ours-budget-all,c-ours-budget-all ;;
@@ -52,5 +56,5 @@ case "${1:-}" in
       .gpu/deps/hydra_core-* .gpu/deps/omegaconf-* .gpu/deps/antlr4-* 2>&1 | tail -2
     timeout 220 python3 -m pytest -v -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1; tail -n 8 "$OUT/pytest_gpu.log"
     run 300 p88 88 c-ours,f-titan-ours ;;
-  *) echo "usage: bash scripts/gpu_bench_loop.sh build|1|2|3|4|5|6|7|p" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_bench_loop.sh build|t|1|2|3|4|5|6|7|p" >&2; exit 2 ;;
 esac
