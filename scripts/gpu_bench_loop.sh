@@ -16,8 +16,8 @@
 #     bash scripts/gpu_bench_loop.sh p   # no TE (no part calls; .gpu/deps and .gpu/wheels carried), one call: tests/gpu
 #                                        # (what runs without TE), then ours at 17.7 GB with PortableFusedAdam, TE's
 #                                        # bitwise twin (its slower step flatters a save's loss: not for the ratios)
-# Cases 2-7 and t carry .gpu/wheels only (the machine kept warm since case 1 or build: TE stays installed). Each bench_save
-# run is one of scripts/gpu_bench_run.sh (a mode that ends its run loses only that run's table; the finished modes'
+# Cases 2-7 and t carry .gpu/wheels only (the machine kept warm since case 1 or build: TE stays installed). Each
+# bench_save run is one of scripts/gpu_bench_run.sh (a mode that ends its run loses only that run's table; the finished modes'
 # lines stay in $OUT/TAG.modes); its limit is about 1.3x the run's time on an H100 on 2026-12-07, measured with 3
 # baseline steps a save (now 8: 20 steps more a mode, 3 s at 17.7 GB). Results go to $OUT.
 # tests/gpu runs verbose: each test's outcome is in $OUT/pytest_gpu.log as it ends, so a run cut short by its limit
@@ -25,7 +25,10 @@
 set -u
 export PYTHONPATH="$PWD:/tmp/site" NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 run() { BENCH_TIMEOUT=$1 bash scripts/gpu_bench_run.sh "$2" "$3" "$4"; }
-gpu_tests() { timeout 240 python3 -m pytest -v -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1; tail -n 5 "$OUT/pytest_gpu.log"; }
+gpu_tests() {
+  timeout 240 python3 -m pytest -v -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1
+  tail -n 5 "$OUT/pytest_gpu.log"
+}
 install_te_and_wheels() {  # fails where TE's build does (its log's tail shown either way)
   local log
   log=$(bash .gpu/install.sh build 2>&1) || { echo "$log" | tail -20; return 1; }
