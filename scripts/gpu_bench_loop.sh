@@ -17,9 +17,9 @@
 #                                        # (what runs without TE), then ours at 17.7 GB with PortableFusedAdam, TE's
 #                                        # bitwise twin (its slower step flatters a save's loss: not for the ratios)
 # Cases 2-7 and t carry .gpu/wheels only (the machine kept warm since case 1 or build: TE stays installed). Each
-# bench_save run is one of scripts/gpu_bench_run.sh (a mode that ends its run loses only that run's table; the finished modes'
-# lines stay in $OUT/TAG.modes); its limit is about 1.3x the run's time on an H100 on 2026-12-07, measured with 3
-# baseline steps a save (now 8: 20 steps more a mode, 3 s at 17.7 GB). Results go to $OUT.
+# bench_save run is one of scripts/gpu_bench_run.sh (a mode that ends its run loses only that run's table; the
+# finished modes' lines stay in $OUT/TAG.modes); its limit is about 1.3x the run's time on an H100 on 2026-12-07,
+# measured with 3 baseline steps a save (now 8: 20 steps more a mode, 3 s at 17.7 GB). Results go to $OUT.
 # tests/gpu runs verbose: each test's outcome is in $OUT/pytest_gpu.log as it ends, so a run cut short by its limit
 # (95-100 s on a warm H100; more than 150 s once, right after TE's build) still names what failed.
 set -u
