@@ -47,12 +47,12 @@ that ``step()``), the GPU peak of the save call above the step boundary, the nex
 step's GPU peak beyond a plain step's (what a save keeps on the GPU into the next step: (a)'s export until its
 staging is done, the overlapping export's chunks), RSS and pinned host bytes (torch's pinned host allocator plus
 our pool's registered buffers), bytes on disk, ``complete_s`` (save call until the save was confirmed complete,
-after the following steps: an upper bound) and the ``--steps-after`` following step times against the median of as
-many steps before it (``steps_before_s`` in the jsonl; the median of 3 ranged from 15 % below to 7.5 % above the
-steady step after a save, p10 to p90 of 240 saves on an H100, which over 8 steps is up to 0.4 x the 4.43 GB floor)
-(8 by default: enough steps to hold the start of the save's DCP write, whose planning and small pickled
-items run on DCP's upload thread beside them, on every path; with 3 the recipe's write, which starts after its finite
-check, fell after the counted steps and the frameworks' within them), and the generation-2 garbage collections that
+after the following steps: an upper bound) and the ``--steps-after`` following step times (8 by default: enough steps
+to hold the start of the save's DCP write, whose planning and small pickled items run on DCP's upload thread beside
+them, on every path; with 3 the recipe's write, which starts after its finite check, fell after the counted steps and
+the frameworks' within them) against the median of as many steps before the save (``steps_before_s`` in the jsonl:
+a median of fewer strays, of 3 from 15 % below to 7.5 % above the steady step after a save, p10 to p90 of 240 saves
+on an H100, which over 8 steps is up to 0.4x the floor at 4.43 GB), and the generation-2 garbage collections that
 ended in that window (how many, the longest; in the jsonl each one's pause, the objects it scanned, those it freed and
 its thread). ``--gc frozen`` (the default) runs each mode with what its setup made
 frozen out of the collector, as the recipe's loop runs (torchtitan's and Automodel's trainers turn automatic
@@ -656,7 +656,8 @@ def render(summary: dict, meta: dict) -> str:
         f"{meta['fp32_state_gb']:.2f} GB of "
         f"FP32-equivalent optimizer state per rank; chunk {meta['chunk'] >> 20} MiB; {meta['repeats']} measured "
         "checkpoints per mode after one warm-up (medians; per checkpoint the slowest rank); "
-        f"the slowdown of {meta.get('steps_after', 3)} steps after each save counted; garbage collection: "
+        f"the slowdown of {meta.get('steps_after', 3)} steps after each save counted against the median of the "
+        f"{meta.get('steps_before', 3)} before it; garbage collection: "
         + GC[meta.get("gc", "automatic")],
         "- DCP's `DefaultStager` for (a) and (b): " + stager_note(meta),
         *[f"- {name}: stager: {stager}" for name, stager in meta.get("stagers", {}).items() if name[:2] in FW],
@@ -931,6 +932,7 @@ def main(argv: list[str] | None = None) -> None:
             master="remainders" if args.store_param_remainders else "fp32",
             repeats=args.repeats,
             steps_after=args.steps_after,
+            steps_before=args.steps_after,  # the baseline's steps (runs without the key had 3)
             gc=args.gc,
             fp32_state_gb=local * 12 / 1e9,
             model_bytes=sum(p.to_local().numel() * p.element_size() for p in model.parameters()),

@@ -53,9 +53,10 @@ __all__ = ["TORCH_THREADS", "WriterProcess", "WriterProcessEnded"]
 log = logging.getLogger(__name__)
 _READY = "ready"
 TORCH_THREADS = 1
-"""The writer process's torch threads (its torch work on the CPU: the finite check's host part). One, as torch's
-DataLoader workers run: a background process of the rank never takes the cores the training process's loop runs on
-(torch's default is a thread per core)."""
+"""The writer process's torch threads (its torch work on the CPU: the finite check's host part), given to it as it
+starts. One, as torch's DataLoader workers run: a background process of the rank uses one core at most, not torch's
+default of a thread per core beside the training process's loop; the host check then runs at one core's speed before
+the write starts (about 12 GB/s on the project's CPU machine), which the loop does not wait for."""
 _START_TIMEOUT_S = 300.0  # the writer processes' group forms within this (DCP's process executor waits 1800 s)
 _RUNNING: weakref.WeakSet = weakref.WeakSet()  # every WriterProcess of this process, for the exit's wait
 
@@ -64,16 +65,17 @@ class WriterProcessEnded(RuntimeError):
     """The writer process ended while a save was handed to it (killed, or out of memory)."""
 
 
-def _serve(conn: Any, alive: Any, rank: int, world: int, store: tuple[str, int] | None) -> None:
+def _serve(conn: Any, alive: Any, rank: int, world: int, store: tuple[str, int] | None, threads: int) -> None:
     """The writer process: its gloo group (more than one rank), then one ``dcp.save`` per request until ``None``,
     once the request's host tensors are found finite on every rank (the processes agree on their group). A save's
     answer is its ``Metadata`` and the storage writer as the save left it, or its exception (:class:`SaveRefused`
     where a rank found NaN or inf; a line when it does not pickle). ``alive``: a pipe the training process never
     writes to; its end of file (the training process ended, even killed) ends this process at once (:func:`_end_with`).
+    ``threads``: its torch threads (:data:`TORCH_THREADS`).
     """
     import torch.distributed.checkpoint as dcp
 
-    torch.set_num_threads(TORCH_THREADS)
+    torch.set_num_threads(threads)
     threading.Thread(target=_end_with, args=(alive,), name="optim-factory-writer-watch", daemon=True).start()
 
     # what this process does on purpose, not news to the person training: one process saves without a group (DCP
@@ -315,7 +317,7 @@ class WriterProcess:
         conn, child = context.Pipe()
         watched, alive = context.Pipe(duplex=False)
         process = context.Process(
-            target=_serve, args=(child, watched, rank, world, store), name="optim-factory-writer", daemon=True
+            target=_serve, args=(child, watched, rank, world, store, TORCH_THREADS), name="optim-factory-writer", daemon=True
         )
         process.start()
         child.close()  # the child's end is the child's: a recv here sees EOF once it ends

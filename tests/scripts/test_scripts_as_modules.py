@@ -82,6 +82,7 @@ def test_bench_save_runs_every_mode_on_cpu(tmp_path, monkeypatch, capsys):
     MODES = [m for m in ALL if not m.startswith(FW)]
     args = ["--device", "cpu", "--width", "64", "--layers", "2", "--tokens", "16", "--repeats", "1"]
     args += ["--out", str(tmp_path), "--scratch", str(tmp_path / "s"), "--profile", str(tmp_path / "prof")]
+    args += ["--steps-after", "2"]
     code, err = run_script("bench_save", [*args, "--modes", ",".join(MODES)], monkeypatch, capsys)
     assert code is None, err[-3000:]
 
@@ -94,11 +95,12 @@ def test_bench_save_runs_every_mode_on_cpu(tmp_path, monkeypatch, capsys):
     rows = [json.loads(ln) for ln in lines[1:]]
     assert [(r["mode"], r["repeat"]) for r in rows] == [(m, i) for m in MODES for i in (-1, 0)]
     assert all(r["disk_bytes"] > 0 and r["block_s"] > 0 for r in rows)  # every checkpoint was written
-    # the baseline step: the median of as many steps before the save as are counted after it
-    assert all(len(r["steps_before_s"]) == len(r["steps_after_s"]) == 8 for r in rows)
+    # the baseline step: the median of as many steps before the save as are counted after it (--steps-after)
+    assert all(len(r["steps_before_s"]) == len(r["steps_after_s"]) == 2 for r in rows)
     assert all(r["step_before_s"] == statistics.median(r["steps_before_s"]) for r in rows)
     table = (tmp_path / "bench_save.md").read_text()
     assert all(f"| {m} |" in table for m in MODES) and "## Goals" in table
+    assert "the slowdown of 2 steps after each save counted against the median of the 2 before it" in table
     assert not list((tmp_path / "s" / "bench_save").iterdir())  # each mode's checkpoints deleted
     # --render writes the same table again from the JSON lines alone
     again = tmp_path / "again"

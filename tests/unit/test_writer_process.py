@@ -36,7 +36,7 @@ from torch.distributed.fsdp import fully_shard
 
 from optim_factory import PortableFusedAdam
 from optim_factory.checkpoint import AsyncSaveStager, SaveRefused, StagerOptions
-from optim_factory.checkpoint._writer_process import TORCH_THREADS
+from optim_factory.checkpoint import _writer_process
 from optim_factory.optimizers.export import all_finite, give_pages_back, host_empty, shared_empty
 from tests import forked
 from tests.distributed.launch import PRELOAD, spawn
@@ -221,22 +221,21 @@ class _ThreadsSeen(FileSystemWriter):
         self.threads = copy.threads
 
 
-def test_the_writer_process_runs_torch_on_its_own_threads_not_the_training_process_s(tmp_path):
-    """The writer process's torch work (the finite check's host part) runs on ``TORCH_THREADS``, whatever the
-    training process runs on: it never takes the cores of the training process's loop."""
+def test_the_writer_process_runs_torch_on_the_threads_it_is_given(tmp_path, monkeypatch):
+    """The writer process's torch work (the finite check's host part) runs on ``TORCH_THREADS`` threads, given to it
+    as it starts: not on the count it would inherit (torch's default, or ``OMP_NUM_THREADS``: 1 in the suite's
+    workers), so here a count neither gives."""
+    monkeypatch.setattr(_writer_process, "TORCH_THREADS", 3)
     model = make_model()
     opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
     stager = AsyncSaveStager(opt, StagerOptions(refuse_non_finite=True, write_in_process=True))
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)  # the training process's, which the writer process must not take
     try:
         train(model, opt, 1)
         writer = _ThreadsSeen(str(tmp_path / "save"))
         stager.async_save(export_deferred(model, opt), storage_writer=writer)
         stager.wait()
-        assert writer.threads == TORCH_THREADS != torch.get_num_threads()
+        assert writer.threads == 3
     finally:
-        torch.set_num_threads(before)
         stager.close()
 
 
