@@ -657,8 +657,7 @@ def render(summary: dict, meta: dict) -> str:
         f"FP32-equivalent optimizer state per rank; chunk {meta['chunk'] >> 20} MiB; {meta['repeats']} measured "
         "checkpoints per mode after one warm-up (medians; per checkpoint the slowest rank); "
         f"the slowdown of {meta.get('steps_after', 3)} steps after each save counted against the median of the "
-        f"{meta.get('steps_before', 3)} before it; garbage collection: "
-        + GC[meta.get("gc", "automatic")],
+        f"{meta.get('steps_before', 3)} before it; garbage collection: " + GC[meta.get("gc", "automatic")],
         "- DCP's `DefaultStager` for (a) and (b): " + stager_note(meta),
         *[f"- {name}: stager: {stager}" for name, stager in meta.get("stagers", {}).items() if name[:2] in FW],
         *[f"- {name}: skipped: {reason}" for name, reason in meta.get("skipped", {}).items()],

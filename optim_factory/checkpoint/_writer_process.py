@@ -317,7 +317,10 @@ class WriterProcess:
         conn, child = context.Pipe()
         watched, alive = context.Pipe(duplex=False)
         process = context.Process(
-            target=_serve, args=(child, watched, rank, world, store, TORCH_THREADS), name="optim-factory-writer", daemon=True
+            target=_serve,
+            args=(child, watched, rank, world, store, TORCH_THREADS),
+            name="optim-factory-writer",
+            daemon=True,
         )
         process.start()
         child.close()  # the child's end is the child's: a recv here sees EOF once it ends

@@ -35,8 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from optim_factory import PortableFusedAdam
-from optim_factory.checkpoint import AsyncSaveStager, SaveRefused, StagerOptions
-from optim_factory.checkpoint import _writer_process
+from optim_factory.checkpoint import AsyncSaveStager, SaveRefused, StagerOptions, _writer_process
 from optim_factory.optimizers.export import all_finite, give_pages_back, host_empty, shared_empty
 from tests import forked
 from tests.distributed.launch import PRELOAD, spawn
