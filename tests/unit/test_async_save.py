@@ -446,13 +446,17 @@ def test_the_docs_async_loop_runs_as_written(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_docs_async_loop_runs_on_two_ranks_under_torchrun(tmp_path):
+@pytest.mark.parametrize("options", ["StagerOptions()", "StagerOptions(write_in_process=True)"])
+def test_the_docs_async_loop_runs_on_two_ranks_under_torchrun(tmp_path, options):
     """The loop under ``torchrun --nproc_per_node=2``, ended by the interpreter's exit as a user's is (ranks forked by
     ``script_ranks`` skip it; there a group left running aborted one run in several): DCP's collectives of each
     save run on the stager's gloo group, never beside the training's on the default group (there they mismatch: an
-    abort or a hang)."""
+    abort or a hang). As written and with the options the docs name in its place (a writer process per rank, which
+    imports the script again: its guard keeps the loop from running there)."""
     text = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
-    (tmp_path / "loop.py").write_text(re.search(r"<!-- async-save-loop -->\n```python\n(.*?)```", text, re.S).group(1))
+    loop = re.search(r"<!-- async-save-loop -->\n```python\n(.*?)```", text, re.S).group(1)
+    assert loop.count("StagerOptions()") == 1
+    (tmp_path / "loop.py").write_text(loop.replace("StagerOptions()", options))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "loop.py"]
     # the loop as written runs on the CPU (gloo): on a GPU machine fully_shard would take a GPU per rank
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "CUDA_VISIBLE_DEVICES": ""}
