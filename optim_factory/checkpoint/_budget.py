@@ -95,6 +95,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         self._steps: list[Any] | None = None  # each group's step count after that export
         self._current: list | None = None  # inside exporting(): the streamed states exported so far
         self._sources: dict[str, Any] = {}  # the save's flattened keys filled -> a stream item or a tensor
+        self._to_fill: dict[str, Fill] = {}  # the fill of each of those keys, built once a save (set_up_planner)
         self._early: dict[int, torch.Tensor] = {}  # an async save's copies made at its start (_copy_early), by id
         self._early_by_fqn: dict[str, torch.Tensor] = {}  # those copies by the save's flattened keys
         self._fills: SaveFills | None = None
@@ -207,7 +208,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         early = self._early_bytes()
         for copy in self._early.values() if self.shared else ():  # sent in a dict the stager's record keeps
             give_pages_back(copy)
-        self._saving, self._early, self._early_by_fqn = False, {}, {}
+        self._saving, self._early, self._early_by_fqn, self._to_fill = False, {}, {}, {}
         fills, self._fills = self._fills, None
         if fills is not None:
             fills.close()
@@ -249,8 +250,10 @@ class BudgetSavePlanner(DefaultSavePlanner):
                 f"{_NAME}: {missing} of the export's states are not values of the state dict saved (a copy of a "
                 "placeholder, or one inside a pickled value, holds no data): save the export itself"
             )
-        whole = [self._fill(fqn) for fqn in self._sources]
-        if self._fills is None and self._fits_whole(whole):  # filled from now, in any order, as a copy would be
+        self._to_fill = {fqn: self._memory.fill(fqn, source) for fqn, source in self._sources.items()}
+        whole = list(self._to_fill.values())
+        # a save that fits the budget whole: filled from now, in any order, as a copy would be
+        if self._fills is None and self._memory.fits_whole(whole, self._early_bytes()):
             self._start_fills(whole)
 
     def create_local_plan(self) -> Any:
@@ -281,7 +284,7 @@ class BudgetSavePlanner(DefaultSavePlanner):
         if self._fills is not None:
             self._fills.written(fqns)
             return
-        self._start_fills([self._fill(fqn) for fqn in fqns if fqn in self._sources])
+        self._start_fills([self._to_fill[fqn] for fqn in fqns if fqn in self._to_fill])
 
     def _start_fills(self, order: list[Fill]) -> None:
         """Fill ``order`` from now (``step()`` waits for the fills), into the buffers kept from the last save when
@@ -289,9 +292,6 @@ class BudgetSavePlanner(DefaultSavePlanner):
         self._fills = self._memory.fills(order, self._early_bytes())
         self._fills.done.add_done_callback(lambda _: _complete(self._filled))
         self._fills.start()
-
-    def _fits_whole(self, order: list[Fill]) -> bool:
-        return self._memory.fits_whole(order, self._early_bytes())
 
     def for_writer_process(self, state_dict: Any) -> Any:
         """A save started by :meth:`begin` (whose budget refusal, the copies at its start and the largest tensor it
@@ -340,9 +340,6 @@ class BudgetSavePlanner(DefaultSavePlanner):
             raise BudgetRefused(self._refused)
         if not self._saving:
             raise BudgetRefused(f"{_NAME}: save with planner.save(...), which builds the writer it needs")
-
-    def _fill(self, fqn: str) -> Fill:
-        return self._memory.fill(fqn, self._sources[fqn])
 
 
 def _complete(future: Future | None) -> None:
