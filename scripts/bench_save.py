@@ -482,6 +482,7 @@ def _measured(mode, name: str, ctx: dict, repeats: int, step: int) -> tuple[list
     for repeat in range(-1, repeats):  # -1: the warm-up checkpoint
         before = [trainer.step()[0] for _ in range(ctx["steps_after"])]  # the baseline: as many steps as after
         step += len(before)
+        baseline = statistics.median(before)
         if device.type == "cuda":  # a plain step's peak above its start, for the step after the save
             base = gpu_base(device)
             trainer.step()
@@ -527,10 +528,10 @@ def _measured(mode, name: str, ctx: dict, repeats: int, step: int) -> tuple[list
                 vm_pin_bytes=proc_status("VmPin"),
                 disk_bytes=disk_bytes(path) if rank == 0 else None,
                 complete_s=complete_s,
-                step_before_s=statistics.median(before),
+                step_before_s=baseline,
                 steps_before_s=before,
                 steps_after_s=after,
-                interference=max(after) / statistics.median(before),
+                interference=max(after) / baseline,
                 frozen_objects=gc.get_freeze_count(),
                 gen2_count=len(gen2),
                 gen2_max_ms=max(gen2, default=0.0),
