@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["DEFAULT_EXPORT_TIMEOUT_S", "Check", "StagerOptions", "option_names"]
+__all__ = ["DEFAULT_EXPORT_TIMEOUT_S", "FIELD_NAMES", "Check", "StagerOptions"]
 
 DEFAULT_EXPORT_TIMEOUT_S = 600.0
 """How long a save waits for a background export to fill before refusing it (``StagerOptions.export_timeout_s``)."""
@@ -55,6 +55,5 @@ class StagerOptions:
             raise TypeError(f"StagerOptions(export_timeout_s=...): expected seconds > 0, got {timeout!r}")
 
 
-def option_names() -> set[str]:
-    """The options' names: the stager's, never DCP's (``AsyncSaveStager.async_save`` refuses them)."""
-    return {f.name for f in fields(StagerOptions)}
+FIELD_NAMES = frozenset(f.name for f in fields(StagerOptions))
+"""The options' names: the stager's, never DCP's (``AsyncSaveStager.async_save`` refuses them)."""

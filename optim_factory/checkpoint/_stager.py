@@ -35,7 +35,7 @@ from optim_factory.checkpoint._agreement import agree
 from optim_factory.checkpoint._export_waits import ExportWaits
 from optim_factory.checkpoint._fillers import filler_for
 from optim_factory.checkpoint._gated_planner import GatedPlanner
-from optim_factory.checkpoint._options import StagerOptions, option_names
+from optim_factory.checkpoint._options import FIELD_NAMES, StagerOptions
 from optim_factory.checkpoint._record import StagedSave
 from optim_factory.checkpoint._save_end import SaveEnd
 from optim_factory.checkpoint._verdict import Staging, complete_staging
@@ -192,7 +192,7 @@ class AsyncSaveStager(AsyncStager):
         next ``step()`` may run), ``upload_completion`` once written (it raises :class:`SaveRefused` or DCP's write
         failure). DCP's collectives run on the stager's gloo group unless ``process_group`` is given."""
         self._check_open()
-        mine = sorted(set(dcp_kwargs) & option_names())
+        mine = sorted(FIELD_NAMES.intersection(dcp_kwargs))
         if mine:
             raise TypeError(f"AsyncSaveStager.{self._called}({mine[0]}=...): a StagerOptions field, not the save's")
         self._join_ranks()

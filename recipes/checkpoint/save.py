@@ -92,6 +92,9 @@ class Saver:
         self._pending: InFlight | None = None
         self._stager: AsyncSaveStager | None = None  # the saves' staging, kept from save to save
         self._writer_options: dict[str, Any] = {}  # DCP's writer's, for the stager's optimizer (writer_options)
+        # the stager's optimizer's export, from its options (so every save of it, on every rank, the same): filled
+        # after the export call returns (a background export), and then into pooled buffers (defers_export)
+        self._filled_later = self._pooled = False
         self._needed = 0  # the bytes the save being staged needs in checkpoint.dir (rank 0's space check)
         self._in_the_way: set[str] | None = None  # step directories of earlier launches, rank 0's (_clear_in_the_way)
 
@@ -127,14 +130,15 @@ class Saver:
         end when it is filled: :meth:`wait`), an export within the host budget holds placeholders, filled as the
         save writes them. On CUDA the device is synchronized around an export that is not in the background, so
         that its seconds are its own."""
-        on_cuda, background = self.device.type == "cuda", self._stager_for(optimizer).export_filled_later
+        stager, on_cuda = self._stager_for(optimizer), self.device.type == "cuda"
+        background = self._filled_later
         if on_cuda:
             if not background:
                 torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
         t0 = time.perf_counter()
-        with self._stager.exporting():
+        with stager.exporting():
             osd = get_optimizer_state_dict(model, optimizer, options=self.options)
         if on_cuda and not background:
             torch.cuda.synchronize(self.device)
@@ -153,7 +157,7 @@ class Saver:
         path = self.root / f"step_{step:08d}"
         msd, osd, export_s, peak = self.export(model, optimizer)
         state = {"model": msd, "optim": osd, "trainer": trainer_state}
-        pooled = defers_export(optimizer)  # a background export into pooled buffers, returned unfilled
+        pooled = self._pooled  # a background export into pooled buffers, returned unfilled
         try:
             self.on_phase("export", step, path)
             self._clear_in_the_way(step, path)
@@ -200,6 +204,7 @@ class Saver:
             )
             self._stager = AsyncSaveStager(optimizer, options, process_group=self.save_group)
             self._writer_options = writer_options(optimizer, self.write_threads)  # the optimizer's, for every save
+            self._filled_later, self._pooled = self._stager.export_filled_later, defers_export(optimizer)
         return self._stager
 
     def _write(self, save: InFlight, state: dict) -> None:
