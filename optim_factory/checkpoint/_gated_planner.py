@@ -36,7 +36,8 @@ class GatedPlanner(DefaultSavePlanner):
         alone could leave the others at the gate), or a ``checkpoint_id`` with ``://`` and no writer (DCP picks
         fsspec's writer, whose directories a refusal would leave behind). Where the writer writes to the local file
         system (DCP's file system, not fsspec's), the checkpoint's directory is ``checkpoint_id``, else the writer's
-        (DCP's ``reset`` of the writer): it and each parent not yet made are noted here, before DCP plans."""
+        (DCP's ``reset`` of the writer): it and each parent not yet made are noted here, before DCP plans (the stager
+        makes the planner once its previous save is over, whose refusal removes directories of its own)."""
         writer, checkpoint_id = dcp_kwargs.get("storage_writer"), dcp_kwargs.get("checkpoint_id")
         if (
             dcp_kwargs.get("planner") is not None
@@ -54,8 +55,8 @@ class GatedPlanner(DefaultSavePlanner):
         try:
             self.gate()
         except BaseException:
-            with contextlib.suppress(OSError):  # another rank's removal, or not empty: not ours to remove
-                for directory in self._made:
+            for directory in self._made:  # each on its own: one another rank removed first still has its parents
+                with contextlib.suppress(OSError):  # gone (another rank's removal), or not empty: not ours to remove
                     os.rmdir(directory)
             raise
         return super().finish_plan(new_plan)

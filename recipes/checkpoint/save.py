@@ -203,8 +203,8 @@ class Saver:
                 refuse_non_finite=True, check=self._space_check, write_in_process=self.cfg.write_in_process
             )
             self._stager = AsyncSaveStager(optimizer, options, process_group=self.save_group)
-            self._writer_options = writer_options(optimizer, self.write_threads)  # the optimizer's, for every save
             self._filled_later, self._pooled = self._stager.export_filled_later, defers_export(optimizer)
+            self._writer_options = writer_options(optimizer, self.write_threads)  # the optimizer's, for every save
         return self._stager
 
     def _write(self, save: InFlight, state: dict) -> None:

@@ -8,12 +8,17 @@ and only those."""
 from __future__ import annotations
 
 import inspect
+import sys
+import threading
+import time
 
 import pytest
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import SavePlan
 
 from optim_factory import PortableFusedAdam
 from optim_factory.checkpoint import AsyncSaveStager, SaveRefused, StagerOptions
+from optim_factory.checkpoint._gated_planner import GatedPlanner
 from tests.unit.saves import (
     OURS,
     PlannedWriter,
@@ -79,3 +84,60 @@ def test_a_refused_save_removes_every_directory_its_planning_made_and_no_other(t
     assert writer.planned.is_set() == given.startswith("storage_writer")  # planned: its directories were made
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"] and not any((tmp_path / "runs").iterdir())
     stager.close()
+
+
+def _waits_in(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` is inside a call of ``function`` (a name of ``_save_end.py``'s) right now."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == function and frame.f_code.co_filename.endswith("_save_end.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_a_save_started_while_the_previous_is_in_flight_notes_its_directories_once_that_one_is_over(tmp_path):
+    """The second save's call waits for the first (in flight, held at its verdict after its planning made ``a/s1``
+    and ``a``); both are refused. The first's refusal removes ``a``, the second's planning makes it again, and its
+    refusal removes it too: it did not exist when the second save's directories were noted."""
+    release = threading.Event()
+    model = make_model()
+    opt = PortableFusedAdam(model.parameters(), lr=1e-3, **OURS)
+    stager = AsyncSaveStager(opt, StagerOptions(check=lambda staged: release.wait(60) and "refused by the test"))
+    train(model, opt, 1)
+    first = stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "a" / "s1"))
+    while not (tmp_path / "a" / "s1").exists() and not first.upload_completion.done():
+        time.sleep(0.01)  # DCP's planning makes the directory before the gate waits for the held verdict
+    responses = []
+    second = threading.Thread(
+        target=lambda: responses.append(
+            stager.async_save(export_deferred(model, opt), checkpoint_id=str(tmp_path / "a" / "s2"))
+        )
+    )
+    second.start()
+    while not _waits_in(second, "previous"):  # the second save's call waits for the first to be over
+        time.sleep(0.01)
+    release.set()
+    second.join(60)
+    for response in (first, *responses):
+        with pytest.raises(SaveRefused, match=r"refused by the test \(rank 0\)$"):
+            response.upload_completion.result(60)
+    assert len(responses) == 1 and sorted(tmp_path.iterdir()) == []
+    stager.close()
+
+
+def test_a_refusal_removes_the_parents_of_a_directory_another_rank_removed_and_leaves_one_not_empty(tmp_path):
+    """The gate's refusal removes what its save noted, deepest first: a directory already gone (another rank's
+    refusal removed it) is passed over, its parents still removed; a directory not empty stays, and so do its
+    parents."""
+
+    def refuse() -> None:
+        raise SaveRefused(["refused by the test (rank 0)"])
+
+    kept, gone = tmp_path / "kept", tmp_path / "kept" / "new" / "ck"
+    (tmp_path / "kept" / "new").mkdir(parents=True)
+    (tmp_path / "kept" / "other").mkdir()
+    planner = GatedPlanner(refuse, [gone, gone.parent, kept, tmp_path])
+    with pytest.raises(SaveRefused):
+        planner.finish_plan(SavePlan([]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and [p.name for p in kept.iterdir()] == ["other"]
