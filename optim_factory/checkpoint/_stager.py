@@ -194,7 +194,10 @@ class AsyncSaveStager(AsyncStager):
         self._check_open()
         mine = sorted(FIELD_NAMES.intersection(dcp_kwargs))
         if mine:
-            raise TypeError(f"AsyncSaveStager.{self._called}({mine[0]}=...): a StagerOptions field, not the save's")
+            raise TypeError(
+                f"AsyncSaveStager.{self._called}({mine[0]}=...): a StagerOptions field, not the save's: "
+                f"AsyncSaveStager(optimizers, StagerOptions({mine[0]}=...))"
+            )
         self._join_ranks()
         if self._group is not None and dcp_kwargs.get("process_group") is None:
             dcp_kwargs["process_group"] = self._group  # DCP's collectives off the default group training uses
