@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from optim_factory.checkpoint._agreement import agree, gathered
 from optim_factory.checkpoint._finite_check import host_refusal
+from optim_factory.checkpoint._main_guard import unguarded_call
 from optim_factory.checkpoint._remote_fills import FillAsk, RemoteFills
 from optim_factory.checkpoint._shared_send import discard, pickle_with_fds, recv_with_fds, send_answer, send_with_fds
 from optim_factory.errors import SaveRefused, first_line
@@ -145,6 +146,12 @@ class WriterProcess:
                 f"AsyncSaveStager(StagerOptions(write_in_process=True)): its group has {dist.get_world_size(group)} "
                 f"of the {dist.get_world_size()} ranks; the writer processes' group spans every rank (a DTensor's "
                 "shard is placed by its global rank)"
+            )
+        where = unguarded_call()  # the process would import the script again and run its top level there
+        if where is not None:
+            raise RuntimeError(
+                f"AsyncSaveStager(StagerOptions(write_in_process=True)): the writer process would run this script "
+                f'again: {where} is outside `if __name__ == "__main__":`; put the script\'s top level under it'
             )
         self._group = group
         self._process: Any = None
