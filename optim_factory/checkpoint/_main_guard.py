@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import sys
+import threading
 from pathlib import Path
 
 __all__ = ["unguarded_call"]
@@ -21,15 +22,19 @@ __all__ = ["unguarded_call"]
 
 def unguarded_call() -> str | None:
     """``"<file>:<line>"`` of the main module's top-level line, outside ``if __name__ == "__main__":``, that the
-    caller's call runs under (on this thread), where a child would import that module again; else None (the call is
-    under the guard, or not under the main module's top level, or no child imports it again)."""
+    main thread runs (the caller's call, on the main thread) while a child would import that module again; else None
+    (that line is under the guard, the main thread is not under the main module's top level, or no child imports the
+    module again)."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     name = getattr(getattr(main, "__spec__", None), "name", None) or ""
     if path is None or name == "__main__" or name.endswith(".__main__"):
         return None
-    frame = sys._getframe(1)
-    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+    on_main = threading.current_thread() is threading.main_thread()
+    frame = sys._getframe(1) if on_main else sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None and not (
+        frame.f_code.co_name == "<module>" and frame.f_globals is vars(main) and frame.f_code.co_filename == path
+    ):  # code exec'd with the main module's globals from another file (a wrapper's) is not its top level
         frame = frame.f_back
     if frame is None:
         return None
@@ -38,17 +43,33 @@ def unguarded_call() -> str | None:
     except (OSError, SyntaxError, ValueError):  # not readable as Python here: the child's import decides
         return None
     line = frame.f_lineno
-    guards = (node for node in ast.walk(tree) if isinstance(node, ast.If) and _is_main_test(node.test))
-    if any(guard.body[0].lineno <= line <= (guard.body[-1].end_lineno or line) for guard in guards):
+    if any(_first_line(body) <= line <= (body[-1].end_lineno or line) for body in _guarded_bodies(tree)):
         return None
     return f"{path}:{line}"
 
 
-def _is_main_test(test: ast.expr) -> bool:
-    """``__name__ == "__main__"`` (either way round), alone or one of an ``and``'s terms (false in the child)."""
-    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
-        return any(_is_main_test(value) for value in test.values)
-    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+def _guarded_bodies(tree: ast.AST):
+    """The statement lists that run only where ``__name__ == "__main__"``: the body of ``if`` such a test (alone or
+    one of an ``and``'s terms), the ``else`` of ``if __name__ != "__main__"``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            if _is_main_test(node.test, ast.Eq):
+                yield node.body
+            elif _is_main_test(node.test, ast.NotEq) and node.orelse:
+                yield node.orelse
+
+
+def _first_line(body: list[ast.stmt]) -> int:
+    """The first line of a statement list: its first statement's decorators' where it has any."""
+    first = body[0]
+    return min([d.lineno for d in getattr(first, "decorator_list", [])] + [first.lineno])
+
+
+def _is_main_test(test: ast.expr, op: type) -> bool:
+    """``__name__ <op> "__main__"`` (either way round); with ``==``, also one of an ``and``'s terms."""
+    if op is ast.Eq and isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return any(_is_main_test(value, op) for value in test.values)
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], op)):
         return False
     sides = (test.left, test.comparators[0])
     return any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides) and any(

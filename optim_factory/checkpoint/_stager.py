@@ -195,8 +195,8 @@ class AsyncSaveStager(AsyncStager):
         mine = sorted(FIELD_NAMES.intersection(dcp_kwargs))
         if mine:
             raise TypeError(
-                f"AsyncSaveStager.{self._called}({mine[0]}=...): a StagerOptions field, not the save's: "
-                f"AsyncSaveStager(optimizers, StagerOptions({mine[0]}=...))"
+                f"AsyncSaveStager.{self._called}({mine[0]}=...): a StagerOptions field, not the save's; give it to "
+                f"the stager: AsyncSaveStager(optimizers, StagerOptions({mine[0]}=...))"
             )
         self._join_ranks()
         if self._group is not None and dcp_kwargs.get("process_group") is None:

@@ -48,6 +48,7 @@ def save_plain(model, opt, path) -> None:
 def test_an_async_save_within_the_budget_saves_the_state_of_its_start_and_holds_at_most_the_budget(tmp_path):
     """Measured in a process forked for it (as the whole-fit test below): a process that ran other tests holds their
     threads and freed memory, whose work beside the save counts in the peak (2 MB beyond the ring once, under load)."""
+    _peak_added(lambda: None)  # skips here where the peak cannot be reset (in the child a skip is a failure)
     spawn(_within, 1, str(tmp_path))
 
 
@@ -67,7 +68,8 @@ def _within(rank: int, world: int, folder: str) -> None:
 
     # the budget, the fills' staging ring (two chunks), and DCP's, the threads' and Python's own: 0.54-0.66 MB
     # measured beyond the first two (0-0.38 MB in the sync save's test)
-    assert _peak_added(lambda: save_within(tmp_path / "within")) <= budget + 2 * CHUNK + (1 << 20)
+    peak, limit = _peak_added(lambda: save_within(tmp_path / "within")), budget + 2 * CHUNK + (1 << 20)
+    assert peak <= limit, f"the save added {peak} bytes at its peak, more than {limit}"
     assert 0 < stager.budget_peak_bytes <= budget
     assert stager.save_host_bytes == stager.budget_peak_bytes, "the one save's peak is the stager's"
     # a step at once: it waits for the fills, which wait for the writes of all but the budget
@@ -103,7 +105,8 @@ def _fits_whole(rank: int, world: int, folder: str) -> None:
     # the threads' and Python's own: -0.06 to +0.27 MB beyond the ring, measured in the forked process; the copies
     # beside the kept buffers would add 50 MB
     kept, budget = stager.host_bytes, whole
-    assert _peak_added(save_more) <= budget - kept + 2 * CHUNK + (1 << 20)
+    peak, limit = _peak_added(save_more), budget - kept + 2 * CHUNK + (1 << 20)
+    assert peak <= limit, f"the save added {peak} bytes at its peak, more than {limit}"
     assert stager.host_bytes == 0  # it streamed: nothing kept
     save_plain(model, opt, tmp_path / "third_plain")
     with stager.exporting():
@@ -117,6 +120,7 @@ def _fits_whole(rank: int, world: int, folder: str) -> None:
 def test_an_async_save_that_fits_the_budget_whole_keeps_its_buffers_and_saves_the_state_of_its_start(tmp_path):
     """The peak resident memory of a process that ran other tests depends on them (their threads, their freed
     memory): the save is measured in a process forked for it."""
+    _peak_added(lambda: None)  # skips here where the peak cannot be reset (in the child a skip is a failure)
     spawn(_fits_whole, 1, str(tmp_path))
 
 
