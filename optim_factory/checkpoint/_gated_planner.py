@@ -21,23 +21,21 @@ __all__ = ["GatedPlanner"]
 class GatedPlanner(DefaultSavePlanner):
     """DCP's default save planner for one save, whose ``finish_plan`` first calls ``gate()``. DCP calls it on every
     rank right before the writer's ``write_data``, between its collectives, on its upload thread: a gate that
-    raises ends the save before anything is written, and the directories the writer's planning made are removed
-    again (``made``: the checkpoint's local directory and its parents that did not exist when the planner was made,
-    deepest first; each removed only while empty). The planning before the gate reads only the tensors' metadata."""
+    raises ends the save before anything is written, and where the writer writes to the local file system
+    (``local``: DCP's file system, not fsspec's), the directories its planning made are removed again (deepest
+    first, each on its own and only while empty). The planning before the gate reads only the tensors' metadata."""
 
-    def __init__(self, gate: Callable[[], None], made: list[Path]) -> None:
+    def __init__(self, gate: Callable[[], None], *, local: bool) -> None:
         super().__init__()
-        self.gate, self._made = gate, made
+        self.gate, self.local = gate, local
+        self._made: list[Path] = []  # the directories the writer's planning creates, deepest first
 
     @classmethod
     def for_save(cls, gate: Callable[[], None], dcp_kwargs: dict[str, Any]) -> GatedPlanner | None:
         """The planner of a save with ``dcp.async_save``'s arguments ``dcp_kwargs``, from them alone (the same on
         every rank), or None where it is not gated: a planner of the caller's, no collectives (each rank's planning
         alone could leave the others at the gate), or a ``checkpoint_id`` with ``://`` and no writer (DCP picks
-        fsspec's writer, whose directories a refusal would leave behind). Where the writer writes to the local file
-        system (DCP's file system, not fsspec's), the checkpoint's directory is ``checkpoint_id``, else the writer's
-        (DCP's ``reset`` of the writer): it and each parent not yet made are noted here, before DCP plans (the stager
-        makes the planner once its previous save is over, whose refusal removes directories of its own)."""
+        fsspec's writer, whose directories a refusal would leave behind)."""
         writer, checkpoint_id = dcp_kwargs.get("storage_writer"), dcp_kwargs.get("checkpoint_id")
         if (
             dcp_kwargs.get("planner") is not None
@@ -46,10 +44,16 @@ class GatedPlanner(DefaultSavePlanner):
             or (writer is None and "://" in str(checkpoint_id))
         ):
             return None
-        where = checkpoint_id or getattr(writer, "checkpoint_id", None)
-        local = writer is None or isinstance(getattr(writer, "fs", None), FileSystem)
-        made = [p for p in (Path(where), *Path(where).parents) if not p.exists()] if local and where else []
-        return cls(gate, made)
+        return cls(gate, local=writer is None or isinstance(getattr(writer, "fs", None), FileSystem))
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        """Called before the writer's planning (which creates the checkpoint directory), with the writer's
+        ``storage_meta()``: its ``checkpoint_id`` is the directory (after DCP's ``reset`` of the writer). The save's
+        staging has waited for the previous save by then (whose refusal removes directories of its own)."""
+        where = getattr(storage_meta, "checkpoint_id", None)
+        if self.local and where is not None:
+            self._made = [p for p in (Path(where), *Path(where).parents) if not p.exists()]
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         try:

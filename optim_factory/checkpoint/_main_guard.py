@@ -30,8 +30,7 @@ def unguarded_call() -> str | None:
     name = getattr(getattr(main, "__spec__", None), "name", None) or ""
     if path is None or name == "__main__" or name.endswith(".__main__"):
         return None
-    on_main = threading.current_thread() is threading.main_thread()
-    frame = sys._getframe(1) if on_main else sys._current_frames().get(threading.main_thread().ident)
+    frame = sys._current_frames().get(threading.main_thread().ident)  # the caller's own where it is the main thread
     while frame is not None and not (
         frame.f_code.co_name == "<module>" and frame.f_globals is vars(main) and frame.f_code.co_filename == path
     ):  # code exec'd with the main module's globals from another file (a wrapper's) is not its top level

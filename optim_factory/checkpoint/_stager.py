@@ -228,7 +228,6 @@ class AsyncSaveStager(AsyncStager):
     def _dcp_async_save(self, state_dict: dict[str, Any], dcp_kwargs: dict[str, Any]) -> AsyncSaveResponse:
         """DCP's ``async_save`` through this stager, written on DCP's thread; gated where ``GatedPlanner.for_save``
         says (every rank's planning ends at the verdict's gate)."""
-        self._ends.previous(self._save)  # over before this save's planner notes which directories exist
         planner = GatedPlanner.for_save(self._open_gate, dcp_kwargs)
         if planner is not None:
             self._gate_next, dcp_kwargs["planner"] = True, planner

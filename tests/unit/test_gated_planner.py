@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan
 
 from optim_factory import PortableFusedAdam
@@ -127,17 +128,22 @@ def test_a_save_started_while_the_previous_is_in_flight_notes_its_directories_on
 
 
 def test_a_refusal_removes_the_parents_of_a_directory_another_rank_removed_and_leaves_one_not_empty(tmp_path):
-    """The gate's refusal removes what its save noted, deepest first: a directory already gone (another rank's
-    refusal removed it) is passed over, its parents still removed; a directory not empty stays, and so do its
-    parents."""
+    """The gate's refusal removes what its planning made, deepest first: a directory already gone (another rank's
+    refusal removed it) is passed over, its parents still removed; one that is not empty stays."""
 
     def refuse() -> None:
         raise SaveRefused(["refused by the test (rank 0)"])
 
-    kept, gone = tmp_path / "kept", tmp_path / "kept" / "new" / "ck"
-    (tmp_path / "kept" / "new").mkdir(parents=True)
-    (tmp_path / "kept" / "other").mkdir()
-    planner = GatedPlanner(refuse, [gone, gone.parent, kept, tmp_path])
-    with pytest.raises(SaveRefused):
-        planner.finish_plan(SavePlan([]))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and [p.name for p in kept.iterdir()] == ["other"]
+    (tmp_path / "kept").mkdir()
+    planner = GatedPlanner(refuse, local=True)
+    for name in ("gone", "full"):
+        planner.set_up_planner({}, StorageMeta(checkpoint_id=str(tmp_path / "kept" / name / "ck")))
+        (tmp_path / "kept" / name / "ck").mkdir(parents=True)  # the writer's planning
+        if name == "gone":
+            (tmp_path / "kept" / name / "ck").rmdir()  # another rank's refusal came first
+        else:
+            (tmp_path / "kept" / name / "file").write_text("someone else's")
+        with pytest.raises(SaveRefused):
+            planner.finish_plan(SavePlan([]))
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["full"]
+    assert sorted(p.name for p in (tmp_path / "kept" / "full").iterdir()) == ["file"]
