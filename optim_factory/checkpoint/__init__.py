@@ -18,9 +18,9 @@ what its name says, for another optimizer what DCP does without it), in one impo
   :func:`export_failure`, :func:`export_buffer_test`, :func:`release_export`; :func:`cpus_per_rank`.
 
 The modules behind this face are private (``_stager``, ``_options``, ``_fillers``, ``_export_waits``, ``_verdict``,
-``_record``, ``_agreement``, ``_writer_process``, ``_remote_fills``, ``_budget``, ``_budget_rule``,
-``_fill_memory``, ``_fills``, ``_gated_planner``, ``_finite_check``, ``_host_copies``, ``_load_planner``,
-``_deferral``, ``_safe_read``): import from here.
+``_record``, ``_save_end``, ``_agreement``, ``_writer_process``, ``_main_guard``, ``_shared_send``,
+``_remote_fills``, ``_budget``, ``_budget_rule``, ``_fill_memory``, ``_fills``, ``_gated_planner``,
+``_finite_check``, ``_host_copies``, ``_load_planner``, ``_deferral``, ``_safe_read``): import from here.
 """
 
 from optim_factory.checkpoint._budget import BudgetSavePlanner
