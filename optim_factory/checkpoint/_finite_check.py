@@ -16,7 +16,7 @@ read one-byte tensors: an FP8 model tensor is not checked.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -65,7 +65,7 @@ class FiniteCheck:
             else:
                 self.host.append(copy)
         for optimizer, buffers in exports.values():
-            states = _states(optimizer)
+            states = list(local_tensors(list(optimizer.state.values())))  # each state's local tensor
             if states and all(_on_gpu(t) and t.element_size() > 1 for t in states):
                 self.device += states
             else:
@@ -137,8 +137,3 @@ def _tensors(tree: Any) -> Iterator[tuple[tuple, torch.Tensor]]:
     for path, v in leaves(tree):
         if isinstance(v, torch.Tensor):
             yield path, local_tensor(v)
-
-
-def _states(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    states: Iterable[Any] = optimizer.state.values()
-    return list(local_tensors(list(states)))

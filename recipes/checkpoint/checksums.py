@@ -52,15 +52,17 @@ def new_keyed(key: bytes):
     return hmac.new(key, digestmod=hashlib.sha256)
 
 
-class _ChecksumStream:
-    """A write stream that passes every byte on to ``raw`` and keeps a running hash and size of them.
+class _HashingFile(io.BufferedWriter):
+    """A file opened for writing, buffered as DCP's own ``FileSystem.create_stream`` opens one, that keeps a running
+    hash and size of every byte written to it: only ``write`` is its own, so that DCP's ``tell``, ``flush``,
+    ``fileno`` and ``close`` are the file's.
 
-    Data files are written front to back (``wb``; DCP and ``torch.save`` only append), so the running hash
-    is the file's. There is no ``seek``: a writer that seeks back would fail here instead of being miscounted.
+    Data files are written front to back (``wb``; DCP and ``torch.save`` only append), so the running hash is the
+    file's. It does not seek: a writer that seeks back fails here instead of being miscounted.
     """
 
-    def __init__(self, raw, key: bytes | None):
-        self.raw = raw
+    def __init__(self, path, key: bytes | None):
+        super().__init__(io.FileIO(path, "wb"))
         self.hasher = new_hasher()
         self.keyed = new_keyed(key) if key else None  # beside XXH3, with checkpoint.key_env's key
         self.size = 0
@@ -72,33 +74,15 @@ class _ChecksumStream:
             self.hasher.update(piece)
             if self.keyed is not None:
                 self.keyed.update(piece)
-            written = self.raw.write(piece)
-            if written is not None and written != len(piece):
-                raise OSError(f"short write ({written} of {len(piece)} bytes)")
+            super().write(piece)  # a blocking buffered write takes all of it or raises
         self.size += len(view)
         return len(view)
 
-    def tell(self) -> int:
-        return self.raw.tell()
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    def close(self) -> None:
-        self.raw.close()
-
-    @property
-    def closed(self) -> bool:
-        return self.raw.closed
-
-    def writable(self) -> bool:
-        return True
-
     def seekable(self) -> bool:
         return False
+
+    def seek(self, *args) -> int:
+        raise io.UnsupportedOperation("a checksummed checkpoint file is written front to back")
 
 
 class _Discarded(io.RawIOBase):
@@ -153,24 +137,26 @@ class ChecksumFileSystem(FileSystem):
 
     @contextmanager
     def create_stream(self, path, mode: str):
-        """A stream that hashes what is written through it. While it is open, ``torch.save`` in this thread writes
-        its zip records without their CRC32 where torch keeps that setting per thread (:data:`CRC32_PER_THREAD`;
-        DCP writes each file from one thread): XXH3 here already covers every byte, checked before any load, and
-        the CRC32 is another pass over every byte, which slows the writer threads below the disk's rate
-        (docs/design.md, "Measured figures behind the defaults"). Where the setting is one for the process
-        (torch 2.11), it is left as it is: turning it off would reach every other thread's ``torch.save``."""
+        """For a write (``wb``, the only mode DCP writes in), the file opened as DCP opens it, hashing what is
+        written to it (:class:`_HashingFile`); a read is DCP's own. While a written file is open, ``torch.save`` in
+        this thread writes its zip records without their CRC32 where torch keeps that setting per thread
+        (:data:`CRC32_PER_THREAD`; DCP writes each file from one thread): XXH3 here already covers every byte,
+        checked before any load, and the CRC32 is another pass over every byte, which slows the writer threads
+        below the disk's rate (docs/design.md, "Measured figures behind the defaults"). Where the setting is one
+        for the process (torch 2.11), it is left as it is: turning it off would reach every other thread's
+        ``torch.save``."""
         if "w" not in mode and "a" not in mode:
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        if "a" in mode:
-            raise RuntimeError(f"{path}: append-mode writes cannot be checksummed")
+        if mode != "wb":
+            raise RuntimeError(f"{path}: {mode!r} writes cannot be checksummed (only 'wb')")
         crc32 = torch.serialization.get_crc32_options()
         torch.serialization.set_crc32_options(crc32 and not CRC32_PER_THREAD)
         opened = False
         try:
-            with super().create_stream(path, mode) as stream:
-                opened, counted = True, _ChecksumStream(stream, self.key)
+            with _HashingFile(path, self.key) as counted:
+                opened = True
                 yield counted
         except Exception as exc:
             if not str(path).endswith(".distcp") or self.caller in (None, threading.get_ident()):

@@ -18,12 +18,14 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse  # torch >= 2.9
 
 from optim_factory.checkpoint import (
     AsyncSaveStager,
@@ -33,7 +35,6 @@ from optim_factory.checkpoint import (
 )
 from optim_factory.tree import state_bytes
 from recipes.checkpoint.checksums import ALGORITHM, ChecksumFileSystemWriter, writer_options
-from recipes.checkpoint.in_flight import InFlight
 from recipes.checkpoint.layout import (
     DCP_ERRORS,
     CheckpointError,
@@ -54,6 +55,25 @@ log = logging.getLogger(__package__)  # recipes.checkpoint: one logger for the p
 
 SAVE_PHASES = ("export", "write", "marker")  # the points of a save at which the saver's on_phase runs
 PhaseCallback = Callable[[str, int, Path], None]
+
+
+@dataclass
+class InFlight:
+    """The saver's one record of a save, from its :meth:`Saver.save` call to its sealed manifest in
+    :meth:`Saver.wait` (a sync save is written when its call returns and sealed at once; an async one when the next
+    save or the end waits for it)."""
+
+    step: int
+    path: Path
+    writer: ChecksumFileSystemWriter
+    report: ExportReport
+    export_t0: float  # when the save call started (its export first); a background export_s ends when filled
+    deferred: bool  # an async save that returns before its export is filled (Saver.defers)
+    # the stager's response to an async save: staging_completion (the copies done, the export filled),
+    # upload_completion (written, or SaveRefused on every rank); None for a sync save, written by its call
+    response: AsyncSaveResponse | None = None
+    held_s: float = 0.0  # how long this checkpoint has held the loop so far
+    export_waited: bool = False  # wait_export() ran (later calls return at once)
 
 
 class Saver:

@@ -49,6 +49,20 @@ def test_records_carry_no_zip_crc32_the_setting_is_restored_and_the_checkpoint_l
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
+def test_a_checksummed_file_is_written_front_to_back_in_wb_only(tmp_path):
+    fs = ChecksumFileSystem()
+    with pytest.raises(RuntimeError, match="'ab' writes cannot be checksummed"):
+        with fs.create_stream(tmp_path / "appended", "ab"):
+            pass
+    with pytest.raises(io.UnsupportedOperation, match="front to back"):
+        with fs.create_stream(tmp_path / "sought", "wb") as stream:
+            stream.write(b"abc")
+            stream.seek(0)
+    with fs.create_stream(tmp_path / "written", "wb") as stream:
+        assert (stream.write(bytearray(b"xyz") * 3), stream.tell()) == (9, 9)
+    assert fs.records == {"written": {"size": 9, "xxh3_64": xxhash.xxh3_64(b"xyz" * 3).hexdigest()}}
+
+
 def test_each_writer_thread_writes_its_own_file_with_its_checksum(tmp_path):
     _, writer = _save(tmp_path, threads=3)
     records = writer.checksums()
