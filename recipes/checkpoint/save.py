@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse  # torch >= 2.9
 
 from optim_factory.checkpoint import (
@@ -145,7 +145,9 @@ class Saver:
         return self.waits_before_step and self.cfg.async_save
 
     def export(self, model, optimizer) -> tuple[dict, dict, float, float | None]:
-        """(model sd, optimizer sd, export seconds, GPU peak MiB) inside the stager's ``exporting()``: a background
+        """(model sd, optimizer sd, export seconds, GPU peak MiB): one ``get_state_dict`` of both (DCP checks the
+        model and its options once, not once per state dict; the seconds include the model's, a walk of its
+        parameters without a copy) inside the stager's ``exporting()``: a background
         export returns unfilled (the stager fills it; its failure is the save's refusal on every rank; its seconds
         end when it is filled: :meth:`wait`), an export within the host budget holds placeholders, filled as the
         save writes them. On CUDA the device is synchronized around an export that is not in the background, so
@@ -159,12 +161,12 @@ class Saver:
             base = torch.cuda.memory_allocated(self.device)
         t0 = time.perf_counter()
         with stager.exporting():
-            osd = get_optimizer_state_dict(model, optimizer, options=self.options)
+            msd, osd = get_state_dict(model, optimizer, options=self.options)
         if on_cuda and not background:
             torch.cuda.synchronize(self.device)
         export_s = time.perf_counter() - t0
         peak = (torch.cuda.max_memory_allocated(self.device) - base) / 2**20 if on_cuda else None
-        return get_model_state_dict(model, options=self.options), osd, export_s, peak
+        return msd, osd, export_s, peak
 
     def save(self, step: int, model, optimizer, trainer_state: dict[str, Any]) -> ExportReport:
         """Export and save a checkpoint for ``step`` (async if configured). Returns the export report.
