@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import io
 import json
+import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,16 +54,18 @@ def new_keyed(key: bytes):
 
 
 class _HashingFile(io.BufferedWriter):
-    """A file opened for writing, buffered as DCP's own ``FileSystem.create_stream`` opens one, that keeps a running
-    hash and size of every byte written to it: only ``write`` is its own, so that DCP's ``tell``, ``flush``,
-    ``fileno`` and ``close`` are the file's.
+    """A file opened for writing as DCP's own ``FileSystem.create_stream`` opens one (``open(path, "wb")``: buffered,
+    the buffer the file system's block size), that keeps a running hash and size of every byte written to it: only
+    ``write`` is its own, so that DCP's ``tell``, ``flush``, ``fileno`` and ``close`` are the file's.
 
     Data files are written front to back (``wb``; DCP and ``torch.save`` only append), so the running hash is the
     file's. It does not seek: a writer that seeks back fails here instead of being miscounted.
     """
 
     def __init__(self, path, key: bytes | None):
-        super().__init__(io.FileIO(path, "wb"))
+        raw = io.FileIO(path, "wb")
+        block = os.fstat(raw.fileno()).st_blksize  # open()'s buffer: a parallel file system's block is MiBs
+        super().__init__(raw, buffer_size=block if block > 1 else io.DEFAULT_BUFFER_SIZE)
         self.hasher = new_hasher()
         self.keyed = new_keyed(key) if key else None  # beside XXH3, with checkpoint.key_env's key
         self.size = 0
@@ -145,7 +148,7 @@ class ChecksumFileSystem(FileSystem):
         below the disk's rate (docs/design.md, "Measured figures behind the defaults"). Where the setting is one
         for the process (torch 2.11), it is left as it is: turning it off would reach every other thread's
         ``torch.save``."""
-        if "w" not in mode and "a" not in mode:
+        if mode in ("r", "rb"):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import threading
 import warnings
 import zipfile
@@ -51,9 +52,10 @@ def test_records_carry_no_zip_crc32_the_setting_is_restored_and_the_checkpoint_l
 
 def test_a_checksummed_file_is_written_front_to_back_in_wb_only(tmp_path):
     fs = ChecksumFileSystem()
-    with pytest.raises(RuntimeError, match="'ab' writes cannot be checksummed"):
-        with fs.create_stream(tmp_path / "appended", "ab"):
-            pass
+    for mode in ("ab", "xb", "r+b"):
+        with pytest.raises(RuntimeError, match=f"'{re.escape(mode)}' writes cannot be checksummed"):
+            with fs.create_stream(tmp_path / "other", mode):
+                pass
     with pytest.raises(io.UnsupportedOperation, match="front to back"):
         with fs.create_stream(tmp_path / "sought", "wb") as stream:
             stream.write(b"abc")
@@ -61,6 +63,20 @@ def test_a_checksummed_file_is_written_front_to_back_in_wb_only(tmp_path):
     with fs.create_stream(tmp_path / "written", "wb") as stream:
         assert (stream.write(bytearray(b"xyz") * 3), stream.tell()) == (9, 9)
     assert fs.records == {"written": {"size": 9, "xxh3_64": xxhash.xxh3_64(b"xyz" * 3).hexdigest()}}
+
+
+def test_a_checksummed_file_is_buffered_as_open_buffers_it(tmp_path):
+    def on_disk(stream, path) -> list[int]:  # the file's size after each of a few writes, the buffer unflushed
+        sizes = []
+        for _ in range(4):
+            stream.write(b"x" * 3000)
+            sizes.append(path.stat().st_size)
+        return sizes
+
+    with open(tmp_path / "opened", "wb") as stream:
+        expected = on_disk(stream, tmp_path / "opened")
+    with ChecksumFileSystem().create_stream(tmp_path / "hashed", "wb") as stream:
+        assert on_disk(stream, tmp_path / "hashed") == expected
 
 
 def test_each_writer_thread_writes_its_own_file_with_its_checksum(tmp_path):
