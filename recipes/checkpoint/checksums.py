@@ -55,14 +55,15 @@ def new_keyed(key: bytes):
 
 class _HashingFile(io.BufferedWriter):
     """A file opened for writing as DCP's own ``FileSystem.create_stream`` opens one (``open(path, "wb")``: buffered,
-    the buffer the file system's block size), that keeps a running hash and size of every byte written to it: only
-    ``write`` is its own, so that DCP's ``tell``, ``flush``, ``fileno`` and ``close`` are the file's.
+    the buffer the file system's block size), that keeps a running hash and size of every byte written to it:
+    ``write`` and ``close`` are its own, DCP's ``tell``, ``flush`` and ``fileno`` the file's.
 
     Data files are written front to back (``wb``; DCP and ``torch.save`` only append), so the running hash is the
     file's. It does not seek: a writer that seeks back fails here instead of being miscounted.
     """
 
-    def __init__(self, path, key: bytes | None):
+    def __init__(self, path, key: bytes | None, sync: bool):
+        self.sync = sync  # flushed and fsynced when closed
         raw = io.FileIO(path, "wb")
         block = os.fstat(raw.fileno()).st_blksize  # open()'s buffer: a parallel file system's block is MiBs
         super().__init__(raw, buffer_size=block if block > 1 else io.DEFAULT_BUFFER_SIZE)
@@ -80,6 +81,14 @@ class _HashingFile(io.BufferedWriter):
             super().write(piece)  # a blocking buffered write takes all of it or raises
         self.size += len(view)
         return len(view)
+
+    def close(self) -> None:
+        """Closed on disk whole where ``sync``: DCP's own fsync (torch 2.11-2.13) comes before the buffer's flush, so
+        the last bytes of a file (all of ``.metadata``) would reach the disk only when the kernel writes them."""
+        if self.sync and not self.closed:
+            self.flush()
+            os.fsync(self.fileno())
+        super().close()
 
     def seekable(self) -> bool:
         return False
@@ -128,9 +137,10 @@ CRC32_PER_THREAD = _crc32_per_thread()
 class ChecksumFileSystem(FileSystem):
     """DCP's local file system, recording ``{file name: {"size", "xxh3_64"}}`` of every file written through it."""
 
-    def __init__(self, key: bytes | None = None) -> None:
+    def __init__(self, key: bytes | None = None, sync: bool = True) -> None:
         super().__init__()
         self.key = key  # checkpoint.key_env's: each file's keyed digest too
+        self.sync = sync  # the writer's sync_files: each written file flushed and fsynced before it is closed
         self.records: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()  # DCP may write files from several threads (thread_count > 1)
         # the thread that called the writer's last write_data, and the first failure of a data file written by
@@ -158,7 +168,7 @@ class ChecksumFileSystem(FileSystem):
         torch.serialization.set_crc32_options(crc32 and not CRC32_PER_THREAD)
         opened = False
         try:
-            with _HashingFile(path, self.key) as counted:
+            with _HashingFile(path, self.key, self.sync) as counted:
                 opened = True
                 yield counted
         except Exception as exc:
@@ -208,7 +218,7 @@ class ChecksumFileSystemWriter(FileSystemWriter):
             raise RuntimeError(
                 f"torch {torch.__version__}: FileSystemWriter has no local `fs` to checksum files through"
             )
-        self.fs = ChecksumFileSystem(key)
+        self.fs = ChecksumFileSystem(key, sync=self.sync_files)
 
     def reset(self, checkpoint_id=None) -> None:
         super().reset(checkpoint_id)

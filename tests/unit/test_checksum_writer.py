@@ -79,6 +79,20 @@ def test_a_checksummed_file_is_buffered_as_open_buffers_it(tmp_path):
         assert on_disk(stream, tmp_path / "hashed") == expected
 
 
+def test_every_file_is_whole_on_disk_when_it_is_fsynced(tmp_path, monkeypatch):
+    synced: dict[str, int] = {}  # each file's size at its last fsync
+    fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        fsync(fd)
+        synced[os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).removesuffix(".tmp")] = os.fstat(fd).st_size
+
+    monkeypatch.setattr(os, "fsync", spy)
+    _, writer = _save(tmp_path, threads=2)
+    records = writer.checksums()
+    assert synced == {name: record["size"] for name, record in records.items()}
+
+
 def test_each_writer_thread_writes_its_own_file_with_its_checksum(tmp_path):
     _, writer = _save(tmp_path, threads=3)
     records = writer.checksums()
