@@ -4,19 +4,20 @@
 # device-minutes hold the six part calls and cases 1-3):
 #     bash scripts/gpu_bench_loop.sh 1   # after the six part calls: TE's build, the wheels, every mode at 4.43 GB
 #     bash scripts/gpu_bench_loop.sh build && bash scripts/gpu_bench_loop.sh t   # TE's build and the wheels alone,
-#                                        # then another case first (each of 2-7 and t needs them once on the machine)
+#                                        # then another case first (each of 2-8 and t needs them once on the machine)
 #     bash scripts/gpu_bench_loop.sh t   # tests/gpu alone (also the end of case 3)
 #     bash scripts/gpu_bench_loop.sh 2   # 17.7 GB: the recipe and Automodel, thread and writer process
 #     bash scripts/gpu_bench_loop.sh 3   # 17.7 GB: torchtitan, thread and writer process; tests/gpu
-#     bash scripts/gpu_bench_loop.sh 4   # 17.7 GB: the anchors (TE's class; torch_checkpointing), budgets
+#     bash scripts/gpu_bench_loop.sh 4   # 17.7 GB: the anchors (TE's class; torch_checkpointing)
 #     bash scripts/gpu_bench_loop.sh 5   # 4.43 GB: budgets that fit the whole save, written by writer processes,
 #                                        # beside the unbudgeted writer process
 #     bash scripts/gpu_bench_loop.sh 6   # the same at 17.7 GB, torchtitan
 #     bash scripts/gpu_bench_loop.sh 7   # the same at 17.7 GB, the recipe
+#     bash scripts/gpu_bench_loop.sh 8   # 17.7 GB: budgets that fit the whole save, written by threads
 #     bash scripts/gpu_bench_loop.sh p   # no TE (no part calls; .gpu/deps and .gpu/wheels carried), one call: tests/gpu
 #                                        # (what runs without TE), then ours at 17.7 GB with PortableFusedAdam, TE's
 #                                        # bitwise twin (its slower step flatters a save's loss: not for the ratios)
-# Cases 2-7 and t carry .gpu/wheels only (the machine kept warm since case 1 or build: TE stays installed). Each
+# Cases 2-8 and t carry .gpu/wheels only (the machine kept warm since case 1 or build: TE stays installed). Each
 # bench_save run is one of scripts/gpu_bench_run.sh (a mode that ends its run loses only that run's table; the
 # finished modes' lines stay in $OUT/TAG.modes); its limit is about 1.3x the run's time on an H100 on 2026-12-07,
 # measured with 3 baseline steps a save (now 8: 20 steps more a mode, 3 s at 17.7 GB). Results go to $OUT.
@@ -47,9 +48,8 @@ case "${1:-}" in
     run 330 l88f 88 f-titan-ours,f-titan-ours-process
     gpu_tests ;;
   t) gpu_tests ;;
-  4)
-    run 260 l88a 88 f-titan-te,h-checkpointing-te
-    run 260 l88b 88 f-titan-ours-budget-all,c-ours-budget-all ;;
+  4) run 420 l88a 88 f-titan-te,h-checkpointing-te ;;  # 270 s ran out in the second mode on 2026-12-08
+  8) run 260 l88b 88 f-titan-ours-budget-all,c-ours-budget-all ;;
   5)
     run 240 l22p 22 f-titan-ours-process,f-titan-ours-process-budget-all,c-ours-process,c-ours-process-budget-all ;;
   6) run 380 l88p 88 f-titan-ours-process,f-titan-ours-process-budget-all ;;
@@ -59,5 +59,5 @@ case "${1:-}" in
       .gpu/deps/hydra_core-* .gpu/deps/omegaconf-* .gpu/deps/antlr4-* 2>&1 | tail -2
     timeout 220 python3 -m pytest -v -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1; tail -n 8 "$OUT/pytest_gpu.log"
     run 300 p88 88 c-ours,f-titan-ours ;;
-  *) echo "usage: bash scripts/gpu_bench_loop.sh build|t|1|2|3|4|5|6|7|p" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_bench_loop.sh build|t|1|2|3|4|5|6|7|8|p" >&2; exit 2 ;;
 esac
