@@ -85,10 +85,12 @@ class _HashingFile(io.BufferedWriter):
     def close(self) -> None:
         """Closed on disk whole where ``sync``: DCP's own fsync (torch 2.11-2.13) comes before the buffer's flush, so
         the last bytes of a file (all of ``.metadata``) would reach the disk only when the kernel writes them."""
-        if self.sync and not self.closed:
-            self.flush()
-            os.fsync(self.fileno())
-        super().close()
+        try:
+            if self.sync and not self.closed:
+                self.flush()
+                os.fsync(self.fileno())
+        finally:  # the file is closed even where its flush failed (a full disk)
+            super().close()
 
     def seekable(self) -> bool:
         return False

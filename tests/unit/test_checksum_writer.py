@@ -93,6 +93,16 @@ def test_every_file_is_whole_on_disk_when_it_is_fsynced(tmp_path, monkeypatch):
     assert synced == {name: record["size"] for name, record in records.items()}
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full to fail a write with ENOSPC")
+@pytest.mark.parametrize("sync", [True, False])
+def test_a_file_whose_flush_fails_is_closed_and_its_failure_raised(sync):
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="No space left"):
+        with ChecksumFileSystem(sync=sync).create_stream("/dev/full", "wb") as stream:
+            stream.write(b"x" * 100)  # buffered: the flush at close fails
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 def test_each_writer_thread_writes_its_own_file_with_its_checksum(tmp_path):
     _, writer = _save(tmp_path, threads=3)
     records = writer.checksums()
