@@ -82,6 +82,11 @@ class _HashingFile(io.BufferedWriter):
         self.size += len(view)
         return len(view)
 
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:  # a failed file gets no record, nor an fsync: a second Ctrl-C does not wait for it
+            self.sync = False
+        return super().__exit__(exc_type, exc, tb)
+
     def close(self) -> None:
         """Closed on disk whole where ``sync``: DCP's own fsync (torch 2.11-2.13) comes before the buffer's flush, so
         the last bytes of a file (all of ``.metadata``) would reach the disk only when the kernel writes them."""

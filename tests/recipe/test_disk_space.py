@@ -40,10 +40,11 @@ def small_fs(tmp_path):
     yield mount
     busy = []  # a file the failed save left open keeps its tmpfs busy
     for where in mounts:
-        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
-            busy.append(str(where))
+        proc = subprocess.run(["umount", str(where)], capture_output=True)
+        if proc.returncode != 0:
+            busy.append(f"{where}: {proc.stderr.decode().strip() or proc.returncode}")
             subprocess.run(["umount", "-l", str(where)], check=False)  # detached, gone once the file is closed
-    assert not busy, f"still in use after the test (a file left open): {busy}"
+    assert not busy, f"not unmounted after the test (a file left open?): {busy}"
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])

@@ -96,11 +96,20 @@ def test_every_file_is_whole_on_disk_when_it_is_fsynced(tmp_path, monkeypatch):
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full to fail a write with ENOSPC")
 @pytest.mark.parametrize("sync", [True, False])
 def test_a_file_whose_flush_fails_is_closed_and_its_failure_raised(sync):
-    before = len(os.listdir("/proc/self/fd"))
     with pytest.raises(OSError, match="No space left"):
         with ChecksumFileSystem(sync=sync).create_stream("/dev/full", "wb") as stream:
             stream.write(b"x" * 100)  # buffered: the flush at close fails
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert stream.raw.closed
+
+
+def test_a_file_whose_writer_failed_is_closed_without_an_fsync(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr(os, "fsync", synced.append)
+    with pytest.raises(KeyboardInterrupt):
+        with ChecksumFileSystem(sync=True).create_stream(tmp_path / "partial", "wb") as stream:
+            stream.write(b"x" * 100)
+            raise KeyboardInterrupt  # a second Ctrl-C during the write: no record, no wait for the disk
+    assert stream.raw.closed and synced == []
 
 
 def test_each_writer_thread_writes_its_own_file_with_its_checksum(tmp_path):
