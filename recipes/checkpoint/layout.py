@@ -89,10 +89,20 @@ def recorded_files(path: Path, parts: list[dict[str, dict[str, Any]]]) -> dict[s
 
 def write_manifest(path: Path, manifest: dict[str, Any], key: bytes | None) -> None:
     """Seal ``manifest`` (its own hash; with ``key``, its MAC) and write it as ``path``'s ``COMPLETE.json``,
-    atomically: a checkpoint counts once it is there."""
+    atomically and durably: a checkpoint counts once it is there, so the marker is fsynced before it takes its name
+    and the directory after (a power loss leaves the checkpoint complete, or without a marker: never with an empty
+    one)."""
     tmp = path / (MARKER + ".tmp")
-    tmp.write_text(seal_manifest(manifest, key))
+    with open(tmp, "w") as f:
+        f.write(seal_manifest(manifest, key))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path / MARKER)
+    directory = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def read_manifest(path: Path, key: bytes | None = None) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from optim_factory import ConfigError
 from recipes.checkpoint import FALLBACK_HINT, MARKER, CheckpointError, is_complete, read_checkpoint, read_manifest
 from recipes.checkpoint.checksums import MANIFEST_DIGEST, writer_threads
-from recipes.checkpoint.layout import DAMAGED_KEPT, set_aside
+from recipes.checkpoint.layout import DAMAGED_KEPT, set_aside, write_manifest
 from recipes.job import train
 from recipes.train import compose_config
 from tests.recipe.runs import QUICK, cli, complete_steps, run_cli, snapshot, stopped
@@ -414,3 +414,20 @@ def test_a_resume_reads_each_candidate_s_manifest_once(run_dir, monkeypatch):
     monkeypatch.setattr(load, "read_manifest", lambda path, key=None: reads.append(path) or real(path, key))
     _run(run_dir, "trainer.max_steps=25")
     assert reads == [run_dir / "checkpoints" / STEP20]
+
+
+def test_the_marker_is_on_disk_whole_before_it_takes_its_name_and_the_directory_after(tmp_path, monkeypatch):
+    synced = []  # (what was fsynced, its size then, whether COMPLETE.json was there then)
+    fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        fsync(fd)
+        name = Path(os.readlink(f"/proc/self/fd/{fd}")).name
+        synced.append((name, os.fstat(fd).st_size, (tmp_path / MARKER).exists()))
+
+    monkeypatch.setattr(os, "fsync", spy)
+    write_manifest(tmp_path, {"step": 3}, None)
+    size = (tmp_path / MARKER).stat().st_size
+    assert synced[0] == (MARKER + ".tmp", size, False)  # whole, under its temporary name
+    assert synced[1][0] == tmp_path.name and synced[1][2]  # then the directory, holding the renamed marker
+    assert read_manifest(tmp_path)["step"] == 3
