@@ -62,15 +62,16 @@ def _fp8_torch_dtype(te_fp8_dtype: Any) -> torch.dtype:
     raise RuntimeError(f"unknown FP8 format {te_fp8_dtype!r}")
 
 
-def _state_source(optimizer: Any, param: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def _state_source(
+    optimizer: Any, param: torch.Tensor, name: str, stored: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The raw local storage of one state (flat) and the FP32 factor that unscales it, or ``None`` when the
-    state cannot be streamed element by element (non-contiguous storage).
+    state cannot be streamed element by element (non-contiguous storage). ``stored``: the state's local tensor.
 
     This reads the optimizers' storage as TE 2.20's ``get_unscaled_state`` does (TE's ``Float8Tensor`` data and
     ``_scale_inv``, the per-state ``_scales`` of FP16 states), so that each chunk is converted with the same
     arithmetic: see docs/design.md, "Streaming".
     """
-    stored = local_tensor(optimizer.state[param][name])
     data = getattr(stored, "_data", None)
     if data is not None and hasattr(stored, "_scale_inv"):
         # TE's Float8Tensor: its float() is E4M3 -> FP32 times scale_inv, element by element
@@ -167,7 +168,8 @@ class ExportPlan:
         live = optimizer.state[param][name]
         if name not in optimizer.name_to_dtype_map or not isinstance(live, torch.Tensor):
             return None
-        found = _state_source(optimizer, param, name)
+        stored = local_tensor(live)
+        found = _state_source(optimizer, param, name, stored)
         if found is None:
             return None
         source, scale = found
@@ -175,7 +177,7 @@ class ExportPlan:
         kept = source.dtype == torch.int16 or (self.options.keep_bf16 and bf16)
         dtype = source.dtype if kept else torch.float32  # int16 remainders, kept BF16: copied as they are
         pinning = self.options.pinning_on(source.device.type)
-        return source, scale, Slot((key, name), tuple(local_tensor(live).shape), dtype, pinning)
+        return source, scale, Slot((key, name), tuple(stored.shape), dtype, pinning)
 
     def item(self, optimizer: Any, param: torch.Tensor, key: Any, name: str, meta: bool = False) -> StreamItem | None:
         """The streaming plan for one state, with its host destination (``meta``: a meta tensor in its place, for a
