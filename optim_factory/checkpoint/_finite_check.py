@@ -34,7 +34,7 @@ NON_FINITE_LINE = "the model or optimizer state holds non-finite values (NaN/inf
 class FiniteCheck:
     """One save's check, planned on the caller's thread when the save is staged (the tensors to read, the point
     of each CUDA stream they are final at), run on the stager's completion thread: :meth:`device_refusal` before the
-    staging completes, :meth:`refusal` after."""
+    staging completes, :meth:`refusal` after, which ends it."""
 
     def __init__(
         self,
@@ -101,19 +101,22 @@ class FiniteCheck:
         """Whether every host tensor of the save is finite (the staged copies and filled exports)."""
         return all_finite(self.host)
 
-    def refusal(self, on_device: str | None) -> str | None:
+    def refusal(self, on_device: str | None, earlier: str | None = None) -> str | None:
         """The save's verdict once staged, from :meth:`device_refusal`'s and the host's check (unless left to the
         writer process): None when every value is finite; a NaN/inf refusal names the first staged tensor that
-        holds one (its keys joined by dots)."""
-        if on_device is None:
-            return host_refusal(self.host, self._staged) if self._host_here else None
-        if on_device != NON_FINITE_LINE:
-            return on_device
-        return _named(self._staged)
-
-    def release(self) -> None:
-        """Drop the references (the CUDA tensors stay alive until :meth:`on_device` has read them)."""
-        self.device, self.host, self._ready, self._staged, self.left_to_writer = [], [], {}, None, None
+        holds one (its keys joined by dots). ``earlier``: the save's refusal so far (a failed copy or export),
+        returned as it is without reading the host. The check is over: its references are dropped, whatever it
+        returns or raises (the CUDA tensors stay alive until :meth:`on_device` has read them)."""
+        try:
+            if earlier is not None:
+                return earlier
+            if on_device is None:
+                return host_refusal(self.host, self._staged) if self._host_here else None
+            if on_device != NON_FINITE_LINE:
+                return on_device
+            return _named(self._staged)
+        finally:
+            self.device, self.host, self._ready, self._staged, self.left_to_writer = [], [], {}, None, None
 
 
 def host_refusal(host: list[torch.Tensor], staged: Any) -> str | None:

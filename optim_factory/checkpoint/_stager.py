@@ -31,14 +31,13 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse  # torch >= 2.9
 from torch.distributed.checkpoint.stateful import Stateful
 
-from optim_factory.checkpoint._agreement import agree
 from optim_factory.checkpoint._export_waits import ExportWaits
 from optim_factory.checkpoint._fillers import filler_for
 from optim_factory.checkpoint._gated_planner import GatedPlanner
 from optim_factory.checkpoint._options import FIELD_NAMES, StagerOptions
 from optim_factory.checkpoint._record import StagedSave
 from optim_factory.checkpoint._save_end import SaveEnd
-from optim_factory.checkpoint._verdict import Staging, complete_staging
+from optim_factory.checkpoint._verdict import complete_staging
 from optim_factory.checkpoint._writer_process import WriterProcess
 from optim_factory.errors import SaveRefused, first_line
 from optim_factory.optimizers.export import OffloadedStateDict, local_tensor
@@ -94,7 +93,7 @@ class AsyncSaveStager(AsyncStager):
         self._own_group = False
         self._save: StagedSave | None = None
         self._closed = False
-        self._gate_next = False  # async_save's staging: DCP's planning ends at a GatedPlanner's gate
+        self._gate_next: GatedPlanner | None = None  # async_save's: DCP's planning of the next save ends at its gate
         self._own_save = False  # inside async_save: the save's writer is built or checked here
         self._waited = False  # inside save(): nothing is copied (nothing changes the state until it is written)
         self._join_ranks()
@@ -111,42 +110,44 @@ class AsyncSaveStager(AsyncStager):
             )
         self._join_ranks()
         self._ends.previous(self._save)
-        gated, self._gate_next = self._gate_next, False
+        gated, self._gate_next = self._gate_next, None
         save = self._save = StagedSave(state_dict)
+        if gated is not None:
+            gated.save = save
         tests = [(opt, opt.is_leased_export_buffer) for opt in self._ours]
         here = not (self.options.write_in_process and self._own_save and not self._waited)  # else: a writer process
 
         def exported_by(t: torch.Tensor) -> torch.optim.Optimizer | None:
             return next((opt for opt, test in tests if test(t)), None)
 
-        finite = filling = None
+        filling = None
         try:
             self._exports.begin(save, fill_fresh=not self._waited)
             # the export's pooled buffers are passed through (to a writer process only those in shared memory: pickling
             # would move one leased before share_export_memory() there in place); in a waited save every tensor is
             shared = (lambda _: True) if here else (lambda t: local_tensor(t).is_shared())
             keep = (lambda _: True) if self._waited else (lambda t: exported_by(t) is not None and shared(t))
-            staged, copied, filling = self._filler.begin(state_dict, keep, self._own_save, here)
+            save.host_dict, save.copied, filling = self._filler.begin(state_dict, keep, self._own_save, here)
             save.host_bytes = self._filler.save_bytes
             if filling is not None:  # the filler completes it as the save is written
                 filling.add_done_callback(lambda _: save.filled.set_result(None))
             if self.options.refuse_non_finite:  # the host's part in the writer process, where it writes
-                finite = self._filler.finite_check(state_dict, staged, exported_by, self._check_streams, here)
-                save.host_check = finite.left_to_writer
+                streams = self._check_streams
+                save.finite = self._filler.finite_check(state_dict, save.host_dict, exported_by, streams, here)
+                save.host_check = save.finite.left_to_writer
         except Exception as exc:  # noqa: BLE001  (this rank's refusal must reach every rank's agreement)
-            staged, copied = exc, None
-        # the caller's GPU on the thread: a new thread's is 0, and its first CUDA call would create a context there
-        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+            save.host_dict = exc
+        save.device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # the caller's GPU
         exports = self._exports if filling is None else None  # else the filler's fills complete the staging
-        staging = Staging(staged, copied, finite, device, exports, self.options.check)
         threading.Thread(
             target=complete_staging,
-            args=(save, staging, self._group, gated),
+            args=(save, exports, self.options.check, self._group, gated is not None),
             name="optim-factory-staging",
             daemon=True,
         ).start()
-        if gated:  # DCP plans now, from the tensors' metadata (a failed copy's rank plans its own dict, refused later)
-            save.staged.set_result(state_dict if isinstance(staged, Exception) else staged)
+        # gated: DCP plans now, from the tensors' metadata (a failed copy's rank plans its own dict, refused later)
+        if gated is not None:
+            save.staged.set_result(state_dict if isinstance(save.host_dict, Exception) else save.host_dict)
         return save.staged
 
     def synchronize_staging(self) -> None:
@@ -219,7 +220,7 @@ class AsyncSaveStager(AsyncStager):
                 self.discard(state_dict)
             raise
         finally:
-            self._gate_next = self._own_save = False
+            self._gate_next, self._own_save = None, False
         save = self._save
         save.upload = Future()
         written.add_done_callback(lambda done: self._ends.uploaded(save, done))
@@ -228,10 +229,10 @@ class AsyncSaveStager(AsyncStager):
     def _dcp_async_save(self, state_dict: dict[str, Any], dcp_kwargs: dict[str, Any]) -> AsyncSaveResponse:
         """DCP's ``async_save`` through this stager, written on DCP's thread; gated where ``GatedPlanner.for_save``
         says (every rank's planning ends at the verdict's gate)."""
-        planner = GatedPlanner.for_save(self._open_gate, dcp_kwargs)
+        planner = GatedPlanner.for_save(self._group, dcp_kwargs)
         if planner is not None:
-            self._gate_next, dcp_kwargs["planner"] = True, planner
-        with self.exporting(defer=False):  # DCP exports a Stateful optimizer inside
+            self._gate_next = dcp_kwargs["planner"] = planner
+        with self.exporting():  # DCP exports a Stateful optimizer inside
             return dcp.async_save(
                 state_dict, async_stager=self, async_checkpointer_type=AsyncCheckpointerType.THREAD, **dcp_kwargs
             )
@@ -242,27 +243,26 @@ class AsyncSaveStager(AsyncStager):
         if self._writer is None:
             self._writer = WriterProcess(self._group)
         self._writer.check(dcp_kwargs)
-        with self.exporting(defer=False):  # a Stateful's export, as DCP's async_save makes it
+        with self.exporting():  # a Stateful's export, as DCP's async_save makes it
             state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
         staged = self.stage(state_dict)
         kwargs, asks = self._filler.for_writer_process(dcp_kwargs)  # a budget's planner asks for its fills here
         return self._writer.write(staged, kwargs, self._save.host_check, asks)
 
     @contextlib.contextmanager
-    def exporting(self, *, defer: bool = True) -> Iterator[None]:
+    def exporting(self) -> Iterator[None]:
         """``with stager.exporting(): sd = get_state_dict(model, opt)``: the export of a save through this stager,
         the one block a checkpointer writes around it. A background export into pooled buffers (``defers``)
-        returns unfilled, so that the next forward and backward overlap it (``defer=False``: it is filled when the
-        export returns); the staging's completion and the next ``step()`` wait for it. A background export into
+        returns unfilled, so that the next forward and backward overlap it; the staging's completion and the next
+        ``step()`` wait for it. A background export into
         fresh memory returns unfilled too and is filled when the save is staged (in the save call); a failed
         background export refuses the save on every rank. An export within the host budget holds placeholders,
         filled as the save writes them. :meth:`async_save` exports a ``Stateful`` inside it itself (within the
-        budget; deferred only inside the caller's block)."""
+        budget, deferred)."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._filler.exporting())
-            for opt, pooled in self._exports.background:
-                if defer or not pooled:
-                    stack.enter_context(opt.deferred_state_dict())
+            for opt, _ in self._exports.background:
+                stack.enter_context(opt.deferred_state_dict())
             yield
 
     def discard(self, state_dict: dict[str, Any]) -> None:
@@ -350,12 +350,3 @@ class AsyncSaveStager(AsyncStager):
         if self._group is None and not self._closed and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo")
             self._own_group = True
-
-    def _open_gate(self) -> None:
-        """At every rank's last planning step of the save in flight (DCP's upload thread, :class:`GatedPlanner`): this
-        rank's verdict, then every rank's; a refusal raises :class:`SaveRefused` on every rank."""
-        save = self._save
-        refusals = agree(save.verdict.result(), self._group)
-        if refusals:
-            save.refused = SaveRefused(refusals)
-            raise save.refused

@@ -217,10 +217,9 @@ class CheckpointManager(TitanCheckpointManager):
         if async_mode == AsyncMode.DISABLED:  # written when it returns, nothing copied
             self.stager.save(state_dict, checkpoint_id=checkpoint_id, process_group=self.pg)
             return None
-        staged_later = async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM  # the caller waits before the next step
-        with self.stager.exporting(defer=staged_later):
-            response = self.stager.async_save(state_dict, checkpoint_id=checkpoint_id, process_group=self.pg)
-        if staged_later:
+        # the states' export inside: a background one returns unfilled, filled while the caller goes on
+        response = self.stager.async_save(state_dict, checkpoint_id=checkpoint_id, process_group=self.pg)
+        if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:  # the caller waits before the next step
             return response  # torchtitan keeps both completions: maybe_wait_for_staging, maybe_wait_for_saving
         response.staging_completion.result()  # "async": staged when the save returns, as with torchtitan's stager
         return response.upload_completion

@@ -495,7 +495,5 @@ def test_count_hops_follows_a_save_onto_the_threads_that_write_it(tmp_path):
 
     hops = recipe_save(tmp_path)
     assert ("recipes.checkpoint.save._write", "optim_factory.checkpoint._stager.async_save") in hops.edges
-    assert ("optim_factory.checkpoint._gated_planner.finish_plan", "optim_factory.checkpoint._stager._open_gate") in (
-        hops.edges
-    )
+    assert ("optim_factory.checkpoint._gated_planner.gate", "optim_factory.checkpoint._agreement.agree") in hops.edges
     assert hops.count == 2 * len(hops.edges) and 0 < hops.ours < hops.count

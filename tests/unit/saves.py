@@ -27,6 +27,19 @@ OURS = dict(
 )
 
 
+class Optim:
+    """A ``Stateful`` optimizer entry: DCP exports it inside ``async_save`` (as torchtitan's container)."""
+
+    def __init__(self, model, opt) -> None:
+        self.model, self.opt = model, opt
+
+    def state_dict(self) -> dict:
+        return get_state_dict(self.model, self.opt)[1]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        raise AssertionError("not loaded here")
+
+
 def make_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))

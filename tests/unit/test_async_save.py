@@ -569,7 +569,7 @@ def test_a_failed_background_export_into_fresh_memory_refuses_the_save_instead_o
     stager = AsyncSaveStager(opt)
     train(model, opt, 1)
     state, nbytes = _break_a_state(opt)
-    with stager.exporting(defer=False):
+    with stager.exporting():
         msd, osd = get_state_dict(model, opt)  # returns: the failure is not raised here
     response = stager.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "bad"))
     with pytest.raises(SaveRefused, match="^not saved, nothing was written: the optimizer's background export fail"):
@@ -590,7 +590,7 @@ def test_a_background_export_into_fresh_memory_is_filled_before_the_save_copies_
     train(model, opt, 1)
     expected = expected_tensors(model, opt)
     gate.clear()
-    with stager.exporting(defer=False):
+    with stager.exporting():
         msd, osd = get_state_dict(model, opt)
     threading.Timer(0.2, gate.set).start()
     stager.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "fresh"))

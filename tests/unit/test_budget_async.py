@@ -23,21 +23,8 @@ from optim_factory.optimizers.export.host_memory import HostBufferPool
 from optim_factory.optimizers.export.stream import StateExporter, StreamItem
 from optim_factory.tree import local_tensors
 from tests.distributed.launch import spawn
-from tests.unit.saves import GatedFileWriter, data_files
+from tests.unit.saves import GatedFileWriter, Optim, data_files
 from tests.unit.test_budget import CHUNK, OPTIONS, STATE, _peak_added, _trained, train
-
-
-class Optim:
-    """A ``Stateful`` optimizer entry: DCP exports it inside ``async_save`` (as torchtitan's container)."""
-
-    def __init__(self, model, opt) -> None:
-        self.model, self.opt = model, opt
-
-    def state_dict(self) -> dict:
-        return get_state_dict(self.model, self.opt)[1]
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        raise AssertionError("not loaded here")
 
 
 def save_plain(model, opt, path) -> None:

@@ -118,14 +118,25 @@ def test_a_check_that_fails_refuses_the_save_once_the_export_is_filled(tmp_path,
 
 
 def test_a_refusal_names_the_first_staged_tensor_holding_a_nan_and_a_failed_check_its_own_line():
+    """Each verdict ends its check: the tensors it read are let go, whatever it returns (an earlier refusal is
+    returned as it is, the host not read)."""
     sources = {"model": {"w": torch.ones(3)}, "optim": {"state": {"0.weight": {"exp_avg_sq": torch.ones(4)}}}}
     staged = {"model": {"w": torch.ones(3)}, "optim": {"state": {"0.weight": {"exp_avg_sq": torch.ones(4)}}}}
-    check = FiniteCheck(sources, staged, lambda t: None)
-    assert check.refusal(None) is None
-    assert check.refusal(NON_FINITE_LINE) == NON_FINITE_LINE  # the GPU saw one the staged copies do not hold
+
+    def verdict(on_device, earlier=None):
+        check = FiniteCheck(sources, staged, lambda t: None)
+        assert check.host  # the CPU tensors, read on the host
+        line = check.refusal(on_device, earlier)
+        assert check.host == [] and check.device == []
+        return line
+
+    assert verdict(None) is None
+    assert verdict(NON_FINITE_LINE) == NON_FINITE_LINE  # the GPU saw one the staged copies do not hold
     staged["optim"]["state"]["0.weight"]["exp_avg_sq"][2] = math.inf
-    assert check.refusal(NON_FINITE_LINE) == f"{NON_FINITE_LINE}: optim.state.0.weight.exp_avg_sq"
-    assert check.refusal("the finite check failed: X") == "the finite check failed: X"
+    assert verdict(None) == f"{NON_FINITE_LINE}: optim.state.0.weight.exp_avg_sq"
+    assert verdict(NON_FINITE_LINE) == f"{NON_FINITE_LINE}: optim.state.0.weight.exp_avg_sq"
+    assert verdict("the finite check failed: X") == "the finite check failed: X"
+    assert verdict(None, earlier="the export failed") == "the export failed"
 
 
 def test_off_by_default_a_non_finite_state_is_saved_as_it_is(tmp_path):

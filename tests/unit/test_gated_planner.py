@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from optim_factory import PortableFusedAdam
 from optim_factory.checkpoint import AsyncSaveStager, SaveRefused, StagerOptions
 from optim_factory.checkpoint._gated_planner import GatedPlanner
+from optim_factory.checkpoint._record import StagedSave
 from tests.unit.saves import (
     OURS,
     PlannedWriter,
@@ -131,19 +132,19 @@ def test_a_refusal_removes_the_parents_of_a_directory_another_rank_removed_and_l
     """The gate's refusal removes what its planning made, deepest first: a directory already gone (another rank's
     refusal removed it) is passed over, its parents still removed; one that is not empty stays."""
 
-    def refuse() -> None:
-        raise SaveRefused(["refused by the test (rank 0)"])
-
     (tmp_path / "kept").mkdir()
-    planner = GatedPlanner(refuse, local=True)
+    planner = GatedPlanner(None, local=True)  # one process: the agreement is this rank's verdict
     for name in ("gone", "full"):
+        planner.save = StagedSave({})
+        planner.save.verdict.set_result("refused by the test")
         planner.set_up_planner({}, StorageMeta(checkpoint_id=str(tmp_path / "kept" / name / "ck")))
         (tmp_path / "kept" / name / "ck").mkdir(parents=True)  # the writer's planning
         if name == "gone":
             (tmp_path / "kept" / name / "ck").rmdir()  # another rank's refusal came first
         else:
             (tmp_path / "kept" / name / "file").write_text("someone else's")
-        with pytest.raises(SaveRefused):
+        with pytest.raises(SaveRefused, match=r"written: refused by the test \(rank 0\)$"):
             planner.finish_plan(SavePlan([]))
+        assert planner.save.refused is not None  # the refusal its save's upload completes with
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["full"]
     assert sorted(p.name for p in (tmp_path / "kept" / "full").iterdir()) == ["file"]

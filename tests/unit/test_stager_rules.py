@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from optim_factory import PortableFusedAdam
 from optim_factory.checkpoint import AsyncSaveStager, BudgetRefused, SaveRefused, deferred_export, least_host_budget
 from optim_factory.rules.export import size_text
-from tests.unit.saves import OURS, make_model, train
+from tests.unit.saves import OURS, Optim, make_model, train
 from tests.unit.test_budget import STATE, _trained
 from tests.unit.test_budget import train as one_step
 
@@ -124,11 +124,11 @@ def test_copies_at_the_start_beyond_the_budget_are_refused_in_one_line_naming_th
     stager.close()
 
 
-@pytest.mark.parametrize("defer", [True, False])
-def test_the_stager_s_exporting_block_defers_a_background_export_into_pooled_buffers(tmp_path, defer):
-    """``with stager.exporting():`` is the one block around a save's export: a background export into pooled
-    buffers returns unfilled there (``defer=False``: filled when it returns), and the save writes what the export
-    holds, the same either way."""
+@pytest.mark.parametrize("where", ["the caller's block", "async_save's own export of a Stateful"])
+def test_the_stager_s_exporting_block_defers_a_background_export_into_pooled_buffers(tmp_path, where):
+    """``with stager.exporting():`` is the one block around a save's export, and ``async_save`` exports a
+    ``Stateful`` inside it itself: a background export into pooled buffers returns unfilled there, and the save
+    writes what the export holds."""
     from tests.helpers import record_exports
     from tests.unit.saves import assert_checkpoint, expected_tensors
 
@@ -138,10 +138,14 @@ def test_the_stager_s_exporting_block_defers_a_background_export_into_pooled_buf
     train(model, opt, 1)
     expected = expected_tensors(model, opt)
     exports = record_exports(opt)
-    with stager.exporting(defer=defer):
-        msd, osd = get_state_dict(model, opt)
-    assert [pending for _, pending in exports] == [defer]
-    stager.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    if where == "the caller's block":
+        with stager.exporting():
+            msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+    else:
+        state = {"model": model.state_dict(), "optim": Optim(model, opt)}
+    stager.async_save(state, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert [pending for _, pending in exports] == [True]
     stager.wait()
     assert_checkpoint(tmp_path / "ck", expected)
 
