@@ -65,7 +65,7 @@ class InFlight:
 
     step: int
     path: Path
-    writer: ChecksumFileSystemWriter
+    writer: ChecksumFileSystemWriter  # the saver's: this save's checksums are its until the next save resets it
     report: ExportReport
     export_t0: float  # when the save call started (its export first); a background export_s ends when filled
     deferred: bool  # an async save that returns before its export is filled (Saver.defers)
@@ -111,7 +111,9 @@ class Saver:
         self.verified: Path | None = None
         self._pending: InFlight | None = None
         self._stager: AsyncSaveStager | None = None  # the saves' staging, kept from save to save
-        self._writer_options: dict[str, Any] = {}  # DCP's writer's, for the stager's optimizer (writer_options)
+        # DCP's writer of every save of the stager's optimizer, with its options (writer_options): kept from save to
+        # save, each save's directory its checkpoint_id (DCP's reset, which also clears the last save's checksums)
+        self._writer: ChecksumFileSystemWriter | None = None
         # the stager's optimizer's export, from its options (so every save of it, on every rank, the same): filled
         # after the export call returns (a background export), and then into pooled buffers (defers_export)
         self._filled_later = self._pooled = False
@@ -195,8 +197,7 @@ class Saver:
                 flatten=self.cfg.flatten_optimizer_state_dict,
                 deferred=pooled and self.defers,
             )
-            writer = ChecksumFileSystemWriter(path, key=self.key, **self._writer_options)
-            save = InFlight(step, path, writer, report, held_since, deferred=report.deferred)
+            save = InFlight(step, path, self._writer, report, held_since, deferred=report.deferred)
             self._needed = self._needed_bytes(export_bytes + state_bytes(msd))
         except BaseException:
             self._stager.discard(osd)  # nothing staged it: its buffers back, its failure taken
@@ -226,7 +227,8 @@ class Saver:
             )
             self._stager = AsyncSaveStager(optimizer, options, process_group=self.save_group)
             self._filled_later, self._pooled = self._stager.export_filled_later, defers_export(optimizer)
-            self._writer_options = writer_options(optimizer, self.write_threads)  # the optimizer's, for every save
+            options = writer_options(optimizer, self.write_threads)  # the optimizer's, for every save
+            self._writer = ChecksumFileSystemWriter(self.root, key=self.key, **options)
         return self._stager
 
     def _write(self, save: InFlight, state: dict) -> None:

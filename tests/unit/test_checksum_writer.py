@@ -121,6 +121,22 @@ def test_each_writer_thread_writes_its_own_file_with_its_checksum(tmp_path):
         assert record == {"size": len(data), "xxh3_64": xxhash.xxh3_64(data).hexdigest()}, name
 
 
+def test_a_writer_kept_across_saves_names_only_the_last_save_s_files(tmp_path):
+    """The recipe keeps one writer for every save, each save's directory its ``checkpoint_id``: DCP's ``reset``
+    starts each save's records afresh (a save of fewer files than the one before names only its own)."""
+    writer = ChecksumFileSystemWriter(tmp_path, thread_count=3)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({f"t{i}": torch.ones(100 + i) for i in range(6)}, checkpoint_id=tmp_path / "a", storage_writer=writer)
+        writer.thread_count = 1
+        dcp.save({"t": torch.zeros(10)}, checkpoint_id=tmp_path / "b", storage_writer=writer)
+    records = writer.checksums()
+    assert sorted(records) == [".metadata", "__0_0.distcp"]
+    for name, record in records.items():
+        data = (tmp_path / "b" / name).read_bytes()
+        assert record == {"size": len(data), "xxh3_64": xxhash.xxh3_64(data).hexdigest()}, name
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity (Linux)")
 def test_automatic_writer_threads_follow_the_cpus_this_process_may_use_up_to_4():
     allowed = os.sched_getaffinity(0)
