@@ -37,6 +37,12 @@ Modes (each steps an optimizer of its own, over the one model, built with its ex
   ``optim_factory.integrations.automodel.Checkpointer`` (``g-automodel-ours-process``: with
   ``write_in_process=True``); ``h-checkpointing-te``: Meta's ``torch_checkpointing`` 0.1.1 around TE's class, its
   default async saver (``scripts.bench_save_frameworks``).
+* ``s-stager`` / ``s-stager-process``: the library's ``AsyncSaveStager`` in a plain DCP loop, as docs/export.md's
+  loop runs it: (c)'s export options, the export inside ``stager.exporting()``, ``stager.async_save`` (DCP's
+  ``FileSystemWriter``, no checks), ``staging_completion`` waited for before the next ``step()``
+  (``-process``: ``StagerOptions(write_in_process=True)``); ``s-stager-process-finite``: with
+  ``refuse_non_finite=True`` too, the recipe's one other stager option (beside ``c-ours-process``, whose checksums
+  and save bookkeeping the difference then holds).
 * ``f-titan-ours-budget-<b>`` / ``c-ours-budget-<b>``: torchtitan's manager of the integration and the recipe, the
   optimizer within a host budget (:data:`BUDGETS`); ``f-titan-ours-process-budget-<b>`` /
   ``c-ours-process-budget-<b>``: the same written by a writer process (the fills asked for by it).
@@ -88,9 +94,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 
+from optim_factory.checkpoint import AsyncSaveStager, StagerOptions
 from optim_factory.optimizers.export import ExportOptions
 from optim_factory.rules.export import parse_bytes
 from recipes.checkpoint import CheckpointManager, state_bytes
@@ -118,6 +130,9 @@ MODES = (
     "d-ours-keep-bf16",
     "e-te-sync",
     "e-ours-sync",
+    "s-stager",
+    "s-stager-process",
+    "s-stager-process-finite",
     "f-titan-te",
     "f-titan-ours",
     "f-titan-ours-process",
@@ -348,18 +363,22 @@ class Mode:
                 self.fresh_stagers = ctx["fresh_stagers"]
                 self.stager = self.new_stager()
         else:
-            background = name in ("c-ours", "c-ours-process", "d-ours-keep-bf16")
+            background = name in ("c-ours", "c-ours-process", "d-ours-keep-bf16") or name.startswith("s-")
             export = ours_export(ctx, background, keep_bf16=name.startswith("d-"))
             opt = switch_optimizer(ctx, **(budget_export(ctx, name) if "-budget-" in name else export))
-            cfg = CheckpointConfig(
-                dir=str(ctx["root"]),
-                every_steps=1,
-                keep_last=0,
-                async_save=name != "e-ours-sync",
-                write_in_process="-process" in name,
-            )
-            # hook() calls wait_export() before the next step(), as the recipe's loop does
-            self.manager = CheckpointManager(cfg, rank=ctx["rank"], device=ctx["device"], waits_before_step=True)
+            if name.startswith("s-"):  # docs/export.md's loop: the stager alone
+                options = StagerOptions(write_in_process="-process" in name, refuse_non_finite="-finite" in name)
+                self.stager = AsyncSaveStager(opt, options)
+            else:
+                cfg = CheckpointConfig(
+                    dir=str(ctx["root"]),
+                    every_steps=1,
+                    keep_last=0,
+                    async_save=name != "e-ours-sync",
+                    write_in_process="-process" in name,
+                )
+                # hook() calls wait_export() before the next step(), as the recipe's loop does
+                self.manager = CheckpointManager(cfg, rank=ctx["rank"], device=ctx["device"], waits_before_step=True)
             if opt.state_dict_offload_reuse_buffers:
                 opt.prepare_state_dict().result()
         self.options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=name.startswith("b-"))
@@ -382,6 +401,12 @@ class Mode:
             report = self.manager.saver.save(step, model, opt, {"step": step})
             self.pending = ("manager", None)
             return {"optim_bytes": report.export_bytes}
+        if self.name.startswith("s-"):
+            with self.stager.exporting():  # the background export returns unfilled: the next step overlaps it
+                msd, osd = get_state_dict(model, opt, options=FLAT)
+            state = {"model": msd, "optim": osd, "trainer": {"step": step}}
+            self.pending = ("dcp", self.stager.async_save(state, checkpoint_id=str(path)))
+            return {"optim_bytes": state_bytes(osd), "stager": type(self.stager).__name__}
         osd = get_optimizer_state_dict(model, opt, options=self.options)
         msd = get_model_state_dict(model, options=FLAT)
         state = {"model": msd, "optim": osd, "trainer": {"step": step}}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 59's measurement on one GPU (TE built: ../shared/gpu/README.md; the wheels of scripts/gpu_wheels.sh carried in
 # .gpu/wheels), in device calls of under 10 minutes each, from the repository root, most needed first (a session's 30
-# device-minutes hold the six part calls and cases 1-3):
+# device-minutes hold the six part calls and cases 1-3; or the six, build and t, 10 and 9: the rows issue 59 still
+# lacks):
 #     bash scripts/gpu_bench_loop.sh 1   # after the six part calls: TE's build, the wheels, every mode at 4.43 GB
 #     bash scripts/gpu_bench_loop.sh build && bash scripts/gpu_bench_loop.sh t   # TE's build and the wheels alone,
 #                                        # then another case first (each of 2-8 and t needs them once on the machine)
@@ -14,6 +15,12 @@
 #     bash scripts/gpu_bench_loop.sh 6   # the same at 17.7 GB, torchtitan
 #     bash scripts/gpu_bench_loop.sh 7   # the same at 17.7 GB, the recipe
 #     bash scripts/gpu_bench_loop.sh 8   # 17.7 GB: budgets that fit the whole save, written by threads
+#     bash scripts/gpu_bench_loop.sh 9   # 4.43 GB, 5 saves a mode: the stager in a plain DCP loop (thread, writer
+#                                        # process, with the finite check) beside the recipe's and torchtitan's
+#                                        # writer processes
+#     bash scripts/gpu_bench_loop.sh 10  # 17.7 GB: the stager's writer process without and with the finite check,
+#                                        # beside the recipe's (what of the recipe's loss its check and its
+#                                        # checksums hold)
 #     bash scripts/gpu_bench_loop.sh p   # no TE (no part calls; .gpu/deps and .gpu/wheels carried), one call: tests/gpu
 #                                        # (what runs without TE), then ours at 17.7 GB with PortableFusedAdam, TE's
 #                                        # bitwise twin (its slower step flatters a save's loss: not for the ratios)
@@ -54,10 +61,12 @@ case "${1:-}" in
     run 240 l22p 22 f-titan-ours-process,f-titan-ours-process-budget-all,c-ours-process,c-ours-process-budget-all ;;
   6) run 380 l88p 88 f-titan-ours-process,f-titan-ours-process-budget-all ;;
   7) run 300 l88q 88 c-ours-process,c-ours-process-budget-all ;;
+  9) BENCH_REPEATS=5 run 420 l22s 22 s-stager,s-stager-process,s-stager-process-finite,c-ours-process,f-titan-ours-process ;;
+  10) run 480 l88s 88 s-stager-process,s-stager-process-finite,c-ours-process ;;
   p)
     python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/site .gpu/wheels/*.whl \
       .gpu/deps/hydra_core-* .gpu/deps/omegaconf-* .gpu/deps/antlr4-* 2>&1 | tail -2
     timeout 220 python3 -m pytest -v -p no:cacheprovider tests/gpu > "$OUT/pytest_gpu.log" 2>&1; tail -n 8 "$OUT/pytest_gpu.log"
     run 300 p88 88 c-ours,f-titan-ours ;;
-  *) echo "usage: bash scripts/gpu_bench_loop.sh build|t|1|2|3|4|5|6|7|8|p" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_bench_loop.sh build|t|1|2|3|4|5|6|7|8|9|10|p" >&2; exit 2 ;;
 esac
