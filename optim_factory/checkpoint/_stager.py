@@ -254,11 +254,10 @@ class AsyncSaveStager(AsyncStager):
         """``with stager.exporting(): sd = get_state_dict(model, opt)``: the export of a save through this stager,
         the one block a checkpointer writes around it. A background export into pooled buffers (``defers``)
         returns unfilled, so that the next forward and backward overlap it; the staging's completion and the next
-        ``step()`` wait for it. A background export into
-        fresh memory returns unfilled too and is filled when the save is staged (in the save call); a failed
-        background export refuses the save on every rank. An export within the host budget holds placeholders,
-        filled as the save writes them. :meth:`async_save` exports a ``Stateful`` inside it itself (within the
-        budget, deferred)."""
+        ``step()`` wait for it. A background export into fresh memory returns unfilled too and is filled when the
+        save is staged (in the save call); a failed background export refuses the save on every rank. An export
+        within the host budget holds placeholders, filled as the save writes them. :meth:`async_save` exports a
+        ``Stateful`` inside it itself (within the budget, deferred)."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._filler.exporting())
             for opt, _ in self._exports.background:
