@@ -162,8 +162,10 @@ def resume_one_rank(rank: int, world: int, folder: str) -> None:
 def saves_through_one_stager(rank: int, world: int, folder: str, async_mode: str, in_process: bool = False) -> None:
     """Our CheckpointManager in an async mode saves 3 times through one AsyncSaveStager: the optimizer's pooled
     export buffers are the same tensors at every save (given back once written), a background export is deferred
-    only in ``async_with_pinned_mem`` (torchtitan waits for its staging before the step), where one that fails on
-    one rank refuses the save on every rank from ``maybe_wait_for_saving``, and ``close()`` closes the stager.
+    (the stager's ``async_save`` exports torchtitan's states inside its ``exporting()``; in ``async`` the save
+    call waits for the staging itself, in ``async_with_pinned_mem`` torchtitan waits for it before the step), one
+    that fails on one rank refuses the save on every rank from ``maybe_wait_for_saving``, and ``close()`` closes
+    the stager.
     ``in_process``: ``write_in_process=True``, each rank's writes in its writer process, the last save loaded back
     bitwise. (Resumes through these modes: tests/integrations/test_exact_resume.py.)"""
     mesh = init_device_mesh("cpu", (world,))
@@ -182,21 +184,20 @@ def saves_through_one_stager(rank: int, world: int, folder: str, async_mode: str
     checkpointer.maybe_wait_for_saving()
     assert checkpointer.stager is stager and (stager.writer_pid is not None) == in_process
     assert len(exports) == 3 and same_export_buffers(exports), exports
-    deferred = async_mode == "async_with_pinned_mem"
-    assert [pending for _, pending in exports] == [deferred] * 3
+    assert [pending for _, pending in exports] == [True] * 3
     saved = snapshot(model, optimizers) if in_process else None  # the state of save 3 (an export of its own)
-    if deferred:  # a deferred export that fails on rank 1: the save is refused on every rank, nothing written
-        state = next(iter(optimizers.optimizers[0].state.values()))["exp_avg"].to_local()
-        nbytes = state.untyped_storage().nbytes()
-        if rank == 1:
-            state.untyped_storage().resize_(0)  # the background export fails reading it (a real failure)
-        checkpointer.save(curr_step=4)
-        checkpointer.maybe_wait_for_staging()
-        refused = r"^not saved, nothing was written: the optimizer's background export failed: .* \(rank 1\)$"
-        with pytest.raises(SaveRefused, match=refused):
-            checkpointer.maybe_wait_for_saving()
-        state.untyped_storage().resize_(nbytes)
-        assert not Path(folder, "step-4", ".metadata").exists()
+    # a deferred export that fails on rank 1: the save is refused on every rank, nothing written
+    state = next(iter(optimizers.optimizers[0].state.values()))["exp_avg"].to_local()
+    nbytes = state.untyped_storage().nbytes()
+    if rank == 1:
+        state.untyped_storage().resize_(0)  # the background export fails reading it (a real failure)
+    checkpointer.save(curr_step=4)
+    checkpointer.maybe_wait_for_staging()
+    refused = r"^not saved, nothing was written: the optimizer's background export failed: .* \(rank 1\)$"
+    with pytest.raises(SaveRefused, match=refused):
+        checkpointer.maybe_wait_for_saving()
+    state.untyped_storage().resize_(nbytes)
+    assert not Path(folder, "step-4", ".metadata").exists()
     checkpointer.close()
     with pytest.raises(RuntimeError, match="^AsyncSaveStager: closed"):
         stager.stage({})
