@@ -113,6 +113,7 @@ class Saver:
         self._stager: AsyncSaveStager | None = None  # the saves' staging, kept from save to save
         # DCP's writer of every save of the stager's optimizer, with its options (writer_options): kept from save to
         # save, each save's directory its checkpoint_id (DCP's reset, which also clears the last save's checksums)
+        self._writer_options: dict[str, Any] = {}
         self._writer: ChecksumFileSystemWriter | None = None
         # the stager's optimizer's export, from its options (so every save of it, on every rank, the same): filled
         # after the export call returns (a background export), and then into pooled buffers (defers_export)
@@ -227,9 +228,13 @@ class Saver:
             )
             self._stager = AsyncSaveStager(optimizer, options, process_group=self.save_group)
             self._filled_later, self._pooled = self._stager.export_filled_later, defers_export(optimizer)
-            options = writer_options(optimizer, self.write_threads)  # the optimizer's, for every save
-            self._writer = ChecksumFileSystemWriter(self.root, key=self.key, **options)
+            self._writer_options = writer_options(optimizer, self.write_threads)  # the optimizer's, for every save
+            self._writer = self._new_writer()
         return self._stager
+
+    def _new_writer(self) -> ChecksumFileSystemWriter:
+        """DCP's writer of the next saves, with the stager's optimizer's options."""
+        return ChecksumFileSystemWriter(self.root, key=self.key, **self._writer_options)
 
     def _write(self, save: InFlight, state: dict) -> None:
         """The stager's save of ``state``: ``stager.save`` (sync, written when it returns) or ``stager.async_save``,
@@ -302,6 +307,9 @@ class Saver:
             return CheckpointError(
                 f"not saving step {save.step}: {reasons}; the newest good checkpoint is {self.verified or 'none'}"
             )
+        # a failed write's writer is let go: DCP joins its extra writer threads only after the calling thread's files
+        # are written, so a thread of this save may still record a checksum into it after the next save's reset
+        self._writer = self._new_writer()
         if interrupted(exc):
             return KeyboardInterrupt()
         what = f"async save of {save.path}" if self.cfg.async_save else f"saving {save.path}"

@@ -431,3 +431,66 @@ def test_the_marker_is_on_disk_whole_before_it_takes_its_name_and_the_directory_
     assert synced[0] == (MARKER + ".tmp", size, False)  # whole, under its temporary name
     assert synced[1][0] == tmp_path.name and synced[1][2]  # then the directory, holding the renamed marker
     assert read_manifest(tmp_path)["step"] == 3
+
+
+def test_a_write_that_failed_in_its_calling_thread_records_nothing_into_the_next_save(tmp_path, monkeypatch):
+    """DCP joins its extra writer threads only once the calling thread's files are written: after a write that
+    failed in the calling thread, another thread of it may still be writing, and records its file's checksum when
+    it closes it. Here that thread closes its file after the next save was written and before its manifest is
+    sealed: the manifest holds the next save's own checksums, each matching its file."""
+    import contextlib
+    import errno
+    import threading
+
+    from optim_factory import PortableFusedAdam
+    from recipes.checkpoint import CheckpointManager
+    from recipes.checkpoint.checksums import ChecksumFileSystem, file_problem
+    from recipes.config import CheckpointConfig
+
+    opened, release, recorded = threading.Event(), threading.Event(), threading.Event()
+    first = threading.Event()  # the first save's streams: its calling thread's fails, another's waits for release
+    first.set()
+    real = ChecksumFileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        if not first.is_set() or mode != "wb" or not str(path).endswith(".distcp"):
+            with real(self, path, mode) as stream:
+                yield stream
+            return
+        if threading.get_ident() == self.caller:  # the first save's calling thread fails once the other has opened
+            opened.wait(60)
+            raise OSError(errno.EIO, "the test's failed write")
+        with real(self, path, mode) as stream:
+            opened.set()
+            release.wait(60)
+            yield stream
+        recorded.set()  # closed and its checksum recorded
+
+    monkeypatch.setattr(ChecksumFileSystem, "create_stream", create_stream)
+
+    def on_phase(phase, step, path):  # the next save is written, its manifest not sealed yet
+        if (phase, step) == ("write", 2):
+            release.set()
+            assert recorded.wait(60)
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    opt = PortableFusedAdam(model.parameters(), lr=1e-2)
+
+    def step() -> None:
+        model(torch.ones(2, 64)).sum().backward()
+        opt.step()
+
+    cfg = CheckpointConfig(dir=str(tmp_path / "ck"), every_steps=1, keep_last=0, write_threads=2)
+    manager = CheckpointManager(cfg, rank=0, device=torch.device("cpu"), on_phase=on_phase)
+    step()
+    with pytest.raises(CheckpointError, match="the test's failed write"):
+        manager.saver.save(1, model, opt, {"step": 1})
+    first.clear()
+    step()  # the next save's files differ from the first's
+    manager.saver.save(2, model, opt, {"step": 2})
+    manager.saver.close()
+    manifest = read_manifest(tmp_path / "ck" / "step_00000002")
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
+    for name, record in manifest["files"].items():
+        assert file_problem(tmp_path / "ck" / "step_00000002", name, record) is None, name
