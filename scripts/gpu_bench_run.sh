@@ -8,7 +8,7 @@ rm -rf $S /tmp/o/$tag
 timeout ${BENCH_TIMEOUT:-340} torchrun --standalone --nproc_per_node=1 -m scripts.bench_save --out /tmp/o/$tag --scratch $S \
   --layers $layers --repeats ${BENCH_REPEATS:-3} --modes $modes > /tmp/o_$tag.log 2>&1
 echo "== $tag rc=$?"
-grep -E '^[a-h]-[a-z0-9-]+( [{]|: skipped)' /tmp/o_$tag.log > $OUT/$tag.modes
+grep -E '^[a-hs]-[a-z0-9-]+( [{]|: skipped)' /tmp/o_$tag.log > $OUT/$tag.modes
 cp /tmp/o/$tag/bench_save.md $OUT/$tag.md; cp /tmp/o/$tag/bench_save.jsonl $OUT/$tag.jsonl; tail -c 3000 /tmp/o_$tag.log > $OUT/$tag.log
-grep -E "^\| (a-|c-|f-|g-|h-)|^- \[" $OUT/$tag.md | cut -c1-100
+grep -E "^\| (a-|c-|f-|g-|h-|s-)|^- \[" $OUT/$tag.md | cut -c1-100
 rm -rf $S

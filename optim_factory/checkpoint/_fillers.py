@@ -35,7 +35,7 @@ from optim_factory.tree import host_storages, leaves
 
 __all__ = ["CopyAtStart", "FillAsWritten", "FillForWriterProcess", "filler_for"]
 
-Staging = tuple[Any, Callable[[], None], "Future | None"]  # (the staged dict, wait for its copies, its fills)
+Begun = tuple[Any, Callable[[], None], "Future | None"]  # (the staged dict, wait for its copies, its fills)
 ExportedBy = Callable[[torch.Tensor], "torch.optim.Optimizer | None"]  # the optimizer a pooled export buffer is of
 Asks = Callable[[FillAsk], Any]  # a writer process's asks answered (FillForWriterProcess.serve)
 
@@ -58,9 +58,7 @@ class CopyAtStart:
     def save_kwargs(self, dcp_kwargs: dict[str, Any]) -> dict[str, Any]:
         return dcp_kwargs
 
-    def begin(
-        self, state_dict: Any, keep: Callable[[torch.Tensor], bool], own_save: bool, here: bool = True
-    ) -> Staging:
+    def begin(self, state_dict: Any, keep: Callable[[torch.Tensor], bool], own_save: bool, here: bool = True) -> Begun:
         """``keep``: the tensors passed through (for a writer process, ``here`` false: those it reads where they
         are)."""
         self.save_bytes = None
@@ -111,9 +109,7 @@ class FillAsWritten:
     def save_kwargs(self, dcp_kwargs: dict[str, Any]) -> dict[str, Any]:
         return self._planner.async_save_kwargs(dcp_kwargs)  # its planner, and a writer in the order it fills
 
-    def begin(
-        self, state_dict: Any, keep: Callable[[torch.Tensor], bool], own_save: bool, here: bool = True
-    ) -> Staging:
+    def begin(self, state_dict: Any, keep: Callable[[torch.Tensor], bool], own_save: bool, here: bool = True) -> Begun:
         """``own_save``: the stager started the save (:meth:`save_kwargs` built or checked its writer)."""
         self.save_bytes = None
         return state_dict, lambda: None, self._planner.begin(state_dict, writer_checked=own_save)
@@ -156,9 +152,7 @@ class FillForWriterProcess(FillAsWritten):
     training process (only it has the live states). A waited save, written here, is filled as on a writer thread,
     into the same shared memory."""
 
-    def begin(
-        self, state_dict: Any, keep: Callable[[torch.Tensor], bool], own_save: bool, here: bool = True
-    ) -> Staging:
+    def begin(self, state_dict: Any, keep: Callable[[torch.Tensor], bool], own_save: bool, here: bool = True) -> Begun:
         staging = super().begin(state_dict, keep, own_save)
         return staging if here else (self._planner.for_writer_process(state_dict), *staging[1:])
 

@@ -39,10 +39,11 @@ gloo group of async saves) and closed when torchtitan closes the manager: the op
 model's CUDA tensors into pinned host copies kept from save to save in ``async_with_pinned_mem`` (fresh copies in
 ``async``), and a refused save (a failed or stuck export) raises from ``maybe_wait_for_saving`` in one line with
 nothing written.
-``async_with_pinned_mem`` keeps torchtitan's contract, staging beside training until ``maybe_wait_for_staging``
-(torchtitan's Trainer calls it before the optimizer step), so there a background export
-(``state_dict_offload_background``) is deferred: it fills beside the next forward and backward. ``async`` keeps
-torchtitan's too, staged when the save returns, so its export is filled before ``state_dict()`` returns.
+The stager's ``async_save`` exports the states with a background export (``state_dict_offload_background``)
+deferred, in both modes. ``async_with_pinned_mem`` keeps torchtitan's contract, staging beside training until
+``maybe_wait_for_staging`` (torchtitan's Trainer calls it before the optimizer step), so there the export fills
+beside the next forward and backward. ``async`` keeps torchtitan's too, staged when the save returns: the save
+waits for the export to fill before it returns.
 ``CheckpointManager.Config(write_in_process=True)`` writes the async saves in a writer process of each rank's own
 (``StagerOptions(write_in_process=True)``), as torchtitan's own ``async_with_pinned_mem`` writes in DCP's process
 executor. An optimizer with ``state_dict_offload_host_budget`` saves within it in every mode (a sync save through

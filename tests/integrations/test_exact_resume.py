@@ -102,8 +102,8 @@ CASES += [
     for i, pair in enumerate(FRAMEWORK_PAIRS)
 ]
 ASYNC_PATHS = ("torchtitan", "torchtitan, pinned", "automodel, async")
-# their async saves pass a background export into pooled buffers to DCP uncopied (deferred where the framework waits
-# for the staging before the step)
+# their async saves pass a background export into pooled buffers to DCP uncopied (deferred: the staging's
+# completion, which the framework or the save call waits for before the step, waits for it)
 ASYNC_EXPORT = {"state_dict_offload_background": True, "state_dict_offload_reuse_buffers": True}
 EXACT = {("fp32 master", "remainders"), ("remainders", "fp32 master")}  # the FP32 master carries on unchanged
 WORLDS = (1, 2, 1)  # world sizes of the first save, the resume (once: 1 -> 2) and the second resume (twice: 2 -> 1)
