@@ -228,9 +228,12 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         self.fs = ChecksumFileSystem(key, sync=self.sync_files)
 
     def reset(self, checkpoint_id=None) -> None:
+        """DCP's reset before each save with a ``checkpoint_id``: the save gets a file system of its own (its records,
+        its threads' failure). DCP joins its extra writer threads only once the calling thread's files are written,
+        so a thread of an earlier save whose calling thread failed may still be writing: it records into that save's
+        file system, never into this one."""
         super().reset(checkpoint_id)
-        with self.fs._lock:
-            self.fs.records.clear()
+        self.fs = ChecksumFileSystem(self.fs.key, sync=self.sync_files)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         """DCP's ``write_data``, whose failure in any of its writer threads raises here, in the calling thread (a

@@ -65,7 +65,6 @@ class InFlight:
 
     step: int
     path: Path
-    writer: ChecksumFileSystemWriter  # the saver's: this save's checksums are its until the next save resets it
     report: ExportReport
     export_t0: float  # when the save call started (its export first); a background export_s ends when filled
     deferred: bool  # an async save that returns before its export is filled (Saver.defers)
@@ -112,8 +111,8 @@ class Saver:
         self._pending: InFlight | None = None
         self._stager: AsyncSaveStager | None = None  # the saves' staging, kept from save to save
         # DCP's writer of every save of the stager's optimizer, with its options (writer_options): kept from save to
-        # save, each save's directory its checkpoint_id (DCP's reset, which also clears the last save's checksums)
-        self._writer_options: dict[str, Any] = {}
+        # save, each save's directory its checkpoint_id (DCP's reset, which also clears the last save's checksums,
+        # read by wait() before the next save starts)
         self._writer: ChecksumFileSystemWriter | None = None
         # the stager's optimizer's export, from its options (so every save of it, on every rank, the same): filled
         # after the export call returns (a background export), and then into pooled buffers (defers_export)
@@ -198,7 +197,7 @@ class Saver:
                 flatten=self.cfg.flatten_optimizer_state_dict,
                 deferred=pooled and self.defers,
             )
-            save = InFlight(step, path, self._writer, report, held_since, deferred=report.deferred)
+            save = InFlight(step, path, report, held_since, deferred=report.deferred)
             self._needed = self._needed_bytes(export_bytes + state_bytes(msd))
         except BaseException:
             self._stager.discard(osd)  # nothing staged it: its buffers back, its failure taken
@@ -228,19 +227,15 @@ class Saver:
             )
             self._stager = AsyncSaveStager(optimizer, options, process_group=self.save_group)
             self._filled_later, self._pooled = self._stager.export_filled_later, defers_export(optimizer)
-            self._writer_options = writer_options(optimizer, self.write_threads)  # the optimizer's, for every save
-            self._writer = self._new_writer()
+            options = writer_options(optimizer, self.write_threads)  # the optimizer's, for every save
+            self._writer = ChecksumFileSystemWriter(self.root, key=self.key, **options)
         return self._stager
-
-    def _new_writer(self) -> ChecksumFileSystemWriter:
-        """DCP's writer of the next saves, with the stager's optimizer's options."""
-        return ChecksumFileSystemWriter(self.root, key=self.key, **self._writer_options)
 
     def _write(self, save: InFlight, state: dict) -> None:
         """The stager's save of ``state``: ``stager.save`` (sync, written when it returns) or ``stager.async_save``,
         whose response ``save`` holds from here on. The stager gives the export's buffers back once written, or
         once it refused or failed the save."""
-        stager, where = self._stager, dict(checkpoint_id=str(save.path), storage_writer=save.writer)
+        stager, where = self._stager, dict(checkpoint_id=str(save.path), storage_writer=self._writer)
         try:
             if self.cfg.async_save:
                 save.response = stager.async_save(state, process_group=self.save_group, **where)
@@ -307,9 +302,6 @@ class Saver:
             return CheckpointError(
                 f"not saving step {save.step}: {reasons}; the newest good checkpoint is {self.verified or 'none'}"
             )
-        # a failed write's writer is let go: DCP joins its extra writer threads only after the calling thread's files
-        # are written, so a thread of this save may still record a checksum into it after the next save's reset
-        self._writer = self._new_writer()
         if interrupted(exc):
             return KeyboardInterrupt()
         what = f"async save of {save.path}" if self.cfg.async_save else f"saving {save.path}"
@@ -320,7 +312,7 @@ class Saver:
         report it. The loop is held by this checkpoint ``save.held_s`` seconds before ``waited_since`` and from
         then on. All ranks call it once the save finished."""
         step, path, report = save.step, save.path, save.report
-        parts = all_ranks(save.writer.checksums())  # merged on rank 0, which writes the manifest
+        parts = all_ranks(self._writer.checksums())  # merged on rank 0, which writes the manifest
         self.on_phase("marker", step, path)
         if self.rank == 0:
             files = recorded_files(path, parts)

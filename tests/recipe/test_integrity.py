@@ -4,11 +4,14 @@ deleting the newest verified checkpoint, the resolved config stored in each chec
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import math
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -438,10 +441,6 @@ def test_a_write_that_failed_in_its_calling_thread_records_nothing_into_the_next
     failed in the calling thread, another thread of it may still be writing, and records its file's checksum when
     it closes it. Here that thread closes its file after the next save was written and before its manifest is
     sealed: the manifest holds the next save's own checksums, each matching its file."""
-    import contextlib
-    import errno
-    import threading
-
     from optim_factory import PortableFusedAdam
     from recipes.checkpoint import CheckpointManager
     from recipes.checkpoint.checksums import ChecksumFileSystem, file_problem
